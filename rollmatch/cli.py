@@ -1,0 +1,103 @@
+"""The ``rollmatch`` command line: argument parsing only; each command lives in its component.
+
+Every command imports its implementation lazily so ``rollmatch --help`` and ``check-config`` stay
+fast. Errors of the :mod:`rollmatch.errors` hierarchy print one clear message and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Callable, Sequence
+
+from rollmatch.errors import RollmatchError
+
+# command name -> "module:function"; the function takes the parsed argparse.Namespace, returns an exit code.
+COMMANDS: dict[str, str] = {
+    "train": "rollmatch.training.entry:train_command",
+    "check-config": "rollmatch.config.load:check_config_command",
+    "make-tiny-model": "rollmatch.models.tiny:make_tiny_model_command",
+    "data": "rollmatch.data.commands:data_command",
+    "demo": "rollmatch.demo:demo_command",
+    "eval": "rollmatch.evaluation:eval_command",
+    "serve": "rollmatch.server.app:serve_command",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rollmatch", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("train", help="Train with a YAML config (run under torchrun for several ranks).")
+    p.add_argument("config", help="YAML config file")
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. training.max_steps=10")
+
+    p = sub.add_parser("check-config", help="Print the fully resolved config, or every problem in it.")
+    p.add_argument("config", help="YAML config file")
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+    p.add_argument("--json", action="store_true", help="print the resolved config as JSON")
+
+    p = sub.add_parser("make-tiny-model", help="Build a random-initialised tiny Qwen-VL model offline.")
+    p.add_argument("--family", choices=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"], default="qwen2_5_vl")
+    p.add_argument("--out", required=True, help="output model directory")
+    p.add_argument("--seed", type=int, default=0)
+
+    p = sub.add_parser("data", help="Datasets: synthetic shapes, converters to JSONL.")
+    data_sub = p.add_subparsers(dest="data_command", required=True)
+    d = data_sub.add_parser("shapes", help="Generate the synthetic coloured-shapes detection set.")
+    d.add_argument("--out", required=True)
+    d.add_argument("--train", type=int, default=256, help="number of training images")
+    d.add_argument("--val", type=int, default=32, help="number of validation images")
+    d.add_argument("--size", type=int, default=224, help="image side in pixels")
+    d.add_argument("--seed", type=int, default=0)
+    d = data_sub.add_parser("convert", help="Convert COCO json / Pascal VOC xml / YOLO txt to JSONL.")
+    d.add_argument("--format", choices=["coco", "voc", "yolo"], required=True)
+    d.add_argument("--src", required=True, help="annotation file (coco) or dataset folder (voc, yolo)")
+    d.add_argument("--images", help="image folder (coco: where file_name is relative to)")
+    d.add_argument("--names", help="yolo: data.yaml with class names")
+    d.add_argument("--out", required=True, help="output JSONL")
+    d = data_sub.add_parser("validate", help="Check a JSONL file; report every bad record.")
+    d.add_argument("file")
+
+    p = sub.add_parser("demo", help="Tiny end-to-end run on CPU: stage-1 SFT, then rollout-matching SFT.")
+    p.add_argument("--out", default="runs/demo")
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides of the demo config")
+
+    p = sub.add_parser("eval", help="Roll out over a dataset; precision/recall/F1@0.5 and COCO mAP.")
+    p.add_argument("--model", required=True)
+    p.add_argument("--data", required=True, help="JSONL records")
+    p.add_argument("--out", help="predictions JSONL (default: <model>/predictions.jsonl)")
+    p.add_argument("--config", help="YAML config for data/decoding settings")
+    p.add_argument("--backend", choices=["hf", "vllm"], default=None)
+    p.add_argument("--max-samples", type=int, default=None)
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+
+    p = sub.add_parser("serve", help="Run a rollout server (swift-compatible HTTP API + weight sync).")
+    p.add_argument("--model", required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--engine", choices=["vllm", "hf"], default="vllm")
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--data-parallel-size", type=int, default=1)
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--dtype", default="float32")
+    return parser
+
+
+def _resolve(target: str) -> Callable[[argparse.Namespace], int]:
+    module, func = target.split(":")
+    return getattr(importlib.import_module(module), func)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(_resolve(COMMANDS[args.command])(args) or 0)
+    except RollmatchError as exc:
+        print(f"rollmatch {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

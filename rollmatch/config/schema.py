@@ -1,0 +1,232 @@
+"""The one typed config schema: every key, its default and its doc string live here, once.
+
+Owns: the pydantic models (unknown keys rejected) and the cross-field rules that need only the
+config itself. Leaves out: reading YAML, ``extends:`` and overrides (``config.load``), legacy-key
+translation (``config.legacy``) and rules that need the runtime (world size, devices: checked where
+those are known, with the same :class:`~rollmatch.errors.ConfigProblem` shape).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class Section(BaseModel):
+    """Base of every config section: unknown keys are errors, assignments are validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+# --------------------------------------------------------------------------------------------- model
+class LoraConfig(Section):
+    enabled: bool = Field(False, description="Train LoRA/DoRA adapters instead of full weights.")
+    r: int = Field(8, gt=0, description="LoRA rank.")
+    alpha: int = Field(16, gt=0, description="LoRA alpha.")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="LoRA dropout.")
+    use_dora: bool = Field(False, description="Use DoRA (weight-decomposed LoRA).")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+        description="Module names (language model) that get adapters.",
+    )
+
+
+class ModelConfig(Section):
+    path: str = Field("runs/demo/model", description="Model directory (`from_pretrained`).")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Training dtype.")
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = Field(
+        "sdpa", description="Attention kernel; `flash_attention_2` needs a GPU."
+    )
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+
+
+# ---------------------------------------------------------------------------------------------- data
+class DataConfig(Section):
+    train_jsonl: str = Field("runs/demo/data/train.jsonl", description="Training records (JSONL, docs/data.md).")
+    val_jsonl: str | None = Field("runs/demo/data/val.jsonl", description="Validation records, or null.")
+    coord_frame: Literal["norm1000", "pixels"] = Field(
+        "norm1000",
+        description="Box coordinate frame: 0..1000 of the image (Qwen3-VL) or pixels of the resized image (Qwen2.5-VL).",
+    )
+    prompt: str = Field(
+        "Detect every object in the image. Answer with a JSON list of "
+        '{"bbox_2d": [x1, y1, x2, y2], "label": "..."}.',
+        description="User prompt placed after the image.",
+    )
+    max_samples: int | None = Field(None, gt=0, description="Use only the first N training records.")
+    min_pixels: int | None = Field(None, gt=0, description="Override the processor's min_pixels.")
+    max_pixels: int | None = Field(None, gt=0, description="Override the processor's max_pixels.")
+
+
+# ----------------------------------------------------------------------------------------------- loss
+class LossConfig(Section):
+    prefix_weight: float = Field(
+        0.0, ge=0.0, description="Weight of the rollout prefix's structure tokens (0: no loss on the prefix)."
+    )
+    desc_weight: float = Field(1.0, ge=0.0, description="Weight of label-value tokens in the appended tail.")
+
+
+class MatchingConfig(Section):
+    iou_threshold: float = Field(0.5, ge=0.0, le=1.0, description="Pairs below this IoU cannot match.")
+    label_mode: Literal["ignore", "require"] = Field(
+        "ignore", description="`require`: a label mismatch is no match; `ignore`: geometry only."
+    )
+    fp_cost: float = Field(1.0, ge=0.0, description="Cost of leaving a prediction unmatched (dummy column).")
+    fn_cost: float = Field(1.0, ge=0.0, description="Cost of leaving a GT object unmatched (dummy row).")
+
+
+# ------------------------------------------------------------------------------------ rollout_matching
+class DecodingConfig(Section):
+    temperature: float = Field(0.0, ge=0.0, description="0 = greedy.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, description="-1 = disabled.")
+    repetition_penalty: float = Field(1.0, gt=0.0)
+
+
+class ServerEndpoint(Section):
+    base_url: str = Field(..., description="Rollout server URL, e.g. http://127.0.0.1:8000")
+    group_port: int = Field(..., gt=0, lt=65536, description="TCPStore port of the weight-sync group.")
+
+
+class ServerConfig(Section):
+    servers: list[ServerEndpoint] | None = Field(None, description="Preferred form: one entry per server.")
+    base_url: str | list[str] | None = Field(None, description="Legacy form (use `servers`).")
+    group_port: int | list[int] | None = Field(
+        None, description="Legacy form: int -> group_port + i for server i, or one per base_url."
+    )
+    timeout_s: float = Field(240.0, description="Reachability (/health/ polling) and communicator init timeout.")
+    infer_timeout_s: float | None = Field(None, description="HTTP timeout of /infer/; null or <= 0: none.")
+
+
+class SyncConfig(Section):
+    mode: Literal["full", "adapter", "auto"] = Field(
+        "full", description="full: merged weights; adapter: LoRA only (needs enable_lora); auto: adapter iff enable_lora."
+    )
+    fallback_to_full: bool = Field(True, description="On adapter-sync failure: warn once and use full sync.")
+
+
+class VllmConfig(Section):
+    mode: Literal["colocate", "server"] = Field("colocate", description="In-process engine or HTTP rollout servers.")
+    gpu_memory_utilization: float = Field(0.45, description="Fraction of device memory for vLLM, in (0, 1].")
+    tensor_parallel_size: int = Field(4, gt=0, description="vLLM tensor parallel size (CPU: 1).")
+    enable_lora: bool = Field(False, description="Serve LoRA adapters (needed by sync.mode adapter).")
+    max_model_len: int | None = Field(None, gt=0, description="Engine context length; >= training.global_max_length.")
+    enable_prefix_caching: bool = Field(True)
+    enforce_eager: bool = Field(False, description="Disable CUDA graphs / compilation.")
+    kv_cache_space_gib: float = Field(1.0, gt=0.0, description="CPU only: KV cache size (VLLM_CPU_KVCACHE_SPACE).")
+    sleep_level: Literal[0, 1, 2] = Field(0, description="vLLM sleep mode between generations (0: off).")
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    sync: SyncConfig = Field(default_factory=SyncConfig)
+
+
+class OffloadConfig(Section):
+    enabled: bool = Field(False, description="Offload training state while a colocated engine generates.")
+    offload_model: bool = Field(False)
+    offload_optimizer: bool = Field(False)
+
+
+class RolloutMatchingConfig(Section):
+    rollout_backend: Literal["vllm", "hf"] = Field("vllm", description="Rollout engine.")
+    max_new_tokens: int = Field(512, gt=0, description="Rollout length limit (truncation is reported).")
+    decoding: DecodingConfig = Field(default_factory=DecodingConfig)
+    vllm: VllmConfig = Field(default_factory=VllmConfig)
+    offload: OffloadConfig = Field(default_factory=OffloadConfig)
+
+
+class ExtraConfig(Section):
+    rollout_matching: RolloutMatchingConfig = Field(default_factory=RolloutMatchingConfig)
+
+
+class CustomConfig(Section):
+    trainer_variant: Literal["rollout_matching_sft", "stage2_ab_training", "sft"] = "rollout_matching_sft"
+    object_format: Literal["qwen_json"] = Field("qwen_json", description="Serialization of the object list.")
+    extra: ExtraConfig = Field(default_factory=ExtraConfig)
+
+
+# ----------------------------------------------------------------------------------------- stage2_ab
+class ScheduleConfig(Section):
+    b_ratio: float | None = Field(None, ge=0.0, le=1.0, description="Fraction of optimizer steps on Channel-B.")
+
+
+class AsyncConfig(Section):
+    queue_limit: int = Field(8, gt=0)
+    prefetch_target_packs: int = Field(2, gt=0)
+    version_window: int = Field(2, ge=0)
+    sync_every_steps: int = Field(1, gt=0)
+
+
+class ChannelBConfig(Section):
+    mode: Literal["micro", "step", "async"] = "micro"
+    rollouts_per_step: int | None = Field(
+        None, gt=0, description="step mode: raw rollouts per optimizer step (default bs * world * GAS)."
+    )
+    rollout_decode_batch_size: int = Field(2, gt=0, description="Samples per rollout call.")
+    enable_pipeline: bool = Field(False, description="step mode: overlap rollouts and learning (server mode only).")
+    async_: AsyncConfig = Field(default_factory=AsyncConfig, alias="async")
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
+
+
+class Stage2ABConfig(Section):
+    schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
+    channel_b: ChannelBConfig = Field(default_factory=ChannelBConfig)
+
+
+# ------------------------------------------------------------------------------------------ training
+class TrainingConfig(Section):
+    output_dir: str = Field("runs/demo/train", description="Checkpoints, logs, TensorBoard.")
+    per_device_train_batch_size: int = Field(1, gt=0)
+    gradient_accumulation_steps: int = Field(1, gt=0)
+    effective_batch_size: int | None = Field(
+        None, gt=0, description="If set: gradient_accumulation_steps = ceil(eff / (bs * world))."
+    )
+    packing: bool = Field(False, description="Pack segments into padding-free rows after rollouts.")
+    global_max_length: int = Field(2048, gt=0, description="Max tokens of one sample; packing_length.")
+    carry_buffer_size: int = Field(64, gt=0, description="Packing: max segments waiting for a row (per rank).")
+    seed: int = 42
+    learning_rate: float = Field(1e-5, gt=0.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    warmup_ratio: float = Field(0.0, ge=0.0, le=1.0)
+    lr_scheduler_type: str = "constant"
+    max_grad_norm: float = Field(1.0, ge=0.0)
+    num_train_epochs: float = Field(1.0, gt=0.0)
+    max_steps: int = Field(-1, description="> 0 overrides num_train_epochs.")
+    logging_steps: int = Field(1, gt=0)
+    save_steps: int = Field(500, gt=0)
+    save_total_limit: int | None = Field(2, gt=0)
+    report_to: list[str] = Field(default_factory=lambda: ["tensorboard"])
+    gradient_checkpointing: bool = False
+    resume_from_checkpoint: str | None = Field(None, description="Checkpoint dir, or `latest`.")
+    deepspeed: str | None = Field(None, description="DeepSpeed JSON config path (HF Trainer integration).")
+    dataloader_num_workers: int = Field(0, ge=0)
+    collective_timeout_s: float = Field(600.0, gt=0.0, description="Timeout of every cross-rank wait.")
+
+    def gradient_accumulation(self, world_size: int) -> int:
+        """GAS in force: derived from ``effective_batch_size`` when set (a ceiling)."""
+        if self.effective_batch_size is None:
+            return self.gradient_accumulation_steps
+        return max(1, math.ceil(self.effective_batch_size / (self.per_device_train_batch_size * world_size)))
+
+
+class EvalConfig(Section):
+    max_new_tokens: int | None = Field(None, gt=0, description="Default: rollout_matching.max_new_tokens.")
+    batch_size: int = Field(8, gt=0)
+    max_samples: int | None = Field(None, gt=0)
+
+
+# -------------------------------------------------------------------------------------------- root
+class RollmatchConfig(Section):
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    loss: LossConfig = Field(default_factory=LossConfig)
+    matching: MatchingConfig = Field(default_factory=MatchingConfig)
+    custom: CustomConfig = Field(default_factory=CustomConfig)
+    stage2_ab: Stage2ABConfig = Field(default_factory=Stage2ABConfig)
+    training: TrainingConfig = Field(default_factory=TrainingConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+
+    @property
+    def rollout(self) -> RolloutMatchingConfig:
+        return self.custom.extra.rollout_matching

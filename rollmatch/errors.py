@@ -1,0 +1,67 @@
+"""The one exception hierarchy of rollmatch, split by who must act.
+
+- :class:`ConfigError`: the user's config is wrong; every problem is listed with key, value and fix.
+- :class:`DataError`: a record or dataset file is wrong; names file:line and the field.
+- :class:`BackendError`: a rollout backend / server / engine is dead or misbehaves (not retryable here).
+- :class:`RetryableError`: a transient fault the caller may retry (e.g. a dropped HTTP connection).
+- :class:`PromptAlignmentError`, :class:`PackingError`, :class:`SyncError`,
+  :class:`CollectiveTimeoutError`: contract violations of one subsystem, each naming what to change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+class RollmatchError(Exception):
+    """Base class of every error rollmatch raises on purpose."""
+
+
+@dataclass(frozen=True)
+class ConfigProblem:
+    """One problem in a config: the dotted key, the value received and how to fix it."""
+
+    key: str
+    value: Any
+    fix: str
+
+    def __str__(self) -> str:
+        return f"{self.key} = {self.value!r}: {self.fix}"
+
+
+class ConfigError(RollmatchError):
+    """The config is invalid; carries every problem found, not just the first."""
+
+    def __init__(self, problems: list[ConfigProblem]):
+        self.problems = list(problems)
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"invalid config ({len(self.problems)} problem(s)):\n{lines}")
+
+
+class DataError(RollmatchError):
+    """A bad record or dataset file (message names file:line, the field and what is wrong)."""
+
+
+class BackendError(RollmatchError):
+    """A rollout backend, engine or server is unusable; the message names it and suggests a fix."""
+
+
+class RetryableError(RollmatchError):
+    """A transient fault; retrying the same call may succeed."""
+
+
+class PromptAlignmentError(RollmatchError):
+    """A backend used different prompt token ids than the trainer encoded."""
+
+
+class PackingError(RollmatchError):
+    """A segment cannot be packed under the configured limits."""
+
+
+class SyncError(BackendError):
+    """A weight update failed; the receiver keeps serving its previous version."""
+
+
+class CollectiveTimeoutError(RollmatchError):
+    """A collective (barrier, broadcast, all-reduce) did not complete in time; names the phase."""

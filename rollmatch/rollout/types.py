@@ -1,0 +1,113 @@
+"""Rollout data types and the backend protocol shared by every rollout backend.
+
+Owns: :class:`Decoding`, :class:`RolloutRequest`, :class:`Rollout`, :class:`SyncReport` and the
+:class:`RolloutBackend` protocol. Leaves out: how prompts are encoded (``rollmatch.data.prompts``)
+and how a backend is picked from the config (``rollmatch.rollout.build``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
+    from PIL.Image import Image
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True)
+class Decoding:
+    """Decoding settings of one rollout call; greedy iff ``temperature == 0``."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+    repetition_penalty: float = 1.0
+    max_new_tokens: int = 512
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class RolloutRequest:
+    """One prompt to roll out, as the trainer encoded it.
+
+    ``prompt_token_ids`` are authoritative: a backend must use them (or prove it produced the
+    same ids) and return the ids it used. ``pixel_values``/``image_grid_thw``/``mm_token_type_ids``
+    are the processor outputs for the same images, for backends that run the HF model directly.
+    ``messages`` is the chat form of the prompt for engines that only accept messages.
+    """
+
+    sample_id: str
+    prompt_token_ids: list[int]
+    images: list[Image]
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    pixel_values: torch.Tensor | None = None
+    image_grid_thw: torch.Tensor | None = None
+    mm_token_type_ids: list[int] | None = None
+
+
+@dataclass(frozen=True)
+class RolloutProvenance:
+    """Where a rollout came from: backend name, server URL (if any), seed and decoding."""
+
+    backend: str
+    seed: int | None
+    decoding: Decoding
+    server: str | None = None
+
+
+@dataclass
+class Rollout:
+    """One decoded response. ``response_token_ids`` are stop-trimmed (no EOS / stop token)."""
+
+    sample_id: str
+    prompt_token_ids: list[int]
+    response_token_ids: list[int]
+    text: str
+    finish_reason: FinishReason
+    weight_version: int
+    provenance: RolloutProvenance
+
+    @property
+    def hit_max_tokens(self) -> bool:
+        return self.finish_reason == "length"
+
+
+@dataclass(frozen=True)
+class SyncReport:
+    """What one weight push did: bytes sent, seconds taken, the version now served."""
+
+    version: int
+    num_bytes: int
+    seconds: float
+    mode: Literal["full", "adapter", "none"]
+
+
+@runtime_checkable
+class RolloutBackend(Protocol):
+    """Every rollout backend (HF generate, in-process vLLM, HTTP rollout servers)."""
+
+    name: str
+
+    @property
+    def weight_version(self) -> int:
+        """The weight version the backend currently generates with."""
+        ...
+
+    def generate(self, requests: Sequence[RolloutRequest], decoding: Decoding, seed: int) -> list[Rollout]:
+        """Roll out every request (no grad); outputs are in request order."""
+        ...
+
+    def sync_weights(self, model: Any, version: int) -> SyncReport:
+        """Make the backend generate with ``model``'s current weights, tagged ``version``."""
+        ...
+
+    def close(self) -> None:
+        """Release engines, sockets and process groups; safe to call twice."""
+        ...

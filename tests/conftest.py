@@ -1,0 +1,1 @@
+"""Shared fixtures: tiny real models built offline once per session (see rollmatch.models.tiny)."""
