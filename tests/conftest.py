@@ -1,1 +1,84 @@
-"""Shared fixtures: tiny real models built offline once per session (see rollmatch.models.tiny)."""
+"""Shared fixtures: tiny real models built offline once per session (see rollmatch.models.tiny).
+
+- ``tiny_model_dir``: a tiny Qwen2.5-VL checkpoint directory (the default model of the tests).
+- ``tiny_model_dirs``: ``{family: dir}`` for qwen2_vl, qwen2_5_vl and qwen3_vl.
+- ``tiny_tokenizer``: the tokenizer loaded from ``tiny_model_dir``.
+- ``loaded_tiny``: ``(model, processor)`` of ``tiny_model_dir``; float32, sdpa, eval mode. Shared by
+  the session: a test that changes weights or modes must restore them (or load its own copy).
+- ``free_port``: a function returning a currently free TCP port on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import rollmatch  # noqa: F401  (applies the environment workarounds before transformers loads)
+
+DEFAULT_FAMILY = "qwen2_5_vl"
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")  # rollmatch.models.tiny.FAMILIES (a test checks)
+
+
+class _TinyModels:
+    """Builds each family on first use only, so a run that needs the default family builds just that."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.dirs: dict[str, Path] = {}
+
+    def get(self, family: str) -> Path:
+        if family not in self.dirs:
+            # Imported here so pure tests (detection, config) do not pay for torch + transformers.
+            from rollmatch.models.tiny import build_tiny_model
+
+            self.dirs[family] = build_tiny_model(family, self.root / family, seed=0)  # type: ignore[arg-type]
+        return self.dirs[family]
+
+
+@pytest.fixture(scope="session")
+def _tiny_models(tmp_path_factory: pytest.TempPathFactory) -> _TinyModels:
+    return _TinyModels(tmp_path_factory.mktemp("tiny_models"))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(_tiny_models: _TinyModels) -> Path:
+    return _tiny_models.get(DEFAULT_FAMILY)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(_tiny_models: _TinyModels) -> dict[str, Path]:
+    return {family: _tiny_models.get(family) for family in FAMILIES}
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_model_dir: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
+def loaded_tiny(tiny_model_dir: Path) -> tuple[Any, Any]:
+    import torch
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    model = AutoModelForImageTextToText.from_pretrained(
+        tiny_model_dir, dtype=torch.float32, attn_implementation="sdpa"
+    )
+    return model.eval(), AutoProcessor.from_pretrained(tiny_model_dir)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture
+def free_port() -> Callable[[], int]:
+    """Call it for each port needed: ``port = free_port()``."""
+    return _free_port

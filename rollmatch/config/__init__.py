@@ -1,1 +1,29 @@
-"""config."""
+"""The run configuration: typed schema, YAML loading (``extends:``, overrides) and fail-fast rules.
+
+``load_config(path, overrides)`` is the one way a run reads its config; it raises one
+:class:`~rollmatch.errors.ConfigError` listing every problem. The trainer adds
+``check_runtime(cfg, world_size=..., device_count=..., device_type=...)`` once the launch is known.
+"""
+
+from rollmatch.config.load import config_to_json, config_to_yaml, load_config, load_config_dict
+from rollmatch.config.rules import (
+    check_config,
+    check_runtime,
+    resolve_servers,
+    resolve_sync_mode,
+    validate_runtime,
+)
+from rollmatch.config.schema import RollmatchConfig
+
+__all__ = [
+    "RollmatchConfig",
+    "check_config",
+    "check_runtime",
+    "config_to_json",
+    "config_to_yaml",
+    "load_config",
+    "load_config_dict",
+    "resolve_servers",
+    "resolve_sync_mode",
+    "validate_runtime",
+]

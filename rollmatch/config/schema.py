@@ -22,6 +22,8 @@ class Section(BaseModel):
 
 # --------------------------------------------------------------------------------------------- model
 class LoraConfig(Section):
+    """LoRA / DoRA adapters on the language model (trained instead of the full weights when enabled)."""
+
     enabled: bool = Field(False, description="Train LoRA/DoRA adapters instead of full weights.")
     r: int = Field(8, gt=0, description="LoRA rank.")
     alpha: int = Field(16, gt=0, description="LoRA alpha.")
@@ -34,6 +36,8 @@ class LoraConfig(Section):
 
 
 class ModelConfig(Section):
+    """The model to train: a Qwen2-VL / Qwen2.5-VL / Qwen3-VL directory."""
+
     path: str = Field("runs/demo/model", description="Model directory (`from_pretrained`).")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Training dtype.")
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = Field(
@@ -44,7 +48,11 @@ class ModelConfig(Section):
 
 # ---------------------------------------------------------------------------------------------- data
 class DataConfig(Section):
-    train_jsonl: str = Field("runs/demo/data/train.jsonl", description="Training records (JSONL, docs/data.md).")
+    """Training / validation records and how prompts and boxes are encoded."""
+
+    train_jsonl: str = Field(
+        "runs/demo/data/train.jsonl", description="Training records (JSONL, docs/data.md)."
+    )
     val_jsonl: str | None = Field("runs/demo/data/val.jsonl", description="Validation records, or null.")
     coord_frame: Literal["norm1000", "pixels"] = Field(
         "norm1000",
@@ -62,6 +70,8 @@ class DataConfig(Section):
 
 # ----------------------------------------------------------------------------------------------- loss
 class LossConfig(Section):
+    """Per-token loss weights of the training target (prompt tokens always weigh 0)."""
+
     prefix_weight: float = Field(
         0.0, ge=0.0, description="Weight of the rollout prefix's structure tokens (0: no loss on the prefix)."
     )
@@ -69,6 +79,8 @@ class LossConfig(Section):
 
 
 class MatchingConfig(Section):
+    """Hungarian matching of parsed predictions to ground truth."""
+
     iou_threshold: float = Field(0.5, ge=0.0, le=1.0, description="Pairs below this IoU cannot match.")
     label_mode: Literal["ignore", "require"] = Field(
         "ignore", description="`require`: a label mismatch is no match; `ignore`: geometry only."
@@ -79,55 +91,80 @@ class MatchingConfig(Section):
 
 # ------------------------------------------------------------------------------------ rollout_matching
 class DecodingConfig(Section):
+    """Rollout decoding; greedy iff temperature == 0."""
+
     temperature: float = Field(0.0, ge=0.0, description="0 = greedy.")
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass in (0, 1]; 1 = disabled.")
     top_k: int = Field(-1, description="-1 = disabled.")
-    repetition_penalty: float = Field(1.0, gt=0.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, description="> 1 penalises repeated tokens; 1 = off.")
 
 
 class ServerEndpoint(Section):
+    """One rollout server: its HTTP URL and the port of its weight-sync group."""
+
     base_url: str = Field(..., description="Rollout server URL, e.g. http://127.0.0.1:8000")
     group_port: int = Field(..., gt=0, lt=65536, description="TCPStore port of the weight-sync group.")
 
 
 class ServerConfig(Section):
+    """Rollout servers (`vllm.mode: server`): set exactly one form, `servers` or legacy `base_url` + `group_port`."""
+
     servers: list[ServerEndpoint] | None = Field(None, description="Preferred form: one entry per server.")
     base_url: str | list[str] | None = Field(None, description="Legacy form (use `servers`).")
     group_port: int | list[int] | None = Field(
         None, description="Legacy form: int -> group_port + i for server i, or one per base_url."
     )
-    timeout_s: float = Field(240.0, description="Reachability (/health/ polling) and communicator init timeout.")
+    timeout_s: float = Field(
+        240.0, description="Reachability (/health/ polling) and communicator init timeout."
+    )
     infer_timeout_s: float | None = Field(None, description="HTTP timeout of /infer/; null or <= 0: none.")
 
 
 class SyncConfig(Section):
+    """How trained weights reach the rollout engine after each optimizer step."""
+
     mode: Literal["full", "adapter", "auto"] = Field(
-        "full", description="full: merged weights; adapter: LoRA only (needs enable_lora); auto: adapter iff enable_lora."
+        "full",
+        description="full: merged weights; adapter: LoRA only (needs enable_lora); auto: adapter iff enable_lora.",
     )
     fallback_to_full: bool = Field(True, description="On adapter-sync failure: warn once and use full sync.")
 
 
 class VllmConfig(Section):
-    mode: Literal["colocate", "server"] = Field("colocate", description="In-process engine or HTTP rollout servers.")
+    """The vLLM rollout engine: in-process (`colocate`) or behind HTTP rollout servers (`server`)."""
+
+    mode: Literal["colocate", "server"] = Field(
+        "colocate", description="In-process engine or HTTP rollout servers."
+    )
     gpu_memory_utilization: float = Field(0.45, description="Fraction of device memory for vLLM, in (0, 1].")
     tensor_parallel_size: int = Field(4, gt=0, description="vLLM tensor parallel size (CPU: 1).")
     enable_lora: bool = Field(False, description="Serve LoRA adapters (needed by sync.mode adapter).")
-    max_model_len: int | None = Field(None, gt=0, description="Engine context length; >= training.global_max_length.")
-    enable_prefix_caching: bool = Field(True)
+    max_model_len: int | None = Field(
+        None, gt=0, description="Engine context length; >= training.global_max_length."
+    )
+    enable_prefix_caching: bool = Field(
+        True, description="Reuse KV cache across requests sharing a prompt prefix."
+    )
     enforce_eager: bool = Field(False, description="Disable CUDA graphs / compilation.")
-    kv_cache_space_gib: float = Field(1.0, gt=0.0, description="CPU only: KV cache size (VLLM_CPU_KVCACHE_SPACE).")
+    kv_cache_space_gib: float = Field(
+        1.0, gt=0.0, description="CPU only: KV cache size (VLLM_CPU_KVCACHE_SPACE)."
+    )
     sleep_level: Literal[0, 1, 2] = Field(0, description="vLLM sleep mode between generations (0: off).")
     server: ServerConfig = Field(default_factory=ServerConfig)
     sync: SyncConfig = Field(default_factory=SyncConfig)
 
 
 class OffloadConfig(Section):
+    """Moving training state off the device while a colocated engine generates."""
+
     enabled: bool = Field(False, description="Offload training state while a colocated engine generates.")
-    offload_model: bool = Field(False)
-    offload_optimizer: bool = Field(False)
+    offload_model: bool = Field(False, description="Offload model weights (needs enabled).")
+    offload_optimizer: bool = Field(False, description="Offload optimizer state (needs enabled).")
 
 
 class RolloutMatchingConfig(Section):
+    """Rollouts for rollout-matching SFT (Channel-B): backend, length, decoding, engine."""
+
     rollout_backend: Literal["vllm", "hf"] = Field("vllm", description="Rollout engine.")
     max_new_tokens: int = Field(512, gt=0, description="Rollout length limit (truncation is reported).")
     decoding: DecodingConfig = Field(default_factory=DecodingConfig)
@@ -136,71 +173,107 @@ class RolloutMatchingConfig(Section):
 
 
 class ExtraConfig(Section):
+    """Trainer-specific extensions."""
+
     rollout_matching: RolloutMatchingConfig = Field(default_factory=RolloutMatchingConfig)
 
 
 class CustomConfig(Section):
-    trainer_variant: Literal["rollout_matching_sft", "stage2_ab_training", "sft"] = "rollout_matching_sft"
+    """Which trainer runs and how objects are serialized."""
+
+    trainer_variant: Literal["rollout_matching_sft", "stage2_ab_training", "sft"] = Field(
+        "rollout_matching_sft",
+        description="rollout_matching_sft: every step on rollouts; stage2_ab_training: A/B schedule; sft: GT teacher forcing only.",
+    )
     object_format: Literal["qwen_json"] = Field("qwen_json", description="Serialization of the object list.")
     extra: ExtraConfig = Field(default_factory=ExtraConfig)
 
 
 # ----------------------------------------------------------------------------------------- stage2_ab
 class ScheduleConfig(Section):
-    b_ratio: float | None = Field(None, ge=0.0, le=1.0, description="Fraction of optimizer steps on Channel-B.")
+    """Deterministic A/B schedule: step s is Channel-B iff floor((s+1)*b_ratio) > floor(s*b_ratio)."""
+
+    b_ratio: float | None = Field(
+        None, ge=0.0, le=1.0, description="Fraction of optimizer steps on Channel-B."
+    )
 
 
 class AsyncConfig(Section):
-    queue_limit: int = Field(8, gt=0)
-    prefetch_target_packs: int = Field(2, gt=0)
-    version_window: int = Field(2, ge=0)
-    sync_every_steps: int = Field(1, gt=0)
+    """Async actor-learner (`channel_b.mode: async`): ready-pack queue per learner rank."""
+
+    queue_limit: int = Field(
+        8, gt=0, description="Max ready packs queued per rank; the oldest is dropped beyond it."
+    )
+    prefetch_target_packs: int = Field(2, gt=0, description="Eligible packs the actor keeps ready.")
+    version_window: int = Field(
+        2, ge=0, description="A pack is eligible iff its weight version >= current - version_window."
+    )
+    sync_every_steps: int = Field(1, gt=0, description="Push weights to the servers every N optimizer steps.")
 
 
 class ChannelBConfig(Section):
-    mode: Literal["micro", "step", "async"] = "micro"
+    """Channel-B (rollout-matching) steps of stage2_ab_training."""
+
+    mode: Literal["micro", "step", "async"] = Field(
+        "micro",
+        description="micro: rollouts per micro-batch; step: rollouts_per_step per optimizer step (one process); async: actor-learner queues (server mode).",
+    )
     rollouts_per_step: int | None = Field(
         None, gt=0, description="step mode: raw rollouts per optimizer step (default bs * world * GAS)."
     )
     rollout_decode_batch_size: int = Field(2, gt=0, description="Samples per rollout call.")
-    enable_pipeline: bool = Field(False, description="step mode: overlap rollouts and learning (server mode only).")
+    enable_pipeline: bool = Field(
+        False, description="step mode: overlap rollouts and learning (server mode only)."
+    )
     async_: AsyncConfig = Field(default_factory=AsyncConfig, alias="async")
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
 
 
 class Stage2ABConfig(Section):
+    """stage2_ab_training: per optimizer step, Channel-A (GT teacher forcing) or Channel-B (rollout matching)."""
+
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
     channel_b: ChannelBConfig = Field(default_factory=ChannelBConfig)
 
 
 # ------------------------------------------------------------------------------------------ training
 class TrainingConfig(Section):
+    """Optimisation and batching; maps onto HF TrainingArguments."""
+
     output_dir: str = Field("runs/demo/train", description="Checkpoints, logs, TensorBoard.")
-    per_device_train_batch_size: int = Field(1, gt=0)
-    gradient_accumulation_steps: int = Field(1, gt=0)
+    per_device_train_batch_size: int = Field(1, gt=0, description="Samples per device per micro-step.")
+    gradient_accumulation_steps: int = Field(
+        1, gt=0, description="Micro-steps per optimizer step (ignored if effective_batch_size is set)."
+    )
     effective_batch_size: int | None = Field(
         None, gt=0, description="If set: gradient_accumulation_steps = ceil(eff / (bs * world))."
     )
     packing: bool = Field(False, description="Pack segments into padding-free rows after rollouts.")
     global_max_length: int = Field(2048, gt=0, description="Max tokens of one sample; packing_length.")
-    carry_buffer_size: int = Field(64, gt=0, description="Packing: max segments waiting for a row (per rank).")
-    seed: int = 42
-    learning_rate: float = Field(1e-5, gt=0.0)
-    weight_decay: float = Field(0.0, ge=0.0)
-    warmup_ratio: float = Field(0.0, ge=0.0, le=1.0)
-    lr_scheduler_type: str = "constant"
-    max_grad_norm: float = Field(1.0, ge=0.0)
-    num_train_epochs: float = Field(1.0, gt=0.0)
+    carry_buffer_size: int = Field(
+        64, gt=0, description="Packing: max segments waiting for a row (per rank)."
+    )
+    seed: int = Field(42, description="Seed of initialisation, data order and rollout sampling.")
+    learning_rate: float = Field(1e-5, gt=0.0, description="Peak learning rate (AdamW).")
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
+    warmup_ratio: float = Field(0.0, ge=0.0, le=1.0, description="Fraction of steps with linear LR warmup.")
+    lr_scheduler_type: str = Field("constant", description="HF scheduler name: constant, linear, cosine, ...")
+    max_grad_norm: float = Field(1.0, ge=0.0, description="Gradient clipping norm (0: off).")
+    num_train_epochs: float = Field(1.0, gt=0.0, description="Epochs over train_jsonl (when max_steps <= 0).")
     max_steps: int = Field(-1, description="> 0 overrides num_train_epochs.")
-    logging_steps: int = Field(1, gt=0)
-    save_steps: int = Field(500, gt=0)
-    save_total_limit: int | None = Field(2, gt=0)
-    report_to: list[str] = Field(default_factory=lambda: ["tensorboard"])
-    gradient_checkpointing: bool = False
+    logging_steps: int = Field(1, gt=0, description="Log metrics every N optimizer steps.")
+    save_steps: int = Field(500, gt=0, description="Checkpoint every N optimizer steps.")
+    save_total_limit: int | None = Field(2, gt=0, description="Keep at most N checkpoints (null: all).")
+    report_to: list[str] = Field(
+        default_factory=lambda: ["tensorboard"], description="HF logging integrations; [] for none."
+    )
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute activations in backward to save memory."
+    )
     resume_from_checkpoint: str | None = Field(None, description="Checkpoint dir, or `latest`.")
     deepspeed: str | None = Field(None, description="DeepSpeed JSON config path (HF Trainer integration).")
-    dataloader_num_workers: int = Field(0, ge=0)
+    dataloader_num_workers: int = Field(0, ge=0, description="DataLoader worker processes (0: main process).")
     collective_timeout_s: float = Field(600.0, gt=0.0, description="Timeout of every cross-rank wait.")
 
     def gradient_accumulation(self, world_size: int) -> int:
@@ -211,13 +284,17 @@ class TrainingConfig(Section):
 
 
 class EvalConfig(Section):
+    """Evaluation rollouts (`rollmatch eval` and end-of-training evaluation)."""
+
     max_new_tokens: int | None = Field(None, gt=0, description="Default: rollout_matching.max_new_tokens.")
-    batch_size: int = Field(8, gt=0)
-    max_samples: int | None = Field(None, gt=0)
+    batch_size: int = Field(8, gt=0, description="Samples per rollout call during evaluation.")
+    max_samples: int | None = Field(None, gt=0, description="Evaluate only the first N records (null: all).")
 
 
 # -------------------------------------------------------------------------------------------- root
 class RollmatchConfig(Section):
+    """Top-level sections of a run config."""
+
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     loss: LossConfig = Field(default_factory=LossConfig)

@@ -5,6 +5,8 @@ CUDA-linked torchvision wheels: its C ops fail to load and ``import torchvision`
 fake-kernel registrations (``operator torchvision::nms does not exist``). transformers, peft and
 vLLM's Qwen-VL code import torchvision's pure-python transforms, so we let the package load without
 its op registrations; ``torchvision.ops``/``io`` stay unusable (nothing here calls them).
+Where torchvision is not installed at all, transformers cannot build the Qwen-VL video processor and
+its processors refuse to load without one: we drop that slot (rollmatch feeds images only).
 Leaves out: vLLM engine settings (``rollmatch.rollout.vllm_engine``).
 """
 
@@ -28,7 +30,23 @@ def torchvision_status() -> str:
 
 def apply_workarounds() -> None:
     """Apply every workaround this environment needs (idempotent, cheap after the first call)."""
-    torchvision_status()
+    if torchvision_status() == "absent" and "video_slot" not in _state:
+        _drop_video_processor_slot()
+        _state["video_slot"] = "dropped"
+
+
+def _drop_video_processor_slot() -> None:
+    # ProcessorMixin derives its sub-processor slots from the __init__ signature and then requires
+    # every slot to be filled; video processors need torchvision. Without the slot, a Qwen-VL
+    # processor loads and processes text + images exactly as before.
+    from transformers import processing_utils
+
+    original = processing_utils.ProcessorMixin.get_attributes.__func__
+
+    def get_attributes(cls: type) -> list[str]:
+        return [name for name in original(cls) if name != "video_processor"]
+
+    processing_utils.ProcessorMixin.get_attributes = classmethod(get_attributes)
 
 
 def _probe_and_patch() -> str:

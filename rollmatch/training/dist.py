@@ -127,7 +127,9 @@ class TorchCollectives:
         padded = torch.zeros(max_size, dtype=torch.uint8)
         padded[: payload.numel()] = payload
         chunks = self._all_gather_tensor(padded, phase)
-        return [pickle.loads(c[: int(s.item())].numpy().tobytes()) for c, s in zip(chunks, sizes, strict=True)]
+        return [
+            pickle.loads(c[: int(s.item())].numpy().tobytes()) for c, s in zip(chunks, sizes, strict=True)
+        ]
 
     def _all_gather_tensor(self, tensor: torch.Tensor, phase: str) -> list[torch.Tensor]:
         out = [torch.empty_like(tensor) for _ in range(self.world_size)]

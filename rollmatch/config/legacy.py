@@ -1,0 +1,104 @@
+"""Older spellings of config keys: accepted with a warning, or rejected naming the new key.
+
+Owns: the table of moved / removed keys and :func:`translate_legacy`, which runs on one raw YAML
+layer (a file, a dict or the overrides) before layers are merged, so a base file written in the new
+spelling and a child in the old one still combine. Leaves out: unknown keys in general (pydantic
+``extra=forbid``, turned into problems by :mod:`rollmatch.config.load`) and cross-field rules
+(:mod:`rollmatch.config.rules`).
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+from rollmatch.errors import ConfigProblem
+
+_ROLLOUT = "custom.extra.rollout_matching"
+
+# Old dotted key -> why it is gone and what to set instead. Each hit is a problem (never a silent
+# translation): these keys changed meaning or location, and a run must not start on a guess.
+REJECTED_KEYS: dict[str, str] = {
+    f"{_ROLLOUT}.temperature": f"moved to {_ROLLOUT}.decoding.temperature; set it there",
+    f"{_ROLLOUT}.top_p": f"moved to {_ROLLOUT}.decoding.top_p; set it there",
+    f"{_ROLLOUT}.top_k": f"moved to {_ROLLOUT}.decoding.top_k; set it there",
+    f"{_ROLLOUT}.rollout_buffer": (
+        "removed: rollouts are never reused across optimizer steps; for buffered, version-tagged "
+        "rollouts use stage2_ab.channel_b.mode: async with stage2_ab.channel_b.async.queue_limit "
+        "(rollout server mode); delete this key"
+    ),
+    "stage2_ab.schedule.pattern": (
+        "removed: the A/B schedule is set by stage2_ab.schedule.b_ratio (fraction of optimizer steps "
+        "on Channel-B, float in [0, 1]); delete `pattern` and set b_ratio"
+    ),
+}
+
+# Old location of a whole section -> new location; accepted with a DeprecationWarning.
+ALIASED_SECTIONS: dict[str, str] = {"custom.extra.stage2_ab": "stage2_ab"}
+
+
+def translate_legacy(layer: Mapping[str, Any], source: str) -> tuple[dict[str, Any], list[ConfigProblem]]:
+    """Move aliased sections to their new place and pop rejected keys, reporting each one.
+
+    ``source`` names the layer (a file path, ``<dict>`` or ``<overrides>``) in warnings and
+    problems. Returns a translated deep copy; the input is not modified.
+    """
+    data: dict[str, Any] = copy.deepcopy(dict(layer))
+    problems: list[ConfigProblem] = []
+    for old, new in ALIASED_SECTIONS.items():
+        problems.extend(_move_section(data, old, new, source))
+    for key, fix in REJECTED_KEYS.items():
+        found, value = _pop_path(data, key.split("."))
+        if found:
+            problems.append(ConfigProblem(key, value, f"{fix} (in {source})"))
+    return data, problems
+
+
+def _move_section(data: dict[str, Any], old: str, new: str, source: str) -> list[ConfigProblem]:
+    found, value = _pop_path(data, old.split("."))
+    if not found:
+        return []
+    new_parts = new.split(".")
+    if _has_path(data, new_parts):
+        return [
+            ConfigProblem(
+                old,
+                value,
+                f"both `{old}` (deprecated spelling) and `{new}` are set in {source}; "
+                f"keep only `{new}` and move these settings into it",
+            )
+        ]
+    warnings.warn(
+        f"{source}: `{old}` is deprecated; move that section to top-level `{new}`",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    parent = data
+    for part in new_parts[:-1]:
+        parent = parent.setdefault(part, {})
+    parent[new_parts[-1]] = value
+    return []
+
+
+def _pop_path(data: dict[str, Any], parts: list[str]) -> tuple[bool, Any]:
+    """Remove ``parts`` from nested mappings; ``(found, value)``. Non-mapping parents: not found."""
+    node: Any = data
+    for part in parts[:-1]:
+        if not isinstance(node, dict) or part not in node:
+            return False, None
+        node = node[part]
+    if not isinstance(node, dict) or parts[-1] not in node:
+        return False, None
+    value = node.pop(parts[-1])
+    return True, value
+
+
+def _has_path(data: dict[str, Any], parts: list[str]) -> bool:
+    node: Any = data
+    for part in parts:
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return True

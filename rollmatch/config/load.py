@@ -1,0 +1,417 @@
+"""Reading a config: YAML files chained by ``extends:``, dotted overrides, one error listing every problem.
+
+Owns: :func:`load_config` / :func:`load_config_dict` (layers -> legacy translation -> deep merge ->
+pydantic -> static rules), the pydantic-error-to-:class:`~rollmatch.errors.ConfigProblem` conversion
+(with "did you mean" for unknown keys) and the ``rollmatch check-config`` command. Leaves out: the
+keys and defaults (``config.schema``), moved / removed keys (``config.legacy``) and cross-field
+rules (``config.rules``).
+
+Merge semantics: ``extends: base.yaml`` (or a list, merged in order) is resolved relative to the
+extending file; mappings merge key by key, everything else (lists included) is replaced by the later
+layer. Overrides ``a.b.c=VALUE`` form the last layer; VALUE is parsed as YAML (``10``, ``[]``,
+``[http://a,http://b]``, ``null``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import difflib
+import json
+import re
+import sys
+import typing
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+from pydantic.fields import FieldInfo
+
+from rollmatch.config.legacy import translate_legacy
+from rollmatch.config.rules import check_config
+from rollmatch.config.schema import RollmatchConfig
+from rollmatch.errors import ConfigError, ConfigProblem
+
+_OVERRIDE_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+Layer = tuple[str, dict[str, Any]]  # (source name for messages, raw mapping)
+
+
+# ------------------------------------------------------------------------------------ public entry
+def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> RollmatchConfig:
+    """Load a YAML config (following ``extends:``), apply ``key=value`` overrides and validate.
+
+    ``path=None`` starts from the schema defaults. Raises one :class:`ConfigError` listing every
+    problem: unreadable files and ``extends`` cycles, bad overrides, legacy keys, pydantic field
+    errors and static rule violations.
+    """
+    layers = read_config_layers(Path(path)) if path is not None else []
+    return _load_layers(layers, overrides)
+
+
+def load_config_dict(
+    data: Mapping[str, Any], overrides: Sequence[str] = (), *, source: str = "<dict>"
+) -> RollmatchConfig:
+    """Validate an in-memory config mapping (``extends`` is not allowed here) plus overrides."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(
+            [ConfigProblem("config", data, "a config is a mapping of sections (model, data, ...)")]
+        )
+    if "extends" in data:
+        raise ConfigError(
+            [
+                ConfigProblem(
+                    "extends", data["extends"], "`extends` needs a file to resolve against; use load_config"
+                )
+            ]
+        )
+    return _load_layers([(source, copy.deepcopy(dict(data)))], overrides)
+
+
+def config_to_yaml(cfg: RollmatchConfig) -> str:
+    """The fully resolved config (every default filled in) as YAML that loads back to ``cfg``."""
+    return yaml.safe_dump(
+        _plain(cfg), sort_keys=False, default_flow_style=False, allow_unicode=True, width=100
+    )
+
+
+def config_to_json(cfg: RollmatchConfig) -> str:
+    """The fully resolved config as indented JSON."""
+    return json.dumps(_plain(cfg), indent=2)
+
+
+def check_config_command(args: argparse.Namespace) -> int:
+    """``rollmatch check-config FILE [overrides...] [--json]``: print the resolved config, or every problem.
+
+    Exit 0 with the config on stdout; exit 2 with every problem (key, value, fix) on stderr.
+    Deprecation warnings go to stderr in both cases.
+    """
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", DeprecationWarning)
+        try:
+            cfg = load_config(args.config, args.overrides)
+        except ConfigError as exc:
+            _print_warnings(caught)
+            print(f"{args.config}: invalid config ({len(exc.problems)} problem(s)):", file=sys.stderr)
+            for problem in exc.problems:
+                print(f"  - {problem.key} = {problem.value!r}\n      fix: {problem.fix}", file=sys.stderr)
+            return 2
+    _print_warnings(caught)
+    print(config_to_json(cfg) if getattr(args, "json", False) else config_to_yaml(cfg), end="")
+    return 0
+
+
+# ------------------------------------------------------------------------------------------- files
+def read_config_layers(path: Path, _chain: tuple[Path, ...] = ()) -> list[Layer]:
+    """The layers of ``path`` base-first: every ``extends`` ancestor, then the file itself."""
+    resolved = path.expanduser().resolve()
+    if resolved in _chain:
+        cycle = " -> ".join(str(p) for p in (*_chain, resolved))
+        raise ConfigError([ConfigProblem("extends", str(path), f"extends cycle: {cycle}; remove one link")])
+    if not resolved.is_file():
+        raise ConfigError([ConfigProblem("config file", str(path), f"file not found: {resolved}")])
+    data = _read_yaml_mapping(resolved)
+    layers: list[Layer] = []
+    for base in _extends_list(data.pop("extends", None), resolved):
+        base_path = resolved.parent / Path(base).expanduser()
+        if not base_path.is_file():
+            raise ConfigError(
+                [
+                    ConfigProblem(
+                        "extends", base, f"file not found: {base_path.resolve()} (extended by {resolved})"
+                    )
+                ]
+            )
+        layers.extend(read_config_layers(base_path, (*_chain, resolved)))
+    layers.append((str(resolved), data))
+    return layers
+
+
+def parse_overrides(overrides: Sequence[str]) -> tuple[dict[str, Any], list[ConfigProblem]]:
+    """``["a.b=1", "c=[x,y]"]`` -> ``{"a": {"b": 1}, "c": ["x", "y"]}``; later overrides win."""
+    layer: dict[str, Any] = {}
+    problems: list[ConfigProblem] = []
+    for text in overrides:
+        key, sep, raw = text.partition("=")
+        key = key.strip()
+        if not sep or not _OVERRIDE_KEY.match(key):
+            problems.append(
+                ConfigProblem(
+                    key or text, text, "an override is dotted.key=VALUE, e.g. training.max_steps=10"
+                )
+            )
+            continue
+        try:
+            value = yaml.safe_load(raw)
+        except yaml.YAMLError as exc:
+            problems.append(ConfigProblem(key, raw, f"override value is not valid YAML ({exc}); quote it"))
+            continue
+        node = layer
+        *parents, leaf = key.split(".")
+        for part in parents:
+            if not isinstance(node.get(part), dict):
+                node[part] = {}  # a later, deeper override replaces an earlier scalar
+            node = node[part]
+        node[leaf] = value
+    return layer, problems
+
+
+def deep_merge(base: Mapping[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
+    """``top`` over ``base``: mappings merge recursively; lists, scalars and null replace."""
+    merged = copy.deepcopy(dict(base))
+    for key, value in top.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            merged[key] = deep_merge(merged[key], value)
+        else:
+            merged[key] = copy.deepcopy(value)
+    return merged
+
+
+# ------------------------------------------------------------------------------------ private helpers
+def _load_layers(layers: list[Layer], overrides: Sequence[str]) -> RollmatchConfig:
+    override_layer, problems = parse_overrides(overrides)
+    merged: dict[str, Any] = {}
+    for source, layer in [*layers, ("<overrides>", override_layer)]:
+        translated, legacy_problems = translate_legacy(layer, source)
+        problems.extend(legacy_problems)
+        merged = deep_merge(merged, translated)
+
+    cfg, field_problems = _validate(merged)
+    problems.extend(field_problems)
+    if cfg is not None:
+        reported = {p.key for p in field_problems}
+        problems.extend(p for p in check_config(cfg) if p.key not in reported)
+    if problems:
+        raise ConfigError(_dedupe(_mark_override_origin(problems, overrides)))
+    assert cfg is not None
+    return cfg
+
+
+def _validate(merged: dict[str, Any]) -> tuple[RollmatchConfig | None, list[ConfigProblem]]:
+    """Validate; on field errors also validate without the bad keys, so rules still run on the rest."""
+    try:
+        return RollmatchConfig.model_validate(merged), []
+    except ValidationError as exc:
+        problems, bad_paths = _problems_from_validation(exc)
+    try:
+        return RollmatchConfig.model_validate(_strip_paths(merged, bad_paths)), problems
+    except ValidationError:
+        return None, problems
+
+
+@dataclass
+class _Location:
+    """Where a pydantic error points in the schema: dotted key, owning section, field, strip path."""
+
+    key: str
+    section: type[BaseModel]
+    field: FieldInfo | None  # None: the key is not in the schema
+    strip: tuple[str | int, ...]  # mapping path to delete so the rest of the config validates
+
+
+def _problems_from_validation(
+    exc: ValidationError,
+) -> tuple[list[ConfigProblem], list[tuple[str | int, ...]]]:
+    """One problem per dotted key (union members merged) and the paths to strip for a second pass."""
+    grouped: dict[str, tuple[_Location, Any, list[str]]] = {}
+    for error in exc.errors(include_url=False):
+        where = _locate(error["loc"], missing=error["type"] == "missing")
+        message = _error_message(error, where)
+        if where.key not in grouped:
+            value = None if error["type"] == "missing" else error["input"]
+            grouped[where.key] = (where, value, [])
+        if message not in grouped[where.key][2]:
+            grouped[where.key][2].append(message)
+    problems = [
+        ConfigProblem(key, value, "; or ".join(messages)) for key, (_, value, messages) in grouped.items()
+    ]
+    return problems, [where.strip for where, _, _ in grouped.values() if where.strip]
+
+
+def _locate(loc: tuple[str | int, ...], *, missing: bool) -> _Location:
+    """Walk ``loc`` through the schema. Union-member tags (``'list[str]'``) are skipped; list indices
+    become ``[i]``. The strip path stops at the first key that holds a non-section value, so deleting
+    it resets a whole list or scalar to its default instead of breaking a list item."""
+    from rollmatch.config import docs as schema_docs  # lazy: docs is also a `python -m` entry point
+
+    annotation: Any = RollmatchConfig
+    section: type[BaseModel] = RollmatchConfig
+    parts: list[str] = []
+    field: FieldInfo | None = None
+    named: list[tuple[str | int, ...]] = []
+    frozen = False
+    for i, elem in enumerate(loc):
+        model = schema_docs.section_class(annotation)
+        if model is not None:  # inside a section every loc element is a mapping key (YAML allows `1:`)
+            section, parts = model, [*parts, str(elem)]
+            field = schema_docs.section_fields(model).get(str(elem))
+            if not frozen:
+                named.append(tuple(loc[: i + 1]))
+            if field is None:
+                break
+            annotation = field.annotation
+            frozen = frozen or schema_docs.section_class(annotation) is None
+        elif isinstance(elem, int) and parts:
+            parts[-1] += f"[{elem}]"
+            annotation = _list_item(annotation)
+    if missing and not frozen:
+        named = named[:-1]  # a missing key cannot be deleted: reset its section instead
+    return _Location(".".join(parts), section, field, named[-1] if named else ())
+
+
+def _error_message(error: Mapping[str, Any], where: _Location) -> str:
+    from rollmatch.config import docs as schema_docs
+
+    if error["type"] == "extra_forbidden":
+        return f"unknown key; {_suggestion(where)}"
+    described = f" ({where.field.description})" if where.field is not None and where.field.description else ""
+    if error["type"] == "missing":
+        return f"required key is missing{described}"
+    expected = (
+        f"; expected {schema_docs.type_name(where.field.annotation)}" if where.field is not None else ""
+    )
+    return f"{error['msg']}{expected}{described}"
+
+
+def _suggestion(where: _Location) -> str:
+    from rollmatch.config import docs as schema_docs
+
+    parent, _, name = where.key.rpartition(".")
+    name = name.split("[")[0]
+    known = list(schema_docs.section_fields(where.section))
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    if close:
+        return f"did you mean {parent + '.' if parent else ''}{close[0]}?"
+    # The right key in the wrong section, e.g. a top-level `max_steps`.
+    elsewhere = [f.path for f in schema_docs.iter_schema_fields() if f.path.rpartition(".")[2] == name]
+    if elsewhere:
+        return f"did you mean {' or '.join(elsewhere)}?"
+    return f"valid keys here: {', '.join(known)}"
+
+
+def _list_item(annotation: Any) -> Any:
+    for candidate in (annotation, *typing.get_args(annotation)):
+        if typing.get_origin(candidate) is list:
+            return typing.get_args(candidate)[0]
+    return None
+
+
+def _strip_paths(data: dict[str, Any], paths: list[tuple[str | int, ...]]) -> dict[str, Any]:
+    stripped = copy.deepcopy(data)
+    for path in paths:
+        node: Any = stripped
+        for elem in path[:-1]:
+            if isinstance(node, dict):
+                node = node.get(elem)
+            elif isinstance(node, list) and isinstance(elem, int) and elem < len(node):
+                node = node[elem]
+            else:
+                node = None
+        if isinstance(node, dict):
+            node.pop(path[-1], None)
+    return stripped
+
+
+def _read_yaml_mapping(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_StrictLoader)
+    except yaml.YAMLError as exc:
+        raise ConfigError([ConfigProblem("config file", str(path), f"not valid YAML: {exc}")]) from exc
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            [
+                ConfigProblem(
+                    "config file",
+                    str(path),
+                    f"top level must be a mapping of sections, got {type(data).__name__}",
+                )
+            ]
+        )
+    return data
+
+
+def _extends_list(value: Any, path: Path) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return list(value)
+    raise ConfigError(
+        [
+            ConfigProblem(
+                "extends",
+                value,
+                f"in {path}: extends is a file path or a list of paths (relative to this file)",
+            )
+        ]
+    )
+
+
+def _mark_override_origin(problems: list[ConfigProblem], overrides: Sequence[str]) -> list[ConfigProblem]:
+    marked: list[ConfigProblem] = []
+    for problem in problems:
+        origin = next(
+            (text for text in overrides if _same_branch(problem.key, text.partition("=")[0].strip())), None
+        )
+        if origin is None or "<overrides>" in problem.fix:
+            marked.append(problem)
+        else:
+            marked.append(
+                ConfigProblem(problem.key, problem.value, f"{problem.fix} (set by override `{origin}`)")
+            )
+    return marked
+
+
+def _same_branch(problem_key: str, override_key: str) -> bool:
+    if not override_key:
+        return False
+    return any(
+        a == b or a.startswith(b + ".") or a.startswith(b + "[")
+        for a, b in ((problem_key, override_key), (override_key, problem_key))
+    )
+
+
+def _dedupe(problems: list[ConfigProblem]) -> list[ConfigProblem]:
+    seen: set[str] = set()
+    unique = []
+    for problem in problems:
+        if str(problem) not in seen:
+            seen.add(str(problem))
+            unique.append(problem)
+    return unique
+
+
+def _plain(cfg: RollmatchConfig) -> dict[str, Any]:
+    return cfg.model_dump(mode="json", by_alias=True)
+
+
+def _print_warnings(caught: list[warnings.WarningMessage]) -> None:
+    for warning in caught:
+        print(f"warning: {warning.message}", file=sys.stderr)
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that rejects duplicate keys (YAML silently keeps the last one)."""
+
+
+def _construct_unique_mapping(
+    loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False
+) -> dict[Any, Any]:
+    seen: set[Any] = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                "while reading a mapping", node.start_mark, f"duplicate key {key!r}", key_node.start_mark
+            )
+        seen.add(key)
+    return loader.construct_mapping(node, deep=deep)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_unique_mapping)

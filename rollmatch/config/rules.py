@@ -1,0 +1,361 @@
+"""Cross-field config rules: each returns :class:`~rollmatch.errors.ConfigProblem` s, never raises.
+
+Owns: the static rules that need only the config (:func:`check_config`, run by every loader), the
+runtime rules that need the world size and devices (:func:`check_runtime`, run by the trainer at
+start-up), the normalised rollout-server list (:func:`resolve_servers`) and the sync mode in force
+(:func:`resolve_sync_mode`). Leaves out: per-field types and ranges (pydantic, ``config.schema``)
+and moved / removed keys (``config.legacy``).
+
+Each rule function's docstring is its one-line description in docs/config.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Literal
+
+from rollmatch.config.schema import RollmatchConfig, ServerConfig, ServerEndpoint
+from rollmatch.errors import ConfigError, ConfigProblem
+
+_RM = "custom.extra.rollout_matching"
+_VLLM = f"{_RM}.vllm"
+_SERVER = f"{_VLLM}.server"
+_CHANNEL_B = "stage2_ab.channel_b"
+
+Rule = Callable[[RollmatchConfig], list[ConfigProblem]]
+
+
+# ------------------------------------------------------------------------------------ public entry
+def check_config(cfg: RollmatchConfig) -> list[ConfigProblem]:
+    """Every problem the static rules find (empty list: the config is consistent)."""
+    return [problem for rule in STATIC_RULES for problem in rule(cfg)]
+
+
+def check_runtime(
+    cfg: RollmatchConfig, *, world_size: int, device_count: int, device_type: str
+) -> list[ConfigProblem]:
+    """Problems that depend on the launch: world size, number and type (``cpu``/``cuda``) of devices."""
+    problems: list[ConfigProblem] = []
+    if world_size > 1 and resolve_sync_mode(cfg) == "adapter":
+        sync_mode = cfg.rollout.vllm.sync.mode
+        why_adapter = (
+            " (auto resolves to adapter because vllm.enable_lora is true)" if sync_mode == "auto" else ""
+        )
+        problems.append(
+            ConfigProblem(
+                f"{_VLLM}.sync.mode",
+                sync_mode,
+                f"set {_VLLM}.sync.mode: full: with world_size={world_size} multi-process learners support "
+                f"only full sync{why_adapter}",
+            )
+        )
+    if world_size > 1 and cfg.stage2_ab.channel_b.mode == "step":
+        problems.append(
+            ConfigProblem(
+                f"{_CHANNEL_B}.mode",
+                "step",
+                f"set {_CHANNEL_B}.mode: async (step mode learns to completion on one process and cannot "
+                f"keep world_size={world_size} ranks in lock-step), or launch a single process",
+            )
+        )
+    problems.extend(_tensor_parallel_problems(cfg, device_count=device_count, device_type=device_type))
+    return problems
+
+
+def validate_runtime(cfg: RollmatchConfig, *, world_size: int, device_count: int, device_type: str) -> None:
+    """Raise one :class:`ConfigError` listing every :func:`check_runtime` problem."""
+    problems = check_runtime(cfg, world_size=world_size, device_count=device_count, device_type=device_type)
+    if problems:
+        raise ConfigError(problems)
+
+
+def resolve_sync_mode(cfg: RollmatchConfig) -> Literal["full", "adapter"]:
+    """The weight-sync mode in force: ``auto`` is adapter iff ``vllm.enable_lora`` is true."""
+    vllm = cfg.rollout.vllm
+    if vllm.sync.mode == "auto":
+        return "adapter" if vllm.enable_lora else "full"
+    return vllm.sync.mode
+
+
+def resolve_servers(server_cfg: ServerConfig) -> list[ServerEndpoint]:
+    """The rollout servers as one list, whichever form configured them (empty: none configured).
+
+    Legacy form: ``base_url`` str or list, ``group_port`` int (server ``i`` gets ``group_port + i``)
+    or a list of the same length. Raises :class:`ConfigError` on any :func:`server_problems`.
+    """
+    problems = server_problems(server_cfg)
+    if problems:
+        raise ConfigError(problems)
+    if server_cfg.servers is not None:
+        return [endpoint.model_copy() for endpoint in server_cfg.servers]
+    urls = _legacy_urls(server_cfg)
+    return [
+        ServerEndpoint(base_url=url, group_port=port)
+        for url, port in zip(urls, _legacy_ports(server_cfg, len(urls)), strict=True)
+    ]
+
+
+def server_problems(server_cfg: ServerConfig) -> list[ConfigProblem]:
+    """Every problem of the server section alone (forms, pairing, ports, URLs, timeout)."""
+    problems: list[ConfigProblem] = []
+    if server_cfg.timeout_s <= 0:
+        problems.append(
+            ConfigProblem(
+                f"{_SERVER}.timeout_s",
+                server_cfg.timeout_s,
+                "must be > 0 seconds (it bounds server reachability and communicator init); e.g. 240",
+            )
+        )
+    legacy_set = server_cfg.base_url is not None or server_cfg.group_port is not None
+    if server_cfg.servers is not None and legacy_set:
+        problems.append(
+            ConfigProblem(
+                f"{_SERVER}.servers",
+                [s.base_url for s in server_cfg.servers],
+                f"both `servers` and legacy `base_url`/`group_port` are set under {_SERVER}; keep only `servers`",
+            )
+        )
+        return problems
+    if server_cfg.servers is not None:
+        endpoints = [(s.base_url, s.group_port) for s in server_cfg.servers]
+        return problems + _endpoint_problems(endpoints, f"{_SERVER}.servers")
+    if legacy_set:
+        problems.extend(_legacy_problems(server_cfg))
+    return problems
+
+
+# -------------------------------------------------------------------------------------- static rules
+def _rule_b_ratio_required(cfg: RollmatchConfig) -> list[ConfigProblem]:
+    """`custom.trainer_variant: stage2_ab_training` requires `stage2_ab.schedule.b_ratio` (float in [0, 1])."""
+    if cfg.custom.trainer_variant != "stage2_ab_training" or cfg.stage2_ab.schedule.b_ratio is not None:
+        return []
+    return [
+        ConfigProblem(
+            "stage2_ab.schedule.b_ratio",
+            None,
+            "required by custom.trainer_variant: stage2_ab_training; set the fraction of optimizer steps "
+            "on Channel-B, a float in [0, 1] (e.g. 0.5)",
+        )
+    ]
+
+
+def _rule_servers(cfg: RollmatchConfig) -> list[ConfigProblem]:
+    """Rollout servers: exactly one form (`servers` or legacy `base_url` + `group_port`), paired lists, unique URLs, `timeout_s` > 0; `vllm.mode: server` needs at least one server."""
+    server_cfg = cfg.rollout.vllm.server
+    problems = server_problems(server_cfg)
+    configured = server_cfg.servers or server_cfg.base_url
+    if cfg.rollout.vllm.mode == "server" and not configured:
+        problems.append(
+            ConfigProblem(
+                f"{_SERVER}.servers",
+                server_cfg.servers,
+                f"{_VLLM}.mode is server but no rollout server is configured; set {_SERVER}.servers: "
+                "[{base_url: http://HOST:PORT, group_port: PORT}], or use vllm.mode: colocate / rollout_backend: hf",
+            )
+        )
+    return problems
+
+
+def _rule_lora_sync(cfg: RollmatchConfig) -> list[ConfigProblem]:
+    """`vllm.sync.mode: adapter` needs `vllm.enable_lora: true`, which needs `model.lora.enabled: true`."""
+    vllm = cfg.rollout.vllm
+    problems: list[ConfigProblem] = []
+    if vllm.sync.mode == "adapter" and not vllm.enable_lora:
+        problems.append(
+            ConfigProblem(
+                f"{_VLLM}.sync.mode",
+                "adapter",
+                f"adapter sync needs an engine that serves LoRA: set {_VLLM}.enable_lora: true, "
+                f"or set {_VLLM}.sync.mode: full",
+            )
+        )
+    if vllm.enable_lora and not cfg.model.lora.enabled:
+        problems.append(
+            ConfigProblem(
+                f"{_VLLM}.enable_lora",
+                True,
+                "the engine can only serve adapters the model trains: set model.lora.enabled: true, "
+                f"or set {_VLLM}.enable_lora: false",
+            )
+        )
+    return problems
+
+
+def _rule_pipeline(cfg: RollmatchConfig) -> list[ConfigProblem]:
+    """`stage2_ab.channel_b.enable_pipeline` needs `channel_b.mode: step`, `rollout_backend: vllm` and `vllm.mode: server`."""
+    channel_b = cfg.stage2_ab.channel_b
+    if not channel_b.enable_pipeline:
+        return []
+    problems: list[ConfigProblem] = []
+    if channel_b.mode != "step":
+        problems.append(
+            ConfigProblem(
+                f"{_CHANNEL_B}.enable_pipeline",
+                True,
+                f"the pipeline overlaps rollouts and learning inside one step-mode optimizer step; set "
+                f"{_CHANNEL_B}.mode: step, or set enable_pipeline: false (mode is {channel_b.mode!r})",
+            )
+        )
+    if cfg.rollout.rollout_backend != "vllm" or cfg.rollout.vllm.mode != "server":
+        problems.append(
+            ConfigProblem(
+                f"{_CHANNEL_B}.enable_pipeline",
+                True,
+                "running rollouts concurrently with training on the same device is unsafe (the engine and "
+                f"the learner contend for memory and weights); set {_RM}.rollout_backend: vllm and "
+                f"{_VLLM}.mode: server (rollouts on dedicated devices), or set enable_pipeline: false",
+            )
+        )
+    return problems
+
+
+def _rule_async(cfg: RollmatchConfig) -> list[ConfigProblem]:
+    """`stage2_ab.channel_b.mode: async` needs `rollout_backend: vllm`, `vllm.mode: server` and full sync."""
+    if cfg.stage2_ab.channel_b.mode != "async":
+        return []
+    rm = cfg.rollout
+    if rm.rollout_backend == "vllm" and rm.vllm.mode == "server" and resolve_sync_mode(cfg) == "full":
+        return []
+    return [
+        ConfigProblem(
+            f"{_CHANNEL_B}.mode",
+            "async",
+            f"async actors need rollout servers and full weight sync: set {_RM}.rollout_backend: vllm, "
+            f"{_VLLM}.mode: server and {_VLLM}.sync.mode: full (got rollout_backend={rm.rollout_backend}, "
+            f"vllm.mode={rm.vllm.mode}, sync={resolve_sync_mode(cfg)}), or use channel_b.mode: micro",
+        )
+    ]
+
+
+def _rule_engine_memory(cfg: RollmatchConfig) -> list[ConfigProblem]:
+    """`vllm.gpu_memory_utilization` in (0, 1]; `vllm.max_model_len`, when set, >= `training.global_max_length`."""
+    vllm = cfg.rollout.vllm
+    problems: list[ConfigProblem] = []
+    if not 0.0 < vllm.gpu_memory_utilization <= 1.0:
+        problems.append(
+            ConfigProblem(
+                f"{_VLLM}.gpu_memory_utilization",
+                vllm.gpu_memory_utilization,
+                "must be a fraction of device memory in (0, 1]; e.g. 0.45 when colocated with training",
+            )
+        )
+    if vllm.max_model_len is not None and vllm.max_model_len < cfg.training.global_max_length:
+        problems.append(
+            ConfigProblem(
+                f"{_VLLM}.max_model_len",
+                vllm.max_model_len,
+                f"below training.global_max_length={cfg.training.global_max_length}: the engine could not hold "
+                f"a full training sample; set max_model_len >= {cfg.training.global_max_length} or null",
+            )
+        )
+    return problems
+
+
+STATIC_RULES: tuple[Rule, ...] = (
+    _rule_b_ratio_required,
+    _rule_servers,
+    _rule_lora_sync,
+    _rule_pipeline,
+    _rule_async,
+    _rule_engine_memory,
+)
+
+
+def rule_descriptions() -> list[str]:
+    """One line per static rule (their docstrings), for docs/config.md."""
+    return [(rule.__doc__ or rule.__name__).strip() for rule in STATIC_RULES]
+
+
+RUNTIME_RULE_DESCRIPTIONS: tuple[str, ...] = (
+    "World size > 1: `vllm.sync.mode` must resolve to full (adapter, or auto with `enable_lora`, is refused).",
+    "World size > 1: `stage2_ab.channel_b.mode: step` is refused; use async.",
+    "`rollout_backend: vllm` with `vllm.mode: colocate` (trainer variants that roll out): "
+    "`tensor_parallel_size` <= visible GPUs, and exactly 1 on CPU.",
+)
+
+
+# ------------------------------------------------------------------------------------ private helpers
+def _tensor_parallel_problems(
+    cfg: RollmatchConfig, *, device_count: int, device_type: str
+) -> list[ConfigProblem]:
+    rm = cfg.rollout
+    # Stage-1 SFT makes no rollouts, so the engine settings are not in force.
+    if cfg.custom.trainer_variant == "sft" or rm.rollout_backend != "vllm" or rm.vllm.mode != "colocate":
+        return []
+    tp = rm.vllm.tensor_parallel_size
+    key = f"{_VLLM}.tensor_parallel_size"
+    if device_type == "cpu" and tp != 1:
+        return [ConfigProblem(key, tp, "the vLLM CPU engine runs unsharded: set tensor_parallel_size: 1")]
+    if device_type != "cpu" and tp > device_count:
+        return [
+            ConfigProblem(
+                key,
+                tp,
+                f"only {device_count} {device_type} device(s) visible to a colocated engine; set "
+                f"tensor_parallel_size <= {device_count}, or use vllm.mode: server on dedicated devices",
+            )
+        ]
+    return []
+
+
+def _legacy_urls(server_cfg: ServerConfig) -> list[str]:
+    base_url = server_cfg.base_url
+    if base_url is None:
+        return []
+    return [base_url] if isinstance(base_url, str) else list(base_url)
+
+
+def _legacy_ports(server_cfg: ServerConfig, count: int) -> list[int]:
+    group_port = server_cfg.group_port
+    if group_port is None:
+        return []
+    if isinstance(group_port, int):
+        return [group_port + i for i in range(count)]
+    return list(group_port)
+
+
+def _legacy_problems(server_cfg: ServerConfig) -> list[ConfigProblem]:
+    urls = _legacy_urls(server_cfg)
+    if server_cfg.base_url is None:
+        return [
+            ConfigProblem(
+                f"{_SERVER}.group_port",
+                server_cfg.group_port,
+                f"group_port without base_url; prefer {_SERVER}.servers: [{{base_url: ..., group_port: ...}}]",
+            )
+        ]
+    if server_cfg.group_port is None:
+        return [
+            ConfigProblem(
+                f"{_SERVER}.base_url",
+                server_cfg.base_url,
+                "base_url without group_port (the weight-sync port); set group_port (int: server i uses "
+                f"group_port + i), or use {_SERVER}.servers: [{{base_url: ..., group_port: ...}}]",
+            )
+        ]
+    ports = _legacy_ports(server_cfg, len(urls))
+    if len(ports) != len(urls):
+        return [
+            ConfigProblem(
+                f"{_SERVER}.group_port",
+                server_cfg.group_port,
+                f"{len(ports)} group_port(s) for {len(urls)} base_url(s); give one port per base_url, "
+                "or a single int (server i uses group_port + i)",
+            )
+        ]
+    return _endpoint_problems(list(zip(urls, ports, strict=True)), f"{_SERVER}.base_url")
+
+
+def _endpoint_problems(endpoints: list[tuple[str, int]], key: str) -> list[ConfigProblem]:
+    problems: list[ConfigProblem] = []
+    seen: set[str] = set()
+    for url, port in endpoints:
+        normalised = url.rstrip("/")
+        if not normalised.startswith(("http://", "https://")):
+            problems.append(ConfigProblem(key, url, "a server URL must start with http:// or https://"))
+        if normalised in seen:
+            problems.append(ConfigProblem(key, url, "duplicate server URL; list each rollout server once"))
+        seen.add(normalised)
+        if not 0 < port < 65536:
+            problems.append(ConfigProblem(key, port, f"group_port {port} of {url} is outside 1..65535"))
+    return problems

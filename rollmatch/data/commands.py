@@ -1,0 +1,78 @@
+"""``rollmatch data shapes | convert | validate``: thin entry points over ``data.shapes``,
+``data.convert`` and ``data.records`` (arguments are defined in ``rollmatch.cli``).
+
+Owns: dispatch, the summary lines printed, exit codes (0 ok; 2 when ``validate`` finds problems;
+:class:`~rollmatch.errors.DataError` is printed by the CLI and also exits 2). Leaves out every
+rule about records and formats.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import Counter
+from collections.abc import Sequence
+
+from rollmatch.data.convert import from_coco, from_voc, from_yolo, read_yolo_names
+from rollmatch.data.records import Record, validate_records, write_records
+from rollmatch.data.shapes import generate_shapes
+from rollmatch.errors import DataError
+
+
+def data_command(args: argparse.Namespace) -> int:
+    """Run one ``rollmatch data`` subcommand; returns the process exit code."""
+    if args.data_command == "shapes":
+        return _shapes(args)
+    if args.data_command == "convert":
+        return _convert(args)
+    if args.data_command == "validate":
+        return _validate(args)
+    raise DataError(f"unknown data command {args.data_command!r}; use shapes, convert or validate")
+
+
+def _shapes(args: argparse.Namespace) -> int:
+    paths = generate_shapes(args.out, n_train=args.train, n_val=args.val, size=args.size, seed=args.seed)
+    for split, path in paths.items():
+        print(f"{split}: {path}")
+    return 0
+
+
+def _convert(args: argparse.Namespace) -> int:
+    dropped: list[str] = []
+    if args.format == "coco":
+        if not args.images:
+            raise DataError(
+                "--images is required for --format coco: the folder COCO file_name is relative to"
+            )
+        records = from_coco(args.src, args.images, dropped=dropped)
+    elif args.format == "voc":
+        records = from_voc(args.src, dropped=dropped)
+    else:
+        if not args.names:
+            raise DataError("--names is required for --format yolo: the dataset's data.yaml with class names")
+        records = from_yolo(args.src, read_yolo_names(args.names), dropped=dropped)
+    # Converted records keep absolute image paths: the images stay where the source dataset is.
+    path = write_records(args.out, records)
+    print(f"wrote {path}: {describe_records(records)}")
+    for note in dropped:
+        print(note)
+    if dropped:
+        print(f"dropped {len(dropped)} zero-area box(es) listed above (they cannot be learned or serialized)")
+    return 0
+
+
+def _validate(args: argparse.Namespace) -> int:
+    problems = validate_records(args.file)
+    for problem in problems:
+        print(problem)
+    if problems:
+        print(f"{args.file}: {len(problems)} problem(s)")
+        return 2
+    print(f"{args.file}: ok")
+    return 0
+
+
+def describe_records(records: Sequence[Record]) -> str:
+    """One line: images, boxes and boxes per label, e.g. ``200 images, 217 boxes; raccoon 217``."""
+    per_label = Counter(o.label for r in records for o in r.objects)
+    labels = ", ".join(f"{label} {n}" for label, n in sorted(per_label.items()))
+    return f"{len(records)} images, {sum(per_label.values())} boxes; {labels or 'no labels'}"

@@ -1,0 +1,100 @@
+"""Hungarian matching of predicted objects to ground truth (pure: numpy + scipy).
+
+Owns: :func:`hungarian_match` and :class:`MatchResult`. Leaves out: counting precision/recall
+(``detection.metrics``) and building targets from the unmatched GT (``detection.targets``).
+
+The assignment is ``scipy.optimize.linear_sum_assignment`` on a square matrix of size
+``P + G``::
+
+                 gt 0..G-1                      P dummy columns ("unmatched pred")
+    pred 0..P-1  1 - IoU, or FORBIDDEN           fp_cost
+    G dummy rows fn_cost                         0
+
+A pair is allowed iff its IoU is positive and at least ``iou_threshold`` (and, under
+``label_mode="require"``, the labels are equal). The dummy blocks always give a feasible
+assignment, so a forbidden pair is never chosen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+from scipy.optimize import linear_sum_assignment
+
+from rollmatch.config.schema import MatchingConfig
+from rollmatch.detection.objects import DetObject, iou_matrix
+from rollmatch.errors import ConfigError, ConfigProblem
+
+_DEFAULTS = MatchingConfig()
+LABEL_MODES = ("ignore", "require")
+
+
+@dataclass
+class MatchResult:
+    """Matched pairs, unmatched GT (false negatives) and unmatched predictions (false positives)."""
+
+    pairs: list[tuple[int, int, float]] = field(default_factory=list)  # (pred index, gt index, iou)
+    fn: list[int] = field(default_factory=list)  # unmatched gt indices, sorted
+    fp: list[int] = field(default_factory=list)  # unmatched pred indices, sorted
+
+
+def hungarian_match(
+    preds: Sequence[DetObject],
+    gts: Sequence[DetObject],
+    *,
+    iou_threshold: float = _DEFAULTS.iou_threshold,
+    label_mode: str = _DEFAULTS.label_mode,
+    fp_cost: float = _DEFAULTS.fp_cost,
+    fn_cost: float = _DEFAULTS.fn_cost,
+) -> MatchResult:
+    """Minimum-cost one-to-one matching of ``preds`` to ``gts`` (accepts ``**MatchingConfig.model_dump()``).
+
+    Pairs are sorted by prediction index. Empty inputs are normal: no predictions -> every GT is a
+    false negative; no GT -> every prediction is a false positive.
+    """
+    _check_settings(iou_threshold, label_mode, fp_cost, fn_cost)
+    num_pred, num_gt = len(preds), len(gts)
+    if num_pred == 0 or num_gt == 0:
+        return MatchResult(pairs=[], fn=list(range(num_gt)), fp=list(range(num_pred)))
+
+    ious = iou_matrix(preds, gts)
+    allowed = (ious > 0.0) & (ious >= iou_threshold)
+    if label_mode == "require":
+        allowed &= np.asarray([[p.label == g.label for g in gts] for p in preds], dtype=bool)
+    # Larger than any feasible total, so it can only be picked if nothing else is possible (never).
+    forbidden = 1.0 + (num_pred + num_gt) * (1.0 + fp_cost + fn_cost)
+
+    size = num_pred + num_gt
+    cost = np.zeros((size, size), dtype=np.float64)
+    cost[:num_pred, :num_gt] = np.where(allowed, 1.0 - ious, forbidden)
+    cost[:num_pred, num_gt:] = fp_cost
+    cost[num_pred:, :num_gt] = fn_cost
+    rows, cols = linear_sum_assignment(cost)
+
+    pairs = [
+        (int(r), int(c), float(ious[r, c]))
+        for r, c in zip(rows, cols, strict=True)
+        if r < num_pred and c < num_gt and allowed[r, c]
+    ]
+    matched_preds = {p for p, _, _ in pairs}
+    matched_gts = {g for _, g, _ in pairs}
+    return MatchResult(
+        pairs=pairs,
+        fn=[g for g in range(num_gt) if g not in matched_gts],
+        fp=[p for p in range(num_pred) if p not in matched_preds],
+    )
+
+
+def _check_settings(iou_threshold: float, label_mode: str, fp_cost: float, fn_cost: float) -> None:
+    problems: list[ConfigProblem] = []
+    if not 0.0 <= iou_threshold <= 1.0:
+        problems.append(ConfigProblem("matching.iou_threshold", iou_threshold, "use a value in [0, 1]"))
+    if label_mode not in LABEL_MODES:
+        problems.append(ConfigProblem("matching.label_mode", label_mode, f"use one of {list(LABEL_MODES)}"))
+    for key, value in (("matching.fp_cost", fp_cost), ("matching.fn_cost", fn_cost)):
+        if not value >= 0.0:  # also rejects NaN
+            problems.append(ConfigProblem(key, value, "use a cost >= 0"))
+    if problems:
+        raise ConfigError(problems)

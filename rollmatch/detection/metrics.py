@@ -1,0 +1,195 @@
+"""Detection and parse metrics (pure: counts in, floats out).
+
+Owns: :class:`DetectionCounts` (matching counts -> precision / recall / F1 / mean IoU),
+:class:`ParseCounts` (parse outcomes -> ``parse/*``) and :func:`coco_map` (COCO-style mAP via
+pycocotools' ``COCOeval``). Leaves out: summing counts across ranks (the trainer all-reduces
+:meth:`DetectionCounts.state`) and logging.
+
+Conventions: a ratio whose denominator is 0 is 0.0, except that nothing to count at all (no
+prediction and no GT) is a perfect 1.0 for precision, recall and F1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
+
+from pycocotools.coco import COCO
+from pycocotools.cocoeval import COCOeval
+
+from rollmatch.detection.codec import ParseResult
+from rollmatch.detection.matching import MatchResult
+from rollmatch.detection.objects import DetObject
+from rollmatch.errors import DataError, RollmatchError
+
+
+@dataclass
+class DetectionCounts:
+    """True/false positives, false negatives and the IoU sum of the matched pairs."""
+
+    tp: int = 0
+    fp: int = 0
+    fn: int = 0
+    iou_sum: float = 0.0
+
+    def add(self, match: MatchResult, n_pred: int, n_gt: int) -> None:
+        """Add one image's matching; ``n_pred``/``n_gt`` guard against a match of other lists."""
+        if len(match.pairs) + len(match.fp) != n_pred or len(match.pairs) + len(match.fn) != n_gt:
+            raise RollmatchError(
+                f"match does not fit {n_pred} predictions / {n_gt} GT objects: {len(match.pairs)} pairs, "
+                f"{len(match.fp)} fp, {len(match.fn)} fn; pass the lengths of the lists that were matched"
+            )
+        self.tp += len(match.pairs)
+        self.fp += len(match.fp)
+        self.fn += len(match.fn)
+        self.iou_sum += sum(iou for _, _, iou in match.pairs)
+
+    def merge(self, other: DetectionCounts) -> DetectionCounts:
+        """A new total of both counts."""
+        return DetectionCounts(
+            tp=self.tp + other.tp,
+            fp=self.fp + other.fp,
+            fn=self.fn + other.fn,
+            iou_sum=self.iou_sum + other.iou_sum,
+        )
+
+    def state(self) -> list[float]:
+        """The counts as floats (field order), e.g. to all-reduce across ranks."""
+        return [float(getattr(self, f.name)) for f in fields(self)]
+
+    @classmethod
+    def from_state(cls, values: Sequence[float]) -> DetectionCounts:
+        tp, fp, fn, iou_sum = values
+        return cls(tp=round(tp), fp=round(fp), fn=round(fn), iou_sum=float(iou_sum))
+
+    @property
+    def precision(self) -> float:
+        return _ratio(self.tp, self.tp + self.fp, empty=self._empty)
+
+    @property
+    def recall(self) -> float:
+        return _ratio(self.tp, self.tp + self.fn, empty=self._empty)
+
+    @property
+    def f1(self) -> float:
+        return _ratio(2 * self.tp, 2 * self.tp + self.fp + self.fn, empty=self._empty)
+
+    @property
+    def mean_iou(self) -> float:
+        return self.iou_sum / self.tp if self.tp else 0.0
+
+    @property
+    def _empty(self) -> bool:
+        return self.tp == 0 and self.fp == 0 and self.fn == 0
+
+    def as_metrics(self, prefix: str = "match/") -> dict[str, float]:
+        """The ``match/*`` metrics: precision, recall, f1, mean_iou, fn, fp."""
+        values = {
+            "precision": self.precision,
+            "recall": self.recall,
+            "f1": self.f1,
+            "mean_iou": self.mean_iou,
+            "fn": float(self.fn),
+            "fp": float(self.fp),
+        }
+        return {prefix + name: value for name, value in values.items()}
+
+
+@dataclass
+class ParseCounts:
+    """Parse outcomes over many responses: valid objects, invalid reasons, truncations."""
+
+    responses: int = 0
+    valid: int = 0
+    truncated: int = 0
+    invalid: dict[str, int] = field(default_factory=dict)
+
+    def add(self, parse: ParseResult) -> None:
+        self.responses += 1
+        self.valid += len(parse.objects)
+        self.truncated += int(parse.truncated)
+        for reason, count in parse.invalid.items():
+            self.invalid[reason] = self.invalid.get(reason, 0) + count
+
+    def as_metrics(self, prefix: str = "parse/") -> dict[str, float]:
+        """``parse/valid`` and ``parse/invalid_<reason>`` (totals; ``truncated`` feeds ``rollout/*``)."""
+        metrics = {prefix + "valid": float(self.valid)}
+        metrics.update({f"{prefix}invalid_{reason}": float(n) for reason, n in sorted(self.invalid.items())})
+        return metrics
+
+
+def coco_map(
+    predictions: list[list[tuple[DetObject, float]]],
+    ground_truths: list[list[DetObject]],
+    labels: list[str],
+) -> dict[str, float]:
+    """COCO bbox mAP (IoU 0.50:0.95), AP50 and AP75 over images, scored by pycocotools.
+
+    ``predictions[i]`` are ``(object, score)`` pairs for image ``i``; ``labels`` are the categories.
+    Boxes of one image must share a coordinate frame. Predictions whose label is not in ``labels``
+    cannot be scored per category; they are left out and counted in ``unknown_label_predictions``.
+    With no GT box at all the APs are NaN (undefined); with GT but no prediction they are 0.0.
+    """
+    if len(predictions) != len(ground_truths):
+        raise DataError(
+            f"coco_map got predictions for {len(predictions)} images but GT for {len(ground_truths)}; "
+            "pass one (possibly empty) list per image to both"
+        )
+    category = {label: index + 1 for index, label in enumerate(dict.fromkeys(labels))}
+    unknown_gt = sorted({o.label for image in ground_truths for o in image} - set(category))
+    if unknown_gt:
+        raise DataError(f"coco_map: GT labels {unknown_gt} are not in labels={list(category)}; add them")
+
+    gt_annotations = [
+        {
+            "image_id": image_id,
+            "category_id": category[o.label],
+            "bbox": _xywh(o.bbox),
+            "area": float((o.bbox[2] - o.bbox[0]) * (o.bbox[3] - o.bbox[1])),
+            "iscrowd": 0,
+        }
+        for image_id, image_gts in enumerate(ground_truths, start=1)
+        for o in image_gts
+    ]
+    for annotation_id, annotation in enumerate(gt_annotations, start=1):  # COCOeval needs ids > 0
+        annotation["id"] = annotation_id
+    detections = [
+        {"image_id": image_id, "category_id": category[o.label], "bbox": _xywh(o.bbox), "score": float(score)}
+        for image_id, image_preds in enumerate(predictions, start=1)
+        for o, score in image_preds
+        if o.label in category
+    ]
+    unknown = sum(1 for image in predictions for o, _ in image if o.label not in category)
+    result = {"unknown_label_predictions": float(unknown)}
+    if not gt_annotations:
+        return {"map": float("nan"), "map_50": float("nan"), "map_75": float("nan"), **result}
+    if not detections:
+        return {"map": 0.0, "map_50": 0.0, "map_75": 0.0, **result}
+
+    with contextlib.redirect_stdout(io.StringIO()):  # pycocotools prints progress and tables
+        coco_gt = COCO()
+        coco_gt.dataset = {
+            "images": [{"id": i} for i in range(1, len(ground_truths) + 1)],
+            "annotations": gt_annotations,
+            "categories": [{"id": cid, "name": name} for name, cid in category.items()],
+        }
+        coco_gt.createIndex()
+        evaluator = COCOeval(coco_gt, coco_gt.loadRes(detections), iouType="bbox")
+        evaluator.evaluate()
+        evaluator.accumulate()
+        evaluator.summarize()
+    stats = evaluator.stats
+    return {"map": float(stats[0]), "map_50": float(stats[1]), "map_75": float(stats[2]), **result}
+
+
+def _ratio(numerator: float, denominator: float, *, empty: bool) -> float:
+    if empty:
+        return 1.0
+    return numerator / denominator if denominator else 0.0
+
+
+def _xywh(bbox: tuple[int, int, int, int]) -> list[float]:
+    x1, y1, x2, y2 = bbox
+    return [float(x1), float(y1), float(x2 - x1), float(y2 - y1)]

@@ -1,0 +1,135 @@
+"""The carry buffer: segments that did not fit this step's row wait (oldest first) for a later one.
+
+Owns: :class:`CarryBuffer` (bounded, rank-local, one row per call, checkpointable) and
+:func:`row_stats` (the ``packing/*`` metrics). Leaves out: the selection policy
+(``packing.binpack.select_row``: oldest pinned, exact best fill) and tensors of a row
+(``packing.collate``).
+
+Each micro-step the trainer adds the segments built from its rollouts and takes one row. The
+oldest waiting segment always goes into that row, so a segment waits at most as many steps as there
+are segments ahead of it; the rest of the row is filled as close to capacity as the waiting
+lengths allow. A deeper buffer gives the selection more choice (fuller rows) at the cost of
+staleness: ``Segment.created_step`` records the optimizer step whose rollouts produced it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import fields
+from typing import Any
+
+from rollmatch.errors import PackingError
+from rollmatch.packing.binpack import select_row
+from rollmatch.packing.segment import Segment
+
+_BUFFER_KEY = "training.carry_buffer_size"
+_CAPACITY_KEY = "training.global_max_length"
+
+
+class CarryBuffer:
+    """Rank-local FIFO of waiting segments, at most ``max_segments`` long after each row is taken."""
+
+    def __init__(self, capacity_tokens: int, max_segments: int) -> None:
+        if capacity_tokens <= 0:
+            raise PackingError(f"`{_CAPACITY_KEY}` = {capacity_tokens}: the row capacity must be > 0")
+        if max_segments <= 0:
+            raise PackingError(f"`{_BUFFER_KEY}` = {max_segments}: the carry buffer must hold >= 1 segment")
+        self.capacity_tokens = capacity_tokens
+        self.max_segments = max_segments
+        self._waiting: list[Segment] = []
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def depth_tokens(self) -> int:
+        """Tokens waiting in the buffer."""
+        return sum(s.length for s in self._waiting)
+
+    @property
+    def waiting(self) -> tuple[Segment, ...]:
+        """The waiting segments, oldest first (read-only view)."""
+        return tuple(self._waiting)
+
+    def next_row(self, new_segments: Sequence[Segment]) -> list[Segment]:
+        """Add ``new_segments`` (after the waiting ones) and take one row, oldest segment included.
+
+        Returns the row's segments in age order ([] when nothing waits). Raises
+        :class:`PackingError` (buffer unchanged) if a segment exceeds the row capacity or more
+        than ``max_segments`` would be left waiting.
+        """
+        for segment in new_segments:
+            if segment.length > self.capacity_tokens:
+                raise PackingError(
+                    f"sample {segment.sample_id!r} has {segment.length} tokens, more than `{_CAPACITY_KEY}` = "
+                    f"{self.capacity_tokens}: raise `{_CAPACITY_KEY}` or shorten the sample"
+                )
+        candidates = [*self._waiting, *new_segments]
+        if not candidates:
+            return []
+        picked = select_row([s.length for s in candidates], self.capacity_tokens)
+        picked_set = set(picked)
+        left = [s for i, s in enumerate(candidates) if i not in picked_set]
+        if len(left) > self.max_segments:
+            raise PackingError(
+                f"{len(left)} segments ({sum(s.length for s in left)} tokens) would wait for a later row, more "
+                f"than `{_BUFFER_KEY}` = {self.max_segments}: the rollouts of one micro-step exceed a row of "
+                f"{self.capacity_tokens} tokens; raise `{_CAPACITY_KEY}` or `{_BUFFER_KEY}`, or lower "
+                "`training.per_device_train_batch_size`"
+            )
+        self._waiting = left
+        return [candidates[i] for i in picked]
+
+    def drain(self) -> list[Segment]:
+        """Remove and return every waiting segment (oldest first)."""
+        waiting, self._waiting = self._waiting, []
+        return waiting
+
+    def drain_rows(self) -> list[list[Segment]]:
+        """Empty the buffer into rows, each selected like :meth:`next_row` with nothing new."""
+        rows: list[list[Segment]] = []
+        while self._waiting:
+            rows.append(self.next_row([]))
+        return rows
+
+    def state_dict(self) -> dict[str, Any]:
+        """The waiting segments (tensors included, ``torch.save``-able) and the limits."""
+        return {
+            "capacity_tokens": self.capacity_tokens,
+            "max_segments": self.max_segments,
+            "segments": [_segment_state(s) for s in self._waiting],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore waiting segments saved by :meth:`state_dict` under this buffer's limits."""
+        segments = [Segment(**fields) for fields in state["segments"]]
+        for segment in segments:
+            if segment.length > self.capacity_tokens:
+                raise PackingError(
+                    f"checkpointed carry segment {segment.sample_id!r} has {segment.length} tokens, more than "
+                    f"`{_CAPACITY_KEY}` = {self.capacity_tokens}: resume with the checkpoint's value "
+                    f"({state['capacity_tokens']})"
+                )
+        if len(segments) > self.max_segments:
+            raise PackingError(
+                f"checkpoint holds {len(segments)} carried segments, more than `{_BUFFER_KEY}` = "
+                f"{self.max_segments}: resume with the checkpoint's value ({state['max_segments']})"
+            )
+        self._waiting = segments
+
+
+def row_stats(rows: Sequence[Sequence[Segment]], capacity: int, carry_depth: int = 0) -> dict[str, float]:
+    """``packing/*`` metrics of the rows of one step; ``carry_depth``: segments left waiting."""
+    non_empty = [row for row in rows if row]
+    tokens = sum(s.length for row in non_empty for s in row)
+    n_rows = len(non_empty)
+    return {
+        "packing/rows": float(n_rows),
+        "packing/segments_per_row": sum(len(row) for row in non_empty) / n_rows if n_rows else 0.0,
+        "packing/fill_ratio": tokens / (n_rows * capacity) if n_rows else 0.0,
+        "packing/carry_depth": float(carry_depth),
+    }
+
+
+def _segment_state(segment: Segment) -> dict[str, Any]:
+    return {f.name: getattr(segment, f.name) for f in fields(Segment)}

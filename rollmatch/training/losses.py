@@ -1,0 +1,92 @@
+"""Token-weighted cross-entropy for teacher-forced detection targets.
+
+Owns: the weighted CE *sum* of a batch (:func:`weighted_ce_sum`), per-segment sums of a packed
+row (:func:`per_segment_ce`) and the optimizer-step normalisation (:func:`normalize_step_loss`).
+Leaves out: where the weights come from (``detection.targets``: prompt 0, prefix
+``loss.prefix_weight``, appended tail 1 / ``loss.desc_weight``) and the cross-rank sum of weights
+(the trainer, through ``training.dist``).
+
+The optimizer-step loss is ``sum(w * ce) / sum(w)`` over all micro-steps and ranks of the step, so
+each micro-step contributes its *sum* divided by the step's total weight; packing, gradient
+accumulation and world size then leave the gradient unchanged.
+
+``weights[..., t]`` weights predicting token ``t`` from the logits at ``t - 1``; position 0 has no
+prediction. Only positions with a non-zero weight are gathered before the float32 log-softmax, so
+the float32 copy of the logits stays as small as the trained part of the row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from rollmatch.errors import PackingError
+
+
+def weighted_ce_sum(logits: torch.Tensor, input_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``sum_t weights[t] * CE(logits[t-1], input_ids[t])`` over ``t >= 1``, in float32.
+
+    Shapes: ``logits`` (B, L, V) or (L, V); ``input_ids`` and ``weights`` (B, L) or (L,).
+    Returns a 0-dim float32 tensor (0 with a graph when no position has weight).
+    """
+    if logits.dim() == 2:
+        logits, input_ids, weights = logits[None], input_ids[None], weights[None]
+    if logits.shape[:2] != input_ids.shape or input_ids.shape != weights.shape:
+        raise PackingError(
+            f"loss shapes disagree: logits {tuple(logits.shape)}, input_ids {tuple(input_ids.shape)}, "
+            f"weights {tuple(weights.shape)}; logits must be (B, L, V) for (B, L) ids and weights"
+        )
+    shifted_logits = logits[:, :-1, :]
+    targets = input_ids[:, 1:].to(logits.device)
+    target_weights = weights[:, 1:].to(device=logits.device, dtype=torch.float32)
+    trained = target_weights != 0
+    if not bool(trained.any()):
+        # Keep the graph connected so every rank runs the same backward (DDP lock-step).
+        return shifted_logits.sum().float() * 0.0
+    ce = F.cross_entropy(shifted_logits[trained].float(), targets[trained], reduction="none")
+    return (ce * target_weights[trained]).sum()
+
+
+def per_segment_ce(
+    logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    weights: torch.Tensor,
+    segment_lengths: Sequence[int] | torch.Tensor,
+) -> list[torch.Tensor]:
+    """Weighted CE sum of each segment of one packed row (logits (1, L, V) or (L, V)).
+
+    A segment's first token is never predicted (it would use the previous segment's logits).
+    """
+    if logits.dim() == 3:
+        if logits.shape[0] != 1:
+            raise PackingError(f"per_segment_ce takes one packed row, got batch size {logits.shape[0]}")
+        logits, input_ids, weights = logits[0], input_ids[0], weights[0]
+    lengths = [int(n) for n in segment_lengths]
+    if sum(lengths) != input_ids.shape[0]:
+        raise PackingError(
+            f"segment lengths sum to {sum(lengths)} but the row has {input_ids.shape[0]} tokens; "
+            "pass the row's `segment_lengths` from pack_row"
+        )
+    sums: list[torch.Tensor] = []
+    start = 0
+    for length in lengths:
+        end = start + length
+        sums.append(weighted_ce_sum(logits[start:end], input_ids[start:end], weights[start:end]))
+        start = end
+    return sums
+
+
+def normalize_step_loss(ce_sum: torch.Tensor, step_weight_total: float) -> torch.Tensor:
+    """A micro-step's contribution to the step loss: its CE sum over the step's total weight.
+
+    ``step_weight_total`` is the summed weight of every micro-step and rank of the optimizer step;
+    with DDP (which averages gradients over ranks) multiply the result by the world size.
+    """
+    if step_weight_total <= 0:
+        raise PackingError(
+            f"optimizer step has total loss weight {step_weight_total}; a step needs at least one trained "
+            "token (check `loss.*` weights and that targets are not empty)"
+        )
+    return ce_sum / step_weight_total

@@ -1,0 +1,108 @@
+"""``rollmatch check-config``: resolved config on stdout (exit 0) or every problem on stderr (exit 2)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rollmatch.cli import main
+from rollmatch.config.load import load_config, load_config_dict
+from rollmatch.config.rules import check_runtime
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLES = sorted((REPO / "configs").glob("*.yaml"))
+
+
+def test_prints_resolved_yaml_with_defaults(write_yaml, capsys: pytest.CaptureFixture[str]) -> None:
+    path = write_yaml("c.yaml", {"training": {"max_steps": 3}})
+    assert main(["check-config", str(path), "training.seed=5"]) == 0
+    out = capsys.readouterr().out
+    resolved = yaml.safe_load(out)
+    assert resolved["training"]["max_steps"] == 3 and resolved["training"]["seed"] == 5
+    assert (
+        resolved["custom"]["extra"]["rollout_matching"]["vllm"]["server"]["timeout_s"] == 240.0
+    )  # a default
+    assert load_config_dict(resolved) == load_config(path, ["training.seed=5"])
+
+
+def test_json_output(write_yaml, capsys: pytest.CaptureFixture[str]) -> None:
+    path = write_yaml("c.yaml", {"stage2_ab": {"channel_b": {"async": {"queue_limit": 3}}}})
+    assert main(["check-config", str(path), "--json"]) == 0
+    resolved = json.loads(capsys.readouterr().out)
+    assert resolved["stage2_ab"]["channel_b"]["async"]["queue_limit"] == 3
+
+
+def test_every_problem_on_stderr_exit_2(write_yaml, capsys: pytest.CaptureFixture[str]) -> None:
+    path = write_yaml(
+        "bad.yaml",
+        {"custom": {"trainer_variant": "stage2_ab_training"}, "matching": {"iou_treshold": 0.3}},
+    )
+    assert main(["check-config", str(path), "training.max_steps=ten"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "(3 problem(s))" in captured.err
+    for key, fix in [
+        ("stage2_ab.schedule.b_ratio", "float in [0, 1]"),
+        ("matching.iou_treshold", "did you mean matching.iou_threshold?"),
+        ("training.max_steps", "valid integer"),
+    ]:
+        assert key in captured.err and fix in captured.err
+
+
+def test_deprecation_warning_goes_to_stderr(write_yaml, capsys: pytest.CaptureFixture[str]) -> None:
+    path = write_yaml("old.yaml", {"custom": {"extra": {"stage2_ab": {"schedule": {"b_ratio": 0.5}}}}})
+    assert main(["check-config", str(path)]) == 0
+    captured = capsys.readouterr()
+    assert "warning:" in captured.err and "custom.extra.stage2_ab" in captured.err
+    assert yaml.safe_load(captured.out)["stage2_ab"]["schedule"]["b_ratio"] == 0.5
+
+
+def test_installed_cli_subprocess(tmp_path: Path) -> None:
+    exe = Path(sys.executable).with_name("rollmatch")
+    assert exe.exists(), f"console script missing: {exe} (pip install -e .)"
+    good = subprocess.run(
+        [str(exe), "check-config", str(REPO / "configs" / "stage2_ab_server.yaml"), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert good.returncode == 0, good.stderr
+    assert json.loads(good.stdout)["custom"]["trainer_variant"] == "stage2_ab_training"
+    bad_file = tmp_path / "bad.yaml"
+    bad_file.write_text("training:\n  max_stepz: 3\n", encoding="utf-8")
+    bad = subprocess.run(
+        [str(exe), "check-config", str(bad_file)], capture_output=True, text=True, timeout=120
+    )
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert "training.max_stepz" in bad.stderr and "did you mean training.max_steps?" in bad.stderr
+
+
+def test_example_configs_exist() -> None:
+    names = {p.name for p in EXAMPLES}
+    assert {"base.yaml", "demo_sft.yaml", "demo_rollout.yaml", "stage2_ab_server.yaml"} <= names
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_example_config_passes_check_config(path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check-config", str(path)]) == 0, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["demo_sft.yaml", "demo_rollout.yaml"])
+def test_demo_configs_run_on_one_cpu_process(name: str) -> None:
+    cfg = load_config(REPO / "configs" / name)
+    assert cfg.rollout.rollout_backend == "hf"
+    assert cfg.rollout.vllm.tensor_parallel_size == 1
+    assert cfg.training.global_max_length <= 1024 and cfg.rollout.max_new_tokens <= 256
+    assert check_runtime(cfg, world_size=1, device_count=0, device_type="cpu") == []
+
+
+def test_demo_rollout_continues_from_sft() -> None:
+    sft = load_config(REPO / "configs" / "demo_sft.yaml")
+    rollout = load_config(REPO / "configs" / "demo_rollout.yaml")
+    assert (sft.custom.trainer_variant, rollout.custom.trainer_variant) == ("sft", "rollout_matching_sft")
+    assert rollout.model.path == f"{sft.training.output_dir}/final"

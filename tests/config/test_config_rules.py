@@ -1,0 +1,280 @@
+"""Static and runtime cross-field rules: each problem names its key, the value and the replacement."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from rollmatch.config.load import load_config_dict
+from rollmatch.config.rules import check_runtime, resolve_servers, resolve_sync_mode, validate_runtime
+from rollmatch.config.schema import ServerConfig, ServerEndpoint
+from rollmatch.errors import ConfigError
+
+RM = "custom.extra.rollout_matching"
+VLLM = f"{RM}.vllm"
+SERVER = f"{VLLM}.server"
+
+
+def rollout(**rollout_matching: Any) -> dict[str, Any]:
+    return {"custom": {"extra": {"rollout_matching": rollout_matching}}}
+
+
+def server_mode(server: dict[str, Any], **vllm: Any) -> dict[str, Any]:
+    return rollout(vllm={"mode": "server", "server": server, **vllm})
+
+
+SERVERS = {"servers": [{"base_url": "http://127.0.0.1:8000", "group_port": 51216}]}
+
+
+# --------------------------------------------------------------------------------------- stage2_ab
+def test_stage2_ab_requires_b_ratio(problems_of) -> None:
+    problem = problems_of({"custom": {"trainer_variant": "stage2_ab_training"}}).only(
+        "stage2_ab.schedule.b_ratio"
+    )
+    assert problem.value is None
+    assert "stage2_ab_training" in problem.fix and "[0, 1]" in problem.fix
+
+
+def test_stage2_ab_with_b_ratio_loads() -> None:
+    cfg = load_config_dict(
+        {"custom": {"trainer_variant": "stage2_ab_training"}, "stage2_ab": {"schedule": {"b_ratio": 0.25}}}
+    )
+    assert cfg.stage2_ab.schedule.b_ratio == 0.25
+
+
+def test_b_ratio_out_of_range_names_the_key(problems_of) -> None:
+    problem = problems_of({"stage2_ab": {"schedule": {"b_ratio": 1.5}}}).only("stage2_ab.schedule.b_ratio")
+    assert problem.value == 1.5 and "less than or equal to 1" in problem.fix
+
+
+def test_pipeline_needs_server_mode(problems_of) -> None:
+    data = {"stage2_ab": {"channel_b": {"mode": "step", "enable_pipeline": True}}}
+    problem = problems_of(data).only("stage2_ab.channel_b.enable_pipeline")
+    assert "unsafe" in problem.fix and f"{VLLM}.mode: server" in problem.fix
+    ok = {**server_mode(SERVERS), **data}
+    assert load_config_dict(ok).stage2_ab.channel_b.enable_pipeline
+
+
+def test_pipeline_needs_step_mode(problems_of) -> None:
+    data = {**server_mode(SERVERS), "stage2_ab": {"channel_b": {"mode": "micro", "enable_pipeline": True}}}
+    problem = problems_of(data).only("stage2_ab.channel_b.enable_pipeline")
+    assert "stage2_ab.channel_b.mode: step" in problem.fix
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        rollout(rollout_backend="hf"),  # no server
+        rollout(vllm={"mode": "colocate"}),
+        server_mode(SERVERS, enable_lora=True, sync={"mode": "auto"})
+        | {"model": {"lora": {"enabled": True}}},
+    ],
+    ids=["hf", "colocate", "adapter-sync"],
+)
+def test_async_needs_server_mode_and_full_sync(problems_of, data: dict[str, Any]) -> None:
+    data = {**data, "stage2_ab": {"channel_b": {"mode": "async"}}}
+    problem = problems_of(data).only("stage2_ab.channel_b.mode")
+    assert problem.value == "async"
+    assert f"{VLLM}.mode: server" in problem.fix and f"{VLLM}.sync.mode: full" in problem.fix
+
+
+def test_async_in_server_mode_loads() -> None:
+    cfg = load_config_dict({**server_mode(SERVERS), "stage2_ab": {"channel_b": {"mode": "async"}}})
+    assert cfg.stage2_ab.channel_b.async_.queue_limit == 8
+
+
+# ------------------------------------------------------------------------------------ lora / sync
+def test_adapter_sync_needs_enable_lora(problems_of) -> None:
+    problem = problems_of(rollout(vllm={"sync": {"mode": "adapter"}})).only(f"{VLLM}.sync.mode")
+    assert f"{VLLM}.enable_lora: true" in problem.fix and f"{VLLM}.sync.mode: full" in problem.fix
+
+
+def test_enable_lora_needs_model_lora(problems_of) -> None:
+    problem = problems_of(rollout(vllm={"enable_lora": True})).only(f"{VLLM}.enable_lora")
+    assert "model.lora.enabled: true" in problem.fix
+
+
+@pytest.mark.parametrize(
+    ("mode", "enable_lora", "expected"),
+    [
+        ("full", False, "full"),
+        ("full", True, "full"),
+        ("auto", False, "full"),
+        ("auto", True, "adapter"),
+        ("adapter", True, "adapter"),
+    ],
+)
+def test_resolve_sync_mode(mode: str, enable_lora: bool, expected: str) -> None:
+    data = rollout(vllm={"sync": {"mode": mode}, "enable_lora": enable_lora}) | {
+        "model": {"lora": {"enabled": True}}
+    }
+    assert resolve_sync_mode(load_config_dict(data)) == expected
+
+
+# ------------------------------------------------------------------------------------ engine memory
+@pytest.mark.parametrize("value", [0.0, -0.1, 1.01])
+def test_gpu_memory_utilization_range(problems_of, value: float) -> None:
+    problem = problems_of(rollout(vllm={"gpu_memory_utilization": value})).only(
+        f"{VLLM}.gpu_memory_utilization"
+    )
+    assert problem.value == value and "(0, 1]" in problem.fix
+
+
+def test_gpu_memory_utilization_one_is_allowed() -> None:
+    assert (
+        load_config_dict(rollout(vllm={"gpu_memory_utilization": 1.0})).rollout.vllm.gpu_memory_utilization
+        == 1.0
+    )
+
+
+def test_max_model_len_below_global_max_length(problems_of) -> None:
+    data = {**rollout(vllm={"max_model_len": 1024}), "training": {"global_max_length": 2048}}
+    problem = problems_of(data).only(f"{VLLM}.max_model_len")
+    assert problem.value == 1024 and "training.global_max_length=2048" in problem.fix
+    assert load_config_dict(
+        {**rollout(vllm={"max_model_len": 2048}), "training": {"global_max_length": 2048}}
+    )
+
+
+# ------------------------------------------------------------------------------------------ servers
+def test_both_server_forms(problems_of) -> None:
+    server = {**SERVERS, "base_url": "http://127.0.0.1:8001", "group_port": 51217}
+    problem = problems_of(server_mode(server)).only(f"{SERVER}.servers")
+    assert "keep only `servers`" in problem.fix
+
+
+def test_legacy_lists_of_different_lengths(problems_of) -> None:
+    server = {"base_url": ["http://a:1", "http://b:1"], "group_port": [51216, 51217, 51218]}
+    problem = problems_of(server_mode(server)).only(f"{SERVER}.group_port")
+    assert problem.value == [51216, 51217, 51218] and "3 group_port(s) for 2 base_url(s)" in problem.fix
+
+
+def test_legacy_base_url_without_group_port(problems_of) -> None:
+    problem = problems_of(server_mode({"base_url": "http://a:1"})).only(f"{SERVER}.base_url")
+    assert "group_port" in problem.fix and f"{SERVER}.servers" in problem.fix
+
+
+def test_legacy_group_port_without_base_url(problems_of) -> None:
+    problem = problems_of(server_mode({"group_port": 51216})).only(f"{SERVER}.group_port")
+    assert "base_url" in problem.fix
+
+
+def test_server_mode_without_servers(problems_of) -> None:
+    for server in ({}, {"servers": []}):
+        problem = problems_of(server_mode(server)).only(f"{SERVER}.servers")
+        assert "no rollout server is configured" in problem.fix and "vllm.mode: colocate" in problem.fix
+
+
+@pytest.mark.parametrize("timeout", [0, -5.0])
+def test_timeout_must_be_positive(problems_of, timeout: float) -> None:
+    problem = problems_of(server_mode({**SERVERS, "timeout_s": timeout})).only(f"{SERVER}.timeout_s")
+    assert problem.value == timeout and "> 0" in problem.fix
+
+
+def test_duplicate_base_url(problems_of) -> None:
+    server = {
+        "servers": [
+            {"base_url": "http://a:8000", "group_port": 1},
+            {"base_url": "http://a:8000/", "group_port": 2},
+        ]
+    }
+    problem = problems_of(server_mode(server)).only(f"{SERVER}.servers")
+    assert problem.value == "http://a:8000/" and "duplicate" in problem.fix
+
+
+def test_url_needs_scheme(problems_of) -> None:
+    problem = problems_of(server_mode({"servers": [{"base_url": "a:8000", "group_port": 1}]})).only(
+        f"{SERVER}.servers"
+    )
+    assert "http://" in problem.fix
+
+
+def test_resolve_servers_legacy_int_port_counts_up() -> None:
+    cfg = ServerConfig(base_url=["http://a:8000", "http://b:8000", "http://c:8000"], group_port=51216)
+    assert resolve_servers(cfg) == [
+        ServerEndpoint(base_url="http://a:8000", group_port=51216),
+        ServerEndpoint(base_url="http://b:8000", group_port=51217),
+        ServerEndpoint(base_url="http://c:8000", group_port=51218),
+    ]
+
+
+def test_resolve_servers_forms() -> None:
+    assert resolve_servers(ServerConfig(base_url="http://a:8000", group_port=[9])) == [
+        ServerEndpoint(base_url="http://a:8000", group_port=9)
+    ]
+    preferred = ServerConfig(servers=[ServerEndpoint(base_url="http://a:8000", group_port=7)])
+    assert resolve_servers(preferred) == [ServerEndpoint(base_url="http://a:8000", group_port=7)]
+    assert resolve_servers(ServerConfig()) == []
+
+
+def test_resolve_servers_raises_on_bad_pairing() -> None:
+    with pytest.raises(ConfigError, match=r"server\.group_port.*2 group_port\(s\) for 1 base_url"):
+        resolve_servers(ServerConfig(base_url="http://a:8000", group_port=[1, 2]))
+
+
+def test_legacy_lists_via_override() -> None:
+    cfg = load_config_dict(
+        server_mode({}),
+        [f"{SERVER}.base_url=[http://a:8000,http://b:8000]", f"{SERVER}.group_port=51216"],
+    )
+    assert [(s.base_url, s.group_port) for s in resolve_servers(cfg.rollout.vllm.server)] == [
+        ("http://a:8000", 51216),
+        ("http://b:8000", 51217),
+    ]
+
+
+# ------------------------------------------------------------------------------------------ runtime
+def test_runtime_adapter_sync_under_several_ranks() -> None:
+    for sync in ("adapter", "auto"):
+        data = rollout(vllm={"sync": {"mode": sync}, "enable_lora": True, "tensor_parallel_size": 1})
+        cfg = load_config_dict(data | {"model": {"lora": {"enabled": True}}})
+        assert check_runtime(cfg, world_size=1, device_count=0, device_type="cpu") == []
+        (problem,) = check_runtime(cfg, world_size=2, device_count=0, device_type="cpu")
+        assert problem.key == f"{VLLM}.sync.mode" and problem.value == sync
+        assert f"{VLLM}.sync.mode: full" in problem.fix
+
+
+def test_runtime_step_mode_under_several_ranks() -> None:
+    cfg = load_config_dict(rollout(rollout_backend="hf") | {"stage2_ab": {"channel_b": {"mode": "step"}}})
+    assert check_runtime(cfg, world_size=1, device_count=0, device_type="cpu") == []
+    (problem,) = check_runtime(cfg, world_size=4, device_count=0, device_type="cpu")
+    assert problem.key == "stage2_ab.channel_b.mode" and "stage2_ab.channel_b.mode: async" in problem.fix
+
+
+def test_runtime_tensor_parallel_size() -> None:
+    cfg = load_config_dict(rollout(vllm={"tensor_parallel_size": 4}))
+    (cpu,) = check_runtime(cfg, world_size=1, device_count=0, device_type="cpu")
+    assert (
+        cpu.key == f"{VLLM}.tensor_parallel_size" and cpu.value == 4 and "tensor_parallel_size: 1" in cpu.fix
+    )
+    (gpu,) = check_runtime(cfg, world_size=1, device_count=2, device_type="cuda")
+    assert "tensor_parallel_size <= 2" in gpu.fix
+    assert check_runtime(cfg, world_size=1, device_count=4, device_type="cuda") == []
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        rollout(rollout_backend="hf"),
+        server_mode(SERVERS),
+        {"custom": {"trainer_variant": "sft"}},  # stage-1 makes no rollouts
+    ],
+    ids=["hf", "server", "sft"],
+)
+def test_runtime_tensor_parallel_only_for_colocated_vllm(data: dict[str, Any]) -> None:
+    cfg = load_config_dict(data)
+    assert cfg.rollout.vllm.tensor_parallel_size == 4
+    assert check_runtime(cfg, world_size=1, device_count=0, device_type="cpu") == []
+
+
+def test_validate_runtime_raises_every_problem() -> None:
+    data = rollout(vllm={"sync": {"mode": "adapter"}, "enable_lora": True}) | {
+        "model": {"lora": {"enabled": True}},
+        "stage2_ab": {"channel_b": {"mode": "step"}},
+    }
+    with pytest.raises(ConfigError) as info:
+        validate_runtime(load_config_dict(data), world_size=2, device_count=0, device_type="cpu")
+    assert sorted(p.key for p in info.value.problems) == sorted(
+        [f"{VLLM}.sync.mode", "stage2_ab.channel_b.mode", f"{VLLM}.tensor_parallel_size"]
+    )

@@ -1,0 +1,67 @@
+"""Row and batch layouts: what the model receives for packed and padded training."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from rollmatch.errors import PackingError
+from rollmatch.packing.collate import model_inputs, pack_row, pad_batch
+from rollmatch.packing.segment import Segment
+
+
+def test_pack_row_layout(text_segment: Callable[..., Segment]) -> None:
+    a, b = text_segment("a", 4), text_segment("b", 3)
+    a.weights = torch.ones(4)
+    b.weights = torch.full((3,), 2.0)
+    b.position_ids = torch.tensor([[5, 6, 7], [8, 9, 10], [11, 12, 13]])
+    row = pack_row([a, b])
+    assert torch.equal(row["input_ids"], torch.cat([a.input_ids, b.input_ids])[None])
+    assert row["weights"].tolist() == [[0.0, 1.0, 1.0, 1.0, 0.0, 2.0, 2.0]]
+    assert float(a.weights[0]) == 1.0, "pack_row must not modify the segment"
+    assert row["position_ids"].shape == (4, 1, 7)
+    assert row["position_ids"][0, 0].tolist() == [0, 1, 2, 3, 0, 1, 2]
+    assert row["position_ids"][1:, 0, 4:].tolist() == b.position_ids.tolist()
+    assert row["attention_mask"] is None and row["pixel_values"] is None and row["image_grid_thw"] is None
+    assert row["segment_lengths"].tolist() == [4, 3]
+
+
+def test_pack_row_concatenates_vision_inputs_in_order(
+    family_segments: Callable[[str], list[Segment]], text_segment: Callable[..., Segment]
+) -> None:
+    images = family_segments("qwen2_5_vl")[:3]
+    row = pack_row([images[0], text_segment("text-only", 5), images[1], images[2]])
+    assert torch.equal(row["pixel_values"], torch.cat([s.pixel_values for s in images]))
+    assert torch.equal(row["image_grid_thw"], torch.cat([s.image_grid_thw for s in images]))
+    assert row["mm_token_type_ids"].shape == row["input_ids"].shape
+    assert int(row["mm_token_type_ids"].sum()) == sum(int(s.mm_token_type_ids.sum()) for s in images)
+
+
+def test_pad_batch_layout(text_segment: Callable[..., Segment]) -> None:
+    a, b = text_segment("a", 4), text_segment("b", 2)
+    batch = pad_batch([a, b], pad_token_id=99)
+    assert batch["input_ids"][1].tolist() == [*b.input_ids.tolist(), 99, 99]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]
+    assert batch["weights"][1, 2:].tolist() == [0.0, 0.0] and float(batch["weights"][0, 0]) == 0.0
+    assert torch.equal(batch["weights"][0, 1:], a.weights[1:])
+    assert "position_ids" not in batch
+
+
+def test_model_inputs_and_empty_input(text_segment: Callable[..., Segment]) -> None:
+    row = pack_row([text_segment("a", 3)])
+    kwargs = model_inputs(row)
+    assert kwargs["use_cache"] is False
+    assert set(kwargs) == {
+        "input_ids",
+        "attention_mask",
+        "position_ids",
+        "pixel_values",
+        "image_grid_thw",
+        "mm_token_type_ids",
+        "use_cache",
+    }
+    for fn in (pack_row, lambda s: pad_batch(s, 0)):
+        with pytest.raises(PackingError, match="no segments"):
+            fn([])

@@ -1,0 +1,159 @@
+"""A packed row trains exactly like separate forwards, for every Qwen-VL family.
+
+Rows mix real photographs of different sizes (different image grids) with real tokenized
+responses. Checked: per-segment weighted losses, gradients, and one optimizer step of packed rows
+(two micro-steps) against an unpacked padded batch. Guard tests show the same comparison catches a
+cross-segment leak (``use_cache`` left on; plain concatenated positions).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import pytest
+import torch
+
+from rollmatch.packing.collate import model_inputs, pack_row, pad_batch
+from rollmatch.packing.segment import Segment
+from rollmatch.training.losses import normalize_step_loss, per_segment_ce, weighted_ce_sum
+
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+
+
+def separate_losses(model: Any, segments: Sequence[Segment]) -> list[torch.Tensor]:
+    """Each segment alone through the unpacked path (a batch of one)."""
+    losses = []
+    for segment in segments:
+        batch = pad_batch([segment], pad_token_id=0)
+        logits = model(**model_inputs(batch)).logits
+        losses.append(weighted_ce_sum(logits, batch["input_ids"], batch["weights"]))
+    return losses
+
+
+def packed_losses(model: Any, segments: Sequence[Segment], **overrides: Any) -> list[torch.Tensor]:
+    row = pack_row(segments)
+    kwargs = {**model_inputs(row), **overrides}
+    logits = model(**kwargs).logits
+    return per_segment_ce(logits, row["input_ids"], row["weights"], row["segment_lengths"])
+
+
+def gradients(model: Any) -> dict[str, torch.Tensor]:
+    return {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_close_losses(packed: Sequence[torch.Tensor], separate: Sequence[torch.Tensor], atol: float) -> None:
+    diffs = [abs(float(a.detach()) - float(b.detach())) for a, b in zip(packed, separate, strict=True)]
+    assert max(diffs) <= atol, f"packed vs separate per-segment loss differences {diffs}"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_packed_losses_and_gradients_equal_separate_forwards(
+    family: str,
+    family_models: Callable[[str], tuple[Any, Any]],
+    family_segments: Callable[[str], list[Segment]],
+) -> None:
+    model, _ = family_models(family)
+    segments = family_segments(family)
+    grids = {tuple(s.image_grid_thw[0].tolist()) for s in segments if s.image_grid_thw is not None}
+    assert len(grids) >= 3, "the row must mix images of different sizes"
+    total_weight = sum(s.weight_sum for s in segments)
+
+    model.zero_grad(set_to_none=True)
+    packed = packed_losses(model, segments)
+    normalize_step_loss(torch.stack(packed).sum(), total_weight).backward()
+    packed_grads = gradients(model)
+
+    model.zero_grad(set_to_none=True)
+    separate = separate_losses(model, segments)
+    normalize_step_loss(torch.stack(separate).sum(), total_weight).backward()
+    separate_grads = gradients(model)
+    model.zero_grad(set_to_none=True)
+
+    assert_close_losses(packed, separate, atol=1e-5)
+    assert packed_grads.keys() == separate_grads.keys()
+    assert any(name.startswith("model.visual") for name in packed_grads), "vision tower must get gradients"
+    for name, reference in separate_grads.items():
+        diff = (packed_grads[name] - reference).norm()
+        assert diff <= 1e-4 * reference.norm() + 1e-10, f"{name}: |d|={diff:.3e} vs |g|={reference.norm():.3e}"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_one_optimizer_step_packed_equals_unpacked(
+    family: str,
+    family_models: Callable[[str], tuple[Any, Any]],
+    family_segments: Callable[[str], list[Segment]],
+) -> None:
+    """Two packed micro-steps vs one padded batch of the same samples, same step normalisation."""
+    base, processor = family_models(family)
+    segments = family_segments(family)
+    total_weight = sum(s.weight_sum for s in segments)
+    models = {}
+    for path in ("packed", "unpacked"):
+        model = copy.deepcopy(base).train()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        if path == "packed":
+            for row in (segments[:2], segments[2:]):  # gradient accumulation over two rows
+                batch = pack_row(row)
+                logits = model(**model_inputs(batch)).logits
+                ce = weighted_ce_sum(logits, batch["input_ids"], batch["weights"])
+                normalize_step_loss(ce, total_weight).backward()
+        else:
+            batch = pad_batch(segments, pad_token_id=processor.tokenizer.pad_token_id)
+            logits = model(**model_inputs(batch)).logits
+            normalize_step_loss(weighted_ce_sum(logits, batch["input_ids"], batch["weights"]), total_weight).backward()
+        optimizer.step()
+        models[path] = model
+
+    moved = 0.0
+    reference_params = dict(base.named_parameters())
+    for (name, p_packed), p_unpacked in zip(
+        models["packed"].named_parameters(), models["unpacked"].parameters(), strict=True
+    ):
+        moved = max(moved, float((p_unpacked - reference_params[name]).detach().abs().max()))
+        torch.testing.assert_close(p_packed, p_unpacked, rtol=0, atol=1e-6, msg=f"parameter {name} differs")
+    assert moved > 1e-4, "the optimizer step must change the parameters for the comparison to mean anything"
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_guard_use_cache_on_leaks_across_segments(
+    family: str,
+    family_models: Callable[[str], tuple[Any, Any]],
+    family_segments: Callable[[str], list[Segment]],
+) -> None:
+    model, _ = family_models(family)
+    segments = family_segments(family)[:3]
+    with torch.no_grad():
+        separate = separate_losses(model, segments)
+        leaked = packed_losses(model, segments, use_cache=True)
+    with pytest.raises(AssertionError, match="per-segment loss differences"):
+        assert_close_losses(leaked, separate, atol=1e-5)
+    # The first segment has nothing before it: it is unaffected; later ones see their predecessors.
+    assert abs(float(leaked[0]) - float(separate[0])) <= 1e-5
+
+
+def test_guard_concatenated_positions_leak(
+    family_models: Callable[[str], tuple[Any, Any]], family_segments: Callable[[str], list[Segment]]
+) -> None:
+    """Without per-segment positions the model treats the row as one sequence (one mRoPE, one mask)."""
+    model, _ = family_models("qwen2_vl")
+    segments = family_segments("qwen2_vl")[:3]
+    with torch.no_grad():
+        separate = separate_losses(model, segments)
+        leaked = packed_losses(model, segments, position_ids=None)
+    with pytest.raises(AssertionError, match="per-segment loss differences"):
+        assert_close_losses(leaked, separate, atol=1e-5)
+
+
+def test_padded_batch_equals_separate_forwards(
+    family_models: Callable[[str], tuple[Any, Any]], family_segments: Callable[[str], list[Segment]]
+) -> None:
+    model, processor = family_models("qwen2_5_vl")
+    segments = family_segments("qwen2_5_vl")
+    batch = pad_batch(segments, pad_token_id=processor.tokenizer.pad_token_id)
+    with torch.no_grad():
+        logits = model(**model_inputs(batch)).logits
+        separate = separate_losses(model, segments)
+    batched = [weighted_ce_sum(logits[i], batch["input_ids"][i], batch["weights"][i]) for i in range(len(segments))]
+    assert_close_losses(batched, separate, atol=1e-5)

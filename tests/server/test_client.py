@@ -1,0 +1,139 @@
+"""The server-mode backend against real servers: chunking over two servers, config forms, start-up checks."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from rollmatch.errors import BackendError, ConfigError
+from rollmatch.rollout.client import ServerBackend, ServerConnection, resolve_sync_mode
+from rollmatch.rollout.types import Decoding
+from rollmatch.training.dist import LocalCollectives
+
+DECODING = Decoding(max_new_tokens=4)
+
+
+def _backend(cfg: Any, model: Any, tokenizer: Any) -> ServerBackend:
+    return ServerBackend.from_config(
+        cfg, model=model, tokenizer=tokenizer, model_dir=cfg.model.path, collectives=LocalCollectives()
+    )
+
+
+def test_requests_are_split_in_contiguous_chunks_and_reassembled_in_order(
+    hf_server: Any,
+    hf_sync_server: Any,
+    server_config: Callable[..., Any],
+    raccoon_requests: list[Any],
+    loaded_tiny: tuple[Any, Any],
+    prompt_encoder: Any,
+    free_port: Callable[[], int],
+) -> None:
+    servers = [{"base_url": hf_server.url, "group_port": free_port()},
+               {"base_url": hf_sync_server.url, "group_port": free_port()}]  # fmt: skip
+    backend = _backend(server_config(servers=servers), loaded_tiny[0], prompt_encoder.tokenizer)
+    requests = [*raccoon_requests, *raccoon_requests[:2]]
+    for i, request in enumerate(requests):
+        request = requests[i] = type(request)(**{**vars(request), "sample_id": f"s{i}"})
+    before = [s.get("/stats/")["infer_requests"] for s in (hf_server, hf_sync_server)]
+    rollouts = [backend.generate(requests, DECODING, seed=100) for _ in range(2)]
+    after = [s.get("/stats/")["infer_requests"] for s in (hf_server, hf_sync_server)]
+    for run in rollouts:  # N=5, S=2 -> [0:3] on the first server, [3:5] on the second, twice the same
+        assert [r.sample_id for r in run] == [f"s{i}" for i in range(5)]
+        assert [r.provenance.server for r in run] == [hf_server.url] * 3 + [hf_sync_server.url] * 2
+        assert [r.provenance.seed for r in run] == [100] * 3 + [103] * 2
+        assert [r.prompt_token_ids for r in run] == [q.prompt_token_ids for q in requests]
+    assert [a - b for a, b in zip(after, before, strict=True)] == [6, 4]
+    assert rollouts[0][3].response_token_ids == rollouts[0][0].response_token_ids  # same prompt, both greedy
+    calls = hf_server.get("/stats/")["infer_calls"]
+    assert backend.generate([], DECODING, seed=1) == []  # N=0 sends nothing
+    assert hf_server.get("/stats/")["infer_calls"] == calls
+    backend.close()
+
+
+def test_sampling_is_seeded_per_chunk_and_logged(
+    hf_server: Any,
+    server_config: Callable[..., Any],
+    raccoon_requests: list[Any],
+    loaded_tiny: tuple[Any, Any],
+    prompt_encoder: Any,
+    caplog: pytest.LogCaptureFixture,
+    free_port: Callable[[], int],
+) -> None:
+    backend = _backend(
+        server_config(servers=[{"base_url": hf_server.url, "group_port": free_port()}]),
+        loaded_tiny[0], prompt_encoder.tokenizer,
+    )  # fmt: skip
+    sampling = Decoding(temperature=1.0, top_p=0.95, top_k=50, max_new_tokens=6)
+    with caplog.at_level("INFO", logger="rollmatch.rollout.client"):
+        first = backend.generate(raccoon_requests[:2], sampling, seed=5)
+    again = backend.generate(raccoon_requests[:2], sampling, seed=5)
+    assert [r.response_token_ids for r in first] == [r.response_token_ids for r in again]
+    assert "temperature=1.0 top_p=0.95 top_k=50" in caplog.text and f"{hf_server.url}': 5" in caplog.text
+    backend.close()
+
+
+def test_both_config_forms_and_mismatched_lists_fail_fast(server_config: Callable[..., Any]) -> None:
+    with pytest.raises(ConfigError, match="keep only `servers`"):
+        _backend(
+            server_config(servers=[{"base_url": "http://127.0.0.1:1", "group_port": 2}], base_url="http://127.0.0.1:1"),
+            None, None,
+        )  # fmt: skip
+    with pytest.raises(ConfigError, match="1 group_port"):
+        _backend(
+            server_config(base_url=["http://127.0.0.1:1", "http://127.0.0.1:2"], group_port=[3]), None, None
+        )
+
+
+def test_unreachable_server_fails_within_the_timeout_naming_url_and_alternatives(
+    server_config: Callable[..., Any], free_port: Callable[[], int]
+) -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    start = time.monotonic()
+    with pytest.raises(BackendError) as caught:
+        _backend(server_config(base_url=url, group_port=free_port(), timeout_s=2.0), None, None)
+    assert time.monotonic() - start < 10
+    message = str(caught.value)
+    assert url in message and "after 2s" in message
+    assert "vllm.mode: colocate" in message and "rollout_backend: hf" in message
+
+
+def test_server_of_another_model_is_refused_showing_both_values(
+    hf_server: Any,
+    server_config: Callable[..., Any],
+    loaded_tiny: tuple[Any, Any],
+    prompt_encoder: Any,
+    free_port: Callable[[], int],
+) -> None:
+    backend = _backend(
+        server_config(servers=[{"base_url": hf_server.url, "group_port": free_port()}]),
+        loaded_tiny[0], prompt_encoder.tokenizer,
+    )  # fmt: skip
+    served = hf_server.get("/info/")["fingerprint"]
+    local = {"fingerprint": dict(served, tokenizer="0123456789abcdef"), "max_length": 8192}
+    with pytest.raises(BackendError) as caught:
+        backend.check_compatible(local)
+    message = str(caught.value)
+    assert f"tokenizer: trainer '0123456789abcdef' vs server '{served['tokenizer']}'" in message
+    assert "max_model_len 4096" in message
+    backend.close()
+
+
+def test_adapter_sync_under_several_ranks_fails_fast_with_guidance() -> None:
+    assert resolve_sync_mode("auto", enable_lora=False, world_size=2) == "full"
+    assert resolve_sync_mode("auto", enable_lora=True, world_size=1) == "adapter"
+    for mode, lora in (("adapter", True), ("auto", True)):
+        with pytest.raises(
+            ConfigError,
+            match=r"vllm.sync.mode = '\w+': .*set `custom.extra.rollout_matching.vllm.sync.mode: full`",
+        ):
+            resolve_sync_mode(mode, enable_lora=lora, world_size=2)
+
+
+def test_infer_timeout_null_or_non_positive_means_none() -> None:
+    for value, expected in ((None, None), (0.0, None), (-1.0, None), (30.0, 30.0)):
+        assert (
+            ServerConnection("http://h:1", 2, timeout_s=1, infer_timeout_s=value).infer_timeout_s == expected
+        )

@@ -1,0 +1,46 @@
+"""Fixtures for trainer tests: a small synthetic shapes set and a config factory."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rollmatch.config.load import deep_merge, load_config_dict
+from rollmatch.config.schema import RollmatchConfig
+
+
+@pytest.fixture(scope="session")
+def shapes_small(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from rollmatch.data.shapes import generate_shapes
+
+    return generate_shapes(tmp_path_factory.mktemp("shapes"), n_train=8, n_val=4, size=112, seed=0)
+
+
+@pytest.fixture
+def make_config(tiny_model_dir: Path, shapes_small: dict[str, Path], tmp_path: Path) -> Callable[..., RollmatchConfig]:
+    def make(extra: dict[str, Any] | None = None) -> RollmatchConfig:
+        base: dict[str, Any] = {
+            "model": {"path": str(tiny_model_dir)},
+            "data": {"train_jsonl": str(shapes_small["train"]), "val_jsonl": str(shapes_small["val"])},
+            "custom": {
+                "trainer_variant": "rollout_matching_sft",
+                "extra": {"rollout_matching": {"rollout_backend": "hf", "max_new_tokens": 24}},
+            },
+            "training": {
+                "output_dir": str(tmp_path / "out"),
+                "per_device_train_batch_size": 2,
+                "max_steps": 4,
+                "learning_rate": 3e-3,
+                "report_to": [],
+                "logging_steps": 1,
+                "save_steps": 1000,
+                "packing": True,
+                "global_max_length": 1024,
+            },
+        }
+        return load_config_dict(deep_merge(base, extra or {}))
+
+    return make
