@@ -28,7 +28,8 @@ DEMO_CONFIG: dict[str, Any] = {
     "training": {
         "per_device_train_batch_size": 8,
         "packing": True,
-        "global_max_length": 1024,
+        # one packed row per micro-step must hold the micro-batch: 8 samples x ~250 tokens
+        "global_max_length": 2048,
         "carry_buffer_size": 64,
         "logging_steps": 5,
         "save_steps": 1000,

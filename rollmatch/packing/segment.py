@@ -107,22 +107,28 @@ def build_segment(
 
 def find_rope_index(model: nn.Module) -> RopeIndexFn:
     """The ``get_rope_index`` of a Qwen-VL model, through DDP / PEFT / ForConditionalGeneration wrappers."""
+    base = unwrap_model(model)
+    for candidate in (base, getattr(base, "model", None)):
+        fn = getattr(candidate, "get_rope_index", None)
+        if callable(fn):
+            return fn
+    raise PackingError(
+        f"{type(model).__name__} has no `get_rope_index` (looked through DDP/PEFT wrappers and `.model`): "
+        "packing needs a Qwen2-VL / Qwen2.5-VL / Qwen3-VL model; set `training.packing: false` otherwise"
+    )
+
+
+def unwrap_model(model: nn.Module) -> Any:
+    """The transformers model inside DDP / DeepSpeed (``.module``) and PEFT (``get_base_model``) wrappers."""
     current: Any = model
     for _ in range(8):  # wrappers nest a few levels at most; a cycle must not loop forever
-        for candidate in (current, getattr(current, "model", None)):
-            fn = getattr(candidate, "get_rope_index", None)
-            if callable(fn):
-                return fn
         if hasattr(current, "get_base_model"):  # peft.PeftModel
             current = current.get_base_model()
         elif isinstance(getattr(current, "module", None), nn.Module):  # DDP / DeepSpeed engine
             current = current.module
         else:
-            break
-    raise PackingError(
-        f"{type(model).__name__} has no `get_rope_index` (looked through DDP/PEFT wrappers and `.model`): "
-        "packing needs a Qwen2-VL / Qwen2.5-VL / Qwen3-VL model; set `training.packing: false` otherwise"
-    )
+            return current
+    return current
 
 
 def _as_long(values: Sequence[int] | torch.Tensor) -> torch.Tensor:
@@ -137,7 +143,9 @@ def _check_parts(
     prompt_types: torch.Tensor,
 ) -> None:
     if prompt.shape[0] == 0:
-        raise PackingError(f"sample {sample_id!r}: empty prompt; every segment starts with its encoded prompt")
+        raise PackingError(
+            f"sample {sample_id!r}: empty prompt; every segment starts with its encoded prompt"
+        )
     if response.shape[0] != response_weights.shape[0]:
         raise PackingError(
             f"sample {sample_id!r}: {response.shape[0]} response ids but {response_weights.shape[0]} "

@@ -34,7 +34,7 @@ def build_backend(
             else max(cfg.training.per_device_train_batch_size, 1),
         )
     if rm.vllm.mode == "colocate":
-        from rollmatch.rollout.vllm_engine import VllmColocateBackend
+        from rollmatch.rollout.vllm_colocate import VllmColocateBackend
 
         return VllmColocateBackend.from_config(
             cfg, model=model, tokenizer=tokenizer, model_dir=model_dir, collectives=collectives

@@ -104,7 +104,9 @@ class ServerConnection:
         if reply.status_code != 200:
             detail = _detail(reply)
             error = SyncError if reply.status_code == 409 else BackendError
-            raise error(f"rollout server {self.url}: {phase} ({method} {path}) -> HTTP {reply.status_code}: {detail}")
+            raise error(
+                f"rollout server {self.url}: {phase} ({method} {path}) -> HTTP {reply.status_code}: {detail}"
+            )
         return reply.json()
 
     def close(self) -> None:
@@ -155,19 +157,31 @@ class ServerBackend:
         endpoints = resolve_servers(vllm.server)
         if not endpoints:
             raise ConfigError(
-                [ConfigProblem(f"{_KEY}.server.servers", None, "server mode needs at least one server entry "
-                               "({base_url, group_port})")]  # fmt: skip
+                [
+                    ConfigProblem(
+                        f"{_KEY}.server.servers",
+                        None,
+                        "server mode needs at least one server entry ({base_url, group_port})",
+                    )
+                ]
             )
         mode = resolve_sync_mode(vllm.sync.mode, vllm.enable_lora, collectives.world_size)
         connections = [
-            ServerConnection(e.base_url, e.group_port, timeout_s=vllm.server.timeout_s,
-                             infer_timeout_s=vllm.server.infer_timeout_s)
+            ServerConnection(
+                e.base_url,
+                e.group_port,
+                timeout_s=vllm.server.timeout_s,
+                infer_timeout_s=vllm.server.infer_timeout_s,
+            )
             for e in endpoints
-        ]  # fmt: skip
+        ]
         backend = cls(
-            connections, collectives=collectives, tokenizer=tokenizer, sync_mode=mode,
+            connections,
+            collectives=collectives,
+            tokenizer=tokenizer,
+            sync_mode=mode,
             fallback_to_full=vllm.sync.fallback_to_full,
-        )  # fmt: skip
+        )
         with ThreadPoolExecutor(max_workers=len(connections)) as pool:
             list(pool.map(ServerConnection.wait_healthy, connections))
         backend.check_compatible(local_model_info(cfg, model, model_dir))
@@ -189,7 +203,9 @@ class ServerBackend:
             info = ServerInfo.model_validate(conn.get("/info/", "start-up cross-check"))
             lines = fingerprint_mismatches(local_info["fingerprint"], info.fingerprint)
             if info.protocol_version != PROTOCOL_VERSION:
-                lines.append(f"protocol_version: trainer {PROTOCOL_VERSION} vs server {info.protocol_version}")
+                lines.append(
+                    f"protocol_version: trainer {PROTOCOL_VERSION} vs server {info.protocol_version}"
+                )
             if info.max_model_len < int(local_info.get("max_length", 0)):
                 lines.append(
                     f"max length: trainer training.global_max_length {local_info['max_length']} vs server "
@@ -216,16 +232,22 @@ class ServerBackend:
             return []
         jobs = [
             (conn, start, end)
-            for conn, (start, end) in zip(self.connections, contiguous_chunks(len(requests), len(self.connections)), strict=True)
+            for conn, (start, end) in zip(
+                self.connections, contiguous_chunks(len(requests), len(self.connections)), strict=True
+            )
             if end > start
-        ]  # fmt: skip
+        ]
         if not decoding.greedy:
             log.info(
                 "rollout sampling: temperature=%s top_p=%s top_k=%s repetition_penalty=%s max_new_tokens=%d; "
-                "chunk seeds %s", decoding.temperature, decoding.top_p, decoding.top_k,
-                decoding.repetition_penalty, decoding.max_new_tokens,
+                "chunk seeds %s",
+                decoding.temperature,
+                decoding.top_p,
+                decoding.top_k,
+                decoding.repetition_penalty,
+                decoding.max_new_tokens,
                 {conn.url: seed + start for conn, start, _ in jobs},
-            )  # fmt: skip
+            )
         with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
             futures = [
                 pool.submit(self._infer_chunk, conn, requests[start:end], decoding, seed + start)
@@ -247,7 +269,9 @@ class ServerBackend:
             ],
             request_config=request_config_from_decoding(decoding, seed),
         )
-        raw = conn.post("/infer/", body, f"rollout of {len(chunk)} request(s)", timeout_s=conn.infer_timeout_s)
+        raw = conn.post(
+            "/infer/", body, f"rollout of {len(chunk)} request(s)", timeout_s=conn.infer_timeout_s
+        )
         if not isinstance(raw, list) or len(raw) != len(chunk):
             got = len(raw) if isinstance(raw, list) else type(raw).__name__
             raise BackendError(f"rollout server {conn.url}: sent {len(chunk)} requests, got {got} outputs")
@@ -257,7 +281,9 @@ class ServerBackend:
             output = RolloutOutput.model_validate(item)
             choice = output.response.choices[0]
             if choice.token_ids is None or output.response.prompt_token_ids is None:
-                raise BackendError(f"rollout server {conn.url} returned no token ids (return_details ignored)")
+                raise BackendError(
+                    f"rollout server {conn.url} returned no token ids (return_details ignored)"
+                )
             rollouts.append(
                 Rollout(
                     sample_id=request.sample_id,
@@ -303,12 +329,16 @@ class ServerBackend:
         stale: list[str] = []
         if self.collectives.is_main:
             for conn in self.connections:
-                version = ServerInfo.model_validate(conn.get("/info/", "start-up version check")).weight_version
+                version = ServerInfo.model_validate(
+                    conn.get("/info/", "start-up version check")
+                ).weight_version
                 if version != 0:
                     stale.append(f"{conn.url} (v{version})")
         stale = self.collectives.broadcast_object(stale, "start-up version check")
         if stale:
-            log.warning("rollout server(s) %s serve weights of an earlier run: pushing the trainer's as v0", stale)
+            log.warning(
+                "rollout server(s) %s serve weights of an earlier run: pushing the trainer's as v0", stale
+            )
             self.sync_weights(model, 0)
 
     # --------------------------------------------------------------------------------- rank 0
@@ -329,13 +359,19 @@ class ServerBackend:
     def _push_mode(self, model: Any, version: int, mode: str) -> SyncReport:
         if self._group_stale:
             self._open_groups(model)
-        adapter = AdapterPayload(peft_adapter_config(model), lora_int_id=version + 1) if mode == "adapter" else None
+        adapter = (
+            AdapterPayload(peft_adapter_config(model), lora_int_id=version + 1) if mode == "adapter" else None
+        )
         targets = list(zip(self.connections, self._transports, strict=True))
         try:
             result = push_update(
-                targets, iter_sync_tensors(model, mode), version=version, mode=mode,  # type: ignore[arg-type]
-                bucket_bytes=self.bucket_bytes, adapter=adapter,
-            )  # fmt: skip
+                targets,
+                iter_sync_tensors(model, mode),
+                version=version,
+                mode=mode,  # type: ignore[arg-type]
+                bucket_bytes=self.bucket_bytes,
+                adapter=adapter,
+            )
         except RollmatchError:
             self._group_stale = True  # a half-sent bucket leaves the group out of step: rebuild it next time
             raise
@@ -349,15 +385,23 @@ class ServerBackend:
         for conn in self.connections:
             server_ranks = int(conn.get("/get_world_size/", "communicator init")["world_size"])
             body = InitCommunicatorBody(
-                host=socket.gethostname(), port=conn.group_port, world_size=server_ranks + 1,
-                backend=backend, timeout_s=conn.timeout_s,
-            )  # fmt: skip
+                host=socket.gethostname(),
+                port=conn.group_port,
+                world_size=server_ranks + 1,
+                backend=backend,
+                timeout_s=conn.timeout_s,
+            )
             conn.post("/init_communicator/", body, "communicator init")
             self._transports.append(
                 GroupTransport(
-                    host=socket.gethostbyname(conn.host), port=conn.group_port, rank=server_ranks,
-                    world_size=server_ranks + 1, backend=backend, timeout_s=conn.timeout_s, device=device,
-                )  # fmt: skip
+                    host=socket.gethostbyname(conn.host),
+                    port=conn.group_port,
+                    rank=server_ranks,
+                    world_size=server_ranks + 1,
+                    backend=backend,
+                    timeout_s=conn.timeout_s,
+                    device=device,
+                )
             )
         self._group_stale = False
 
@@ -367,7 +411,12 @@ class ServerBackend:
         if notify and self.collectives.is_main:
             for conn in self.connections:
                 try:
-                    conn.post("/close_communicator/", None, "close communicator", timeout_s=min(conn.timeout_s, 10.0))
+                    conn.post(
+                        "/close_communicator/",
+                        None,
+                        "close communicator",
+                        timeout_s=min(conn.timeout_s, 10.0),
+                    )
                 except BackendError as exc:  # the server may be gone already; closing must still finish
                     log.warning("%s", exc)
         self._transports = []
@@ -379,8 +428,14 @@ def resolve_sync_mode(mode: str, enable_lora: bool, world_size: int) -> str:
     resolved = ("adapter" if enable_lora else "full") if mode == "auto" else mode
     if resolved == "adapter" and world_size > 1:
         raise ConfigError(
-            [ConfigProblem(f"{_KEY}.sync.mode", mode, f"resolves to adapter sync, which multi-process learners "
-                           f"(world_size {world_size}) do not support: set `{_KEY}.sync.mode: full`")]  # fmt: skip
+            [
+                ConfigProblem(
+                    f"{_KEY}.sync.mode",
+                    mode,
+                    f"resolves to adapter sync, which multi-process learners "
+                    f"(world_size {world_size}) do not support: set `{_KEY}.sync.mode: full`",
+                )
+            ]
         )
     return resolved
 

@@ -146,9 +146,14 @@ class RolloutServer:
         try:
             # Rank 0 hosts the store on this machine's interfaces at the requested port.
             transport = GroupTransport(
-                host="0.0.0.0", port=body.port, rank=0, world_size=body.world_size,
-                backend=body.backend, timeout_s=body.timeout_s, device=device,
-            )  # fmt: skip
+                host="0.0.0.0",
+                port=body.port,
+                rank=0,
+                world_size=body.world_size,
+                backend=body.backend,
+                timeout_s=body.timeout_s,
+                device=device,
+            )
         except RollmatchError as exc:
             self._init_error = str(exc)
             log.error("weight-sync group failed: %s", exc)
@@ -194,9 +199,14 @@ class RolloutServer:
                 self.failed_pushes += 1
                 log.error("weight version %s rejected: %s", body.version, exc)
                 return FinishUpdateReply(
-                    ok=False, version=self.weight_version, checksum="", bucket_checksums=[],
-                    num_bytes=0, num_tensors=0, error=str(exc),
-                )  # fmt: skip
+                    ok=False,
+                    version=self.weight_version,
+                    checksum="",
+                    bucket_checksums=[],
+                    num_bytes=0,
+                    num_tensors=0,
+                    error=str(exc),
+                )
             self.pushes_by_version[update.version] += 1
             return update.reply
 
@@ -213,7 +223,9 @@ class RolloutServer:
             except SyncError:
                 raise
             except Exception as exc:  # a half-applied load: mark the server broken, then report
-                self.broken = f"loading weight version {update.version} failed half-way ({type(exc).__name__}: {exc})"
+                self.broken = (
+                    f"loading weight version {update.version} failed half-way ({type(exc).__name__}: {exc})"
+                )
                 raise BackendError(self.broken) from exc
         self.engine.reset_caches()
         self.weight_version = update.version
@@ -223,6 +235,8 @@ class RolloutServer:
             self._close_locked()
 
     def _close_locked(self) -> None:
+        if self._receiver is not None:
+            self._receiver.close()
         if self._transport is not None:
             self._transport.close()
         self._transport, self._receiver = None, None
@@ -231,10 +245,15 @@ class RolloutServer:
     def info(self) -> ServerInfo:
         engine = self.engine
         return ServerInfo(
-            engine=engine.name, model_dir=engine.model_dir, fingerprint=engine.fingerprint, dtype=engine.dtype,
-            max_model_len=engine.max_model_len, world_size=engine.world_size,
-            weight_version=self.weight_version, sync_modes=list(engine.sync_modes),
-        )  # fmt: skip
+            engine=engine.name,
+            model_dir=engine.model_dir,
+            fingerprint=engine.fingerprint,
+            dtype=engine.dtype,
+            max_model_len=engine.max_model_len,
+            world_size=engine.world_size,
+            weight_version=self.weight_version,
+            sync_modes=list(engine.sync_modes),
+        )
 
     def stats(self) -> ServerStats:
         if self._receiver is not None:
@@ -244,10 +263,13 @@ class RolloutServer:
         else:
             communicator = f"failed: {self._init_error}" if self._init_error else "none"
         return ServerStats(
-            weight_version=self.weight_version, pushes_by_version=dict(self.pushes_by_version),
-            failed_pushes=self.failed_pushes, infer_requests=self.infer_requests,
-            infer_calls=self.infer_calls, communicator=communicator,
-        )  # fmt: skip
+            weight_version=self.weight_version,
+            pushes_by_version=dict(self.pushes_by_version),
+            failed_pushes=self.failed_pushes,
+            infer_requests=self.infer_requests,
+            infer_calls=self.infer_calls,
+            communicator=communicator,
+        )
 
     def close(self) -> None:
         self.close_communicator()
@@ -277,8 +299,12 @@ def build_app(server: RolloutServer) -> FastAPI:
 
     @app.post("/get_engine_type/")
     def get_engine_type() -> dict[str, Any]:
-        return {"engine_type": "LLMEngine", "enable_multi_turn": False, "use_gym_env": False,
-                "enable_lora": "adapter" in server.engine.sync_modes}  # fmt: skip
+        return {
+            "engine_type": "LLMEngine",
+            "enable_multi_turn": False,
+            "use_gym_env": False,
+            "enable_lora": "adapter" in server.engine.sync_modes,
+        }
 
     @app.get("/info/")
     def info() -> ServerInfo:
@@ -339,10 +365,14 @@ def serve_command(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = build_engine(
-        args.engine, args.model, dtype=args.dtype, max_model_len=args.max_model_len,
-        tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
+        args.engine,
+        args.model,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        tensor_parallel_size=args.tensor_parallel_size,
+        data_parallel_size=args.data_parallel_size,
         enable_lora=bool(getattr(args, "enable_lora", False)),
-    )  # fmt: skip
+    )
     server = RolloutServer(engine)
     log.info("rollout server (%s engine, %s) on http://%s:%d", engine.name, args.model, args.host, args.port)
     try:

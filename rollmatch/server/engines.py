@@ -12,6 +12,7 @@ Engines are not thread-safe; the server serialises ``generate`` and weight loads
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,7 +65,9 @@ class ServerEngine(Protocol):
     fingerprint: dict[str, str]
     preparer: PromptPreparer
 
-    def generate(self, prompts: list[PreparedPrompt], decoding: Decoding, seed: int | None) -> list[EngineOutput]:
+    def generate(
+        self, prompts: list[PreparedPrompt], decoding: Decoding, seed: int | None
+    ) -> list[EngineOutput]:
         """Roll out every prompt; request ``j`` samples with seed ``seed + j`` where it can."""
         ...
 
@@ -130,7 +133,7 @@ class PromptPreparer:
 
     def _check_placeholders(self, sample_id: str, ids: list[int], num_images: int) -> None:
         start = int(self.tokenizer.convert_tokens_to_ids("<|vision_start|>"))
-        blocks = sum(1 for a, b in zip(ids, ids[1:], strict=False) if a == start and b == self.image_token_id)
+        blocks = sum(1 for a, b in itertools.pairwise(ids) if a == start and b == self.image_token_id)
         if blocks != num_images:
             raise ValueError(
                 f"sample {sample_id!r}: prompt_token_ids hold {blocks} image placeholder block(s) but the request "
@@ -184,7 +187,9 @@ class HFServerEngine:
     world_size = 1
     sync_modes = ["full"]  # noqa: RUF012  (read-only class constant)
 
-    def __init__(self, model_dir: str, *, dtype: str = "float32", max_model_len: int = 4096, batch_size: int = 8):
+    def __init__(
+        self, model_dir: str, *, dtype: str = "float32", max_model_len: int = 4096, batch_size: int = 8
+    ):
         from transformers import AutoModelForImageTextToText, AutoProcessor
 
         from rollmatch.rollout.hf import HFBackend
@@ -207,11 +212,15 @@ class HFServerEngine:
         )
         self._params = dict(self.model.state_dict())
 
-    def generate(self, prompts: list[PreparedPrompt], decoding: Decoding, seed: int | None) -> list[EngineOutput]:
+    def generate(
+        self, prompts: list[PreparedPrompt], decoding: Decoding, seed: int | None
+    ) -> list[EngineOutput]:
         requests = [self.preparer.pixel_inputs(p) for p in prompts]
         base_seed = int(seed) if seed is not None else int(time.time_ns() % (1 << 31))
         rollouts = self._backend.generate(requests, decoding, base_seed)
-        return [EngineOutput(r.prompt_token_ids, r.response_token_ids, r.text, r.finish_reason) for r in rollouts]
+        return [
+            EngineOutput(r.prompt_token_ids, r.response_token_ids, r.text, r.finish_reason) for r in rollouts
+        ]
 
     @torch.no_grad()
     def load_weights(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
@@ -262,12 +271,18 @@ class VllmServerEngine:
         self._shapes = {name: tuple(t.shape) for name, t in skeleton.state_dict().items()}
         on_cpu = not torch.cuda.is_available()
         self._engine = VllmEngine(
-            self.model_dir, dtype=dtype, max_model_len=self.max_model_len,
-            tensor_parallel_size=tensor_parallel_size, enable_lora=enable_lora, enforce_eager=on_cpu,
-        )  # fmt: skip
+            self.model_dir,
+            dtype=dtype,
+            max_model_len=self.max_model_len,
+            tensor_parallel_size=tensor_parallel_size,
+            enable_lora=enable_lora,
+            enforce_eager=on_cpu,
+        )
         self._engine.start()  # start now: a healthy server is a ready server
 
-    def generate(self, prompts: list[PreparedPrompt], decoding: Decoding, seed: int | None) -> list[EngineOutput]:
+    def generate(
+        self, prompts: list[PreparedPrompt], decoding: Decoding, seed: int | None
+    ) -> list[EngineOutput]:
         requests = [
             RolloutRequest(sample_id=p.sample_id, prompt_token_ids=p.prompt_token_ids, images=p.images)
             for p in prompts
@@ -317,7 +332,9 @@ def build_engine(
 ) -> ServerEngine:
     """The engine ``rollmatch serve`` runs; unsupported parallel sizes fail with what to do instead."""
     if not (Path(model_dir) / "config.json").is_file():
-        raise BackendError(f"--model {model_dir!r} is not a model directory (no config.json); pass a saved model")
+        raise BackendError(
+            f"--model {model_dir!r} is not a model directory (no config.json); pass a saved model"
+        )
     if data_parallel_size != 1:
         raise BackendError(
             f"--data-parallel-size {data_parallel_size}: one server runs one engine; start one `rollmatch serve` "
@@ -325,7 +342,9 @@ def build_engine(
         )
     if engine == "hf":
         if tensor_parallel_size != 1 or enable_lora:
-            raise BackendError("--engine hf supports neither --tensor-parallel-size > 1 nor --enable-lora; use --engine vllm")
+            raise BackendError(
+                "--engine hf supports neither --tensor-parallel-size > 1 nor --enable-lora; use --engine vllm"
+            )
         return HFServerEngine(model_dir, dtype=dtype, max_model_len=max_model_len)
     try:
         import vllm  # noqa: F401

@@ -16,7 +16,9 @@ carry the trainer's ``prompt_token_ids`` (used verbatim, never re-tokenized), ev
 from __future__ import annotations
 
 import base64
+import hashlib
 import io
+import json
 import time
 import uuid
 from pathlib import Path
@@ -64,9 +66,18 @@ class RequestConfig(WireModel):
 
     @model_validator(mode="after")
     def _only_implemented_options(self) -> RequestConfig:
-        defaults = {"num_beams": 1, "n": 1, "stream": False, "logprobs": False, "top_logprobs": None,
-                    "best_of": None, "presence_penalty": 0.0, "frequency_penalty": 0.0,
-                    "length_penalty": 1.0, "structured_outputs_regex": None}  # fmt: skip
+        defaults = {
+            "num_beams": 1,
+            "n": 1,
+            "stream": False,
+            "logprobs": False,
+            "top_logprobs": None,
+            "best_of": None,
+            "presence_penalty": 0.0,
+            "frequency_penalty": 0.0,
+            "length_penalty": 1.0,
+            "structured_outputs_regex": None,
+        }
         for key, default in defaults.items():
             if getattr(self, key) != default:
                 raise ValueError(
@@ -189,9 +200,12 @@ def decoding_from_request_config(config: RequestConfig, room: int) -> Decoding:
 
 # ------------------------------------------------------------------------------------------ images
 def encode_image(image: Image) -> str:
-    """Base64 PNG: lossless, so the server's processor sees the trainer's exact pixels."""
+    """Base64 PNG: lossless, so the server's processor sees the trainer's exact pixels.
+
+    Compression level 1: several times faster to write than the default, for ~10-20% more bytes.
+    """
     buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
+    image.save(buffer, format="PNG", compress_level=1)
     return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
@@ -325,9 +339,19 @@ class ServerStats(BaseModel):
 # ---------------------------------------------------------------------------------- fingerprint
 # Config keys that differ between a checkpoint and the same model loaded for training or serving.
 _VOLATILE_CONFIG_KEYS = frozenset(
-    {"_name_or_path", "dtype", "torch_dtype", "transformers_version", "use_cache", "_commit_hash",
-     "_attn_implementation", "_attn_implementation_autoset", "attn_implementation", "architectures"}
-)  # fmt: skip
+    {
+        "_name_or_path",
+        "dtype",
+        "torch_dtype",
+        "transformers_version",
+        "use_cache",
+        "_commit_hash",
+        "_attn_implementation",
+        "_attn_implementation_autoset",
+        "attn_implementation",
+        "architectures",
+    }
+)
 FINGERPRINT_KEYS = ("architecture", "model_type", "config", "tokenizer", "chat_template", "processor")
 
 
@@ -376,8 +400,5 @@ def _without_volatile(value: Any) -> Any:
 
 
 def _digest(value: Any) -> str:
-    import hashlib
-    import json
-
     text = value if isinstance(value, str) else json.dumps(value, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -9,8 +9,15 @@ so a failed update leaves the receiver serving its previous version. The sender 
 receiver's reported checksum and version in turn.
 Leaves out: which tensors to send (``sync.weights``), HTTP (``rollout.client`` / ``server.app``).
 
-Checksum of an update: ``checksum_tensors`` per bucket (over the bucket's tensors as unflattened
-from the flat buffer, i.e. exactly the transmitted bytes), then sha256 over the bucket digests.
+Checksums (:func:`bucket_checksum`): per bucket, a digest of its layout (names, dtypes, shapes,
+offsets) and of exactly the transmitted bytes (padding included); the update checksum is sha256
+over the bucket digests. The byte digest reads the buffer as 64-bit words and reduces it, on the
+buffer's device, to their wrapping sum and a chunk-position-weighted sum (512 KiB chunks): integer
+arithmetic, so CPU and GPU agree bit for bit; memory-bandwidth fast (tens of GB/s, no host copy on
+GPU), where ``sync.weights.checksum_tensors`` runs at ~50 MB/s on CPU and CRC-32 at ~4 GB/s. It
+catches any changed, missing or extra word and misplaced chunks; it is an integrity check against
+transport and layout faults, not a cryptographic hash. The receiver digests each bucket in a
+background thread as soon as it lands, overlapping the next bucket's transfer.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -34,7 +42,10 @@ from rollmatch.server.protocol import (
     WireModel,
 )
 from rollmatch.sync.transport import PendingTransfer, WeightTransport
-from rollmatch.sync.weights import Bucket, TensorMeta, checksum_tensors, flatten_buckets, unflatten_bucket
+from rollmatch.sync.weights import Bucket, TensorMeta, flatten_buckets, unflatten_bucket
+
+_DIGEST_CHUNK_WORDS = 1 << 16  # 512 KiB of 64-bit words per positional chunk
+_MASK64 = (1 << 64) - 1
 
 
 class ControlChannel(Protocol):
@@ -73,8 +84,23 @@ def combine_checksums(bucket_checksums: Sequence[str]) -> str:
 
 
 def bucket_checksum(metas: Sequence[TensorMeta], flat: torch.Tensor) -> str:
-    """The digest of one bucket's tensors, read back from its flat buffer."""
-    return checksum_tensors(unflatten_bucket(metas, flat))
+    """The digest of one bucket: its layout and every byte of its flat ``uint8`` buffer."""
+    layout = ";".join(f"{m.name}|{m.dtype}|{tuple(m.shape)}|{m.offset}" for m in metas)
+    return hashlib.sha256(f"{layout}#{int(flat.numel())}#{content_digest(flat)}".encode()).hexdigest()[:16]
+
+
+@torch.no_grad()
+def content_digest(flat: torch.Tensor) -> str:
+    """Wrapping sum and chunk-weighted sum of a ``uint8`` buffer's 64-bit words (see module docstring)."""
+    whole = flat.numel() // 8 * 8
+    words = flat[:whole].view(torch.int64)
+    full = words.numel() // _DIGEST_CHUNK_WORDS
+    chunk_sums = words[: full * _DIGEST_CHUNK_WORDS].view(full, _DIGEST_CHUNK_WORDS).sum(dim=1)
+    tail = words[full * _DIGEST_CHUNK_WORDS :].sum() + flat[whole:].to(torch.int64).sum()
+    positions = torch.arange(1, full + 1, dtype=torch.int64, device=flat.device)
+    plain = int(chunk_sums.sum() + tail)
+    weighted = int((chunk_sums * positions).sum() + tail * (full + 1))
+    return f"{plain & _MASK64:016x}{weighted & _MASK64:016x}"
 
 
 def push_update(
@@ -94,23 +120,38 @@ def push_update(
     start = time.perf_counter()
     checksums: list[str] = []
     num_bytes = num_tensors = 0
+    in_flight: tuple[int, Bucket, list[PendingTransfer]] | None = None  # double buffering
     for index, bucket in enumerate(flatten_buckets(named_tensors, bucket_bytes)):
-        checksums.append(bucket_checksum(bucket.metas, bucket.flat))
         header = TransactionHeader(version=version, mode=mode, bucket_index=index, num_bytes=bucket.num_bytes)
         pending = [
             _send_bucket(channel, transport, bucket, header, adapter) for channel, transport in targets
         ]
-        for (channel, _), transfer in zip(targets, pending, strict=True):
-            transfer.wait(f"bucket {index} of version {version} to {channel.url}")
+        checksums.append(bucket_checksum(bucket.metas, bucket.flat))  # overlaps this bucket's transfer
+        if in_flight is not None:
+            _wait_sent(targets, *in_flight, version)
+        in_flight = (index, bucket, pending)
         num_bytes += bucket.num_bytes
         num_tensors += len(bucket.metas)
-    if not checksums:
+    if in_flight is None:
         raise SyncError(f"weight update of version {version} ({mode}) has no tensors to send")
+    _wait_sent(targets, *in_flight, version)
     finish = FinishUpdateBody(
         version=version, mode=mode, bucket_checksums=checksums, checksum=combine_checksums(checksums)
     )
     replies = [_finish(channel, finish) for channel, _ in targets]
     return PushResult(version, num_bytes, num_tensors, finish.checksum, time.perf_counter() - start, replies)
+
+
+def _wait_sent(
+    targets: Sequence[tuple[ControlChannel, WeightTransport]],
+    index: int,
+    bucket: Bucket,
+    pending: list[PendingTransfer],
+    version: int,
+) -> None:
+    del bucket  # held by the caller until here: its buffer must outlive the transfer
+    for (channel, _), transfer in zip(targets, pending, strict=True):
+        transfer.wait(f"bucket {index} of version {version} to {channel.url}")
 
 
 def _send_bucket(
@@ -123,10 +164,15 @@ def _send_bucket(
     metas = [wire_meta(meta) for meta in bucket.metas]
     phase = f"announce bucket {header.bucket_index} of version {header.version}"
     if adapter is None:
-        channel.post("/update_flattened_params/", UpdateFlattenedParamsBody(metadatas=metas, transaction=header), phase)
+        channel.post(
+            "/update_flattened_params/", UpdateFlattenedParamsBody(metadatas=metas, transaction=header), phase
+        )
     else:
         body = UpdateAdapterBody(
-            lora_int_id=adapter.lora_int_id, peft_config=adapter.peft_config, metadatas=metas, transaction=header
+            lora_int_id=adapter.lora_int_id,
+            peft_config=adapter.peft_config,
+            metadatas=metas,
+            transaction=header,
         )
         channel.post("/update_adapter_flattened_param/", body, phase)
     return transport.broadcast_async(bucket.flat, src=transport.rank)
@@ -169,7 +215,7 @@ def bucket_meta(meta: FlattenedTensorMeta) -> TensorMeta:
 class _StagedBucket:
     metas: list[TensorMeta]
     flat: torch.Tensor
-    transfer: PendingTransfer
+    checksum: Future[str]  # resolves once the bytes landed and were digested
 
 
 @dataclass
@@ -191,6 +237,8 @@ class UpdateReceiver:
         self._header: TransactionHeader | None = None
         self._buckets: list[_StagedBucket] = []
         self._adapter: AdapterPayload | None = None
+        # One worker: buckets land in order, and digesting one overlaps the next one's transfer.
+        self._digester = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-digest")
 
     def receive_bucket(
         self,
@@ -201,7 +249,10 @@ class UpdateReceiver:
         """Post the receive of one announced bucket (returns before the bytes arrive)."""
         if header.bucket_index == 0:  # a new update replaces whatever an aborted one left staged
             self._buckets, self._adapter = [], adapter
-        elif self._header is None or (header.version, header.mode) != (self._header.version, self._header.mode):
+        elif self._header is None or (header.version, header.mode) != (
+            self._header.version,
+            self._header.mode,
+        ):
             raise SyncError(
                 f"bucket {header.bucket_index} of version {header.version} arrived without its bucket 0"
             )
@@ -210,9 +261,15 @@ class UpdateReceiver:
         self._header = header
         plan = [bucket_meta(m) for m in metas]
         if any(m.offset + m.nbytes > header.num_bytes for m in plan):
-            raise SyncError(f"bucket {header.bucket_index}: metadata points past its {header.num_bytes} bytes")
+            raise SyncError(
+                f"bucket {header.bucket_index}: metadata points past its {header.num_bytes} bytes"
+            )
         flat = torch.empty(header.num_bytes, dtype=torch.uint8, device=self.device)
-        self._buckets.append(_StagedBucket(plan, flat, self.transport.broadcast_async(flat, self.source_rank)))
+        transfer = self.transport.broadcast_async(flat, self.source_rank)
+        phase = f"receive bucket {header.bucket_index} of version {header.version}"
+        self._buckets.append(
+            _StagedBucket(plan, flat, self._digester.submit(_landed_checksum, transfer, phase, plan, flat))
+        )
 
     def finish(self, body: FinishUpdateBody) -> VerifiedUpdate:
         """Wait for the staged bytes and verify them; raises :class:`SyncError` on any disagreement.
@@ -224,9 +281,7 @@ class UpdateReceiver:
         if header is None or (header.version, header.mode) != (body.version, body.mode):
             got = "nothing" if header is None else f"version {header.version} ({header.mode})"
             raise SyncError(f"finish of version {body.version} ({body.mode}) but the staged update is {got}")
-        for index, bucket in enumerate(buckets):
-            bucket.transfer.wait(f"receive bucket {index} of version {body.version}")
-        received = [bucket_checksum(b.metas, b.flat) for b in buckets]
+        received = [bucket.checksum.result() for bucket in buckets]  # each wait is bounded by the group
         reply = FinishUpdateReply(
             ok=True,
             version=body.version,
@@ -238,6 +293,17 @@ class UpdateReceiver:
         _verify(body, reply, buckets)
         tensors = [pair for b in buckets for pair in unflatten_bucket(b.metas, b.flat)]
         return VerifiedUpdate(body.version, body.mode, tensors, adapter, reply)
+
+    def close(self) -> None:
+        """Stop the digest worker without waiting: a digest stuck on a dead sender times out on its own."""
+        self._digester.shutdown(wait=False, cancel_futures=True)
+
+
+def _landed_checksum(
+    transfer: PendingTransfer, phase: str, metas: list[TensorMeta], flat: torch.Tensor
+) -> str:
+    transfer.wait(phase)
+    return bucket_checksum(metas, flat)
 
 
 def _verify(body: FinishUpdateBody, reply: FinishUpdateReply, buckets: list[_StagedBucket]) -> None:

@@ -32,8 +32,9 @@ SyncMode = Literal["full", "adapter"]
 
 _PEFT_PREFIX = "base_model.model."
 _BUCKET_ALIGN_BYTES = 16  # every tensor starts 16-byte aligned so any dtype can view its slice
-_CHECKSUM_CHUNK = 1 << 24  # 16-bit words per reduction chunk: bounded temporaries, no int64 overflow
 _FLETCHER_MOD = 65521
+_CHECKSUM_CHUNK = _FLETCHER_MOD * 256  # 32-bit words per reduction chunk (~16.8M): bounded temporaries
+_MERSENNE_31 = (1 << 31) - 1
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,10 @@ class Bucket:
 def unwrap_model(model: nn.Module) -> nn.Module:
     """Strip DDP / DataParallel / DeepSpeed / ``torch.compile`` wrappers (not PEFT: it is needed)."""
     while True:
-        if isinstance(model, nn.parallel.DistributedDataParallel | nn.DataParallel) or type(model).__name__ == "DeepSpeedEngine":
+        if (
+            isinstance(model, nn.parallel.DistributedDataParallel | nn.DataParallel)
+            or type(model).__name__ == "DeepSpeedEngine"
+        ):
             model = model.module
         elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
             model = model._orig_mod
@@ -163,10 +167,11 @@ def unflatten_bucket(
 def checksum_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> str:
     """An exact, order-sensitive digest of names, dtypes, shapes and bytes (sha256 hex, 16 chars).
 
-    Per tensor, the bytes are read as 16-bit words ``w_i`` and reduced on the tensor's device to
-    two integers, ``sum(w_i)`` and the Fletcher-style ``sum(w_i * (i mod 65521 + 1))``, with integer
-    arithmetic only (exact, so the same bytes give the same digest on CPU and GPU and in any
-    reduction order); these and the name/dtype/shape are hashed in order with sha256.
+    Per tensor, the bytes are read as signed 32-bit words ``w_i`` (zero-padded) and reduced on
+    the tensor's device to two integers, ``sum(w_i)`` and the Fletcher-style
+    ``sum(w_i * (i mod 65521 + 1)) mod (2**31 - 1)``, with integer arithmetic only (exact, so the
+    same bytes give the same digest on CPU and GPU, in any reduction order); these and the
+    name/dtype/shape are hashed in order with sha256.
     """
     digest = hashlib.sha256()
     for name, tensor in named:
@@ -295,16 +300,21 @@ def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 def _word_sums(tensor: torch.Tensor) -> tuple[int, int]:
     raw = _as_bytes(tensor)
-    if raw.numel() % 2:
-        raw = torch.cat([raw, raw.new_zeros(1)])
-    words = raw.view(torch.int16)
+    if raw.numel() % 4:
+        raw = torch.cat([raw, raw.new_zeros(4 - raw.numel() % 4)])
+    words = raw.view(torch.int32)
+    weights = torch.arange(1, _FLETCHER_MOD + 1, device=words.device, dtype=torch.int64)
     plain, weighted = 0, 0
     for start in range(0, words.numel(), _CHECKSUM_CHUNK):
-        chunk = words[start : start + _CHECKSUM_CHUNK].to(torch.int64) & 0xFFFF
-        position = torch.arange(start, start + chunk.numel(), device=chunk.device, dtype=torch.int64)
-        plain += int(chunk.sum().item())
-        weighted += int((chunk * (position % _FLETCHER_MOD + 1)).sum().item())
-    return plain, weighted
+        chunk = words[start : start + _CHECKSUM_CHUNK]
+        if chunk.numel() % _FLETCHER_MOD:
+            chunk = torch.nn.functional.pad(chunk, (0, _FLETCHER_MOD - chunk.numel() % _FLETCHER_MOD))
+        # Chunks start at multiples of the modulus, so word i sits in column i mod 65521; int64
+        # column sums are exact, and the weighted sum is reduced mod 2^31 - 1 so it cannot overflow.
+        columns = chunk.view(-1, _FLETCHER_MOD).sum(0, dtype=torch.int64)
+        plain += int(columns.sum().item())
+        weighted += int(((columns % _MERSENNE_31) * weights).sum().item())
+    return plain, weighted % _MERSENNE_31
 
 
 def _aligned(nbytes: int) -> int:

@@ -142,7 +142,7 @@ def training_arguments(cfg: RollmatchConfig, gas: int, *, use_cpu: bool) -> Trai
         use_cpu=use_cpu,
         ddp_timeout=int(t.collective_timeout_s),
         ddp_find_unused_parameters=False,
-        disable_tqdm=True,
+        disable_tqdm=False,
     )
 
 

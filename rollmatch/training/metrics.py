@@ -46,7 +46,8 @@ def summarize(sums: Mapping[str, float], steps: int) -> dict[str, float]:
         out["packing/rows"] = rows / steps
         out["packing/segments_per_row"] = float(sums["packing/segments"]) / rows
         out["packing/fill_ratio"] = float(sums["packing/tokens"]) / float(sums["packing/capacity"])
-        out["packing/carry_depth"] = float(sums.get("packing/carry_depth", 0.0))
+        # mean number of segments left waiting after a row was taken (over rows and ranks)
+        out["packing/carry_depth"] = float(sums.get("packing/carry_depth_sum", 0.0)) / rows
     if "loss/weight" in sums:
         out["loss/weight"] = float(sums["loss/weight"]) / steps
     out["samples"] = float(sums.get("samples", 0)) / steps

@@ -157,7 +157,8 @@ def _restore(state: OffloadState) -> None:
     # In offload order: a parameter's data returns before its gradient (torch requires both on
     # the same device when ``.grad`` is assigned).
     for owner, key, device, host in state._restore:
-        value = host if host.device == device else host.to(device)
+        # Always a fresh copy, also on CPU, so the state never aliases the offload buffers.
+        value = host.to(device, copy=True)
         if key == ".data":
             owner.data = value
         elif isinstance(owner, dict):
@@ -190,3 +191,43 @@ def _is_deepspeed(model: nn.Module, optimizer: Any) -> bool:
         return True
     first = next(iter(model.parameters()), None)
     return first is not None and hasattr(first, "ds_id")
+
+
+class OffloadedRolloutBackend:
+    """A rollout backend whose every rollout phase (lazy engine start, weight sync, generation)
+    runs inside :func:`rollout_offload`; the trainer uses it in place of the colocated backend.
+
+    The optimizer is looked up at call time: HF's Trainer creates it after the backend is built.
+    """
+
+    def __init__(self, backend: Any, cfg: RollmatchConfig, *, model: nn.Module, optimizer_getter: Any):
+        self.inner = backend
+        self.name = backend.name
+        self._cfg = cfg
+        self._model = model
+        self._optimizer_getter = optimizer_getter
+
+    def _phase(self) -> contextlib.AbstractContextManager[OffloadState]:
+        return rollout_offload(self._cfg, model=self._model, optimizer=self._optimizer_getter(), backend=self.inner)
+
+    @property
+    def weight_version(self) -> int:
+        return self.inner.weight_version
+
+    def generate(self, requests: Any, decoding: Any, seed: int) -> Any:
+        with self._phase():
+            return self.inner.generate(requests, decoding, seed)
+
+    def sync_weights(self, model: Any, version: int) -> Any:
+        with self._phase():
+            return self.inner.sync_weights(model, version)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def with_rollout_offload(backend: Any, cfg: RollmatchConfig, *, model: nn.Module, optimizer_getter: Any) -> Any:
+    """Wrap colocated backends so each rollout phase offloads/sleeps; others are returned as is."""
+    if not isinstance(backend, ColocatedBackend):
+        return backend
+    return OffloadedRolloutBackend(backend, cfg, model=model, optimizer_getter=optimizer_getter)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -192,8 +192,7 @@ class _WindowTally:
     global_step: int
     expected: int
     executed: int = 0
-    loss: float = 0.0
-    sums: Counter[str] = field(default_factory=Counter)
+    loss: torch.Tensor | float = 0.0  # a detached device tensor once a micro-step ran (no host sync)
 
 
 class ChannelMicroStep:
@@ -210,7 +209,7 @@ class ChannelMicroStep:
         loss = trainer.training_step(model, self.batch, weight)
         tally = self.tally
         tally.executed += 1
-        tally.loss += float(loss)
+        tally.loss = tally.loss + loss
         log.debug(
             "stage2_ab step %d micro-step %d/%d ran Channel-%s on rank %d",
             tally.global_step,
@@ -227,7 +226,7 @@ class ChannelMicroStep:
         # Every rank runs the same number of micro-steps (DDP lock-step), so this reduce is aligned.
         tally, world = self.tally, self.collectives.world_size
         loss_sum, micro_steps = self.collectives.all_reduce_sum(
-            [tally.loss, tally.executed], f"stage2_ab channel losses (step {tally.global_step})"
+            [float(tally.loss), tally.executed], f"stage2_ab channel losses (step {tally.global_step})"
         )
         channel = tally.kind.lower()
         # Each rank's loss carries the world-size factor of DDP averaging: the step loss is the mean.

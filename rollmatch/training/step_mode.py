@@ -25,6 +25,7 @@ first row trained) and the gradients are rescaled by ``provisional / W_step`` on
 
 from __future__ import annotations
 
+import functools
 import queue
 import random
 import threading
@@ -38,7 +39,7 @@ import torch
 
 from rollmatch.config.schema import ChannelBConfig, TrainingConfig
 from rollmatch.data.records import Record
-from rollmatch.errors import BackendError, PackingError
+from rollmatch.errors import BackendError, DataError, PackingError
 from rollmatch.packing.binpack import plan_rows, select_row
 from rollmatch.packing.collate import pack_row, pad_batch
 from rollmatch.packing.segment import Segment
@@ -56,9 +57,12 @@ RowTrainer = Callable[[MicroBatch, float], torch.Tensor]
 
 
 def rollouts_per_step(channel_b: ChannelBConfig, training: TrainingConfig, world_size: int, gas: int) -> int:
-    """The global raw-rollout budget of one step: ``channel_b.rollouts_per_step``, or by default
-    ``per_device_train_batch_size * world_size * gas``. With ``training.effective_batch_size`` the
-    derived ``gas`` is a ceiling, so the default may exceed the requested effective batch size."""
+    """The global raw-rollout budget of one step (all ranks together).
+
+    ``channel_b.rollouts_per_step``, or by default ``per_device_train_batch_size * world_size * gas``.
+    With ``training.effective_batch_size`` the derived ``gas`` is a ceiling, so the default may
+    exceed the requested effective batch size.
+    """
     if channel_b.rollouts_per_step is not None:
         return channel_b.rollouts_per_step
     return training.per_device_train_batch_size * world_size * gas
@@ -79,7 +83,7 @@ def extra_record_indices(
     ``count``), so a step's extra records depend only on the step: resume reproduces them.
     """
     if num_records <= 0:
-        raise PackingError(
+        raise DataError(
             "step mode needs training records to top up its rollout budget; data.train_jsonl is empty"
         )
     start = global_step * stride
@@ -90,10 +94,11 @@ def extra_record_indices(
     return indices
 
 
-def _stream_permutation(seed: int, rank: int, epoch: int, num_records: int) -> list[int]:
+@functools.lru_cache(maxsize=4)  # consecutive steps read the same pass (or two)
+def _stream_permutation(seed: int, rank: int, epoch: int, num_records: int) -> tuple[int, ...]:
     order = list(range(num_records))
     random.Random(f"rollmatch-step-records:{seed}:{rank}:{epoch}").shuffle(order)
-    return order
+    return tuple(order)
 
 
 class StepRecordStream:
@@ -189,6 +194,7 @@ class StepLearner:
         )
         producer.start()
         pending: list[Segment] = []
+        finished = False
         try:
             for index in range(len(chunks)):
                 out = self._next_chunk(handoff, run, index, len(chunks))
@@ -201,10 +207,12 @@ class StepLearner:
                 raise RuntimeError("step-mode pipeline: the rollout thread produced more chunks than planned")
             for row in self.rows_of(pending):
                 run.train(row)
+            finished = True
         finally:
             stop.set()
-            # The producer has finished (success) or is a daemon stuck in a backend call (failure).
-            producer.join(timeout=5.0)
+            # Finished: the producer is exiting. Failed: it may be stuck in a backend call; it is a
+            # daemon and its result is discarded, so do not hold the error up for it.
+            producer.join(timeout=self.wait_timeout_s if finished else 0.1)
         run.rescale_gradients(model)
 
     def _produce_into(
@@ -272,7 +280,7 @@ class _StepRun:
         self.train_row = train_row
         self.total_weight = 0.0
         self.normaliser: float | None = None
-        self.scaled_loss = 0.0
+        self.scaled_loss: torch.Tensor | float = 0.0  # a device tensor: no host sync per row
         self.sums: Counter[str] = Counter()
 
     def add_output(self, out: ChannelOutput) -> None:
@@ -285,7 +293,7 @@ class _StepRun:
         _require_weight(self.normaliser, self.global_step)
         learner = self.learner
         batch = pack_row(row) if learner.packing else pad_batch(row, learner.pad_token_id)
-        self.scaled_loss += float(self.train_row(batch, self.normaliser))
+        self.scaled_loss = self.scaled_loss + self.train_row(batch, self.normaliser)
         self.sums["stage2_ab/step/forward_passes"] += 1
         if learner.packing:
             self.sums["packing/rows"] += 1
@@ -297,7 +305,7 @@ class _StepRun:
     def loss(self) -> float:
         if self.normaliser is None:
             return 0.0
-        return self.scaled_loss * self.normaliser / self.total_weight
+        return float(self.scaled_loss) * self.normaliser / self.total_weight
 
     def rescale_gradients(self, model: torch.nn.Module) -> None:
         """Turn the provisional normalisation into the step's: gradients *= provisional / W_step."""
@@ -407,4 +415,4 @@ def publish_sums(trainer: RollmatchTrainer, sums: Counter[str]) -> None:
 
     The trainer keeps pending sums until its next log, which comes after this optimizer step.
     """
-    trainer._pending_sums.update(sums)
+    trainer.add_metric_sums(sums)

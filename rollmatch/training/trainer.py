@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -128,6 +128,10 @@ class RollmatchTrainer(Trainer):
         return (loss, outputs) if return_outputs else loss
 
     # ------------------------------------------------------------------ logging
+    def add_metric_sums(self, sums: Mapping[str, float]) -> None:
+        """Add metric sums known only while a micro-step runs (e.g. Stage-2 step mode)."""
+        self._pending_sums.update(sums)
+
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs and self._pending_steps:
             logs.update(self.summarize(self._pending_sums, self._pending_steps))

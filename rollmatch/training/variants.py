@@ -24,6 +24,7 @@ from rollmatch.rollout.build import build_backend
 from rollmatch.rollout.types import RolloutBackend
 from rollmatch.training.channels import GTChannel, RolloutChannel
 from rollmatch.training.dist import Collectives
+from rollmatch.training.offload import with_rollout_offload
 from rollmatch.training.window import RowBuilder, WindowBuilder, WindowFn
 
 
@@ -64,7 +65,8 @@ def row_builder(ctx: BuildContext) -> RowBuilder:
 
 
 def backend_for(ctx: BuildContext) -> RolloutBackend:
-    return build_backend(
+    """The configured backend; colocated engines run each rollout phase inside the offload context."""
+    backend = build_backend(
         ctx.cfg,
         model=ctx.model,
         tokenizer=ctx.encoder.tokenizer,
@@ -73,6 +75,7 @@ def backend_for(ctx: BuildContext) -> RolloutBackend:
         eos_token_id=ctx.encoder.eos_token_id,
         pad_token_id=ctx.encoder.pad_token_id,
     )
+    return with_rollout_offload(backend, ctx.cfg, model=ctx.model, optimizer_getter=ctx.optimizer_getter)
 
 
 def weight_sync_hook(backend: RolloutBackend, model: torch.nn.Module) -> Callable[[int], None]:

@@ -99,8 +99,6 @@ class WindowBuilder:
         total: Counter[str] = Counter()
         for rank_sums in gathered:
             total.update(rank_sums)
-        if self.rows.carry is not None:
-            total["packing/carry_depth"] = float(len(self.rows.carry))
         return float(total["loss/weight"]), total
 
 

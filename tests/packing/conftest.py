@@ -8,6 +8,7 @@ tokenized with the model's tokenizer, with a mix of loss weights (a zero-weight 
 
 from __future__ import annotations
 
+import copy
 import json
 import xml.etree.ElementTree as ET
 from collections.abc import Callable
@@ -58,7 +59,12 @@ def load_sample(key: str) -> tuple[Image.Image, str]:
     width, height = image.size
     items = []
     for label, (x1, y1, x2, y2) in objects:
-        box = [round(x1 / width * 1000), round(y1 / height * 1000), round(x2 / width * 1000), round(y2 / height * 1000)]
+        box = [
+            round(x1 / width * 1000),
+            round(y1 / height * 1000),
+            round(x2 / width * 1000),
+            round(y2 / height * 1000),
+        ]
         items.append(json.dumps({"bbox_2d": box, "label": label}))
     return image, "[" + ", ".join(items) + "]"
 
@@ -68,9 +74,13 @@ def response_weights(n: int) -> list[float]:
     return [0.0 if i < 4 else (1.0 if i % 3 else 0.5) for i in range(n)]
 
 
-def encode_segment(model: Any, processor: Any, key: str, max_length: int = 4096, created_step: int = 0) -> Segment:
+def encode_segment(
+    model: Any, processor: Any, key: str, max_length: int = 4096, created_step: int = 0
+) -> Segment:
     image, response = load_sample(key)
-    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Detect every object."}]}]
+    messages = [
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Detect every object."}]}
+    ]
     text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     enc = processor(text=[text], images=[image], return_tensors="pt", return_mm_token_type_ids=True)
     response_ids = processor.tokenizer(response + "<|im_end|>", add_special_tokens=False).input_ids
@@ -137,7 +147,9 @@ def family_models(tiny_model_dirs: dict[str, Path]) -> Callable[[str], tuple[Any
 
 
 @pytest.fixture(scope="session")
-def family_segments(family_models: Callable[[str], tuple[Any, Any]], real_data: None) -> Callable[[str], list[Segment]]:
+def family_segments(
+    family_models: Callable[[str], tuple[Any, Any]], real_data: None
+) -> Callable[[str], list[Segment]]:
     """``segments(family)``: the :data:`SAMPLES` as segments of that family's model (cached)."""
     cache: dict[str, list[Segment]] = {}
 
@@ -160,3 +172,23 @@ def segment_encoder(real_data: None) -> Callable[..., Segment]:
 def sample_loader(real_data: None) -> Callable[[str], tuple[Image.Image, str]]:
     """:func:`load_sample`: sample key -> (RGB image, qwen_json response text)."""
     return load_sample
+
+
+@pytest.fixture(scope="session")
+def kernel_models(family_models: Callable[[str], tuple[Any, Any]]) -> Callable[[str, str], Any]:
+    """``model(family, kernel)``: kernel ``sdpa`` is the shared model, ``packed`` a copy running
+    :func:`~rollmatch.packing.collate.enable_packed_attention` (cached)."""
+    from rollmatch.packing.collate import PACKED_SDPA, enable_packed_attention
+
+    cache: dict[str, Any] = {}
+
+    def load(family: str, kernel: str) -> Any:
+        base, _ = family_models(family)
+        if kernel == "sdpa":
+            return base
+        if family not in cache:
+            cache[family] = copy.deepcopy(base)
+            assert enable_packed_attention(cache[family]) == PACKED_SDPA
+        return cache[family]
+
+    return load

@@ -59,7 +59,10 @@ def test_streaming_is_deterministic(text_segment: Callable[..., Segment]) -> Non
 
     def run() -> list[list[str]]:
         buffer = CarryBuffer(capacity_tokens=40, max_segments=32)
-        rows = [ids(buffer.next_row([text_segment(f"s{i + j}", lengths[i + j]) for j in range(3)])) for i in range(0, 60, 3)]
+        rows = [
+            ids(buffer.next_row([text_segment(f"s{i + j}", lengths[i + j]) for j in range(3)]))
+            for i in range(0, 60, 3)
+        ]
         return rows + [ids(row) for row in buffer.drain_rows()]
 
     first = run()

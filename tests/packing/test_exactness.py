@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 
+from rollmatch.packing import collate
 from rollmatch.packing.collate import model_inputs, pack_row, pad_batch
 from rollmatch.packing.segment import Segment
 from rollmatch.training.losses import normalize_step_loss, per_segment_ce, weighted_ce_sum
@@ -39,22 +40,43 @@ def packed_losses(model: Any, segments: Sequence[Segment], **overrides: Any) -> 
     return per_segment_ce(logits, row["input_ids"], row["weights"], row["segment_lengths"])
 
 
+def spy_on_segment_splits(monkeypatch: pytest.MonkeyPatch) -> list[list[tuple[int, int]]]:
+    """Record every packed row the per-segment kernel splits (observes; the real function runs)."""
+    found: list[list[tuple[int, int]]] = []
+    real = collate._packed_segment_bounds
+
+    def observed(*args: Any) -> list[tuple[int, int]] | None:
+        bounds = real(*args)
+        if bounds is not None:
+            found.append(bounds)
+        return bounds
+
+    monkeypatch.setattr(collate, "_packed_segment_bounds", observed)
+    return found
+
+
 def gradients(model: Any) -> dict[str, torch.Tensor]:
     return {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
-def assert_close_losses(packed: Sequence[torch.Tensor], separate: Sequence[torch.Tensor], atol: float) -> None:
+def assert_close_losses(
+    packed: Sequence[torch.Tensor], separate: Sequence[torch.Tensor], atol: float
+) -> None:
     diffs = [abs(float(a.detach()) - float(b.detach())) for a, b in zip(packed, separate, strict=True)]
     assert max(diffs) <= atol, f"packed vs separate per-segment loss differences {diffs}"
 
 
+@pytest.mark.parametrize("kernel", ["sdpa", "packed"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_packed_losses_and_gradients_equal_separate_forwards(
     family: str,
-    family_models: Callable[[str], tuple[Any, Any]],
+    kernel: str,
+    kernel_models: Callable[[str, str], Any],
     family_segments: Callable[[str], list[Segment]],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    model, _ = family_models(family)
+    model = kernel_models(family, kernel)
+    split_rows = spy_on_segment_splits(monkeypatch)
     segments = family_segments(family)
     grids = {tuple(s.image_grid_thw[0].tolist()) for s in segments if s.image_grid_thw is not None}
     assert len(grids) >= 3, "the row must mix images of different sizes"
@@ -64,6 +86,10 @@ def test_packed_losses_and_gradients_equal_separate_forwards(
     packed = packed_losses(model, segments)
     normalize_step_loss(torch.stack(packed).sum(), total_weight).backward()
     packed_grads = gradients(model)
+
+    # The packed kernel must really split the row (once per text layer), the plain one never.
+    expected_splits = model.config.text_config.num_hidden_layers if kernel == "packed" else 0
+    assert [len(bounds) for bounds in split_rows] == [len(segments)] * expected_splits
 
     model.zero_grad(set_to_none=True)
     separate = separate_losses(model, segments)
@@ -76,17 +102,25 @@ def test_packed_losses_and_gradients_equal_separate_forwards(
     assert any(name.startswith("model.visual") for name in packed_grads), "vision tower must get gradients"
     for name, reference in separate_grads.items():
         diff = (packed_grads[name] - reference).norm()
-        assert diff <= 1e-4 * reference.norm() + 1e-10, f"{name}: |d|={diff:.3e} vs |g|={reference.norm():.3e}"
+        assert diff <= 1e-4 * reference.norm() + 1e-10, (
+            f"{name}: |d|={diff:.3e} vs |g|={reference.norm():.3e}"
+        )
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize(
+    ("family", "kernel"),
+    [("qwen2_vl", "sdpa"), ("qwen2_5_vl", "packed"), ("qwen3_vl", "sdpa"), ("qwen3_vl", "packed")],
+)
 def test_one_optimizer_step_packed_equals_unpacked(
     family: str,
+    kernel: str,
     family_models: Callable[[str], tuple[Any, Any]],
+    kernel_models: Callable[[str, str], Any],
     family_segments: Callable[[str], list[Segment]],
 ) -> None:
     """Two packed micro-steps vs one padded batch of the same samples, same step normalisation."""
-    base, processor = family_models(family)
+    _, processor = family_models(family)
+    base = kernel_models(family, kernel)
     segments = family_segments(family)
     total_weight = sum(s.weight_sum for s in segments)
     models = {}
@@ -102,7 +136,9 @@ def test_one_optimizer_step_packed_equals_unpacked(
         else:
             batch = pad_batch(segments, pad_token_id=processor.tokenizer.pad_token_id)
             logits = model(**model_inputs(batch)).logits
-            normalize_step_loss(weighted_ce_sum(logits, batch["input_ids"], batch["weights"]), total_weight).backward()
+            normalize_step_loss(
+                weighted_ce_sum(logits, batch["input_ids"], batch["weights"]), total_weight
+            ).backward()
         optimizer.step()
         models[path] = model
 
@@ -155,5 +191,7 @@ def test_padded_batch_equals_separate_forwards(
     with torch.no_grad():
         logits = model(**model_inputs(batch)).logits
         separate = separate_losses(model, segments)
-    batched = [weighted_ce_sum(logits[i], batch["input_ids"][i], batch["weights"][i]) for i in range(len(segments))]
+    batched = [
+        weighted_ce_sum(logits[i], batch["input_ids"][i], batch["weights"][i]) for i in range(len(segments))
+    ]
     assert_close_losses(batched, separate, atol=1e-5)

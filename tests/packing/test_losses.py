@@ -34,7 +34,9 @@ def test_matches_position_by_position_reference() -> None:
     assert float(weighted_ce_sum(logits, input_ids, weights)) == pytest.approx(float(expected), rel=1e-6)
     # Unbatched inputs are one row.
     single = weighted_ce_sum(logits[0], input_ids[0], weights[0])
-    assert float(single) == pytest.approx(float(reference_sum(logits[:1], input_ids[:1], weights[:1])), rel=1e-6)
+    assert float(single) == pytest.approx(
+        float(reference_sum(logits[:1], input_ids[:1], weights[:1])), rel=1e-6
+    )
     # Position 0 is never predicted: its weight does not matter.
     weights[:, 0] = 123.0
     assert float(weighted_ce_sum(logits, input_ids, weights)) == pytest.approx(float(expected), rel=1e-6)
@@ -64,7 +66,9 @@ def test_per_segment_sums_add_up_to_the_row() -> None:
     parts = per_segment_ce(logits, input_ids, weights, lengths)
     assert len(parts) == 3
     assert float(sum(parts)) == pytest.approx(float(weighted_ce_sum(logits, input_ids, weights)), rel=1e-6)
-    assert float(parts[1]) == pytest.approx(float(reference_sum(logits[:, 5:9], input_ids[:, 5:9], weights[:, 5:9])))
+    assert float(parts[1]) == pytest.approx(
+        float(reference_sum(logits[:, 5:9], input_ids[:, 5:9], weights[:, 5:9]))
+    )
 
 
 def test_shape_and_normalisation_errors() -> None:

@@ -27,7 +27,9 @@ def test_segment_layout(qwen25: tuple[Any, Any], family_segments: Callable[[str]
     length = segment.length
     assert segment.position_ids.shape == (3, length) and segment.position_ids.dtype == torch.long
     assert torch.equal(segment.mm_token_type_ids == 1, segment.input_ids == image_token)
-    first_response = int(torch.nonzero(segment.weights).min()) - 4  # response_weights: 4 zero-weight tokens first
+    first_response = (
+        int(torch.nonzero(segment.weights).min()) - 4
+    )  # response_weights: 4 zero-weight tokens first
     assert int(segment.mm_token_type_ids[first_response:].sum()) == 0
     assert float(segment.weights[:first_response].abs().sum()) == 0.0
     # Text after the image continues one position past the largest position used so far, on all three axes.
@@ -68,7 +70,10 @@ def _prompt(processor: Any, sample_loader: Callable[[str], tuple[Any, str]]) -> 
     ],
 )
 def test_inconsistent_inputs_fail_by_sample(
-    qwen25: tuple[Any, Any], sample_loader: Callable[[str], tuple[Any, str]], change: dict[str, Any], match: str
+    qwen25: tuple[Any, Any],
+    sample_loader: Callable[[str], tuple[Any, str]],
+    change: dict[str, Any],
+    match: str,
 ) -> None:
     model, processor = qwen25
     enc = _prompt(processor, sample_loader)
@@ -97,7 +102,9 @@ def single_rank_group(tmp_path: Path) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def test_rope_index_found_through_ddp_and_peft(tiny_model_dirs: dict[str, Path], single_rank_group: None) -> None:
+def test_rope_index_found_through_ddp_and_peft(
+    tiny_model_dirs: dict[str, Path], single_rank_group: None
+) -> None:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForImageTextToText
 

@@ -263,7 +263,7 @@ def test_image_count_mismatch_names_the_sample(
     backend = VllmColocateBackend(engine, model=_load(model_dir), tokenizer=encoder.tokenizer)
     request = requests_[0]
     broken = RolloutRequest(sample_id="no-image", prompt_token_ids=request.prompt_token_ids, images=[])
-    with pytest.raises(BackendError, match="'no-image'.*1 image placeholder"):
+    with pytest.raises(BackendError, match=r"'no-image'.*1 image placeholder"):
         backend.generate([broken], GREEDY, seed=0)
 
 

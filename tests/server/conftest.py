@@ -62,7 +62,17 @@ class ServerProcess:
 def launch_server(model_dir: Path, port: int, log_path: Path, *extra: str) -> ServerProcess:
     """Start ``rollmatch serve`` and wait until ``/health/`` answers (or fail with the server log)."""
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
-    command = [sys.executable, "-m", "rollmatch.cli", "serve", "--model", str(model_dir), "--port", str(port), *extra]
+    command = [
+        sys.executable,
+        "-m",
+        "rollmatch.cli",
+        "serve",
+        "--model",
+        str(model_dir),
+        "--port",
+        str(port),
+        *extra,
+    ]
     with log_path.open("wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
     server = ServerProcess(f"http://127.0.0.1:{port}", port, process, log_path)
@@ -126,7 +136,8 @@ def raccoon_requests(prompt_encoder: Any) -> list[Any]:
     if not RACCOON.is_dir():
         pytest.skip(f"real images not found at {RACCOON}")
     records = [
-        Record(id=f"raccoon-{i}", images=(str(RACCOON / f"raccoon-{i}.jpg"),), width=1, height=1) for i in (1, 2, 150)
+        Record(id=f"raccoon-{i}", images=(str(RACCOON / f"raccoon-{i}.jpg"),), width=1, height=1)
+        for i in (1, 2, 150)
     ]
     return [prompt_encoder.encode(record).to_request() for record in records]
 

@@ -22,6 +22,7 @@ def _backend(cfg: Any, model: Any, tokenizer: Any) -> ServerBackend:
     )
 
 
+@pytest.mark.heavy
 def test_requests_are_split_in_contiguous_chunks_and_reassembled_in_order(
     hf_server: Any,
     hf_sync_server: Any,
@@ -31,8 +32,10 @@ def test_requests_are_split_in_contiguous_chunks_and_reassembled_in_order(
     prompt_encoder: Any,
     free_port: Callable[[], int],
 ) -> None:
-    servers = [{"base_url": hf_server.url, "group_port": free_port()},
-               {"base_url": hf_sync_server.url, "group_port": free_port()}]  # fmt: skip
+    servers = [
+        {"base_url": hf_server.url, "group_port": free_port()},
+        {"base_url": hf_sync_server.url, "group_port": free_port()},
+    ]
     backend = _backend(server_config(servers=servers), loaded_tiny[0], prompt_encoder.tokenizer)
     requests = [*raccoon_requests, *raccoon_requests[:2]]
     for i, request in enumerate(requests):
@@ -64,8 +67,9 @@ def test_sampling_is_seeded_per_chunk_and_logged(
 ) -> None:
     backend = _backend(
         server_config(servers=[{"base_url": hf_server.url, "group_port": free_port()}]),
-        loaded_tiny[0], prompt_encoder.tokenizer,
-    )  # fmt: skip
+        loaded_tiny[0],
+        prompt_encoder.tokenizer,
+    )
     sampling = Decoding(temperature=1.0, top_p=0.95, top_k=50, max_new_tokens=6)
     with caplog.at_level("INFO", logger="rollmatch.rollout.client"):
         first = backend.generate(raccoon_requests[:2], sampling, seed=5)
@@ -78,9 +82,12 @@ def test_sampling_is_seeded_per_chunk_and_logged(
 def test_both_config_forms_and_mismatched_lists_fail_fast(server_config: Callable[..., Any]) -> None:
     with pytest.raises(ConfigError, match="keep only `servers`"):
         _backend(
-            server_config(servers=[{"base_url": "http://127.0.0.1:1", "group_port": 2}], base_url="http://127.0.0.1:1"),
-            None, None,
-        )  # fmt: skip
+            server_config(
+                servers=[{"base_url": "http://127.0.0.1:1", "group_port": 2}], base_url="http://127.0.0.1:1"
+            ),
+            None,
+            None,
+        )
     with pytest.raises(ConfigError, match="1 group_port"):
         _backend(
             server_config(base_url=["http://127.0.0.1:1", "http://127.0.0.1:2"], group_port=[3]), None, None
@@ -109,8 +116,9 @@ def test_server_of_another_model_is_refused_showing_both_values(
 ) -> None:
     backend = _backend(
         server_config(servers=[{"base_url": hf_server.url, "group_port": free_port()}]),
-        loaded_tiny[0], prompt_encoder.tokenizer,
-    )  # fmt: skip
+        loaded_tiny[0],
+        prompt_encoder.tokenizer,
+    )
     served = hf_server.get("/info/")["fingerprint"]
     local = {"fingerprint": dict(served, tokenizer="0123456789abcdef"), "max_length": 8192}
     with pytest.raises(BackendError) as caught:

@@ -27,7 +27,9 @@ def _token_request(request: Any) -> dict[str, Any]:
     }
 
 
-def test_health_world_size_and_info(hf_server: Any, loaded_tiny: tuple[Any, Any], tiny_model_dir: Path) -> None:
+def test_health_world_size_and_info(
+    hf_server: Any, loaded_tiny: tuple[Any, Any], tiny_model_dir: Path
+) -> None:
     model, processor = loaded_tiny
     assert hf_server.get("/health/") == {"status": "ok"}
     assert hf_server.get("/get_world_size/") == {"world_size": 1}
@@ -41,15 +43,19 @@ def test_health_world_size_and_info(hf_server: Any, loaded_tiny: tuple[Any, Any]
 def test_batch_of_images_uses_the_trainers_ids_and_equals_hf_greedy(
     hf_server: Any, raccoon_requests: list[Any], loaded_tiny: tuple[Any, Any], prompt_encoder: Any
 ) -> None:
-    body = {"infer_requests": [_token_request(r) for r in raccoon_requests],
-            "request_config": {"max_tokens": DECODING.max_new_tokens, "temperature": 0.0, "return_details": True}}  # fmt: skip
+    body = {
+        "infer_requests": [_token_request(r) for r in raccoon_requests],
+        "request_config": {"max_tokens": DECODING.max_new_tokens, "temperature": 0.0, "return_details": True},
+    }
     reply = _infer(hf_server.url, body)
     assert reply.status_code == 200, reply.text
     assert reply.headers["X-Weight-Version"] == "0"
     local = HFBackend(
-        loaded_tiny[0], prompt_encoder.tokenizer,
-        eos_token_id=prompt_encoder.eos_token_id, pad_token_id=prompt_encoder.pad_token_id,
-    ).generate(raccoon_requests, DECODING, seed=0)  # fmt: skip
+        loaded_tiny[0],
+        prompt_encoder.tokenizer,
+        eos_token_id=prompt_encoder.eos_token_id,
+        pad_token_id=prompt_encoder.pad_token_id,
+    ).generate(raccoon_requests, DECODING, seed=0)
     items = reply.json()
     assert [item["sample_id"] for item in items] == [r.sample_id for r in raccoon_requests]
     for item, request, expected in zip(items, raccoon_requests, local, strict=True):
@@ -66,19 +72,43 @@ def test_swift_shaped_request_gets_the_fields_swifts_client_reads(
 ) -> None:
     image_path = Path(raccoon_requests[0].messages[0]["content"][0]["image"])
     swift_body = {  # what ms-swift's VLLMClient.infer posts: asdict(RolloutInferRequest), asdict(RequestConfig)
-        "infer_requests": [{
-            "messages": [{"role": "user", "content": f"<image>{prompt_encoder.prompt}"}],
-            "images": [base64.b64encode(image_path.read_bytes()).decode()],
-            "audios": [], "videos": [], "tools": None, "objects": {}, "data_dict": {}, "uuid": "abc",
-        }],
+        "infer_requests": [
+            {
+                "messages": [{"role": "user", "content": f"<image>{prompt_encoder.prompt}"}],
+                "images": [base64.b64encode(image_path.read_bytes()).decode()],
+                "audios": [],
+                "videos": [],
+                "tools": None,
+                "objects": {},
+                "data_dict": {},
+                "uuid": "abc",
+            }
+        ],
         "request_config": {
-            "max_tokens": 8, "temperature": 0.0, "top_k": None, "top_p": None, "repetition_penalty": None,
-            "num_beams": 1, "stop": [], "seed": 3, "stream": False, "logprobs": False, "top_logprobs": None,
-            "n": 1, "best_of": None, "presence_penalty": 0.0, "frequency_penalty": 0.0, "length_penalty": 1.0,
-            "return_details": True, "structured_outputs_regex": None,
+            "max_tokens": 8,
+            "temperature": 0.0,
+            "top_k": None,
+            "top_p": None,
+            "repetition_penalty": None,
+            "num_beams": 1,
+            "stop": [],
+            "seed": 3,
+            "stream": False,
+            "logprobs": False,
+            "top_logprobs": None,
+            "n": 1,
+            "best_of": None,
+            "presence_penalty": 0.0,
+            "frequency_penalty": 0.0,
+            "length_penalty": 1.0,
+            "return_details": True,
+            "structured_outputs_regex": None,
         },
-        "metrics": None, "template": None, "use_tqdm": None, "adapter_request": None,
-    }  # fmt: skip
+        "metrics": None,
+        "template": None,
+        "use_tqdm": None,
+        "adapter_request": None,
+    }
     reply = _infer(hf_server.url, swift_body)
     assert reply.status_code == 200, reply.text
     (item,) = reply.json()

@@ -93,20 +93,36 @@ def test_swift_messages_become_chat_template_messages() -> None:
         [
             {"role": "system", "content": "You detect."},
             {"role": "user", "content": "<image>Find <image>all"},
-            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "AAA"}}, {"type": "text", "text": "x"}]},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": "AAA"}},
+                    {"type": "text", "text": "x"},
+                ],
+            },
         ]
     )
     assert messages[0]["content"] == [{"type": "text", "text": "You detect."}]
     assert messages[1]["content"] == [
-        {"type": "image"}, {"type": "text", "text": "Find "}, {"type": "image"}, {"type": "text", "text": "all"},
-    ]  # fmt: skip
+        {"type": "image"},
+        {"type": "text", "text": "Find "},
+        {"type": "image"},
+        {"type": "text", "text": "all"},
+    ]
     assert messages[2]["content"][0] == {"type": "image"} and inline == ["AAA"]
     with pytest.raises(ValueError, match="'audio' is not supported"):
         chat_messages([{"role": "user", "content": [{"type": "audio", "audio": "x"}]}])
 
 
 def test_fingerprint_mismatch_lines_show_both_values() -> None:
-    local = {"architecture": "A", "model_type": "m", "config": "c", "tokenizer": "t1", "chat_template": "x", "processor": "p"}
+    local = {
+        "architecture": "A",
+        "model_type": "m",
+        "config": "c",
+        "tokenizer": "t1",
+        "chat_template": "x",
+        "processor": "p",
+    }
     remote = dict(local, tokenizer="t2")
     assert fingerprint_mismatches(local, local) == []
     assert fingerprint_mismatches(local, remote) == ["tokenizer: trainer 't1' vs server 't2'"]
@@ -126,4 +142,3 @@ def test_fingerprint_sees_processor_and_template_changes(tiny_model_dir: Path) -
     templated.chat_template = "{{ messages }}"
     assert fingerprint_mismatches(base, model_fingerprint(config, resized))[0].startswith("processor:")
     assert fingerprint_mismatches(base, model_fingerprint(config, templated))[0].startswith("chat_template:")
-

@@ -38,16 +38,22 @@ def test_vllm_server_rolls_out_the_trainers_ids_and_follows_weight_syncs(
 ) -> None:
     info = vllm_server.get("/info/")
     assert info["engine"] == "vllm" and info["weight_version"] == 0 and info["world_size"] == 1
-    model = AutoModelForImageTextToText.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    model = AutoModelForImageTextToText.from_pretrained(
+        tiny_model_dir, dtype=torch.float32, attn_implementation="sdpa"
+    )
     backend = ServerBackend.from_config(
         server_config(servers=[{"base_url": vllm_server.url, "group_port": free_port()}]),
-        model=model, tokenizer=prompt_encoder.tokenizer, model_dir=str(tiny_model_dir),
+        model=model,
+        tokenizer=prompt_encoder.tokenizer,
+        model_dir=str(tiny_model_dir),
         collectives=LocalCollectives(),
-    )  # fmt: skip
+    )
     trainer = HFBackend(
-        model, prompt_encoder.tokenizer, eos_token_id=prompt_encoder.eos_token_id,
+        model,
+        prompt_encoder.tokenizer,
+        eos_token_id=prompt_encoder.eos_token_id,
         pad_token_id=prompt_encoder.pad_token_id,
-    )  # fmt: skip
+    )
 
     served = backend.generate(raccoon_requests, DECODING, seed=0)  # three photos of different sizes
     assert [r.prompt_token_ids for r in served] == [q.prompt_token_ids for q in raccoon_requests]

@@ -32,9 +32,12 @@ def _train_steps(model: torch.nn.Module, prompt_encoder: Any, requests: list[Any
         for request in requests:
             ids = torch.tensor([request.prompt_token_ids])
             loss = model(
-                input_ids=ids, pixel_values=request.pixel_values, image_grid_thw=request.image_grid_thw,
-                mm_token_type_ids=torch.tensor([request.mm_token_type_ids]), labels=ids,
-            ).loss  # fmt: skip
+                input_ids=ids,
+                pixel_values=request.pixel_values,
+                image_grid_thw=request.image_grid_thw,
+                mm_token_type_ids=torch.tensor([request.mm_token_type_ids]),
+                labels=ids,
+            ).loss
             loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -55,16 +58,23 @@ def test_sync_after_training_makes_server_greedy_equal_trainer_greedy(
     free_port: Callable[[], int],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    model = AutoModelForImageTextToText.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    model = AutoModelForImageTextToText.from_pretrained(
+        tiny_model_dir, dtype=torch.float32, attn_implementation="sdpa"
+    )
     cfg = server_config(servers=[{"base_url": hf_sync_server.url, "group_port": free_port()}])
     backend = ServerBackend.from_config(
-        cfg, model=model, tokenizer=prompt_encoder.tokenizer, model_dir=str(tiny_model_dir),
+        cfg,
+        model=model,
+        tokenizer=prompt_encoder.tokenizer,
+        model_dir=str(tiny_model_dir),
         collectives=LocalCollectives(),
-    )  # fmt: skip
+    )
     trainer = HFBackend(
-        model, prompt_encoder.tokenizer, eos_token_id=prompt_encoder.eos_token_id,
+        model,
+        prompt_encoder.tokenizer,
+        eos_token_id=prompt_encoder.eos_token_id,
         pad_token_id=prompt_encoder.pad_token_id,
-    )  # fmt: skip
+    )
     requests = raccoon_requests[:2]
     start_version = hf_sync_server.get("/info/")["weight_version"]
     assert _ids(backend.generate(requests, DECODING, seed=0)) == _ids(trainer.generate(requests, DECODING, 0))
@@ -78,7 +88,9 @@ def test_sync_after_training_makes_server_greedy_equal_trainer_greedy(
     assert report.mode == "full" and report.version == start_version + 1 and report.num_bytes > 1_000_000
     synced = backend.generate(requests, DECODING, seed=0)
     assert _ids(synced) == trained
-    assert {r.weight_version for r in synced} == {start_version + 1} and backend.weight_version == start_version + 1
+    assert {r.weight_version for r in synced} == {
+        start_version + 1
+    } and backend.weight_version == start_version + 1
     stats = hf_sync_server.get("/stats/")
     assert stats["weight_version"] == start_version + 1
     assert stats["pushes_by_version"][str(start_version + 1)] == 1

@@ -15,7 +15,7 @@ from rollmatch.server.protocol import (
     UpdateFlattenedParamsBody,
     WireModel,
 )
-from rollmatch.sync.transaction import PushResult, UpdateReceiver, VerifiedUpdate, push_update
+from rollmatch.sync.transaction import PushResult, UpdateReceiver, VerifiedUpdate, content_digest, push_update
 from rollmatch.sync.transport import LocalTransport, PendingTransfer
 
 
@@ -39,7 +39,13 @@ class DirectChannel:
             update = self.receiver.finish(body)
         except SyncError as exc:
             return FinishUpdateReply(
-                ok=False, version=-1, checksum="", bucket_checksums=[], num_bytes=0, num_tensors=0, error=str(exc)
+                ok=False,
+                version=-1,
+                checksum="",
+                bucket_checksums=[],
+                num_bytes=0,
+                num_tensors=0,
+                error=str(exc),
             ).model_dump()
         self.applied.append(update)
         reply = update.reply.model_dump()
@@ -100,7 +106,10 @@ def test_corruption_in_transit_is_detected_and_nothing_is_applied() -> None:
     trainer, receiver = _pair()
     channel = DirectChannel(receiver)
     corrupting = CorruptingTransport(trainer, corrupt_call=1)
-    with pytest.raises(SyncError, match=r"rejected weight version 4: .*checksum mismatch in bucket 1 \(model.layer.bias, model.layer.weight\)"):
+    with pytest.raises(
+        SyncError,
+        match=r"rejected weight version 4: .*checksum mismatch in bucket 1 \(model.layer.bias, model.layer.weight\)",
+    ):
         push_update([(channel, corrupting)], _tensors(), version=4, mode="full", bucket_bytes=4096)
     assert channel.applied == []
     # the staging was dropped; the next clean update goes through
@@ -111,7 +120,9 @@ def test_corruption_in_transit_is_detected_and_nothing_is_applied() -> None:
 def test_sender_rejects_an_acknowledgement_with_another_checksum() -> None:
     trainer, receiver = _pair()
     with pytest.raises(SyncError, match="not trustworthy"):
-        push_update([(DirectChannel(receiver, tamper_reply=True), trainer)], _tensors(), version=1, mode="full")
+        push_update(
+            [(DirectChannel(receiver, tamper_reply=True), trainer)], _tensors(), version=1, mode="full"
+        )
 
 
 def test_every_receiver_gets_the_same_update() -> None:
@@ -135,3 +146,25 @@ def test_an_empty_update_is_an_error() -> None:
     trainer, receiver = _pair()
     with pytest.raises(SyncError, match="has no tensors"):
         push_update([(DirectChannel(receiver), trainer)], [], version=1, mode="full")
+
+
+def test_content_digest_sees_flips_moves_and_length_but_not_thread_count() -> None:
+    data = torch.randint(
+        0, 256, ((3 << 19) + 5,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)
+    )
+    digest = content_digest(data)
+    flipped = data.clone()
+    flipped[123_456] ^= 0x10
+    swapped = data.clone()
+    chunk = 8 << 16  # bytes per positional chunk
+    swapped[:chunk], swapped[chunk : 2 * chunk] = data[chunk : 2 * chunk].clone(), data[:chunk].clone()
+    odd_tail = data.clone()
+    odd_tail[-1] ^= 0x01
+    assert len({digest, content_digest(flipped), content_digest(swapped), content_digest(odd_tail)}) == 4
+    assert content_digest(data[:-1]) != digest
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert content_digest(data.clone()) == digest
+    finally:
+        torch.set_num_threads(threads)

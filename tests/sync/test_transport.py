@@ -40,9 +40,9 @@ def test_gloo_group_broadcasts_from_the_last_rank_and_reforms_on_the_same_port()
     for round_ in range(2):  # the second round reuses the port after close()
         received = torch.zeros_like(payload)
 
-        def server() -> None:
+        def server(target: torch.Tensor = received) -> None:
             group = GroupTransport(host="127.0.0.1", port=port, rank=0, world_size=2, timeout_s=20)
-            group.broadcast_async(received, src=1).wait("test receive")
+            group.broadcast_async(target, src=1).wait("test receive")
             group.close()
 
         thread, errors = _in_thread(server)
@@ -78,7 +78,7 @@ def test_a_broadcast_nobody_sends_times_out_naming_the_phase() -> None:
     server = GroupTransport(host="127.0.0.1", port=port, rank=0, world_size=2, timeout_s=2)
     assert joined.wait(timeout=30)
     buffer = torch.zeros(8, dtype=torch.uint8)
-    with pytest.raises(CollectiveTimeoutError, match="'receive bucket 0'.*timed out after 2s"):
+    with pytest.raises(CollectiveTimeoutError, match=r"'receive bucket 0'.*timed out after 2s"):
         server.broadcast_async(buffer, src=1).wait("receive bucket 0")
     release.set()
     thread.join(timeout=30)

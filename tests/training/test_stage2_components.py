@@ -139,13 +139,15 @@ def gradient(model: torch.nn.Module) -> torch.Tensor:
     return grads
 
 
-def learner(rollouts: DecodeBatchedRollouts, *, packing_length: int, pipeline: bool) -> StepLearner:
+def learner(
+    rollouts: DecodeBatchedRollouts, *, packing_length: int, pipeline: bool, packing: bool = True
+) -> StepLearner:
     return StepLearner(
         produce_chunk=rollouts.chunk,
         decode_batch_size=rollouts.decode_batch_size,
-        packing=True,
+        packing=packing,
         packing_length=packing_length,
-        batch_size=1,
+        batch_size=3,
         pad_token_id=0,
         pipeline=pipeline,
         wait_timeout_s=120.0,
@@ -154,7 +156,7 @@ def learner(rollouts: DecodeBatchedRollouts, *, packing_length: int, pipeline: b
 
 @pytest.mark.heavy
 def test_step_mode_learns_every_segment_with_whole_step_normalisation(parts, tiny_model_dir):
-    model, records = parts.model, parts.records[:6]
+    model, records = parts.model, parts.records[:4]
     rollouts = DecodeBatchedRollouts(
         RolloutChannel(model, parts.encoder, parts.codec, parts.cfg, hf_backend(model, parts.encoder)),
         decode_batch_size=2,
@@ -177,10 +179,16 @@ def test_step_mode_learns_every_segment_with_whole_step_normalisation(parts, tin
     )
     assert torch.allclose(gradient(model), reference, rtol=1e-4, atol=1e-7)
     assert outcome.loss == pytest.approx(float(reference_loss), rel=1e-5)
-    assert outcome.sums["rollout/count"] == 6 and outcome.sums["stage2_ab/rollouts"] == 6
-    assert outcome.sums["packing/segments"] == 6
-    assert 1 < outcome.sums["packing/rows"] < 6
+    assert outcome.sums["rollout/count"] == 4 and outcome.sums["stage2_ab/rollouts"] == 4
+    assert outcome.sums["packing/segments"] == 4
+    assert 1 < outcome.sums["packing/rows"] < 4
     assert outcome.sums["loss/weight"] == pytest.approx(total_weight)
+    # Packing off: padded batches of per_device_train_batch_size (3 here) segments, same gradient.
+    outcome = learner(rollouts, packing_length=packing_length, pipeline=False, packing=False).learn(
+        records, 3, row_trainer(model), model
+    )
+    assert torch.allclose(gradient(model), reference, rtol=1e-4, atol=1e-7)
+    assert outcome.sums["stage2_ab/step/forward_passes"] == 2 and "packing/rows" not in outcome.sums
 
     # Pipelined: rollouts from a separate copy of the weights (as on a rollout server) in a thread.
     from transformers import AutoModelForImageTextToText
@@ -199,7 +207,7 @@ def test_step_mode_learns_every_segment_with_whole_step_normalisation(parts, tin
     # Rows were formed while rollouts streamed in, yet the step gradient is the same.
     assert torch.allclose(gradient(model), reference, rtol=1e-4, atol=1e-7)
     assert outcome.loss == pytest.approx(float(reference_loss), rel=1e-5)
-    assert [size for size, _, _ in backend.calls] == [2, 2, 2]
+    assert [size for size, _, _ in backend.calls] == [2, 2]
     later_rollouts = [(start, end) for _, start, end in backend.calls[1:]]
     assert any(g0 < t1 and t0 < g1 for g0, g1 in later_rollouts for t0, t1 in train_log), (
         "no rollout overlapped learning"

@@ -59,7 +59,9 @@ def test_b_ratio_outside_unit_interval_is_refused(b_ratio):
 
 
 def test_step_mode_under_two_ranks_points_to_async():
-    cfg = load_config_dict({**STAGE2, "stage2_ab": {"schedule": {"b_ratio": 0.5}, "channel_b": {"mode": "step"}}})
+    cfg = load_config_dict(
+        {**STAGE2, "stage2_ab": {"schedule": {"b_ratio": 0.5}, "channel_b": {"mode": "step"}}}
+    )
     problems = check_runtime(cfg, world_size=2, device_count=0, device_type="cpu")
     assert [p.key for p in problems] == ["stage2_ab.channel_b.mode"]
     assert "async" in problems[0].fix
@@ -91,7 +93,10 @@ def test_pipeline_needs_rollout_servers():
 
 def test_old_section_spelling_is_an_alias_with_a_warning():
     aliased = {
-        "custom": {"trainer_variant": "stage2_ab_training", "extra": {"stage2_ab": {"schedule": {"b_ratio": 0.25}}}}
+        "custom": {
+            "trainer_variant": "stage2_ab_training",
+            "extra": {"stage2_ab": {"schedule": {"b_ratio": 0.25}}},
+        }
     }
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -105,12 +110,19 @@ def test_old_section_spelling_is_an_alias_with_a_warning():
 def bare_context(cfg: RollmatchConfig) -> BuildContext:
     # The variant refuses these configs before it touches the model, encoder or backend.
     return BuildContext(
-        cfg=cfg, model=None, encoder=None, codec=None, collectives=LocalCollectives(), gradient_accumulation_steps=1
+        cfg=cfg,
+        model=None,
+        encoder=None,
+        codec=None,
+        collectives=LocalCollectives(),
+        gradient_accumulation_steps=1,
     )
 
 
 def test_variant_refuses_async_mode_it_does_not_provide():
-    cfg = load_config_dict({**SERVER, "stage2_ab": {"schedule": {"b_ratio": 0.5}, "channel_b": {"mode": "async"}}})
+    cfg = load_config_dict(
+        {**SERVER, "stage2_ab": {"schedule": {"b_ratio": 0.5}, "channel_b": {"mode": "async"}}}
+    )
     with pytest.raises(ConfigError, match=r"stage2_ab\.channel_b\.mode = 'async'.*micro"):
         build_stage2(bare_context(cfg))
 

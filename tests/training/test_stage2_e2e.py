@@ -14,7 +14,9 @@ from rollmatch.training.schedule import step_kind
 from rollmatch.training.trainer import CustomMicroStep, RollmatchTrainer
 from rollmatch.training.variants import backend_for
 
-FAST_ROLLOUTS = {"custom": {"trainer_variant": "stage2_ab_training", "extra": {"rollout_matching": {"max_new_tokens": 8}}}}
+FAST_ROLLOUTS = {
+    "custom": {"trainer_variant": "stage2_ab_training", "extra": {"rollout_matching": {"max_new_tokens": 8}}}
+}
 
 
 def step_logs(result: Any) -> list[dict[str, Any]]:
@@ -43,7 +45,9 @@ def test_resumed_run_continues_the_schedule_with_one_kind_per_window(make_config
     resumed = run_training(config(4, resume="latest"))
     logs = step_logs(first) + step_logs(resumed)[-2:]
     assert [h["step"] for h in logs] == [1, 2, 3, 4]
-    assert ["B" if h["stage2_ab/step_kind_b"] else "A" for h in logs] == [step_kind(s, 0.34) for s in range(4)]
+    assert ["B" if h["stage2_ab/step_kind_b"] else "A" for h in logs] == [
+        step_kind(s, 0.34) for s in range(4)
+    ]
     assert [step_kind(s, 0.34) for s in range(4)] == ["A", "A", "B", "A"]
     for h in logs:
         ran, other = ("b", "a") if h["stage2_ab/step_kind_b"] else ("a", "b")
@@ -112,7 +116,12 @@ def test_step_mode_learns_its_budget_on_the_last_micro_step(
                 "channel_b": {"mode": "step", "rollout_decode_batch_size": decode_batch},
             },
             # Rows of 512 tokens hold several rollout segments (~130-170 tokens each).
-            "training": {"per_device_train_batch_size": 1, "max_steps": 1, "global_max_length": 512, **training},
+            "training": {
+                "per_device_train_batch_size": 1,
+                "max_steps": 1,
+                "global_max_length": 512,
+                **training,
+            },
         }
     )
     result = run_training(cfg)

@@ -1,0 +1,150 @@
+"""Colocated vLLM configuration: every invalid setting fails fast with its key and fix (no engine start)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from rollmatch.config.schema import RollmatchConfig
+from rollmatch.errors import BackendError, ConfigError
+from rollmatch.rollout.vllm_colocate import VllmColocateBackend
+from rollmatch.rollout.vllm_engine import VllmEngine, collapse_placeholders
+from rollmatch.rollout.vllm_settings import (
+    check_vllm_colocate_config,
+    engine_settings_from_config,
+    resolve_sync_mode,
+    vllm_colocate_problems,
+)
+from rollmatch.training.dist import LocalCollectives
+
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="CPU rules (device counts differ on GPU machines)"
+)
+KEY = "custom.extra.rollout_matching.vllm"
+
+
+def _valid() -> RollmatchConfig:
+    cfg = RollmatchConfig()
+    cfg.rollout.vllm.tensor_parallel_size = 1
+    return cfg
+
+
+def _problems(cfg: RollmatchConfig, *, world_size: int = 1, devices: int = 1) -> dict[str, str]:
+    """Key -> its fixes joined (a key may have several problems)."""
+    out: dict[str, str] = {}
+    for p in vllm_colocate_problems(cfg, world_size=world_size, device_count=devices):
+        out[p.key] = f"{out.get(p.key, '')} | {p.fix}"
+    return out
+
+
+def test_a_valid_cpu_config_has_no_problems() -> None:
+    assert _problems(_valid()) == {}
+
+
+def test_default_tensor_parallel_size_is_too_large_on_cpu() -> None:
+    problems = _problems(RollmatchConfig())
+    assert "tensor_parallel_size 1" in problems[f"{KEY}.tensor_parallel_size"]
+
+
+def test_tensor_parallel_groups_must_divide_the_world() -> None:
+    cfg = _valid()
+    cfg.rollout.vllm.tensor_parallel_size = 2
+    assert "multiple of 2" in _problems(cfg, world_size=3, devices=2)[f"{KEY}.tensor_parallel_size"]
+    assert _problems(cfg, world_size=4, devices=2) == {}
+
+
+@pytest.mark.parametrize("value", [0.0, -0.1, 1.5])
+def test_gpu_memory_utilization_outside_unit_interval(value: float) -> None:
+    cfg = _valid()
+    cfg.rollout.vllm.gpu_memory_utilization = value
+    assert "(0, 1]" in _problems(cfg)[f"{KEY}.gpu_memory_utilization"]
+
+
+def test_max_model_len_below_global_max_length() -> None:
+    cfg = _valid()
+    cfg.rollout.vllm.max_model_len = 1024
+    assert "global_max_length (2048)" in _problems(cfg)[f"{KEY}.max_model_len"]
+    cfg.rollout.vllm.max_model_len = 2048
+    assert _problems(cfg) == {}
+
+
+def test_adapter_sync_needs_enable_lora_and_a_lora_model() -> None:
+    cfg = _valid()
+    cfg.rollout.vllm.sync.mode = "adapter"
+    assert "enable_lora: true" in _problems(cfg)[f"{KEY}.sync.mode"]
+    cfg.rollout.vllm.sync.mode = "auto"
+    cfg.rollout.vllm.enable_lora = True
+    assert resolve_sync_mode(cfg) == "adapter"
+    assert "model.lora.enabled" in _problems(cfg)[f"{KEY}.sync.mode"]
+    cfg.model.lora.enabled = True
+    assert _problems(cfg) == {}
+    cfg.model.lora.use_dora = True
+    assert "DoRA" in _problems(cfg)[f"{KEY}.sync.mode"]
+
+
+def test_auto_sync_without_enable_lora_is_full() -> None:
+    cfg = _valid()
+    cfg.rollout.vllm.sync.mode = "auto"
+    assert resolve_sync_mode(cfg) == "full"
+
+
+def test_sleep_mode_needs_a_gpu_and_level_2_needs_full_sync() -> None:
+    cfg = _valid()
+    cfg.rollout.vllm.sleep_level = 1
+    assert "set it to 0 on CPU" in _problems(cfg)[f"{KEY}.sleep_level"]
+    cfg.rollout.vllm.sleep_level = 2
+    cfg.rollout.vllm.enable_lora = True
+    cfg.model.lora.enabled = True
+    cfg.rollout.vllm.sync.mode = "adapter"
+    fixes = [p.fix for p in vllm_colocate_problems(cfg, world_size=1, device_count=1)]
+    assert any("sleep_level 1" in f for f in fixes) and any("on CPU" in f for f in fixes)
+
+
+def test_missing_vllm_says_how_to_install_or_switch_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "vllm", None)  # what an environment without vLLM looks like
+    fix = _problems(_valid())["custom.extra.rollout_matching.rollout_backend"]
+    assert "pip install" in fix and "rollout_backend: hf" in fix
+    with pytest.raises(BackendError, match="not installed"):
+        VllmEngine("/nonexistent").start()
+
+
+def test_all_problems_are_reported_at_once() -> None:
+    cfg = RollmatchConfig()  # tensor_parallel_size 4 on CPU
+    cfg.rollout.vllm.gpu_memory_utilization = 2.0
+    cfg.rollout.vllm.max_model_len = 16
+    with pytest.raises(ConfigError) as info:
+        check_vllm_colocate_config(cfg, world_size=1)
+    assert len(info.value.problems) == 3
+
+
+def test_from_config_validates_then_builds_a_lazy_engine() -> None:
+    cfg = _valid()
+    cfg.data.max_pixels = 100_000
+    cfg.rollout.vllm.enable_lora = True
+    cfg.model.lora.enabled = True
+    cfg.model.lora.r = 16
+    backend = VllmColocateBackend.from_config(
+        cfg, model=torch.nn.Linear(2, 2), tokenizer=None, model_dir="m", collectives=LocalCollectives()
+    )
+    settings = backend.engine.settings
+    assert not backend.engine.started and backend.weight_version == 0
+    assert backend.sync_mode == "full"  # sync.mode full is the default even with enable_lora
+    assert settings == engine_settings_from_config(cfg, "m")
+    assert (settings.max_model_len, settings.dtype, settings.enforce_eager, settings.max_lora_rank) == (
+        2048,
+        "float32",
+        True,
+        16,
+    )
+    assert settings.mm_processor_kwargs == {"max_pixels": 100_000}
+    with pytest.raises(ConfigError):
+        VllmColocateBackend.from_config(
+            RollmatchConfig(), model=None, tokenizer=None, model_dir="m", collectives=LocalCollectives()
+        )
+
+
+def test_collapse_placeholders_keeps_one_token_per_image_run() -> None:
+    assert collapse_placeholders([1, 9, 9, 9, 2, 9, 9, 3, 9], 9) == [1, 9, 2, 9, 3, 9]
+    assert collapse_placeholders([1, 2], 9) == [1, 2]

@@ -1,0 +1,89 @@
+"""Two real gloo ranks under torchrun: every rank runs the kind rank 0 decided, on every micro-step.
+
+Fault injection: rank 1 is given a different ``b_ratio`` than rank 0, so a rank that decided its
+own kind would run B where rank 0 runs A. Each rank logs the kind it executed per micro-step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rollmatch.config.load import config_to_yaml
+
+PROBE = """
+import logging, os, sys
+from rollmatch.config.load import load_config
+from rollmatch.training.entry import run_training
+
+cfg_path, log_dir = sys.argv[1], sys.argv[2]
+rank = int(os.environ["RANK"])
+cfg = load_config(cfg_path)
+if rank == 1:
+    cfg.stage2_ab.schedule.b_ratio = 1.0  # disagrees with rank 0; rank 0's broadcast must win
+handler = logging.FileHandler(os.path.join(log_dir, f"kinds-rank{rank}.log"))
+stage2_log = logging.getLogger("rollmatch.training.stage2")
+stage2_log.setLevel(logging.DEBUG)
+stage2_log.addHandler(handler)
+run_training(cfg)
+"""
+EXECUTED = re.compile(r"stage2_ab step (\d+) micro-step (\d+)/(\d+) ran Channel-([AB]) on rank (\d+)")
+
+
+@pytest.mark.heavy
+def test_every_rank_runs_rank_zeros_kind_for_the_whole_window(make_config, tmp_path, free_port):
+    cfg = make_config(
+        {
+            "custom": {
+                "trainer_variant": "stage2_ab_training",
+                "extra": {"rollout_matching": {"max_new_tokens": 8}},
+            },
+            "stage2_ab": {"schedule": {"b_ratio": 0.5}},  # rank 0: A, B
+            "training": {"per_device_train_batch_size": 1, "gradient_accumulation_steps": 2, "max_steps": 2},
+        }
+    )
+    cfg_path = tmp_path / "cfg.yaml"
+    cfg_path.write_text(config_to_yaml(cfg))
+    probe = tmp_path / "probe.py"
+    probe.write_text(PROBE)
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        str(probe),
+        str(cfg_path),
+        str(tmp_path),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=280)
+    assert done.returncode == 0, done.stderr[-4000:]
+
+    expected = [(0, 1, 2, "A"), (0, 2, 2, "A"), (1, 1, 2, "B"), (1, 2, 2, "B")]
+    for rank in (0, 1):
+        lines = (tmp_path / f"kinds-rank{rank}.log").read_text()
+        executed = [m.groups() for m in EXECUTED.finditer(lines)]
+        assert [(int(s), int(i), int(n), k) for s, i, n, k, _ in executed] == expected, (rank, lines)
+        assert {int(r) for *_, r in executed} == {rank}
+
+    logs = [
+        json.loads(line)
+        for line in (Path(cfg.training.output_dir) / "metrics.jsonl").read_text().splitlines()
+    ]
+    steps = [h for h in logs if "loss" in h]
+    assert [h["stage2_ab/step_kind_b"] for h in steps] == [0.0, 1.0]
+    assert steps[0]["stage2_ab/micro_steps_a"] == 4  # 2 micro-steps x 2 ranks
+    assert steps[1]["stage2_ab/micro_steps_b"] == 4
+    assert steps[1]["stage2_ab/rollouts"] == 4
+    assert steps[1]["stage2_ab/loss_b"] == pytest.approx(steps[1]["loss"], rel=1e-4)
