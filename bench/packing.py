@@ -28,6 +28,7 @@ Run: ``.venv/bin/python bench/packing.py [--data DIR] [--seed N]`` (about a minu
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import tempfile
@@ -52,14 +53,14 @@ from rollmatch.detection.targets import TargetSequence, build_gt_target
 from rollmatch.models.tiny import build_tiny_model
 from rollmatch.packing.binpack import fifo_greedy, plan_rows
 from rollmatch.packing.carry import CarryBuffer
-from rollmatch.packing.collate import model_inputs, pack_row, pad_batch
+from rollmatch.packing.collate import enable_packed_attention, model_inputs, pack_row, pad_batch
 from rollmatch.packing.segment import Segment, build_segment
 from rollmatch.training.losses import weighted_ce_sum
 
 DEFAULT_DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
 CAPACITY = TrainingConfig().global_max_length
 CARRY_LIMIT = TrainingConfig().carry_buffer_size
-SPEED_SAMPLES, SPEED_REPEATS = 48, 2
+SPEED_SAMPLES, SPEED_ROUNDS = 40, 2
 BUFFERED_ARRIVALS = 1.05  # tokens arriving per step / row capacity for the `ours` stream
 
 
@@ -201,70 +202,78 @@ def length_only_segment(sample_id: str, length: int) -> Segment:
 def training_speed(
     model_dir: Path, encoder: PromptEncoder, records: Sequence[Record], rng: np.random.Generator
 ) -> dict[str, Any]:
+    """Tokens/s of forward + backward over the same samples: packed rows vs padded vs one per step."""
     from transformers import AutoModelForImageTextToText
 
     model = AutoModelForImageTextToText.from_pretrained(
         model_dir, dtype=torch.float32, attn_implementation="sdpa"
     )
     model.train()
-    chosen = [records[i] for i in rng.permutation(len(records))[:SPEED_SAMPLES]]
-    segments = []
-    for record in chosen:
-        encoded = encoder.encode(record)
-        target = target_for(encoder, encoder.gt_objects(record, encoded))
-        segments.append(
-            build_segment(
-                model,
-                sample_id=record.id,
-                prompt_ids=encoded.input_ids,
-                response_ids=target.token_ids,
-                response_weights=target.weights,
-                pixel_values=encoded.pixel_values,
-                image_grid_thw=encoded.image_grid_thw,
-                prompt_mm_token_type_ids=encoded.mm_token_type_ids,
-                max_length=CAPACITY,
-            )
-        )
-    tokens = sum(s.length for s in segments)
-    packed = [
-        pack_row([segments[i] for i in row])
-        for row in plan_rows([s.length for s in segments], CAPACITY)
+    kernel_model = copy.deepcopy(model)
+    enable_packed_attention(kernel_model)
+    segments = [
+        real_segment(model, encoder, records[i]) for i in rng.permutation(len(records))[:SPEED_SAMPLES]
     ]
-    per_step = max(1, round(len(segments) / len(packed)))
+    tokens = sum(s.length for s in segments)
+    rows = plan_rows([s.length for s in segments], CAPACITY)
+    packed = [pack_row([segments[i] for i in row]) for row in rows]
+    per_step = max(1, round(len(segments) / len(rows)))
     padded = [
         pad_batch(segments[i : i + per_step], encoder.pad_token_id) for i in range(0, len(segments), per_step)
     ]
-    single = [pad_batch([s], encoder.pad_token_id) for s in segments]
-    speed = {
-        name: tokens / train_seconds(model, batches)
-        for name, batches in (("packed", packed), ("padded", padded), ("per_sample", single))
+    runs: dict[str, tuple[Any, list[dict[str, Any]]]] = {
+        "packed": (kernel_model, packed),
+        "packed_masked_sdpa": (model, packed),
+        "padded": (model, padded),
+        "per_sample": (model, [pad_batch([s], encoder.pad_token_id) for s in segments]),
     }
-    padded_slots = sum(int(b["input_ids"].numel()) for b in padded)
+    seconds = {name: math.inf for name in runs}
+    torch.set_num_threads(1)  # measure work, not how a shared machine schedules threads
+    for round_index in range(SPEED_ROUNDS + 1):  # interleaved rounds; round 0 warms up
+        for name, (runner, batches) in runs.items():
+            elapsed = train_seconds(runner, batches)
+            if round_index:
+                seconds[name] = min(seconds[name], elapsed)
+    speed = {name: tokens / value for name, value in seconds.items()}
     return {
         "packed_over_padded_tokens_per_s": round(speed["packed"] / speed["padded"], 3),
-        "packed_over_per_sample_tokens_per_s": round(speed["packed"] / speed["per_sample"], 3),
         "speed": {
             "samples": len(segments),
             "tokens": tokens,
-            "packed_rows": len(packed),
+            "packed_rows": len(rows),
             "padded_batch_size": per_step,
-            "padding_fraction": round(1 - tokens / padded_slots, 4),
-            "tokens_per_s": {name: round(value, 1) for name, value in speed.items()},
+            "padding_fraction": round(1 - tokens / sum(int(b["input_ids"].numel()) for b in padded), 4),
+            "tokens_per_s_one_thread": {name: round(value, 1) for name, value in speed.items()},
+            "packed_over_per_sample": round(speed["packed"] / speed["per_sample"], 3),
+            "packed_masked_sdpa_over_padded": round(speed["packed_masked_sdpa"] / speed["padded"], 3),
         },
     }
 
 
+def real_segment(model: Any, encoder: PromptEncoder, record: Record) -> Segment:
+    encoded = encoder.encode(record)
+    target = target_for(encoder, encoder.gt_objects(record, encoded))
+    return build_segment(
+        model,
+        sample_id=record.id,
+        prompt_ids=encoded.input_ids,
+        response_ids=target.token_ids,
+        response_weights=target.weights,
+        pixel_values=encoded.pixel_values,
+        image_grid_thw=encoded.image_grid_thw,
+        prompt_mm_token_type_ids=encoded.mm_token_type_ids,
+        max_length=CAPACITY,
+    )
+
+
 def train_seconds(model: Any, batches: Sequence[dict[str, Any]]) -> float:
-    """Best-of-``SPEED_REPEATS`` wall time of forward + backward over ``batches`` (after a warm-up pass)."""
-    times = []
-    for _ in range(SPEED_REPEATS + 1):
-        start = time.perf_counter()
-        for batch in batches:
-            logits = model(**model_inputs(batch)).logits
-            weighted_ce_sum(logits, batch["input_ids"], batch["weights"]).backward()
-        model.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - start)
-    return min(times[1:])
+    """CPU seconds of forward + backward over ``batches`` (gradients accumulate, then are dropped)."""
+    start = time.process_time()
+    for batch in batches:
+        logits = model(**model_inputs(batch)).logits
+        weighted_ce_sum(logits, batch["input_ids"], batch["weights"]).backward()
+    model.zero_grad(set_to_none=True)
+    return time.process_time() - start
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 
 build (tiny Qwen2.5-VL + synthetic shapes, reused if present) -> eval before -> stage-1 ``sft``
 -> eval -> ``rollout_matching_sft`` from the SFT model -> eval -> summary table,
-``summary.json`` and ``summary.png``. Its embedded default config is :data:`DEMO_CONFIG`; any key
+``summary.json`` and ``summary.png``. Rollouts use the default backend, vLLM colocated, when
+vLLM is installed (else HF generate). Its embedded default config is :data:`DEMO_CONFIG`; any key
 can be overridden on the command line (``rollmatch demo training.max_steps=5``).
 """
 
@@ -24,7 +25,15 @@ from rollmatch.evaluation import EvalResult, run_eval
 DEMO_CONFIG: dict[str, Any] = {
     "model": {"path": "{out}/model", "dtype": "float32", "attn_implementation": "sdpa"},
     "data": {"train_jsonl": "{out}/data/train.jsonl", "val_jsonl": "{out}/data/val.jsonl"},
-    "custom": {"extra": {"rollout_matching": {"rollout_backend": "hf", "max_new_tokens": 160}}},
+    "custom": {
+        "extra": {
+            "rollout_matching": {
+                "rollout_backend": "{backend}",
+                "max_new_tokens": 160,
+                "vllm": {"tensor_parallel_size": 1, "enforce_eager": True},
+            }
+        }
+    },
     "training": {
         "per_device_train_batch_size": 8,
         "packing": True,
@@ -95,8 +104,16 @@ def run_demo(out: Path, overrides: list[str] | tuple[str, ...] = ()) -> dict[str
 
 
 def phase_config(out: Path, phase: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> RollmatchConfig:
-    merged = json.loads(json.dumps(deep_merge(DEMO_CONFIG, phase)).replace("{out}", str(out)))
+    text = json.dumps(deep_merge(DEMO_CONFIG, phase)).replace("{out}", str(out))
+    merged = json.loads(text.replace("{backend}", default_backend()))
     return load_config_dict(merged, overrides, source="rollmatch demo")
+
+
+def default_backend() -> str:
+    """vLLM (colocated) when it is installed, else HF generate."""
+    import importlib.util
+
+    return "vllm" if importlib.util.find_spec("vllm") is not None else "hf"
 
 
 def with_model(cfg: RollmatchConfig, model_dir: str) -> RollmatchConfig:
@@ -106,7 +123,9 @@ def with_model(cfg: RollmatchConfig, model_dir: str) -> RollmatchConfig:
 def eval_summary(result: EvalResult) -> dict[str, Any]:
     data = asdict(result)
     data["eval_seconds"] = data.pop("seconds")
-    return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in data.items() if k != "predictions_path"}
+    return {
+        k: (round(v, 4) if isinstance(v, float) else v) for k, v in data.items() if k != "predictions_path"
+    }
 
 
 def format_table(summary: dict[str, Any]) -> str:

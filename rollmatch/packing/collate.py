@@ -1,8 +1,9 @@
 """Segments -> model inputs: one padding-free packed row, or a right-padded batch.
 
 Owns: :func:`pack_row` (the exact packed layout), :func:`pad_batch` (the unpacked path, also the
-reference the packed path is tested against) and :func:`model_inputs` (the forward kwargs).
-Leaves out: which segments form a row (``packing.binpack`` / ``packing.carry``) and the loss
+reference the packed path is tested against), :func:`model_inputs` (the forward kwargs) and
+:func:`enable_packed_attention` (the per-segment ``sdpa`` kernel for packed rows). Leaves out:
+which segments form a row (``packing.binpack`` / ``packing.carry``) and the loss
 (``training.losses``).
 
 Why a packed row is exact (transformers 5.x Qwen-VL models):
@@ -18,12 +19,12 @@ Why a packed row is exact (transformers 5.x Qwen-VL models):
   segment's last logits.
 
 Speed: transformers' ``sdpa`` path computes a packed row as one (L x L) masked attention, so its
-cost grows with the *row* length squared, and on CPU a packed row is no faster than a padded
-batch. :func:`enable_packed_attention` switches a model's ``sdpa`` to a kernel that attends
-within each segment separately (what ``flash_attention_2`` does with packed position ids on GPU):
-the same numbers, at the cost of the segments' lengths squared. It falls back to plain ``sdpa``
-(with its mask) whenever a call is not a packed row, so padded batches and generation are
-unaffected.
+cost grows with the *row* length squared (on CPU a 2048-token row of a tiny model then trains
+slower than its samples one at a time). :func:`enable_packed_attention` switches a model's
+``sdpa`` to a kernel that attends within each segment separately (what ``flash_attention_2``
+does with packed position ids on GPU): the same numbers, at the cost of the segments' lengths
+squared. It falls back to plain ``sdpa`` (with its mask) whenever a call is not a packed row, so
+padded batches and generation are unaffected.
 """
 
 from __future__ import annotations
@@ -114,19 +115,6 @@ def model_inputs(batch: Batch) -> dict[str, Any]:
     kwargs: dict[str, Any] = {key: batch[key] for key in MODEL_INPUT_KEYS if key in batch}
     kwargs["use_cache"] = False
     return kwargs
-
-
-def batch_to(batch: Batch, device: torch.device | str, dtype: torch.dtype | None = None) -> Batch:
-    """Move every tensor of ``batch`` to ``device``; ``pixel_values`` also to ``dtype`` when given."""
-    moved: Batch = {}
-    for key, value in batch.items():
-        if value is None:
-            moved[key] = None
-        elif key == "pixel_values" and dtype is not None:
-            moved[key] = value.to(device=device, dtype=dtype)
-        else:
-            moved[key] = value.to(device)
-    return moved
 
 
 def enable_packed_attention(model: torch.nn.Module) -> str:

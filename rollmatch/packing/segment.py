@@ -114,7 +114,7 @@ def find_rope_index(model: nn.Module) -> RopeIndexFn:
             return fn
     raise PackingError(
         f"{type(model).__name__} has no `get_rope_index` (looked through DDP/PEFT wrappers and `.model`): "
-        "packing needs a Qwen2-VL / Qwen2.5-VL / Qwen3-VL model; set `training.packing: false` otherwise"
+        "training segments need the mRoPE of a Qwen2-VL / Qwen2.5-VL / Qwen3-VL model; set `model.path` to one"
     )
 
 

@@ -24,7 +24,7 @@ from typing import Any
 
 from fastapi import FastAPI, HTTPException, Response
 
-from rollmatch.errors import BackendError, RollmatchError, SyncError
+from rollmatch.errors import BackendError, CollectiveTimeoutError, RollmatchError, SyncError
 from rollmatch.server.engines import ServerEngine, build_engine
 from rollmatch.server.protocol import (
     ChatChoice,
@@ -88,8 +88,8 @@ class RolloutServer:
         with self._engine_lock:
             version = self.weight_version
             outputs = self.engine.generate(prompts, decoding, config.seed)
-        self.infer_calls += 1
-        self.infer_requests += len(prompts)
+            self.infer_calls += 1
+            self.infer_requests += len(prompts)
         details = config.return_details
         return [
             RolloutOutput(
@@ -195,7 +195,7 @@ class RolloutServer:
                 update = receiver.finish(body)
                 with self._engine_lock:
                     self._load(update)
-            except SyncError as exc:
+            except (SyncError, CollectiveTimeoutError) as exc:
                 self.failed_pushes += 1
                 log.error("weight version %s rejected: %s", body.version, exc)
                 return FinishUpdateReply(

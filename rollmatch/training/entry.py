@@ -25,6 +25,7 @@ from rollmatch.data.prompts import PromptEncoder
 from rollmatch.data.records import load_records
 from rollmatch.detection.codec import build_codec
 from rollmatch.errors import ConfigError
+from rollmatch.packing.collate import enable_packed_attention
 from rollmatch.training.dist import build_collectives
 from rollmatch.training.metrics import JsonlMetricsCallback, summarize
 from rollmatch.training.trainer import (
@@ -149,6 +150,10 @@ def training_arguments(cfg: RollmatchConfig, gas: int, *, use_cpu: bool) -> Trai
 def load_model(cfg: RollmatchConfig) -> torch.nn.Module:
     """The trainable model: HF weights in the configured dtype, with LoRA/DoRA adapters if enabled."""
     model = load_pretrained(cfg)
+    if cfg.training.packing:
+        # Packed rows attend per segment (causal sdpa per segment, like flash-attention's varlen
+        # path) instead of one full masked LxL attention; exact either way, several times faster.
+        enable_packed_attention(model)
     lora = cfg.model.lora
     if not lora.enabled:
         return model

@@ -56,8 +56,8 @@ def test_plans_cover_every_segment_once_within_capacity(lengths: list[int], capa
     for plan in (plan_rows(lengths, capacity), fifo_greedy(lengths, capacity)):
         assert sorted(i for row in plan for i in row) == list(range(len(lengths)))
         assert all(sum(lengths[i] for i in row) <= capacity for row in plan)
-    # Never worse than next-fit in arrival order.
-    assert len(plan_rows(lengths, capacity)) <= len(fifo_greedy(lengths, capacity))
+    # No "never more rows than next-fit" property: greedy best fills can lose on some inputs
+    # ([1, 3, 2, 3, 2, 3] at capacity 5: 4 rows vs 3); the benchmark measures the typical case.
 
 
 def test_plan_rows_beats_fifo_on_a_known_case() -> None:

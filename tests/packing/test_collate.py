@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
 
 from rollmatch.errors import PackingError
-from rollmatch.packing.collate import model_inputs, pack_row, pad_batch
+from rollmatch.packing.collate import (
+    PACKED_SDPA,
+    enable_packed_attention,
+    model_inputs,
+    pack_row,
+    packed_sdpa_attention,
+    pad_batch,
+)
 from rollmatch.packing.segment import Segment
 
 
@@ -65,3 +73,42 @@ def test_model_inputs_and_empty_input(text_segment: Callable[..., Segment]) -> N
     for fn in (pack_row, lambda s: pad_batch(s, 0)):
         with pytest.raises(PackingError, match="no segments"):
             fn([])
+
+
+class AttentionStandIn(torch.nn.Module):
+    """The two attributes transformers' sdpa reads from an attention module (causal, grouped KV)."""
+
+    is_causal = True
+    num_key_value_groups = 2
+
+
+def test_packed_kernel_equals_block_diagonal_masked_sdpa() -> None:
+    gen = torch.Generator().manual_seed(0)
+    lengths = [5, 3, 7]
+    length = sum(lengths)
+    query = torch.randn(1, 4, length, 8, generator=gen)
+    key, value = torch.randn(1, 2, length, 8, generator=gen), torch.randn(1, 2, length, 8, generator=gen)
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    segment = torch.repeat_interleave(torch.arange(3), torch.tensor(lengths))
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    mask = (causal & (segment[:, None] == segment[None, :]))[None, None]
+
+    packed, _ = packed_sdpa_attention(AttentionStandIn(), query, key, value, None, position_ids=positions)
+    reference = torch.nn.functional.scaled_dot_product_attention(
+        query, key.repeat_interleave(2, dim=1), value.repeat_interleave(2, dim=1), attn_mask=mask
+    ).transpose(1, 2)
+    torch.testing.assert_close(packed, reference, rtol=1e-5, atol=1e-6)
+
+    # Not a packed row (no restart): plain causal sdpa over the whole sequence, i.e. a leak here.
+    whole, _ = packed_sdpa_attention(
+        AttentionStandIn(), query, key, value, None, position_ids=torch.arange(length)[None]
+    )
+    assert not torch.allclose(whole, reference, atol=1e-3)
+    torch.testing.assert_close(whole[:, :5], reference[:, :5], rtol=1e-5, atol=1e-6)  # first segment agrees
+
+
+def test_enable_packed_attention_is_idempotent(kernel_models: Callable[[str, str], Any]) -> None:
+    model = kernel_models("qwen2_vl", "packed")
+    assert model.config._attn_implementation == PACKED_SDPA
+    assert model.config.vision_config._attn_implementation == PACKED_SDPA
+    assert enable_packed_attention(model) == PACKED_SDPA

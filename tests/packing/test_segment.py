@@ -21,7 +21,7 @@ def qwen25(family_models: Callable[[str], tuple[Any, Any]], real_data: None) -> 
 
 
 def test_segment_layout(qwen25: tuple[Any, Any], family_segments: Callable[[str], list[Segment]]) -> None:
-    model, processor = qwen25
+    _, processor = qwen25
     segment = family_segments("qwen2_5_vl")[0]
     image_token = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
     length = segment.length
@@ -116,5 +116,5 @@ def test_rope_index_found_through_ddp_and_peft(
     peft_model = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"]))
     assert find_rope_index(peft_model) == expected
     assert find_rope_index(DistributedDataParallel(peft_model)) == expected
-    with pytest.raises(PackingError, match=r"Linear has no `get_rope_index`.*training.packing: false"):
+    with pytest.raises(PackingError, match=r"Linear has no `get_rope_index`.*set `model.path`"):
         find_rope_index(torch.nn.Linear(2, 2))

@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForImageTextToText
 
-from rollmatch.errors import SyncError
+from rollmatch.errors import BackendError, SyncError
 from rollmatch.rollout.client import ServerBackend
 from rollmatch.rollout.hf import HFBackend
 from rollmatch.rollout.types import Decoding
@@ -76,7 +76,8 @@ def test_sync_after_training_makes_server_greedy_equal_trainer_greedy(
         pad_token_id=prompt_encoder.pad_token_id,
     )
     requests = raccoon_requests[:2]
-    start_version = hf_sync_server.get("/info/")["weight_version"]
+    before = hf_sync_server.get("/stats/")
+    start_version = before["weight_version"]
     assert _ids(backend.generate(requests, DECODING, seed=0)) == _ids(trainer.generate(requests, DECODING, 0))
 
     _train_steps(model, prompt_encoder, requests, steps=2)
@@ -93,7 +94,8 @@ def test_sync_after_training_makes_server_greedy_equal_trainer_greedy(
     } and backend.weight_version == start_version + 1
     stats = hf_sync_server.get("/stats/")
     assert stats["weight_version"] == start_version + 1
-    assert stats["pushes_by_version"][str(start_version + 1)] == 1
+    pushed = str(start_version + 1)
+    assert stats["pushes_by_version"][pushed] - before["pushes_by_version"].get(pushed, 0) == 1
 
     # A byte flipped in transit: detected at finish, the server keeps serving the previous version.
     _train_steps(model, prompt_encoder, requests, steps=1)
@@ -114,5 +116,66 @@ def test_sync_after_training_makes_server_greedy_equal_trainer_greedy(
 
     backend.sync_weights(model, start_version + 2)  # the group is re-formed; the push goes through
     assert hf_sync_server.get("/info/")["weight_version"] == start_version + 2
+    assert _ids(backend.generate(requests, DECODING, seed=0)) == _ids(trainer.generate(requests, DECODING, 0))
+    backend.close()
+
+
+def _lora_config(tiny_model_dir: Path, url: str, group_port: int, fallback: bool) -> Any:
+    from rollmatch.config.schema import RollmatchConfig
+
+    vllm = {
+        "mode": "server",
+        "enable_lora": True,
+        "sync": {"mode": "adapter", "fallback_to_full": fallback},
+        "server": {"servers": [{"base_url": url, "group_port": group_port}]},
+    }
+    return RollmatchConfig.model_validate(
+        {
+            "model": {"path": str(tiny_model_dir), "lora": {"enabled": True}},
+            "custom": {"extra": {"rollout_matching": {"vllm": vllm}}},
+        }
+    )
+
+
+@pytest.mark.heavy
+def test_adapter_sync_falls_back_to_full_once_or_fails_fast(
+    hf_sync_server: Any,
+    tiny_model_dir: Path,
+    raccoon_requests: list[Any],
+    prompt_encoder: Any,
+    free_port: Callable[[], int],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from peft import LoraConfig, get_peft_model
+
+    base = AutoModelForImageTextToText.from_pretrained(
+        tiny_model_dir, dtype=torch.float32, attn_implementation="sdpa"
+    )
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():  # lora_B starts at zero: make the adapter change outputs
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, 0.5)
+    kwargs = {"model": model, "tokenizer": prompt_encoder.tokenizer, "model_dir": str(tiny_model_dir)}
+
+    strict = _lora_config(tiny_model_dir, hf_sync_server.url, free_port(), fallback=False)
+    with pytest.raises(BackendError, match=r"sync modes: trainer needs adapter, server offers \['full'\]"):
+        ServerBackend.from_config(strict, collectives=LocalCollectives(), **kwargs)
+
+    lenient = _lora_config(tiny_model_dir, hf_sync_server.url, free_port(), fallback=True)
+    backend = ServerBackend.from_config(lenient, collectives=LocalCollectives(), **kwargs)
+    version = hf_sync_server.get("/info/")["weight_version"] + 1
+    with caplog.at_level("WARNING", logger="rollmatch.rollout.client"):
+        report = backend.sync_weights(model, version)
+        backend.sync_weights(model, version + 1)
+    assert report.mode == "full" and backend.sync_mode == "full"
+    assert caplog.text.count("adapter sync failed") == 1 and "does not serve adapters" in caplog.text
+    trainer = HFBackend(
+        model,
+        prompt_encoder.tokenizer,
+        eos_token_id=prompt_encoder.eos_token_id,
+        pad_token_id=prompt_encoder.pad_token_id,
+    )
+    requests = raccoon_requests[:2]
     assert _ids(backend.generate(requests, DECODING, seed=0)) == _ids(trainer.generate(requests, DECODING, 0))
     backend.close()
