@@ -18,8 +18,8 @@ from rollmatch.rollout.types import Decoding, Rollout, RolloutBackend, RolloutRe
 from rollmatch.training.entry import run_training
 
 __all__ = [
-    "DetObject",
     "Decoding",
+    "DetObject",
     "EncodedPrompt",
     "EvalResult",
     "HFBackend",

@@ -82,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-parallel-size", type=int, default=1)
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--enable-lora", action="store_true", help="vLLM engine: accept adapter weight syncs")
     return parser
 
 

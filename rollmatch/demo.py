@@ -56,7 +56,13 @@ SFT_PHASE: dict[str, Any] = {
 ROLLOUT_PHASE: dict[str, Any] = {
     "model": {"path": "{out}/sft/final"},
     "custom": {"trainer_variant": "rollout_matching_sft"},
-    "training": {"output_dir": "{out}/rollout", "max_steps": 30, "learning_rate": 3e-4},
+    # rollouts (up to max_new_tokens) + the missed-object tail: ~425 tokens x 8 per packed row
+    "training": {
+        "output_dir": "{out}/rollout",
+        "max_steps": 30,
+        "learning_rate": 3e-4,
+        "global_max_length": 4096,
+    },
 }
 SHAPES = {"n_train": 384, "n_val": 48, "size": 224, "seed": 0}
 

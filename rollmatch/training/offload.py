@@ -208,7 +208,9 @@ class OffloadedRolloutBackend:
         self._optimizer_getter = optimizer_getter
 
     def _phase(self) -> contextlib.AbstractContextManager[OffloadState]:
-        return rollout_offload(self._cfg, model=self._model, optimizer=self._optimizer_getter(), backend=self.inner)
+        return rollout_offload(
+            self._cfg, model=self._model, optimizer=self._optimizer_getter(), backend=self.inner
+        )
 
     @property
     def weight_version(self) -> int:
@@ -226,7 +228,9 @@ class OffloadedRolloutBackend:
         self.inner.close()
 
 
-def with_rollout_offload(backend: Any, cfg: RollmatchConfig, *, model: nn.Module, optimizer_getter: Any) -> Any:
+def with_rollout_offload(
+    backend: Any, cfg: RollmatchConfig, *, model: nn.Module, optimizer_getter: Any
+) -> Any:
     """Wrap colocated backends so each rollout phase offloads/sleeps; others are returned as is."""
     if not isinstance(backend, ColocatedBackend):
         return backend

@@ -21,6 +21,7 @@ from rollmatch.config.schema import RollmatchConfig
 from rollmatch.data.prompts import PromptEncoder
 from rollmatch.detection.codec import ObjectCodec
 from rollmatch.rollout.build import build_backend
+from rollmatch.rollout.chunking import step_seed
 from rollmatch.rollout.types import RolloutBackend
 from rollmatch.training.channels import GTChannel, RolloutChannel
 from rollmatch.training.dist import Collectives
@@ -47,11 +48,6 @@ class VariantParts:
     before_window: Callable[[int], None] | None = None
     backend: RolloutBackend | None = None
     closeables: list[Any] = field(default_factory=list)
-
-
-def step_seed(training_seed: int, global_step: int) -> int:
-    """Deterministic rollout seed of an optimizer step (same on every rank; servers derive chunk seeds)."""
-    return (training_seed * 1_000_003 + global_step * 7919) % (2**31 - 1)
 
 
 def row_builder(ctx: BuildContext) -> RowBuilder:

@@ -20,7 +20,9 @@ def shapes_small(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture
-def make_config(tiny_model_dir: Path, shapes_small: dict[str, Path], tmp_path: Path) -> Callable[..., RollmatchConfig]:
+def make_config(
+    tiny_model_dir: Path, shapes_small: dict[str, Path], tmp_path: Path
+) -> Callable[..., RollmatchConfig]:
     def make(extra: dict[str, Any] | None = None) -> RollmatchConfig:
         base: dict[str, Any] = {
             "model": {"path": str(tiny_model_dir)},

@@ -19,9 +19,7 @@ from rollmatch.training.window import RowBuilder, WindowBuilder
 def _step_gradient(model, cfg, encoder, records, split: list[int], packing: bool) -> torch.Tensor:
     codec = build_codec("qwen_json", encoder.tokenizer, [encoder.eos_token_id])
     channel = GTChannel(model, encoder, codec, cfg)
-    rows = RowBuilder(
-        packing=packing, packing_length=1024, carry_limit=16, pad_token_id=encoder.pad_token_id
-    )
+    rows = RowBuilder(packing=packing, packing_length=1024, carry_limit=16, pad_token_id=encoder.pad_token_id)
     windows = WindowBuilder(producer=channel.produce, rows=rows, collectives=LocalCollectives())
     batches, start = [], 0
     for n in split:
@@ -36,7 +34,9 @@ def _step_gradient(model, cfg, encoder, records, split: list[int], packing: bool
 
 
 @pytest.mark.parametrize("packing", [False, True])
-def test_micro_step_split_and_packing_do_not_change_gradients(loaded_tiny, tiny_model_dir, make_config, packing):
+def test_micro_step_split_and_packing_do_not_change_gradients(
+    loaded_tiny, tiny_model_dir, make_config, packing
+):
     model, _ = loaded_tiny
     cfg = make_config()
     encoder = PromptEncoder.from_pretrained(str(tiny_model_dir), cfg.data)

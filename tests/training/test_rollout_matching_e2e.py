@@ -50,7 +50,9 @@ def test_incomplete_checkpoint_is_never_resumed(tmp_path):
     assert latest_complete_checkpoint(str(tmp_path)).endswith("checkpoint-2")
 
 
-@pytest.mark.parametrize(("eff", "bs", "world", "gas"), [(32, 1, 1, 32), (32, 4, 2, 4), (10, 4, 1, 3), (1, 8, 2, 1)])
+@pytest.mark.parametrize(
+    ("eff", "bs", "world", "gas"), [(32, 1, 1, 32), (32, 4, 2, 4), (10, 4, 1, 3), (1, 8, 2, 1)]
+)
 def test_effective_batch_size_derives_gradient_accumulation(eff, bs, world, gas):
     t = TrainingConfig(effective_batch_size=eff, per_device_train_batch_size=bs)
     assert t.gradient_accumulation(world) == gas == max(1, math.ceil(eff / (bs * world)))
