@@ -35,7 +35,8 @@ from typing import Any
 import torch
 
 from rollmatch.errors import PackingError
-from rollmatch.packing.segment import Segment, unwrap_model
+from rollmatch.models.wrappers import transformers_model
+from rollmatch.packing.segment import Segment
 
 Batch = dict[str, torch.Tensor | None]
 
@@ -123,7 +124,7 @@ def enable_packed_attention(model: torch.nn.Module) -> str:
     Other implementations are left as they are: ``flash_attention_2`` already attends per segment
     and ``eager`` stays exact through the packed mask (only slower). Wrappers (DDP, PEFT) are fine.
     """
-    base = unwrap_model(model)
+    base = transformers_model(model)
     current = str(base.config._attn_implementation)
     if current != "sdpa":
         return current

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
 
 from rollmatch.errors import PackingError
+from rollmatch.models.wrappers import transformers_model
 
 _CAPACITY_KEY = "training.global_max_length"
 # Values of ``mm_token_type_ids``: 0 text, 1 image, 2 video (transformers' Qwen-VL convention).
@@ -107,7 +107,7 @@ def build_segment(
 
 def find_rope_index(model: nn.Module) -> RopeIndexFn:
     """The ``get_rope_index`` of a Qwen-VL model, through DDP / PEFT / ForConditionalGeneration wrappers."""
-    base = unwrap_model(model)
+    base = transformers_model(model)
     for candidate in (base, getattr(base, "model", None)):
         fn = getattr(candidate, "get_rope_index", None)
         if callable(fn):
@@ -116,19 +116,6 @@ def find_rope_index(model: nn.Module) -> RopeIndexFn:
         f"{type(model).__name__} has no `get_rope_index` (looked through DDP/PEFT wrappers and `.model`): "
         "training segments need the mRoPE of a Qwen2-VL / Qwen2.5-VL / Qwen3-VL model; set `model.path` to one"
     )
-
-
-def unwrap_model(model: nn.Module) -> Any:
-    """The transformers model inside DDP / DeepSpeed (``.module``) and PEFT (``get_base_model``) wrappers."""
-    current: Any = model
-    for _ in range(8):  # wrappers nest a few levels at most; a cycle must not loop forever
-        if hasattr(current, "get_base_model"):  # peft.PeftModel
-            current = current.get_base_model()
-        elif isinstance(getattr(current, "module", None), nn.Module):  # DDP / DeepSpeed engine
-            current = current.module
-        else:
-            return current
-    return current
 
 
 def _as_long(values: Sequence[int] | torch.Tensor) -> torch.Tensor:

@@ -27,6 +27,7 @@ import requests
 from rollmatch.config.rules import resolve_servers
 from rollmatch.config.schema import RollmatchConfig
 from rollmatch.errors import BackendError, ConfigError, ConfigProblem, RollmatchError, SyncError
+from rollmatch.models.wrappers import strip_parallel_wrappers
 from rollmatch.rollout.chunking import contiguous_chunks
 from rollmatch.rollout.types import Decoding, Rollout, RolloutProvenance, RolloutRequest, SyncReport
 from rollmatch.server.protocol import (
@@ -43,7 +44,7 @@ from rollmatch.server.protocol import (
 )
 from rollmatch.sync.transaction import AdapterPayload, push_update
 from rollmatch.sync.transport import GroupTransport, default_backend
-from rollmatch.sync.weights import iter_sync_tensors, peft_adapter_config, unwrap_model
+from rollmatch.sync.weights import iter_sync_tensors, peft_adapter_config
 from rollmatch.training.dist import Collectives
 
 log = logging.getLogger(__name__)
@@ -380,7 +381,7 @@ class ServerBackend:
     def _open_groups(self, model: Any) -> None:
         """Close stale groups, then form one private group per server (trainer = last rank)."""
         self._close_groups(notify=True)
-        device = next(unwrap_model(model).parameters()).device
+        device = next(strip_parallel_wrappers(model).parameters()).device
         backend = default_backend(device)
         for conn in self.connections:
             server_ranks = int(conn.get("/get_world_size/", "communicator init")["world_size"])
@@ -450,7 +451,7 @@ def local_model_info(cfg: RollmatchConfig, model: Any, model_dir: str) -> dict[s
     processor = AutoProcessor.from_pretrained(str(model_dir))
     if cfg.data.min_pixels is not None or cfg.data.max_pixels is not None:
         set_pixel_bounds(processor, cfg.data.min_pixels, cfg.data.max_pixels)
-    config = unwrap_model(model).config if model is not None else None
+    config = strip_parallel_wrappers(model).config if model is not None else None
     if config is None:
         from transformers import AutoConfig
 

@@ -14,14 +14,8 @@ from collections.abc import Sequence
 
 import torch
 
+from rollmatch.models.wrappers import strip_parallel_wrappers
 from rollmatch.rollout.types import Decoding, Rollout, RolloutProvenance, RolloutRequest, SyncReport
-
-
-def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
-    """Strip DDP / accelerate wrappers (``.module``); PEFT models are kept (they generate fine)."""
-    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
-        model = model.module
-    return model
 
 
 class HFBackend:
@@ -59,7 +53,7 @@ class HFBackend:
 
     def generate(self, requests: Sequence[RolloutRequest], decoding: Decoding, seed: int) -> list[Rollout]:
         start = time.perf_counter()
-        model = unwrap_model(self.model)
+        model = strip_parallel_wrappers(self.model)
         was_training = model.training
         model.eval()
         rollouts: list[Rollout] = []

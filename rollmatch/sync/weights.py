@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from rollmatch.errors import SyncError
+from rollmatch.models.wrappers import strip_parallel_wrappers
 
 SyncMode = Literal["full", "adapter"]
 
@@ -64,20 +65,6 @@ class Bucket:
         return int(self.flat.numel())
 
 
-def unwrap_model(model: nn.Module) -> nn.Module:
-    """Strip DDP / DataParallel / DeepSpeed / ``torch.compile`` wrappers (not PEFT: it is needed)."""
-    while True:
-        if (
-            isinstance(model, nn.parallel.DistributedDataParallel | nn.DataParallel)
-            or type(model).__name__ == "DeepSpeedEngine"
-        ):
-            model = model.module
-        elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
-            model = model._orig_mod
-        else:
-            return model
-
-
 def is_peft_model(model: nn.Module) -> bool:
     """True for a ``peft.PeftModel`` (after unwrapping)."""
     return (
@@ -96,7 +83,7 @@ def iter_sync_tensors(model: nn.Module, mode: SyncMode) -> Iterator[tuple[str, t
     ``full`` mode non-adapter tensors are the model's own storage (copy them if you keep them
     across optimizer steps).
     """
-    inner = unwrap_model(model)
+    inner = strip_parallel_wrappers(model)
     _reject_partitioned_parameters(inner)
     if mode == "adapter":
         yield from _iter_adapter_tensors(inner)
@@ -108,7 +95,7 @@ def iter_sync_tensors(model: nn.Module, mode: SyncMode) -> Iterator[tuple[str, t
 
 def peft_adapter_config(model: nn.Module) -> dict[str, Any]:
     """The active adapter's PEFT config as the ``adapter_config.json`` dict vLLM reads."""
-    inner = unwrap_model(model)
+    inner = strip_parallel_wrappers(model)
     if not is_peft_model(inner):
         raise SyncError(
             f"adapter sync needs a PEFT model, got {type(inner).__name__}: enable `model.lora.enabled` "

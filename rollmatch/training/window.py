@@ -14,8 +14,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from rollmatch.data.records import Record
 from rollmatch.packing.carry import CarryBuffer
 from rollmatch.packing.collate import pack_row, pad_batch
@@ -100,7 +98,3 @@ class WindowBuilder:
         for rank_sums in gathered:
             total.update(rank_sums)
         return float(total["loss/weight"]), total
-
-
-def move_batch(batch: MicroBatch, device: torch.device) -> MicroBatch:
-    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
