@@ -37,7 +37,7 @@ import requests
 import torch
 
 import rollmatch  # noqa: F401  (environment workarounds before transformers loads)
-from rollmatch.server.protocol import FinishUpdateBody, UpdateFlattenedParamsBody, WireModel
+from rollmatch.protocol import FinishUpdateBody, UpdateFlattenedParamsBody, WireModel
 from rollmatch.sync.transaction import UpdateReceiver, push_update
 from rollmatch.sync.transport import GroupTransport
 from rollmatch.sync.weights import flatten_buckets
@@ -179,6 +179,7 @@ def _start_server(model_dir: Path, engine: str) -> tuple[subprocess.Popen[bytes]
 def bench_server(engine: str, num_requests: int, max_new_tokens: int, repeats: int) -> dict[str, Any]:
     from transformers import AutoModelForImageTextToText
 
+    from rollmatch.collectives import LocalCollectives
     from rollmatch.config.schema import DataConfig, RollmatchConfig
     from rollmatch.data.prompts import PromptEncoder
     from rollmatch.data.records import Record
@@ -186,7 +187,6 @@ def bench_server(engine: str, num_requests: int, max_new_tokens: int, repeats: i
     from rollmatch.rollout.client import ServerBackend
     from rollmatch.rollout.types import Decoding
     from rollmatch.server.engines import PreparedPrompt, build_engine
-    from rollmatch.training.dist import LocalCollectives
 
     model_dir = build_tiny_model("qwen2_5_vl", Path(tempfile.mkdtemp(prefix="bench-sync-")) / "model")
     encoder = PromptEncoder.from_pretrained(model_dir, DataConfig())

@@ -42,6 +42,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--family", choices=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"], default="qwen2_5_vl")
     p.add_argument("--out", required=True, help="output model directory")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--text-hidden", type=int, default=128, help="LM width (a multiple of 64; heads = width/32)"
+    )
+    p.add_argument("--text-layers", type=int, default=2, help="LM decoder layers")
+    p.add_argument("--text-intermediate", type=int, default=256, help="LM MLP width")
+    p.add_argument("--vision-hidden", type=int, default=64, help="vision tower width (a multiple of 32)")
+    p.add_argument("--vision-depth", type=int, default=2, help="vision tower blocks")
+    p.add_argument(
+        "--rope-theta",
+        type=float,
+        default=None,
+        help="LM rope theta (default: the family's; 10 for tiny 2.5-VL)",
+    )
 
     p = sub.add_parser("data", help="Datasets: synthetic shapes, converters to JSONL.")
     data_sub = p.add_subparsers(dest="data_command", required=True)

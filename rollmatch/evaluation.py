@@ -155,10 +155,10 @@ def eval_command(args: argparse.Namespace) -> int:
 
 def run_eval(cfg: RollmatchConfig, records: Sequence[Record], predictions_path: str | None) -> EvalResult:
     """Evaluate ``cfg.model.path`` with the configured backend (HF or vLLM) on ``records``."""
+    from rollmatch.collectives import LocalCollectives
     from rollmatch.detection.codec import build_codec
     from rollmatch.rollout.build import build_backend
     from rollmatch.training.channels import decoding_from_config
-    from rollmatch.training.dist import LocalCollectives
     from rollmatch.training.entry import load_pretrained
 
     encoder = PromptEncoder.from_pretrained(cfg.model.path, cfg.data)

@@ -31,6 +31,53 @@ FAMILIES: tuple[Family, ...] = get_args(Family)
 
 
 @dataclass(frozen=True)
+class TinySize:
+    """How big a tiny model is. The defaults build the 865k-parameter model the tests use.
+
+    Text attention heads follow from ``text_hidden / 32`` (head_dim 32, half as many KV heads);
+    ``rope_theta`` ``None`` keeps the family's default (1e6 Qwen2/2.5-VL, 5e6 Qwen3-VL). A small theta
+    (e.g. 10) lets a tiny Qwen2.5-VL tell image-token positions apart (see docs/models.md).
+    """
+
+    text_hidden: int = 128
+    text_layers: int = 2
+    text_intermediate: int = 256
+    vision_hidden: int = 64
+    vision_depth: int = 2
+    rope_theta: float | None = None
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.text_hidden <= 0 or self.text_hidden % (2 * HEAD_DIM):
+            problems.append(
+                ConfigProblem(
+                    "text_hidden", self.text_hidden, f"must be a positive multiple of {2 * HEAD_DIM}"
+                )
+            )
+        if self.vision_hidden <= 0 or self.vision_hidden % HEAD_DIM:
+            problems.append(
+                ConfigProblem(
+                    "vision_hidden", self.vision_hidden, f"must be a positive multiple of {HEAD_DIM}"
+                )
+            )
+        for key in ("text_layers", "text_intermediate", "vision_depth"):
+            if getattr(self, key) <= 0:
+                problems.append(ConfigProblem(key, getattr(self, key), "must be >= 1"))
+        if self.rope_theta is not None and self.rope_theta <= 0:
+            problems.append(ConfigProblem("rope_theta", self.rope_theta, "must be > 0 (or unset)"))
+        if problems:
+            raise ConfigError(problems)
+
+    @property
+    def text_heads(self) -> int:
+        return self.text_hidden // HEAD_DIM
+
+    @property
+    def vision_heads(self) -> int:
+        return self.vision_hidden // HEAD_DIM
+
+
+@dataclass(frozen=True)
 class _FamilyClasses:
     """The transformers class names of one family (looked up lazily: importing them is slow)."""
 
@@ -74,8 +121,8 @@ SPECIAL_TOKENS: tuple[str, ...] = (
     "<|video_pad|>",
 )
 BPE_VOCAB_SIZE = 1536
-# Text side: 2 layers, head_dim 32 (vLLM's CPU attention needs head_dim in {32, 64, 80, ...}).
-TEXT_HIDDEN, TEXT_HEADS, TEXT_KV_HEADS, HEAD_DIM = 128, 4, 2, 32
+# head_dim 32 everywhere: vLLM's CPU attention needs head_dim in {32, 64, 80, ...}.
+HEAD_DIM = 32
 # Real Qwen checkpoints split head_dim/2 = 64 rotary pairs as [16, 24, 24] (t, h, w); scaled to 16.
 MROPE_SECTION = [4, 6, 6]
 # Images: a 224x224 image becomes 16x16 patches of 14 px (64 merged tokens); larger images shrink.
@@ -185,8 +232,12 @@ def _training_corpus(seed: int) -> list[str]:
     return [lines[i] for i in order]
 
 
-def build_tiny_model(family: Family, out_dir: str | Path, seed: int = 0) -> Path:
+def build_tiny_model(
+    family: Family, out_dir: str | Path, seed: int = 0, size: TinySize | None = None
+) -> Path:
     """Write a random-initialised tiny ``family`` checkpoint (float32) with tokenizer and processor.
+
+    ``size`` (default :class:`TinySize`) sets widths, depths and the text rope theta.
 
     The directory loads with ``AutoModelForImageTextToText.from_pretrained`` and
     ``AutoProcessor.from_pretrained``; returns it.
@@ -202,10 +253,11 @@ def build_tiny_model(family: Family, out_dir: str | Path, seed: int = 0) -> Path
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     classes = _CLASSES[family]
+    size = size or TinySize()
     tokenizer = build_tokenizer(seed)
     config = getattr(transformers, classes.config)(
-        text_config=_text_config(family, tokenizer),
-        vision_config=_vision_config(family),
+        text_config=_text_config(family, tokenizer, size),
+        vision_config=_vision_config(family, size),
         tie_word_embeddings=False,
         **_special_ids(tokenizer),
     )
@@ -221,9 +273,17 @@ def build_tiny_model(family: Family, out_dir: str | Path, seed: int = 0) -> Path
 
 
 def make_tiny_model_command(args: argparse.Namespace) -> int:
-    """``rollmatch make-tiny-model --family F --out DIR --seed S``."""
-    out = build_tiny_model(args.family, args.out, seed=args.seed)
-    print(f"tiny {args.family} model written to {out}")
+    """``rollmatch make-tiny-model --family F --out DIR --seed S [size flags]``."""
+    size = TinySize(
+        text_hidden=args.text_hidden,
+        text_layers=args.text_layers,
+        text_intermediate=args.text_intermediate,
+        vision_hidden=args.vision_hidden,
+        vision_depth=args.vision_depth,
+        rope_theta=args.rope_theta,
+    )
+    out = build_tiny_model(args.family, args.out, seed=args.seed, size=size)
+    print(f"tiny {args.family} model ({size}) written to {out}")
     return 0
 
 
@@ -243,14 +303,14 @@ def _padded_vocab_size(num_tokens: int) -> int:
     return (num_tokens + 63) // 64 * 64
 
 
-def _text_config(family: Family, tokenizer: PreTrainedTokenizerFast) -> dict[str, Any]:
+def _text_config(family: Family, tokenizer: PreTrainedTokenizerFast, size: TinySize) -> dict[str, Any]:
     text: dict[str, Any] = {
         "vocab_size": _padded_vocab_size(len(tokenizer)),
-        "hidden_size": TEXT_HIDDEN,
-        "intermediate_size": 256,
-        "num_hidden_layers": 2,
-        "num_attention_heads": TEXT_HEADS,
-        "num_key_value_heads": TEXT_KV_HEADS,
+        "hidden_size": size.text_hidden,
+        "intermediate_size": size.text_intermediate,
+        "num_hidden_layers": size.text_layers,
+        "num_attention_heads": size.text_heads,
+        "num_key_value_heads": size.text_heads // 2,
         "max_position_embeddings": 4096,
         "rms_norm_eps": 1e-6,
         "bos_token_id": tokenizer.pad_token_id,
@@ -263,38 +323,45 @@ def _text_config(family: Family, tokenizer: PreTrainedTokenizerFast) -> dict[str
         text["head_dim"] = HEAD_DIM
         text["rope_parameters"] = {
             "rope_type": "default",
-            "rope_theta": 5_000_000.0,
+            "rope_theta": size.rope_theta or 5_000_000.0,
             "mrope_section": [6, 5, 5],  # Qwen3-VL's [24, 20, 20], scaled to 16 pairs
             "mrope_interleaved": True,
         }
     else:
         text["rope_parameters"] = {
             "rope_type": "default",
-            "rope_theta": 1_000_000.0,
+            "rope_theta": size.rope_theta or 1_000_000.0,
             "mrope_section": MROPE_SECTION,
         }
     return text
 
 
-def _vision_config(family: Family) -> dict[str, Any]:
+def _vision_config(family: Family, size: TinySize) -> dict[str, Any]:
+    depth, width, heads = size.vision_depth, size.vision_hidden, size.vision_heads
     if family == "qwen2_vl":
-        return {"depth": 2, "embed_dim": 64, "hidden_size": TEXT_HIDDEN, "num_heads": 2, "mlp_ratio": 2}
+        return {
+            "depth": depth,
+            "embed_dim": width,
+            "hidden_size": size.text_hidden,
+            "num_heads": heads,
+            "mlp_ratio": 2,
+        }
     if family == "qwen2_5_vl":
         return {
-            "depth": 2,
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_heads": 2,
-            "out_hidden_size": TEXT_HIDDEN,
+            "depth": depth,
+            "hidden_size": width,
+            "intermediate_size": 2 * width,
+            "num_heads": heads,
+            "out_hidden_size": size.text_hidden,
             "window_size": 112,
-            "fullatt_block_indexes": [1],
+            "fullatt_block_indexes": [depth - 1],
         }
     return {
-        "depth": 2,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_heads": 2,
-        "out_hidden_size": TEXT_HIDDEN,
+        "depth": depth,
+        "hidden_size": width,
+        "intermediate_size": 2 * width,
+        "num_heads": heads,
+        "out_hidden_size": size.text_hidden,
         "patch_size": 16,
         "num_position_embeddings": 64,
         "deepstack_visual_indexes": [0],

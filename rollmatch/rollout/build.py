@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from rollmatch.collectives import Collectives
 from rollmatch.config.schema import RollmatchConfig
 from rollmatch.rollout.types import RolloutBackend
-from rollmatch.training.dist import Collectives
 
 
 def build_backend(

@@ -4,7 +4,7 @@ Owns: :class:`ServerConnection` (one server: reachability, JSON calls with timeo
 name the URL) and :class:`ServerBackend` (the ``RolloutBackend`` for
 ``custom.extra.rollout_matching.vllm.mode: server``): start-up checks (reachable, same model /
 tokenizer / template / processor), request chunking over servers, and in-memory weight sync
-through the update transaction. Leaves out: the wire shapes (``server.protocol``), the transaction
+through the update transaction. Leaves out: the wire shapes (``rollmatch.protocol``), the transaction
 (``sync.transaction``) and the group (``sync.transport``).
 
 Multi-process learners: every rank may generate; only rank 0 opens the weight-sync groups and
@@ -24,13 +24,12 @@ from urllib.parse import urlparse
 
 import requests
 
+from rollmatch.collectives import Collectives
 from rollmatch.config.rules import resolve_servers
 from rollmatch.config.schema import RollmatchConfig
 from rollmatch.errors import BackendError, ConfigError, ConfigProblem, RollmatchError, SyncError
 from rollmatch.models.wrappers import strip_parallel_wrappers
-from rollmatch.rollout.chunking import contiguous_chunks
-from rollmatch.rollout.types import Decoding, Rollout, RolloutProvenance, RolloutRequest, SyncReport
-from rollmatch.server.protocol import (
+from rollmatch.protocol import (
     PROTOCOL_VERSION,
     InferBody,
     InferRequest,
@@ -42,10 +41,11 @@ from rollmatch.server.protocol import (
     fingerprint_mismatches,
     request_config_from_decoding,
 )
+from rollmatch.rollout.chunking import contiguous_chunks
+from rollmatch.rollout.types import Decoding, Rollout, RolloutProvenance, RolloutRequest, SyncReport
 from rollmatch.sync.transaction import AdapterPayload, push_update
 from rollmatch.sync.transport import GroupTransport, default_backend
 from rollmatch.sync.weights import iter_sync_tensors, peft_adapter_config
-from rollmatch.training.dist import Collectives
 
 log = logging.getLogger(__name__)
 _KEY = "custom.extra.rollout_matching.vllm"
@@ -446,7 +446,7 @@ def local_model_info(cfg: RollmatchConfig, model: Any, model_dir: str) -> dict[s
     from transformers import AutoProcessor
 
     from rollmatch.data.prompts import set_pixel_bounds
-    from rollmatch.server.protocol import model_fingerprint
+    from rollmatch.protocol import model_fingerprint
 
     processor = AutoProcessor.from_pretrained(str(model_dir))
     if cfg.data.min_pixels is not None or cfg.data.max_pixels is not None:

@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 import torch
 
+from rollmatch.collectives import Collectives, LocalCollectives
 from rollmatch.config.schema import RollmatchConfig
 from rollmatch.errors import SyncError
 from rollmatch.rollout.types import Decoding, Rollout, RolloutProvenance, RolloutRequest, SyncReport
@@ -33,7 +34,6 @@ from rollmatch.rollout.vllm_settings import (
     resolve_sync_mode,
 )
 from rollmatch.sync.weights import iter_sync_tensors, peft_adapter_config
-from rollmatch.training.dist import Collectives, LocalCollectives
 
 log = logging.getLogger(__name__)
 

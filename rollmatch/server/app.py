@@ -3,7 +3,7 @@
 Owns: :class:`RolloutServer` (the weight version, the weight-sync group and its receiver, counters,
 and the lock that keeps a weight load from interleaving with generation), :func:`build_app` (the
 FastAPI routes) and :func:`serve_command`. Leaves out: engines (``server.engines``), wire shapes
-(``server.protocol``) and the update transaction (``sync.transaction``).
+(``rollmatch.protocol``) and the update transaction (``sync.transaction``).
 
 Endpoints: ``GET /health/ /get_world_size/ /info/ /stats/``; ``POST /infer/ /init_communicator/
 /update_flattened_params/ /update_adapter_flattened_param/ /finish_weight_update/
@@ -25,8 +25,7 @@ from typing import Any
 from fastapi import FastAPI, HTTPException, Response
 
 from rollmatch.errors import BackendError, CollectiveTimeoutError, RollmatchError, SyncError
-from rollmatch.server.engines import ServerEngine, build_engine
-from rollmatch.server.protocol import (
+from rollmatch.protocol import (
     ChatChoice,
     ChatCompletionResponse,
     ChatMessage,
@@ -43,6 +42,7 @@ from rollmatch.server.protocol import (
     Usage,
     decoding_from_request_config,
 )
+from rollmatch.server.engines import ServerEngine, build_engine
 from rollmatch.sync.transaction import AdapterPayload, UpdateReceiver, VerifiedUpdate
 from rollmatch.sync.transport import GroupTransport
 

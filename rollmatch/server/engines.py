@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from rollmatch.errors import BackendError, SyncError
+from rollmatch.protocol import InferRequest, decode_image, model_fingerprint
 from rollmatch.rollout.types import Decoding, FinishReason, RolloutRequest
-from rollmatch.server.protocol import InferRequest, decode_image, model_fingerprint
 
 if TYPE_CHECKING:
     from PIL.Image import Image

@@ -32,7 +32,7 @@ from typing import Any, Protocol
 import torch
 
 from rollmatch.errors import SyncError
-from rollmatch.server.protocol import (
+from rollmatch.protocol import (
     FinishUpdateBody,
     FinishUpdateReply,
     FlattenedTensorMeta,

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForImageTextToText, TrainingArguments, set_seed
 
+from rollmatch.collectives import build_collectives
 from rollmatch.config.load import load_config
 from rollmatch.config.rules import check_runtime
 from rollmatch.config.schema import RollmatchConfig
@@ -26,7 +27,6 @@ from rollmatch.data.records import load_records
 from rollmatch.detection.codec import build_codec
 from rollmatch.errors import ConfigError
 from rollmatch.packing.collate import enable_packed_attention
-from rollmatch.training.dist import build_collectives
 from rollmatch.training.metrics import JsonlMetricsCallback, summarize
 from rollmatch.training.trainer import (
     RecordDataset,

@@ -4,7 +4,7 @@ Owns: the weighted CE *sum* of a batch (:func:`weighted_ce_sum`), per-segment su
 row (:func:`per_segment_ce`) and the optimizer-step normalisation (:func:`normalize_step_loss`).
 Leaves out: where the weights come from (``detection.targets``: prompt 0, prefix
 ``loss.prefix_weight``, appended tail 1 / ``loss.desc_weight``) and the cross-rank sum of weights
-(the trainer, through ``training.dist``).
+(the trainer, through ``rollmatch.collectives``).
 
 The optimizer-step loss is ``sum(w * ce) / sum(w)`` over all micro-steps and ranks of the step, so
 each micro-step contributes its *sum* divided by the step's total weight; packing, gradient

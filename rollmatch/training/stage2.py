@@ -30,10 +30,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from rollmatch.collectives import Collectives
 from rollmatch.data.records import Record, load_records
 from rollmatch.errors import ConfigError, ConfigProblem
 from rollmatch.training.channels import ChannelOutput, GTChannel, RolloutChannel
-from rollmatch.training.dist import Collectives
 from rollmatch.training.schedule import StepKind, contiguous_chunks, realized_b_ratio, step_kind
 from rollmatch.training.step_mode import (
     StepLearner,

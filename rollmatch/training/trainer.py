@@ -23,8 +23,8 @@ import torch
 from torch.utils.data import Dataset
 from transformers import Trainer
 
+from rollmatch.collectives import Collectives
 from rollmatch.packing.collate import model_inputs
-from rollmatch.training.dist import Collectives
 from rollmatch.training.losses import weighted_ce_sum
 from rollmatch.training.window import WindowFn
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from rollmatch.collectives import Collectives
 from rollmatch.config.schema import RollmatchConfig
 from rollmatch.data.prompts import PromptEncoder
 from rollmatch.detection.codec import ObjectCodec
@@ -24,7 +25,6 @@ from rollmatch.rollout.build import build_backend
 from rollmatch.rollout.chunking import step_seed
 from rollmatch.rollout.types import RolloutBackend
 from rollmatch.training.channels import GTChannel, RolloutChannel
-from rollmatch.training.dist import Collectives
 from rollmatch.training.offload import with_rollout_offload
 from rollmatch.training.window import RowBuilder, WindowBuilder, WindowFn
 

@@ -14,12 +14,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from rollmatch.collectives import Collectives
 from rollmatch.data.records import Record
 from rollmatch.packing.carry import CarryBuffer
 from rollmatch.packing.collate import pack_row, pad_batch
 from rollmatch.packing.segment import Segment
 from rollmatch.training.channels import ChannelOutput
-from rollmatch.training.dist import Collectives
 
 MicroBatch = dict[str, Any]
 # records of the whole window, optimizer step -> segments (in record order) + metric sums

@@ -12,7 +12,7 @@ from transformers import AutoModelForImageTextToText, AutoProcessor, AutoTokeniz
 
 from rollmatch.cli import main as cli_main
 from rollmatch.errors import ConfigError
-from rollmatch.models.tiny import FAMILIES, SPECIAL_TOKENS, build_tiny_model, build_tokenizer
+from rollmatch.models.tiny import FAMILIES, SPECIAL_TOKENS, TinySize, build_tiny_model, build_tokenizer
 
 DETECTION_TEXT = (
     '[{"bbox_2d": [12, 345, 999, 1000], "label": "red square"}, '
@@ -143,6 +143,27 @@ def test_make_tiny_model_command(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert str(out) in capsys.readouterr().out
     assert json.loads((out / "config.json").read_text())["model_type"] == "qwen3_vl"
     assert (out / "tokenizer.json").exists() and (out / "processor_config.json").exists()
+
+
+def test_size_flags_set_widths_depths_and_rope_theta(tmp_path: Path) -> None:
+    flags = ["--text-hidden", "256", "--text-layers", "3", "--text-intermediate", "512"]
+    flags += ["--vision-hidden", "96", "--vision-depth", "3", "--rope-theta", "10"]
+    out = tmp_path / "sized"
+    assert cli_main(["make-tiny-model", "--out", str(out), *flags]) == 0
+    config = json.loads((out / "config.json").read_text())
+    text, vision = config["text_config"], config["vision_config"]
+    assert (text["hidden_size"], text["num_hidden_layers"], text["intermediate_size"]) == (256, 3, 512)
+    assert (text["num_attention_heads"], text["num_key_value_heads"]) == (8, 4)  # head_dim stays 32
+    assert text["rope_parameters"]["rope_theta"] == 10.0
+    assert (vision["hidden_size"], vision["depth"], vision["out_hidden_size"]) == (96, 3, 256)
+    model = AutoModelForImageTextToText.from_pretrained(out)
+    assert sum(p.numel() for p in model.parameters()) > 2_000_000
+
+
+def test_bad_sizes_are_config_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="text_hidden") as caught:
+        build_tiny_model("qwen2_5_vl", tmp_path / "x", size=TinySize(text_hidden=100, text_layers=0))
+    assert "text_layers" in str(caught.value)
 
 
 def test_shared_fixtures_cover_every_family(tiny_model_dirs: dict[str, Path], tiny_model_dir: Path) -> None:

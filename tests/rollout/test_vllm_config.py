@@ -7,6 +7,7 @@ import sys
 import pytest
 import torch
 
+from rollmatch.collectives import LocalCollectives
 from rollmatch.config.schema import RollmatchConfig
 from rollmatch.errors import BackendError, ConfigError
 from rollmatch.rollout.vllm_colocate import VllmColocateBackend
@@ -17,7 +18,6 @@ from rollmatch.rollout.vllm_settings import (
     resolve_sync_mode,
     vllm_colocate_problems,
 )
-from rollmatch.training.dist import LocalCollectives
 
 pytestmark = pytest.mark.skipif(
     torch.cuda.is_available(), reason="CPU rules (device counts differ on GPU machines)"

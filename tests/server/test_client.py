@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
+from rollmatch.collectives import LocalCollectives
 from rollmatch.errors import BackendError, ConfigError
 from rollmatch.rollout.client import ServerBackend, ServerConnection, resolve_sync_mode
 from rollmatch.rollout.types import Decoding
-from rollmatch.training.dist import LocalCollectives
 
 DECODING = Decoding(max_new_tokens=4)
 

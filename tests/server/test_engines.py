@@ -10,8 +10,8 @@ import torch
 from PIL import Image
 
 from rollmatch.errors import SyncError
+from rollmatch.protocol import InferRequest, encode_image
 from rollmatch.server.engines import HFServerEngine, PreparedPrompt
-from rollmatch.server.protocol import InferRequest, encode_image
 
 
 @pytest.fixture(scope="module")

@@ -8,9 +8,9 @@ from typing import Any
 
 import requests
 
+from rollmatch.protocol import encode_image, model_fingerprint
 from rollmatch.rollout.hf import HFBackend
 from rollmatch.rollout.types import Decoding
-from rollmatch.server.protocol import encode_image, model_fingerprint
 
 DECODING = Decoding(max_new_tokens=12)
 

@@ -9,10 +9,7 @@ import pytest
 from PIL import Image
 from pydantic import ValidationError
 
-from rollmatch.rollout.chunking import chunk_seed, contiguous_chunks, step_seed
-from rollmatch.rollout.types import Decoding
-from rollmatch.server.engines import chat_messages
-from rollmatch.server.protocol import (
+from rollmatch.protocol import (
     InferBody,
     InferRequest,
     RequestConfig,
@@ -22,6 +19,9 @@ from rollmatch.server.protocol import (
     fingerprint_mismatches,
     request_config_from_decoding,
 )
+from rollmatch.rollout.chunking import chunk_seed, contiguous_chunks, step_seed
+from rollmatch.rollout.types import Decoding
+from rollmatch.server.engines import chat_messages
 
 
 def test_contiguous_chunks_follow_ceil_rule() -> None:
@@ -132,7 +132,7 @@ def test_fingerprint_sees_processor_and_template_changes(tiny_model_dir: Path) -
     from transformers import AutoConfig, AutoProcessor
 
     from rollmatch.data.prompts import set_pixel_bounds
-    from rollmatch.server.protocol import model_fingerprint
+    from rollmatch.protocol import model_fingerprint
 
     config = AutoConfig.from_pretrained(tiny_model_dir)
     base = model_fingerprint(config, AutoProcessor.from_pretrained(tiny_model_dir))

@@ -11,10 +11,10 @@ import pytest
 import torch
 from transformers import AutoModelForImageTextToText
 
+from rollmatch.collectives import LocalCollectives
 from rollmatch.rollout.client import ServerBackend
 from rollmatch.rollout.hf import HFBackend
 from rollmatch.rollout.types import Decoding
-from rollmatch.training.dist import LocalCollectives
 
 pytestmark = [
     pytest.mark.heavy,

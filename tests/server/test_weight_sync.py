@@ -14,12 +14,12 @@ import pytest
 import torch
 from transformers import AutoModelForImageTextToText
 
+from rollmatch.collectives import LocalCollectives
 from rollmatch.errors import BackendError, SyncError
 from rollmatch.rollout.client import ServerBackend
 from rollmatch.rollout.hf import HFBackend
 from rollmatch.rollout.types import Decoding
 from rollmatch.sync.transport import GroupTransport
-from rollmatch.training.dist import LocalCollectives
 
 DECODING = Decoding(max_new_tokens=10)
 

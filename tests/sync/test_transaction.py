@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rollmatch.errors import SyncError
-from rollmatch.server.protocol import (
+from rollmatch.protocol import (
     FinishUpdateBody,
     FinishUpdateReply,
     TransactionHeader,

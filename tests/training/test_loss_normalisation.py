@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rollmatch.collectives import LocalCollectives
 from rollmatch.data.prompts import PromptEncoder
 from rollmatch.data.records import load_records
 from rollmatch.detection.codec import build_codec
 from rollmatch.packing.collate import model_inputs
 from rollmatch.training.channels import GTChannel
-from rollmatch.training.dist import LocalCollectives
 from rollmatch.training.losses import weighted_ce_sum
 from rollmatch.training.window import RowBuilder, WindowBuilder
 

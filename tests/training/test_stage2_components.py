@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+from rollmatch.collectives import LocalCollectives
 from rollmatch.data.prompts import PromptEncoder
 from rollmatch.data.records import load_records
 from rollmatch.detection.codec import build_codec
@@ -20,7 +21,6 @@ from rollmatch.rollout.hf import HFBackend
 from rollmatch.rollout.types import Decoding, Rollout, RolloutRequest, SyncReport
 from rollmatch.training import stage2
 from rollmatch.training.channels import RolloutChannel
-from rollmatch.training.dist import LocalCollectives
 from rollmatch.training.losses import weighted_ce_sum
 from rollmatch.training.stage2 import ChannelMicroStep, DecodeBatchedRollouts, build_stage2
 from rollmatch.training.step_mode import StepLearner

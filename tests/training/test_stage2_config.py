@@ -6,11 +6,11 @@ import warnings
 
 import pytest
 
+from rollmatch.collectives import LocalCollectives
 from rollmatch.config.load import load_config_dict
 from rollmatch.config.rules import check_runtime
 from rollmatch.config.schema import ChannelBConfig, RollmatchConfig, TrainingConfig
 from rollmatch.errors import ConfigError
-from rollmatch.training.dist import LocalCollectives
 from rollmatch.training.stage2 import build_stage2
 from rollmatch.training.step_mode import rollouts_per_step
 from rollmatch.training.variants import BuildContext
