@@ -21,6 +21,7 @@ COMMANDS: dict[str, str] = {
     "data": "rollmatch.data.commands:data_command",
     "demo": "rollmatch.demo:demo_command",
     "eval": "rollmatch.evaluation:eval_command",
+    "viz": "rollmatch.viz:viz_command",
     "serve": "rollmatch.server.app:serve_command",
 }
 
@@ -64,6 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--val", type=int, default=32, help="number of validation images")
     d.add_argument("--size", type=int, default=224, help="image side in pixels")
     d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--min-objects", type=int, default=1, help="fewest shapes per image")
+    d.add_argument("--max-objects", type=int, default=6, help="most shapes per image")
+    d.add_argument("--min-side", type=int, default=30, help="smallest shape side, px at 224 (scaled)")
+    d.add_argument("--max-side", type=int, default=90, help="largest shape side, px at 224 (scaled)")
+    d.add_argument("--noise", type=float, default=12.0, help="std of the pixel noise (0: clean)")
     d = data_sub.add_parser("convert", help="Convert COCO json / Pascal VOC xml / YOLO txt to JSONL.")
     d.add_argument("--format", choices=["coco", "voc", "yolo"], required=True)
     d.add_argument("--src", required=True, help="annotation file (coco) or dataset folder (voc, yolo)")
@@ -84,7 +90,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="YAML config for data/decoding settings")
     p.add_argument("--backend", choices=["hf", "vllm"], default=None)
     p.add_argument("--max-samples", type=int, default=None)
+    p.add_argument(
+        "--pictures", type=int, default=0, help="draw the first N images into <predictions dir>/pictures"
+    )
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+
+    p = sub.add_parser("viz", help="Draw GT and predicted boxes per image, plus a grid PNG.")
+    p.add_argument("--data", required=True, help="JSONL records the predictions were made on")
+    p.add_argument("--predictions", required=True, help="predictions JSONL written by `rollmatch eval`")
+    p.add_argument("--out", required=True, help="output folder for <id>.png and grid.png")
+    p.add_argument("--grid", type=int, default=16, help="images in grid.png")
+    p.add_argument("--max-images", type=int, default=None, help="draw only the first N images")
 
     p = sub.add_parser("serve", help="Run a rollout server (swift-compatible HTTP API + weight sync).")
     p.add_argument("--model", required=True)

@@ -144,12 +144,18 @@ def eval_command(args: argparse.Namespace) -> int:
     if args.backend:
         overrides.append(f"custom.extra.rollout_matching.rollout_backend={args.backend}")
     cfg = load_config(args.config, overrides)
-    result = run_eval(
-        cfg,
-        load_records(args.data, max_samples=args.max_samples),
-        args.out or str(Path(args.model) / "predictions.jsonl"),
-    )
+    records = load_records(args.data, max_samples=args.max_samples)
+    predictions_path = args.out or str(Path(args.model) / "predictions.jsonl")
+    result = run_eval(cfg, records, predictions_path)
     print(json.dumps(asdict(result), indent=2))
+    if args.pictures > 0:
+        from rollmatch.viz import render_pictures
+
+        pictures_dir = Path(predictions_path).parent / "pictures"
+        render_pictures(
+            records, predictions_path, pictures_dir, grid_size=args.pictures, max_images=args.pictures
+        )
+        print(f"pictures of the first {min(args.pictures, len(records))} images: {pictures_dir}")
     return 0
 
 
