@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from rollmatch.data.convert import from_coco, from_voc, from_yolo, read_yolo_names
 from rollmatch.data.records import Record, validate_records, write_records
-from rollmatch.data.shapes import generate_shapes
+from rollmatch.data.shapes import ShapesDifficulty, generate_shapes
 from rollmatch.errors import DataError
 
 
@@ -30,7 +30,16 @@ def data_command(args: argparse.Namespace) -> int:
 
 
 def _shapes(args: argparse.Namespace) -> int:
-    paths = generate_shapes(args.out, n_train=args.train, n_val=args.val, size=args.size, seed=args.seed)
+    difficulty = ShapesDifficulty(
+        min_objects=args.min_objects,
+        max_objects=args.max_objects,
+        min_side=args.min_side,
+        max_side=args.max_side,
+        noise_std=args.noise,
+    )
+    paths = generate_shapes(
+        args.out, n_train=args.train, n_val=args.val, size=args.size, seed=args.seed, difficulty=difficulty
+    )
     for split, path in paths.items():
         print(f"{split}: {path}")
     return 0

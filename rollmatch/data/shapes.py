@@ -1,11 +1,13 @@
 """The synthetic coloured-shapes detection set: small, learnable by a tiny model, fully deterministic.
 
 Owns: :func:`generate_shapes` (PNG images + ``train.jsonl``/``val.jsonl`` in the record format of
-``data.records``), :func:`shape_sample` (one of its samples, optionally noise-free) and the class
-list :data:`SHAPE_CLASSES`. Each image has 1-6 filled shapes on a
-noisy background; shapes never cover each other (their boxes may overlap a little), so a box is
-the exact pixel extent of its visible shape (``x2``/``y2`` exclusive); sides are 30-90 px at
-224 px (scaled with ``size``).
+``data.records``), :func:`shape_sample` (one of its samples, optionally noise-free), the class
+list :data:`SHAPE_CLASSES` and the difficulty knobs :class:`ShapesDifficulty`. By default each
+image has 1-6 filled shapes on a noisy background; shapes never cover each other (their boxes may
+overlap a little), so a box is the exact pixel extent of its visible shape (``x2``/``y2``
+exclusive); sides are 30-90 px at 224 px (scaled with ``size``). Fewer, larger objects
+(``ShapesDifficulty(max_objects=2, min_side=60, max_side=110)``) make a set a tiny model learns in
+minutes on a CPU (docs/runbook.md, "Demo").
 Each image is drawn from its own random stream ``(seed, split, index)``, so the same seed gives
 byte-identical files, and growing ``n_train`` keeps the earlier images unchanged.
 Leaves out: real data (``data.convert``) and prompt encoding (``data.prompts``).
@@ -47,13 +49,41 @@ SHAPE_CLASSES: tuple[ShapeClass, ...] = (
     ShapeClass("orange triangle", "triangle", (250, 130, 20)),
 )
 
-MIN_OBJECTS, MAX_OBJECTS = 1, 6
-SIDE_RANGE_AT_224 = (30, 90)
 MAX_OVERLAP = 0.2  # max box intersection / smaller box area; drawn pixels never overlap
 PLACEMENT_TRIES = 30
 MIN_SIZE = 64
 NOISE_STD = 12.0
 _SPLIT_STREAM = {"train": 0, "val": 1}
+
+
+@dataclass(frozen=True)
+class ShapesDifficulty:
+    """How hard the set is. The defaults are the set as it always shipped (same bytes per seed).
+
+    Sides are given at 224 px and scaled with the image size; a shape that finds no free place
+    after a few tries is skipped, so crowded settings can yield fewer than ``min_objects``.
+    """
+
+    min_objects: int = 1
+    max_objects: int = 6
+    min_side: int = 30
+    max_side: int = 90
+    noise_std: float = NOISE_STD
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not 1 <= self.min_objects <= self.max_objects:
+            problems.append(
+                f"min_objects = {self.min_objects}, max_objects = {self.max_objects}: use 1 <= min <= max"
+            )
+        if not 8 <= self.min_side <= self.max_side <= 200:
+            problems.append(
+                f"min_side = {self.min_side}, max_side = {self.max_side}: use 8 <= min <= max <= 200 (px at 224)"
+            )
+        if not self.noise_std >= 0:
+            problems.append(f"noise_std = {self.noise_std}: use a value >= 0")
+        if problems:
+            raise DataError("ShapesDifficulty: " + "; ".join(problems))
 
 
 def generate_shapes(
@@ -63,6 +93,7 @@ def generate_shapes(
     n_val: int = 32,
     size: int = 224,
     seed: int = 0,
+    difficulty: ShapesDifficulty | None = None,
 ) -> dict[str, Path]:
     """Write ``out_dir/images/*.png`` and ``train.jsonl`` (+ ``val.jsonl`` when ``n_val > 0``).
 
@@ -76,7 +107,7 @@ def generate_shapes(
     for split, count in (("train", n_train), ("val", n_val)):
         if count == 0:
             continue
-        records = [_write_sample(out, split, i, size, seed) for i in range(count)]
+        records = [_write_sample(out, split, i, size, seed, difficulty) for i in range(count)]
         paths[split] = write_records(out / f"{split}.jsonl", records, relative_to=out)
     return paths
 
@@ -87,28 +118,33 @@ def shape_sample(
     split: Literal["train", "val"] = "train",
     size: int = 224,
     seed: int = 0,
-    noise_std: float = NOISE_STD,
+    difficulty: ShapesDifficulty | None = None,
+    noise_std: float | None = None,
 ) -> tuple[Image.Image, list[RecordObject]]:
     """The image and objects that :func:`generate_shapes` writes for ``split``/``index``.
 
-    ``noise_std=0`` gives the same layout without pixel noise (for inspecting the geometry).
+    ``noise_std=0`` gives the same layout without pixel noise (for inspecting the geometry); by
+    default the difficulty's ``noise_std`` applies.
     """
     if split not in _SPLIT_STREAM:
         raise DataError(f"split = {split!r}: use one of {sorted(_SPLIT_STREAM)}")
-    return _draw_sample(size, np.random.default_rng([seed, _SPLIT_STREAM[split], index]), noise_std=noise_std)
+    difficulty = difficulty or ShapesDifficulty()
+    rng = np.random.default_rng([seed, _SPLIT_STREAM[split], index])
+    noise = difficulty.noise_std if noise_std is None else noise_std
+    return _draw_sample(size, rng, difficulty, noise_std=noise)
 
 
 def _draw_sample(
-    size: int, rng: np.random.Generator, *, noise_std: float = NOISE_STD
+    size: int, rng: np.random.Generator, difficulty: ShapesDifficulty, *, noise_std: float
 ) -> tuple[Image.Image, list[RecordObject]]:
     """One image and its objects (top-to-bottom, then left-to-right) drawn from ``rng``."""
     pixels = _background(size, rng)
     occupied = np.zeros((size, size), dtype=bool)
     scale = size / 224
-    side_lo, side_hi = round(SIDE_RANGE_AT_224[0] * scale), round(SIDE_RANGE_AT_224[1] * scale)
+    side_lo, side_hi = round(difficulty.min_side * scale), round(difficulty.max_side * scale)
     boxes: list[tuple[int, int, int, int]] = []
     objects: list[RecordObject] = []
-    for _ in range(int(rng.integers(MIN_OBJECTS, MAX_OBJECTS + 1))):
+    for _ in range(int(rng.integers(difficulty.min_objects, difficulty.max_objects + 1))):
         shape = SHAPE_CLASSES[int(rng.integers(len(SHAPE_CLASSES)))]
         mask = _shape_mask(shape.kind, int(rng.integers(side_lo, side_hi + 1)))
         corner = _place(mask, occupied, boxes, rng)
@@ -128,8 +164,10 @@ def _draw_sample(
     return Image.fromarray(pixels), objects
 
 
-def _write_sample(out: Path, split: str, index: int, size: int, seed: int) -> Record:
-    image, objects = shape_sample(index, split=split, size=size, seed=seed)
+def _write_sample(
+    out: Path, split: str, index: int, size: int, seed: int, difficulty: ShapesDifficulty | None
+) -> Record:
+    image, objects = shape_sample(index, split=split, size=size, seed=seed, difficulty=difficulty)  # type: ignore[arg-type]
     image_path = out / "images" / f"{split}-{index:05d}.png"
     image.save(image_path, format="PNG", compress_level=1)
     return Record(

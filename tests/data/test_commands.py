@@ -22,6 +22,17 @@ def test_shapes_then_validate_ok(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert capsys.readouterr().out.strip() == f"{out / 'val.jsonl'}: ok"
 
 
+def test_shapes_difficulty_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "shapes"
+    argv = ["data", "shapes", "--out", str(out), "--train", "8", "--val", "0", "--max-objects", "1"]
+    assert main([*argv, "--min-side", "100", "--max-side", "120", "--noise", "0"]) == 0
+    records = load_records(out / "train.jsonl")
+    assert all(len(r.objects) == 1 for r in records)
+    assert all(100 <= r.objects[0].bbox[2] - r.objects[0].bbox[0] <= 120 for r in records)
+    assert main([*argv, "--min-objects", "2"]) == 2  # min > max: one clear error, exit 2
+    assert "min_objects = 2, max_objects = 1" in capsys.readouterr().err
+
+
 def test_validate_prints_every_problem_and_exits_2(
     shapes_jsonl: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from rollmatch.data.records import Record, load_image, load_records, validate_records
-from rollmatch.data.shapes import SHAPE_CLASSES, generate_shapes, shape_sample
+from rollmatch.data.shapes import SHAPE_CLASSES, ShapesDifficulty, generate_shapes, shape_sample
 from rollmatch.errors import DataError
 
 COLOURS = {c.label: np.array(c.rgb, dtype=np.uint8) for c in SHAPE_CLASSES}
@@ -130,3 +130,38 @@ def test_sides_scale_with_image_size(tmp_path: Path) -> None:
 def test_bad_arguments_are_data_errors(tmp_path: Path, kwargs: dict[str, int], message: str) -> None:
     with pytest.raises(DataError, match=message):
         generate_shapes(tmp_path, **kwargs)
+
+
+def test_difficulty_knobs_bound_counts_and_sides(tmp_path: Path) -> None:
+    easy = ShapesDifficulty(min_objects=1, max_objects=2, min_side=60, max_side=110, noise_std=0.0)
+    records = load_records(
+        generate_shapes(tmp_path, n_train=30, n_val=0, size=112, seed=2, difficulty=easy)["train"]
+    )
+    counts = [len(r.objects) for r in records]
+    assert set(counts) == {1, 2}
+    sides = [o.bbox[2] - o.bbox[0] for r in records for o in r.objects]
+    assert min(sides) >= 30 and max(sides) <= 55  # 60-110 px at 224, scaled to 112
+    pixels = np.asarray(load_image(records[0].images[0]), dtype=np.float64)
+    assert np.abs(np.diff(pixels, axis=1)).mean() < 3  # noise_std 0: smooth background
+
+
+def test_default_difficulty_is_the_shipped_set() -> None:
+    image, objects = shape_sample(4, seed=0)
+    same_image, same_objects = shape_sample(4, seed=0, difficulty=ShapesDifficulty())
+    assert objects == same_objects
+    assert np.array_equal(np.asarray(image), np.asarray(same_image))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"min_objects": 0}, "min_objects = 0"),
+        ({"min_objects": 3, "max_objects": 2}, "min_objects = 3, max_objects = 2"),
+        ({"min_side": 100, "max_side": 50}, "min_side = 100, max_side = 50"),
+        ({"max_side": 300}, "max_side = 300"),
+        ({"noise_std": -1.0}, "noise_std = -1.0"),
+    ],
+)
+def test_bad_difficulty_is_a_data_error(kwargs: dict[str, float], message: str) -> None:
+    with pytest.raises(DataError, match=message):
+        ShapesDifficulty(**kwargs)  # type: ignore[arg-type]
