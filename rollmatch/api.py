@@ -10,7 +10,12 @@ from rollmatch.data.records import Record, RecordObject, load_records
 from rollmatch.detection.codec import ObjectCodec, ParseResult, QwenJsonCodec, build_codec
 from rollmatch.detection.matching import MatchResult, hungarian_match
 from rollmatch.detection.objects import DetObject, iou
-from rollmatch.detection.targets import TargetSequence, build_gt_target, build_rollout_target
+from rollmatch.detection.targets import (
+    TargetSequence,
+    build_gt_target,
+    build_matched_target,
+    build_rollout_target,
+)
 from rollmatch.evaluation import EvalResult, evaluate, run_eval
 from rollmatch.rollout.build import build_backend
 from rollmatch.rollout.hf import HFBackend
@@ -38,6 +43,7 @@ __all__ = [
     "build_backend",
     "build_codec",
     "build_gt_target",
+    "build_matched_target",
     "build_rollout_target",
     "evaluate",
     "hungarian_match",

@@ -76,6 +76,10 @@ class LossConfig(Section):
         0.0, ge=0.0, description="Weight of the rollout prefix's structure tokens (0: no loss on the prefix)."
     )
     desc_weight: float = Field(1.0, ge=0.0, description="Weight of label-value tokens in the appended tail.")
+    keep_prefix: Literal["matched", "all"] = Field(
+        "matched",
+        description="Rollout-matching target: `matched` keeps the rollout up to its first element that is not a matched prediction (false positive, duplicate, invalid), then appends every GT object not yet in it; `all` keeps every complete element and appends the missed GT (the list can only grow, see docs/detection.md).",
+    )
 
 
 class MatchingConfig(Section):

@@ -82,6 +82,10 @@ class ParseResult:
     has_complete_element: bool  # False -> the prefix is exactly "["
     response_text: str = ""  # the decoded response, cut at the first EOS (for logs)
     closed: bool = False  # the list's closing "]" was seen
+    # Per complete element inside the prefix (num_complete entries): where it ends in prefix_text,
+    # and whether it is valid (the valid ones are `objects`, in order). Used to cut a target early.
+    element_ends: list[int] = field(default_factory=list)
+    element_valid: list[bool] = field(default_factory=list)
 
 
 class ObjectCodec(Protocol):
@@ -226,6 +230,8 @@ class QwenJsonCodec:
             has_complete_element=kept > 0,
             response_text=decoded.text,
             closed=scan.closed,
+            element_ends=[end for _, end in scan.elements[:kept]],
+            element_valid=[isinstance(result, DetObject) for result in checked[:kept]],
         )
 
     def _cut(self, ids: list[int], decoded: DecodedTokens, scan: ListScan) -> tuple[int, list[int]]:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from rollmatch.config.schema import LossConfig
 from rollmatch.detection.codec import ObjectCodec, ParseResult, Tokenizer, decode_with_offsets
 from rollmatch.detection.json_scan import STRUCTURE, TEXT
+from rollmatch.detection.matching import MatchResult
 from rollmatch.detection.objects import DetObject
 from rollmatch.errors import DataError
 
@@ -41,6 +42,50 @@ class TargetSequence:
     weights: list[float]  # one per token id: weight of the loss for predicting that token
     num_prefix_tokens: int  # leading tokens copied from the rollout (0 for a GT target)
     text: str  # the decoded response without EOS (for logs and tests)
+    dropped_elements: int = 0  # complete rollout elements left out of the prefix (keep_prefix)
+
+
+def build_matched_target(
+    parse: ParseResult,
+    gts: Sequence[DetObject],
+    match: MatchResult,
+    *,
+    codec: ObjectCodec,
+    tokenizer: Tokenizer,
+    eos_token_id: int,
+    loss: LossConfig = _DEFAULTS,
+) -> TargetSequence:
+    """The rollout-matching target of one rollout under ``loss.keep_prefix``.
+
+    ``all``: the whole parsed prefix + the missed GT (``match.fn``). ``matched``: the prefix up to
+    the first element that is not a matched prediction (a false positive, a duplicate or an invalid
+    element), then every GT object not matched inside that kept part. Either way the list closes
+    with a supervised ``]`` and EOS.
+    """
+    keep = parse.num_complete if loss.keep_prefix == "all" else leading_matched_elements(parse, match)
+    matched_gt = {g for p, g, _ in match.pairs if p < _objects_in(parse, keep)}
+    missed = [gt for g, gt in enumerate(gts) if g not in matched_gt]
+    return build_rollout_target(
+        parse,
+        missed,
+        codec=codec,
+        tokenizer=tokenizer,
+        eos_token_id=eos_token_id,
+        prefix_weight=loss.prefix_weight,
+        desc_weight=loss.desc_weight,
+        keep_elements=keep,
+    )
+
+
+def leading_matched_elements(parse: ParseResult, match: MatchResult) -> int:
+    """How many leading complete elements of the prefix are valid, matched predictions."""
+    matched = {p for p, _, _ in match.pairs}
+    count = obj = 0
+    for valid in parse.element_valid:
+        if not valid or obj not in matched:
+            break
+        count, obj = count + 1, obj + 1
+    return count
 
 
 def build_rollout_target(
@@ -52,23 +97,64 @@ def build_rollout_target(
     eos_token_id: int,
     prefix_weight: float = _DEFAULTS.prefix_weight,
     desc_weight: float = _DEFAULTS.desc_weight,
+    keep_elements: int | None = None,
 ) -> TargetSequence:
-    """``Y_train = parse.prefix_token_ids + encode(append_fragment(fn_objects)) + [eos]``.
+    """``Y_train = rollout prefix + encode(append_fragment(fn_objects)) + [eos]``.
 
-    The prefix ids are kept exactly as the rollout produced them; only the fragment is encoded.
+    The prefix is the rollout's first ``keep_elements`` complete elements (default: all of
+    ``parse.num_complete``), its token ids copied as the rollout produced them, except the token
+    group that closes the last kept element (``"}`` or the bare ``[``): that one is encoded
+    together with the fragment, so the target holds the token the model really chooses at that
+    point at inference (``"}]`` to stop, ``"},`` to go on), with weight 1, instead of a ``"}``
+    followed by ``]`` that free decoding never produces. When that token group also holds label
+    text (a tokenizer fusing ``e"}``), it stays in the prefix and the fragment follows it.
     """
-    fragment = codec.append_fragment(fn_objects, after_element=parse.has_complete_element)
-    tail_ids = list(tokenizer.encode(fragment, add_special_tokens=False))
-    return _weighted_target(
-        prefix_ids=list(parse.prefix_token_ids),
+    keep = parse.num_complete if keep_elements is None else keep_elements
+    if not 0 <= keep <= parse.num_complete:
+        raise DataError(f"keep_elements = {keep}: use 0..{parse.num_complete} (the complete elements)")
+    prefix_ids, prefix_text, carried = _kept_prefix(parse, keep, codec, tokenizer)
+    fragment = codec.append_fragment(fn_objects, after_element=keep > 0)
+    tail_ids = list(tokenizer.encode(carried + fragment, add_special_tokens=False))
+    target = _weighted_target(
+        prefix_ids=prefix_ids,
         tail_ids=tail_ids,
-        expected_text=parse.prefix_text + fragment,
+        expected_text=prefix_text + carried + fragment,
         codec=codec,
         tokenizer=tokenizer,
         eos_token_id=eos_token_id,
         prefix_weight=prefix_weight,
         desc_weight=desc_weight,
     )
+    target.dropped_elements = parse.num_complete - keep
+    return target
+
+
+def _objects_in(parse: ParseResult, elements: int) -> int:
+    """How many of ``parse.objects`` lie in the first ``elements`` complete elements."""
+    return sum(parse.element_valid[:elements])
+
+
+def _kept_prefix(
+    parse: ParseResult, keep: int, codec: ObjectCodec, tokenizer: Tokenizer
+) -> tuple[list[int], str, str]:
+    """``(prefix ids, their text, carried text)``: the rollout through its ``keep``-th element.
+
+    The carried text is the closing token group's text, handed to the tail encoding; it is empty
+    when that group holds a non-structure character.
+    """
+    ids = list(parse.prefix_token_ids)
+    decoded = decode_with_offsets(tokenizer, ids)
+    cut = parse.element_ends[keep - 1] if keep else 1  # just after the element's "}" / the "["
+    first, end, start, stop = next(g for g in decoded.groups if g[2] < cut <= g[3])
+    closing = decoded.text[start:cut]
+    if all(role == STRUCTURE for role in codec.char_roles(decoded.text[:cut])[start:cut]):
+        return ids[:first], decoded.text[:start], closing
+    # Label text shares the closing token group: it stays in the prefix (re-encoded up to the cut
+    # when the cut falls inside it, as the parser does) and the fragment follows it.
+    kept = (
+        ids[:end] if stop == cut else ids[:first] + list(tokenizer.encode(closing, add_special_tokens=False))
+    )
+    return kept, decoded.text[:cut], ""
 
 
 def build_gt_target(

@@ -25,7 +25,7 @@ from rollmatch.data.prompts import EncodedPrompt, PromptEncoder
 from rollmatch.data.records import Record
 from rollmatch.detection.codec import ObjectCodec
 from rollmatch.detection.matching import hungarian_match
-from rollmatch.detection.targets import TargetSequence, build_gt_target, build_rollout_target
+from rollmatch.detection.targets import TargetSequence, build_gt_target, build_matched_target
 from rollmatch.packing.segment import Segment, build_segment
 from rollmatch.rollout.alignment import check_prompt_alignment
 from rollmatch.rollout.types import Decoding, Rollout, RolloutBackend
@@ -136,14 +136,14 @@ class RolloutChannel(_SegmentFactory):
             hit_max_tokens=rollout.hit_max_tokens,
         )
         match = hungarian_match(parse.objects, gts, **self.cfg.matching.model_dump())
-        target = build_rollout_target(
+        target = build_matched_target(
             parse,
-            [gts[i] for i in match.fn],
+            gts,
+            match,
             codec=self.codec,
             tokenizer=self.encoder.tokenizer,
             eos_token_id=self.encoder.eos_token_id,
-            prefix_weight=self.cfg.loss.prefix_weight,
-            desc_weight=self.cfg.loss.desc_weight,
+            loss=self.cfg.loss,
         )
         sums: Counter[str] = Counter(
             {
@@ -157,6 +157,9 @@ class RolloutChannel(_SegmentFactory):
                 "match/fp": len(match.fp),
                 "match/fn": len(match.fn),
                 "match/iou_sum": sum(iou for _, _, iou in match.pairs),
+                "target/dropped_elements": target.dropped_elements,
+                # a target longer than the rollout budget teaches answers that can never finish
+                "target/over_max_new_tokens": int(len(target.token_ids) > self.decoding.max_new_tokens),
                 "rollout/weight_version_sum": rollout.weight_version,
             }
         )

@@ -39,7 +39,7 @@ def summarize(sums: Mapping[str, float], steps: int) -> dict[str, float]:
         out["match/fp"] = fp / steps
         out["parse/valid"] = float(sums.get("parse/valid", 0)) / steps
         for key, value in sums.items():
-            if key.startswith("parse/invalid_"):
+            if key.startswith(("parse/invalid_", "target/")):
                 out[key] = float(value) / steps
     rows = float(sums.get("packing/rows", 0))
     if rows:
