@@ -34,6 +34,7 @@ MATCHED: RGB = (0, 230, 0)
 FALSE_POSITIVE: RGB = (255, 0, 0)
 MISSED: RGB = (255, 230, 0)
 MATCHED_GT: RGB = (255, 255, 255)
+HALO: RGB = (0, 0, 0)
 BOX_WIDTH = 2
 DASH, GAP = 6, 4  # dashed edge: pixels drawn, pixels skipped
 TILE = 320  # side of one picture in a grid
@@ -90,6 +91,9 @@ def draw_detections(
         obj = predictions[index]
         colour = MATCHED if index in matched_pred else FALSE_POSITIVE
         box = _scaled(obj.bbox, scale)
+        # A dark halo one pixel each side keeps the edge visible on a shape of the box's colour.
+        halo = (box[0] - 1, box[1] - 1, box[2] + 1, box[3] + 1)
+        draw.rectangle(halo, outline=HALO, width=BOX_WIDTH + 2)
         draw.rectangle(box, outline=colour, width=BOX_WIDTH)
         labelled.append((box, obj.label, colour))
     for box, label, colour in labelled:

@@ -12,7 +12,7 @@ from PIL import Image
 from rollmatch.cli import main
 from rollmatch.data.records import Record, RecordObject, write_records
 from rollmatch.errors import DataError
-from rollmatch.viz import FALSE_POSITIVE, MATCHED, MATCHED_GT, MISSED, draw_detections, render_pictures
+from rollmatch.viz import FALSE_POSITIVE, HALO, MATCHED, MATCHED_GT, MISSED, draw_detections, render_pictures
 
 BACKGROUND = (90, 90, 90)
 GT_MATCHED = RecordObject("red square", (10.0, 60.0, 40.0, 90.0))
@@ -44,6 +44,7 @@ def test_each_kind_of_box_has_its_colour_on_its_edges() -> None:
     assert colour(pixels, 10, 85) == MATCHED_GT
     # false positive: solid red on its left edge and bottom edge (the label tag sits inside its top)
     assert colour(pixels, 60, 32) == FALSE_POSITIVE
+    assert colour(pixels, 59, 32) == HALO  # dark halo: visible on a shape of the box's colour
     assert colour(pixels, 80, 39) == FALSE_POSITIVE
     # missed GT: dashed yellow (some pixels on its bottom edge, with background gaps between)
     bottom = [colour(pixels, x, 94) for x in range(61, 94)]
