@@ -1,9 +1,12 @@
 """Teacher-forcing targets and per-token loss weights (pure: token ids in, token ids out).
 
-Owns: :class:`TargetSequence`, :func:`build_rollout_target` (rollout prefix + missed GT + EOS,
-the rollout-matching target) and :func:`build_gt_target` (GT serialization + EOS, Channel-A /
-``sft``). Leaves out: the prompt (its tokens carry weight 0 and are added by the trainer), loss
-reduction (``training.losses``) and packing.
+Owns: :class:`TargetSequence`, :func:`build_matched_target` (the rollout-matching target under
+``loss.keep_prefix``: how much of the rollout to keep, which GT objects to append),
+:func:`build_rollout_target` (kept rollout prefix + given GT objects + EOS) and
+:func:`build_gt_target` (GT serialization + EOS, Channel-A / ``sft``). Leaves out: the prompt (its
+tokens carry weight 0 and are added by the trainer), loss reduction (``training.losses``) and
+packing. Why the default keeps the rollout only up to its first unmatched element:
+docs/detection.md, "the truncation ratchet".
 
 Weights, one per response token (the weight of the loss for predicting that token):
 
@@ -110,6 +113,11 @@ def build_rollout_target(
     text (a tokenizer fusing ``e"}``), it stays in the prefix and the fragment follows it.
     """
     keep = parse.num_complete if keep_elements is None else keep_elements
+    if len(parse.element_ends) != parse.num_complete:
+        raise DataError(
+            f"ParseResult has num_complete = {parse.num_complete} but {len(parse.element_ends)} element_ends; "
+            "build it with codec.parse, which records where each complete element ends"
+        )
     if not 0 <= keep <= parse.num_complete:
         raise DataError(f"keep_elements = {keep}: use 0..{parse.num_complete} (the complete elements)")
     prefix_ids, prefix_text, carried = _kept_prefix(parse, keep, codec, tokenizer)
