@@ -115,13 +115,15 @@ def run_demo(
     for name, cfg in (("sft", sft_cfg), ("rollout_matching_sft", rollout_cfg)):
         result = run_training(cfg)
         evaluation = run_eval(with_model(cfg, result.final_model_dir), val, str(out / f"eval_{name}.jsonl"))
-        losses = [h["loss"] for h in result.log_history if "loss" in h]
+        logged = [h for h in result.log_history if "loss" in h]
+        losses = [h["loss"] for h in logged]
         phases[name] = {
             "steps": result.global_step,
             "seconds": round(result.seconds, 1),
             "loss_first": losses[0] if losses else None,
             "loss_last": losses[-1] if losses else None,
             "losses": losses,
+            "loss_steps": [h["step"] for h in logged],
             "f1_curve": [h["match/f1"] for h in result.log_history if "match/f1" in h],
             **eval_summary(evaluation),
         }
@@ -276,10 +278,10 @@ def plot_summary(summary: dict[str, Any], path: Path) -> None:
     fig, (ax_loss, ax_f1) = plt.subplots(1, 2, figsize=(10, 4))
     offset = 0
     for name in ("sft", "rollout_matching_sft"):
-        losses = summary["phases"][name]["losses"]
-        ax_loss.plot(range(offset, offset + len(losses)), losses, label=name)
-        offset += len(losses)
-    ax_loss.set(title="training loss (per log line)", xlabel="log line", ylabel="loss")
+        phase = summary["phases"][name]
+        ax_loss.plot([offset + s for s in phase["loss_steps"]], phase["losses"], label=name)
+        offset += phase["steps"]
+    ax_loss.set(title="training loss", xlabel="optimizer step (both phases)", ylabel="loss")
     ax_loss.legend()
     names = list(summary["phases"])
     ax_f1.bar(names, [summary["phases"][n]["f1"] for n in names], color=["grey", "tab:blue", "tab:orange"])
