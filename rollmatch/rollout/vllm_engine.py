@@ -233,6 +233,8 @@ class VllmEngine:
             else "uni",
             "limit_mm_per_prompt": {"image": s.max_images_per_prompt, "video": 0},
         }
+        if s.max_num_seqs is not None:
+            kwargs["max_num_seqs"] = s.max_num_seqs
         if s.mm_processor_kwargs:
             kwargs["mm_processor_kwargs"] = dict(s.mm_processor_kwargs)
         if s.on_cpu:
