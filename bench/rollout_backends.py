@@ -18,6 +18,9 @@ Every round rolls out *new* photographs (as training does), so neither engine is
 of an earlier round; the rounds alternate the engines and the first is a warm-up. Per engine:
 
 - ``tokens_per_s`` / ``seconds``: best round (the machine may be shared; ``*_mean`` beside it);
+  ``vllm_over_hf_tokens_per_s`` is the median over rounds of the ratio within each round (the two
+  engines ran back to back on the same prompts), ``*_rounds`` lists them, ``*_best`` divides the
+  best rounds;
 - ``prefill_seconds``: a call with ``max_new_tokens`` 1 (image processing, vision tower, prompt
   forward, one sample); ``decode_ms_per_step`` = (seconds - prefill) / (max_new_tokens - 1);
 - ``model_seconds``: time inside the model's forward modules (vision tower, language model, logits),
@@ -41,6 +44,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -240,12 +244,22 @@ def compare_engines(
         a.response_token_ids == b.response_token_ids
         for a, b in zip(outputs["hf"], outputs["vllm_colocate"], strict=True)
     ) / len(outputs["hf"])
+    # Paired per round (the engines ran back to back on the same prompts): robust to load drifts.
+    paired = [
+        (v["tokens"] / v["seconds"]) / (h["tokens"] / h["seconds"])
+        for h, v in zip(runs["hf"], runs["vllm_colocate"], strict=True)
+    ]
+    paired_cpu = [
+        (v["tokens"] / v["cpu_seconds"]) / (h["tokens"] / h["cpu_seconds"])
+        for h, v in zip(runs["hf"], runs["vllm_colocate"], strict=True)
+    ]
     return {
         **stats,
         "prompt_tokens_mean": sum(len(r.prompt_token_ids) for r in requests[:batch]) / batch,
-        "vllm_over_hf_tokens_per_s": round(vllm["tokens_per_s"] / hf["tokens_per_s"], 3),
-        "vllm_over_hf_tokens_per_s_mean": round(vllm["tokens_per_s_mean"] / hf["tokens_per_s_mean"], 3),
-        "vllm_over_hf_tokens_per_cpu_s": round(vllm["tokens_per_cpu_s"] / hf["tokens_per_cpu_s"], 3),
+        "vllm_over_hf_tokens_per_s": round(statistics.median(paired), 3),
+        "vllm_over_hf_tokens_per_s_rounds": [round(r, 3) for r in paired],
+        "vllm_over_hf_tokens_per_cpu_s": round(statistics.median(paired_cpu), 3),
+        "vllm_over_hf_tokens_per_s_best": round(vllm["tokens_per_s"] / hf["tokens_per_s"], 3),
         "greedy_agreement": agreement,
     }
 
