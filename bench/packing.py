@@ -14,7 +14,8 @@ Segment lengths are measured with the tiny Qwen2.5-VL tokenizer and processor (p
 - ``real``: the real datasets (aquarium YOLO labels, raccoon VOC xml), their true object counts,
   labels, boxes and image sizes, three shuffled epochs;
 - ``lognormal``: heavy-tailed synthetic lengths;
-- ``bimodal``: many short segments and a few near capacity.
+- ``bimodal``: many short segments and a few near capacity;
+- ``stress_mixes`` (reported apart): wide uniform lengths, where pairing long segments matters most.
 
 Packers are compared like for like. ``offline`` (every length known up front): ``ours`` is
 :func:`plan_rows`, ``fifo`` next-fit in arrival order, ``binpacking`` ``binpacking.to_constant_volume``.
@@ -61,7 +62,7 @@ from rollmatch.detection.codec import QwenJsonCodec
 from rollmatch.detection.objects import DetObject, to_frame
 from rollmatch.detection.targets import TargetSequence, build_gt_target
 from rollmatch.models.tiny import build_tiny_model
-from rollmatch.packing.binpack import fifo_greedy, plan_rows
+from rollmatch.packing.binpack import fifo_greedy, plan_rows, select_row
 from rollmatch.packing.carry import CarryBuffer
 from rollmatch.packing.collate import enable_packed_attention, model_inputs, pack_row, pad_batch
 from rollmatch.packing.segment import Segment, build_segment
@@ -101,6 +102,10 @@ def main() -> None:
             "capacity": CAPACITY,
             "carry_buffer_size": CARRY_LIMIT,
             "distributions": {name: compare_packers(values, CAPACITY) for name, values in lengths.items()},
+            "stress_mixes": {
+                name: compare_packers(values, CAPACITY)
+                for name, values in stress_lengths(np.random.default_rng(args.seed + 1), n=600).items()
+            },
         }
         result.update(training_speed(model_dir, encoder, records, rng))
         result["selection_cost"] = selection_cost(result)
@@ -165,6 +170,14 @@ def bimodal_lengths(rng: np.random.Generator, n: int) -> list[int]:
     return [int(v) for v in np.where(near_capacity, long, short)]
 
 
+def stress_lengths(rng: np.random.Generator, n: int) -> dict[str, list[int]]:
+    """Wide uniform lengths: half or more of them over half a row, so which segments share a row matters."""
+    return {
+        "uniform": [int(v) for v in rng.integers(16, CAPACITY + 1, size=n)],
+        "uniform_10_70pct": [int(v) for v in rng.integers(CAPACITY // 10, 7 * CAPACITY // 10, size=n)],
+    }
+
+
 # -------------------------------------------------------------------------------------- row packing
 def compare_packers(lengths: Sequence[int], capacity: int) -> dict[str, Any]:
     """Rows of each packer on one length mix, compared like for like (offline vs streamed)."""
@@ -182,6 +195,8 @@ def compare_packers(lengths: Sequence[int], capacity: int) -> dict[str, Any]:
     plan_ms = (time.process_time() - start) * 1e3
     offline = {
         "ours": {**summary(len(ours_offline)), "plan_ms_per_row": round(plan_ms / len(ours_offline), 4)},
+        # What the carry buffer's drain does (and plan_rows did before it tried largest-first plans).
+        "oldest_pinned": summary(oldest_pinned_rows(lengths, capacity)),
         "fifo": summary(len(fifo_greedy(lengths, capacity))),
         "binpacking": summary(len(binpacking.to_constant_volume(list(lengths), capacity))),
     }
@@ -218,6 +233,16 @@ def compare_packers(lengths: Sequence[int], capacity: int) -> dict[str, Any]:
     }
     result["checks"] = packer_checks(result)
     return result
+
+
+def oldest_pinned_rows(lengths: Sequence[int], capacity: int) -> int:
+    """Rows of repeated :func:`select_row` on what is left."""
+    remaining, rows = list(lengths), 0
+    while remaining:
+        picked = set(select_row(remaining, capacity))
+        remaining = [length for i, length in enumerate(remaining) if i not in picked]
+        rows += 1
+    return rows
 
 
 def packer_checks(result: dict[str, Any]) -> dict[str, bool]:
