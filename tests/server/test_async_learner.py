@@ -59,7 +59,7 @@ def async_config(
                 "async": {
                     "queue_limit": 4,
                     "prefetch_target_packs": 2,
-                    "version_window": 1,
+                    "version_window": 2,
                     "sync_every_steps": 1,
                 },
             },
