@@ -28,6 +28,7 @@ from rollmatch.detection.codec import build_codec
 from rollmatch.errors import ConfigError
 from rollmatch.packing.collate import enable_packed_attention
 from rollmatch.training.metrics import JsonlMetricsCallback, summarize
+from rollmatch.training.sizing import check_row_sizing
 from rollmatch.training.trainer import (
     RecordDataset,
     RollmatchTrainer,
@@ -76,6 +77,7 @@ def run_training(cfg: RollmatchConfig) -> TrainResult:
     model = load_model(cfg)
     codec = build_codec(cfg.custom.object_format, encoder.tokenizer, [encoder.eos_token_id])
     records = load_records(cfg.data.train_jsonl, max_samples=cfg.data.max_samples)
+    check_row_sizing(cfg, records, encoder, codec)
     holder: dict[str, Any] = {}
     ctx = BuildContext(
         cfg=cfg,

@@ -227,6 +227,33 @@ class RollmatchTrainer(Trainer):
                 json.dump(marker, fh)
             os.replace(tmp, os.path.join(folder, COMPLETE_MARKER))
 
+    def _load_from_checkpoint(
+        self, resume_from_checkpoint: str, model: torch.nn.Module | None = None
+    ) -> None:
+        """Model weights of a checkpoint, loaded the way ``from_pretrained`` loads them.
+
+        HF's default loads ``model.safetensors`` with a non-strict ``load_state_dict``; Qwen-VL checkpoints
+        are saved under the legacy key names (``model.layers.*``, ``visual.*``) that ``from_pretrained``
+        converts, so that path silently restores nothing and a resumed run trains from the initial weights.
+        Adapters (PEFT) and sharded engines keep HF's own path.
+        """
+        target = model if model is not None else self.model
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled or hasattr(target, "peft_config"):
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+            return
+        from transformers import AutoModelForImageTextToText
+
+        first = next(target.parameters())
+        saved = AutoModelForImageTextToText.from_pretrained(resume_from_checkpoint, dtype=first.dtype)
+        result = target.load_state_dict(saved.state_dict(), strict=False)
+        problems = [*result.missing_keys, *result.unexpected_keys]
+        if problems:
+            raise RuntimeError(
+                f"checkpoint {resume_from_checkpoint} does not match the model ({len(problems)} keys differ, e.g. "
+                f"{problems[:3]}); resume with the model.path and LoRA settings the checkpoint was trained with"
+            )
+        log.info("model weights restored from %s", resume_from_checkpoint)
+
     def load_rank_state(self, checkpoint_dir: str) -> None:
         """Restore this rank's carry buffers / record stream from ``checkpoint_dir`` (before ``train``)."""
         path = rank_state_file(checkpoint_dir, self.collectives.rank)
