@@ -14,6 +14,7 @@ where a later ``--learner-only`` launch on the same output directory finds it (u
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import secrets
 import socket
@@ -30,6 +31,7 @@ from rollmatch.launch.plan import (
     render_plan,
     sequential_ports,
 )
+from rollmatch.launch.processes import survivors
 from rollmatch.launch.supervisor import PIDS_NAME, run_plan
 
 API_KEY_FILE = "api_key"
@@ -61,9 +63,10 @@ def launch_command(args: argparse.Namespace) -> int:
     if request.dry_run:
         print("dry run: nothing started, nothing written")
         return 0
+    pids_name = "pids-learner.json" if request.learner_only else PIDS_NAME
+    _refuse_running_launch(launch_dir / pids_name)
     if request.servers_only and api_key is not None:
         _write_key_file(launch_dir / API_KEY_FILE, api_key)
-    pids_name = "pids-learner.json" if request.learner_only else PIDS_NAME
     return run_plan(plan, grace_s=request.grace_s, pids_name=pids_name)
 
 
@@ -140,6 +143,28 @@ def _port_free(port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+def _refuse_running_launch(pids_path: Path) -> None:
+    """Two launches on one output directory would overwrite each other's logs, config and pids."""
+    if not pids_path.is_file():
+        return
+    try:
+        record = json.loads(pids_path.read_text())
+        running = survivors(record)
+    except (ValueError, KeyError, TypeError):
+        return  # not a record launch can read: it will be overwritten
+    if running:
+        raise LaunchError(
+            [
+                ConfigProblem(
+                    "training.output_dir",
+                    str(pids_path.parent.parent),
+                    f"a launch (pid {record.get('launcher')}) still runs here ({', '.join(running)}); stop it "
+                    "first, or give this run another training.output_dir",
+                )
+            ]
+        )
 
 
 def _learner_only_key(launch_dir: Path) -> str | None:

@@ -90,6 +90,7 @@ def test_a_server_killed_mid_run_stops_the_launch_with_its_name_and_leaves_no_pr
     assert survivors(run.pids()) == [], run.pids()
 
 
+@pytest.mark.heavy
 def test_a_server_that_dies_during_start_up_fails_the_launch_with_its_log(
     tmp_path: Path, config_writer: Callable[..., Path], start_launch: Callable[..., Any]
 ) -> None:
@@ -106,6 +107,7 @@ def test_a_server_that_dies_during_start_up_fails_the_launch_with_its_log(
     assert survivors(run.pids()) == []
 
 
+@pytest.mark.heavy
 def test_sigterm_while_waiting_for_the_servers_stops_everything(
     launch_config: Callable[..., Path], start_launch: Callable[..., Any]
 ) -> None:

@@ -246,3 +246,21 @@ def test_a_busy_port_base_is_refused_before_anything_starts(
 
 def _flag(command: tuple[str, ...] | list[str], name: str) -> str:
     return command[list(command).index(name) + 1]
+
+
+def test_a_second_launch_on_a_running_output_directory_is_refused(
+    tmp_path: Path, config_writer: Callable[..., Path]
+) -> None:
+    import json
+    import os
+
+    import psutil
+
+    path = config_writer(tmp_path / "c.yaml", model="/m", train_jsonl="/t.jsonl", output_dir=tmp_path / "o")
+    (tmp_path / "o" / "launch").mkdir(parents=True)
+    me = {"pid": os.getpid(), "create_time": psutil.Process().create_time(), "descendants": []}
+    record = {"launcher": 1234, "processes": [{"name": "server-0", **me}]}
+    (tmp_path / "o" / "launch" / "pids.json").write_text(json.dumps(record))
+    with pytest.raises(LaunchError, match=r"a launch \(pid 1234\) still runs here \(server-0: pid"):
+        launch_command(build_parser().parse_args(["launch", str(path), "--cpu"]))
+    assert sorted(p.name for p in (tmp_path / "o" / "launch").iterdir()) == ["pids.json"]  # nothing started
