@@ -180,10 +180,11 @@ class _Run:
                     dead, "while the learner was running" if learner else "after start-up"
                 )
             if learner is not None and (code := learner.exit_code()) is not None:
-                time.sleep(_POLL_S)  # a server crash that made the learner fail is reported as the cause
-                dead = next((s for s in self.servers if s.exit_code() is not None), None)
-                if dead is not None:
-                    return self._server_failed(dead, "while the learner was running")
+                if code != 0:  # a server crash that made the learner fail is reported as the cause
+                    time.sleep(_POLL_S)
+                    dead = next((s for s in self.servers if s.exit_code() is not None), None)
+                    if dead is not None:
+                        return self._server_failed(dead, "while the learner was running")
                 elapsed = time.monotonic() - started
                 status = "finished" if code == 0 else "failed"
                 return Outcome(
