@@ -69,7 +69,7 @@ def test_a_server_killed_mid_run_stops_the_launch_with_its_name_and_leaves_no_pr
     launch_config: Callable[..., Path], start_launch: Callable[..., Any]
 ) -> None:
     config = launch_config(stage2_ab={"schedule": {"b_ratio": 1.0}}, training={"max_steps": 100000})
-    run = start_launch(config, *CPU_2_RANKS, "--engine", "hf", "--grace-s", "5")
+    run = start_launch(config, "--cpu", "--learner-procs", "1", "--engine", "hf", "--grace-s", "5")
     learner_log = run.launch_dir / "learner-0.log"
     run.wait_for(lambda: learner_log.exists() and "'loss'" in learner_log.read_text(), 300, "a trained step")
 
