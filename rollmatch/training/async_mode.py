@@ -111,6 +111,7 @@ class AsyncPacks:
         dropped = self.queue.take_dropped_origins()
         self.actor.stream.ledger.mark_done([o.stream_position for o in dropped])
         sums = self.actor.take_sums()
+        del sums["samples"]  # rollouts made, not trained: `samples` counts what the step trains (take)
         now, rollouts = time.perf_counter(), self.actor.rollouts_total
         then, before = self._last_report
         self._last_report = (now, rollouts)

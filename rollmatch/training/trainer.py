@@ -193,8 +193,11 @@ class RollmatchTrainer(Trainer):
         local = self._local_sums
         local.update(micro.local_sums())
         local[f"stage2_ab/loss_{micro.kind.lower()}_sum"] += float(loss) / self.collectives.world_size
-        if micro.index == micro.count and self._plan is not None and self._plan.timing_key:
-            local[self._plan.timing_key] += time.perf_counter() - self._plan.started_at
+        if micro.index == micro.count and self._plan is not None:
+            elapsed = time.perf_counter() - self._plan.started_at
+            local["step/seconds"] += elapsed / self.collectives.world_size  # mean over ranks once summed
+            if self._plan.timing_key:
+                local[self._plan.timing_key] += elapsed / self.collectives.world_size
 
     # ------------------------------------------------------------------ logging
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
