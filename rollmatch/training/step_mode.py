@@ -196,12 +196,11 @@ class PipelinedStep(MicroStep):
     def _produce_into(
         self, chunks: list[tuple[int, int]], handoff: queue.Queue[Any], stop: threading.Event
     ) -> None:
-        seed_step = self.step
         try:
             for begin, end in chunks:
                 if stop.is_set():
                     return
-                out = self.owner.rollouts.produce_chunk(self.records[begin:end], seed_step, begin)
+                out = self.owner.rollouts.produce_chunk(self.records[begin:end], self.step, begin)
                 _put_until_stopped(handoff, out, stop)
             _put_until_stopped(handoff, _PRODUCER_DONE, stop)
         except BaseException as exc:  # handed to the learner thread, which re-raises it

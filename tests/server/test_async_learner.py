@@ -116,15 +116,23 @@ def shapes(tmp_path: Path) -> dict[str, Path]:
     return generate_shapes(tmp_path / "shapes", n_train=24, n_val=1, size=112, seed=3)
 
 
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
 def test_async_learner_runs_b_steps_and_accounts_for_every_pack(
+    engine: str,
     hf_sync_server: Any,
+    start_server: Callable[..., Any],
     tiny_model_dir: Path,
     shapes: dict[str, Path],
     tmp_path: Path,
     free_port: Callable[[], int],
 ) -> None:
+    if engine == "vllm":
+        pytest.importorskip("vllm")
+        server = start_server(tiny_model_dir, "--engine", "vllm")
+    else:
+        server = hf_sync_server
     out = tmp_path / "out"
-    config = async_config(tiny_model_dir, shapes, out, hf_sync_server.url, free_port(), max_steps=14)
+    config = async_config(tiny_model_dir, shapes, out, server.url, free_port(), max_steps=14)
     config_path = tmp_path / "async.yaml"
     config_path.write_text(yaml.safe_dump(config))
     env = dict(os.environ, OMP_NUM_THREADS="1")
