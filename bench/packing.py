@@ -3,7 +3,7 @@
 Prints ONE JSON object::
 
     {"distributions": {MIX: {"offline": {"ours" | "fifo" | "binpacking": {"rows", "rows_over_lower_bound", ...}},
-                             "streamed": {"one_row_per_step_bound", "ours", "fifo", "binpacking": {...}},
+                             "streamed": {"one_row_per_step_bound", "ours", "ours_as_trainer", "fifo", "binpacking": {...}},
                              "streamed_at_row_rate": {...}, "checks": {...}}},
      "selection_cost": {"select_over_train_row", ...}, "packed_over_padded_tokens_per_s": X, ...}
 
