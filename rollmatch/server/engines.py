@@ -123,6 +123,7 @@ class HFServerEngine:
             batch_size=batch_size,
         )
         self._params = dict(self.model.state_dict())
+        self._progress_hook: torch.utils.hooks.RemovableHandle | None = None
 
     def generate(
         self, prompts: list[PreparedPrompt], decoding: Decoding, seed: int | None
@@ -135,7 +136,9 @@ class HFServerEngine:
         ]
 
     def observe_progress(self, callback: Callable[[], None]) -> None:
-        self.model.register_forward_hook(lambda *_: callback())
+        if self._progress_hook is not None:  # one observer: a newer server replaces an older one
+            self._progress_hook.remove()
+        self._progress_hook = self.model.register_forward_hook(lambda *_: callback())
 
     def recover(self) -> None:
         return None  # HF generate keeps no state across calls

@@ -108,6 +108,8 @@ def _open_checked(raw: bytes, max_pixels: int, where: str) -> Image:
                     f"{max_pixels} (rollmatch serve --max-image-pixels); resize the image",
                 )
             rgb = image.convert("RGB")
+    except RequestTooLarge:
+        raise
     except PILImage.DecompressionBombError as exc:
         raise RequestTooLarge(where, f"{where}: decompression bomb refused ({exc})") from exc
     except (
