@@ -17,14 +17,13 @@ from typing import Any
 import pytest
 import requests
 import torch
+from conftest import REPO, free_tcp_port, launch_server  # tests/server/conftest.py
 from transformers import AutoModelForImageTextToText
 
 from rollmatch.collectives import LocalCollectives
 from rollmatch.errors import BackendError, SyncError
 from rollmatch.rollout.client import ServerBackend
 from rollmatch.rollout.types import Decoding
-
-from conftest import REPO, free_tcp_port, launch_server  # tests/server/conftest.py
 
 pytestmark = pytest.mark.heavy
 SWIFT_CHAT = {"messages": [{"role": "user", "content": "find"}]}
@@ -72,8 +71,17 @@ def test_sigterm_stops_a_server_whose_engine_is_wedged(tiny_model_dir: Path, tmp
     port = free_tcp_port()
     log_path = tmp_path / "stuck.log"
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    command = [sys.executable, str(REPO / "tests/server/stuck_server.py"), "serve", "--model", str(tiny_model_dir),
-               "--engine", "hf", "--port", str(port)]
+    command = [
+        sys.executable,
+        str(REPO / "tests/server/stuck_server.py"),
+        "serve",
+        "--model",
+        str(tiny_model_dir),
+        "--engine",
+        "hf",
+        "--port",
+        str(port),
+    ]
     with log_path.open("wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
     url = f"http://127.0.0.1:{port}"
@@ -86,14 +94,18 @@ def test_sigterm_stops_a_server_whose_engine_is_wedged(tiny_model_dir: Path, tmp
             except requests.RequestException:
                 time.sleep(0.5)
         body = {"infer_requests": [SWIFT_CHAT], "request_config": {"max_tokens": 2}}
-        threading.Thread(target=lambda: requests.post(f"{url}/infer/", json=body, timeout=60), daemon=True).start()
+        threading.Thread(
+            target=lambda: requests.post(f"{url}/infer/", json=body, timeout=60), daemon=True
+        ).start()
         while "wedged" not in log_path.read_text():
             assert time.monotonic() < deadline, log_path.read_text()[-2000:]
             time.sleep(0.2)
         started = time.monotonic()
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=5.0)  # raises TimeoutExpired if the server outlives 5 s
-        print(f"server with a wedged engine gone {time.monotonic() - started:.1f}s after SIGTERM, rc {process.returncode}")
+        print(
+            f"server with a wedged engine gone {time.monotonic() - started:.1f}s after SIGTERM, rc {process.returncode}"
+        )
     finally:
         if process.poll() is None:
             process.kill()
@@ -101,15 +113,27 @@ def test_sigterm_stops_a_server_whose_engine_is_wedged(tiny_model_dir: Path, tmp
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
-def test_seed_overflow_no_longer_wedges_vllm_and_sigterm_stops_it(tiny_model_dir: Path, tmp_path: Path) -> None:
-    server = launch_server(tiny_model_dir, free_tcp_port(), tmp_path / "vllm.log", "--engine", "vllm", "--max-model-len", "1024")
+def test_seed_overflow_no_longer_wedges_vllm_and_sigterm_stops_it(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    server = launch_server(
+        tiny_model_dir, free_tcp_port(), tmp_path / "vllm.log", "--engine", "vllm", "--max-model-len", "1024"
+    )
     try:
         for seed in (2**64, -(2**63) - 1, 2**63):
-            bad = {"infer_requests": [SWIFT_CHAT], "request_config": {"max_tokens": 4, "temperature": 1.0, "seed": seed}}
+            bad = {
+                "infer_requests": [SWIFT_CHAT],
+                "request_config": {"max_tokens": 4, "temperature": 1.0, "seed": seed},
+            }
             reply = requests.post(f"{server.url}/infer/", json=bad, timeout=30)
             assert reply.status_code == 422 and "request_config.seed" in reply.json()["error"], reply.text
-        good = {"infer_requests": [SWIFT_CHAT] * 2, "request_config": {"max_tokens": 4, "temperature": 1.0, "seed": 2**63 - 2}}
-        reply = requests.post(f"{server.url}/infer/", json=good, timeout=30)  # seed + 1 is the last int64: fine
+        good = {
+            "infer_requests": [SWIFT_CHAT] * 2,
+            "request_config": {"max_tokens": 4, "temperature": 1.0, "seed": 2**63 - 2},
+        }
+        reply = requests.post(
+            f"{server.url}/infer/", json=good, timeout=30
+        )  # seed + 1 is the last int64: fine
         assert reply.status_code == 200, reply.text
         good["request_config"]["seed"] = 2**63 - 1  # seed + 1 overflows: refused, naming the field
         reply = requests.post(f"{server.url}/infer/", json=good, timeout=30)
@@ -138,10 +162,12 @@ def test_a_request_that_fails_inside_vllm_leaves_the_engine_clean(
         server = RolloutServer(engine)
         good = InferBody.model_validate({"infer_requests": [SWIFT_CHAT], "request_config": {"max_tokens": 4}})
         prompts = [engine.preparer.prepare(good.infer_requests[0], 0)]
-        unchecked = RequestConfig.model_construct(**{**RequestConfig().model_dump(), "seed": 2**64, "temperature": 1.0, "max_tokens": 4})
+        unchecked = RequestConfig.model_construct(
+            **{**RequestConfig().model_dump(), "seed": 2**64, "temperature": 1.0, "max_tokens": 4}
+        )
         with monkeypatch.context() as patch:
             patch.setattr(server, "_checked", lambda body: (unchecked, prompts))
-            with pytest.raises(ValueError, match="the engine refused the request .*Overflow"):
+            with pytest.raises(ValueError, match=r"the engine refused the request .*Overflow"):
                 server.infer(good)
         done: dict[str, Any] = {}
         worker = threading.Thread(target=lambda: done.setdefault("out", server.infer(good)), daemon=True)
@@ -162,7 +188,9 @@ def test_sync_needs_the_token_and_the_lease_and_keeps_the_version_when_refused(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     server = start_server(tiny_model_dir, "--engine", "hf", "--api-key", "k3y")
-    model = AutoModelForImageTextToText.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    model = AutoModelForImageTextToText.from_pretrained(
+        tiny_model_dir, dtype=torch.float32, attn_implementation="sdpa"
+    )
     cfg = server_config(servers=[{"base_url": server.url, "group_port": free_port()}], timeout_s=30)
     monkeypatch.delenv("ROLLMATCH_API_KEY", raising=False)
     anonymous = _backend(cfg, tiny_model_dir, prompt_encoder, model)  # GETs are open: start-up passes
@@ -177,9 +205,19 @@ def test_sync_needs_the_token_and_the_lease_and_keeps_the_version_when_refused(
     for headers in ({}, {"Authorization": "Bearer nope"}):
         reply = requests.post(f"{server.url}/finish_weight_update/", json=finish, headers=headers, timeout=30)
         assert reply.status_code == 401
-        reply = requests.post(f"{server.url}/init_communicator/", json={"host": "127.0.0.1", "port": free_port(), "world_size": 2}, headers=headers, timeout=30)
+        reply = requests.post(
+            f"{server.url}/init_communicator/",
+            json={"host": "127.0.0.1", "port": free_port(), "world_size": 2},
+            headers=headers,
+            timeout=30,
+        )
         assert reply.status_code == 401
-    reply = requests.post(f"{server.url}/finish_weight_update/", json=finish, headers={"Authorization": "Bearer k3y"}, timeout=30)
+    reply = requests.post(
+        f"{server.url}/finish_weight_update/",
+        json=finish,
+        headers={"Authorization": "Bearer k3y"},
+        timeout=30,
+    )
     assert reply.status_code == 409 and "sync lease" in reply.text  # authenticated, but not the lease holder
     stats = server.get("/stats/")
     assert stats["weight_version"] == 1 and stats["communicator"] == "ready"

@@ -40,7 +40,9 @@ def _settings(examples: int) -> settings:
     )
 
 
-def _fuzz(post: Callable[[str, str, dict[str, str]], int], examples: int, sync_examples: int) -> dict[int, int]:
+def _fuzz(
+    post: Callable[[str, str, dict[str, str]], int], examples: int, sync_examples: int
+) -> dict[int, int]:
     """Send the bodies; returns a count per status; fails on the first 5xx with the body."""
     counts: dict[int, int] = {}
 
@@ -67,7 +69,9 @@ def _fuzz(post: Callable[[str, str, dict[str, str]], int], examples: int, sync_e
 
 def _in_process(client: Any) -> Callable[[str, str, dict[str, str]], int]:
     def post(path: str, text: str, headers: dict[str, str]) -> int:
-        return client.post(path, content=text, headers={"content-type": "application/json", **headers}).status_code
+        return client.post(
+            path, content=text, headers={"content-type": "application/json", **headers}
+        ).status_code
 
     return post
 
@@ -106,11 +110,18 @@ def test_fuzz_vllm_engine_in_process(tiny_model_dir: Path, app_client: Callable[
 
 @pytest.mark.heavy
 def test_fuzz_real_server_process(start_server: Callable[..., Any], tiny_model_dir: Path) -> None:
-    server = start_server(tiny_model_dir, "--engine", "hf", "--max-tokens", "6", "--max-body-bytes", str(1 << 20))
+    server = start_server(
+        tiny_model_dir, "--engine", "hf", "--max-tokens", "6", "--max-body-bytes", str(1 << 20)
+    )
     session = requests.Session()
 
     def post(path: str, text: str, headers: dict[str, str]) -> int:
-        reply = session.post(f"{server.url}{path}", data=text, headers={"content-type": "application/json", **headers}, timeout=60)
+        reply = session.post(
+            f"{server.url}{path}",
+            data=text,
+            headers={"content-type": "application/json", **headers},
+            timeout=60,
+        )
         return reply.status_code
 
     counts = _fuzz(post, REAL_EXAMPLES, REAL_EXAMPLES // 3)

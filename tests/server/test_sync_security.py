@@ -83,9 +83,21 @@ def test_only_the_lease_holder_pushes_and_abandoned_updates_are_freed(
     lease = _init(client, port, timeout_s=2.0).json()["lease"]
     joined: dict[str, Any] = {}
     payload = torch.arange(16, dtype=torch.uint8)
-    meta = {"name": "lm_head.weight", "shape": [4], "dtype": "float32", "start_idx": 0, "end_idx": 16, "numel": 4}
-    body = {"metadatas": [meta], "transaction": {"version": 1, "mode": "full", "bucket_index": 0, "num_bytes": 16}}
-    sender = threading.Thread(target=lambda: joined.setdefault("t", _join_and_send(port, payload)), daemon=True)
+    meta = {
+        "name": "lm_head.weight",
+        "shape": [4],
+        "dtype": "float32",
+        "start_idx": 0,
+        "end_idx": 16,
+        "numel": 4,
+    }
+    body = {
+        "metadatas": [meta],
+        "transaction": {"version": 1, "mode": "full", "bucket_index": 0, "num_bytes": 16},
+    }
+    sender = threading.Thread(
+        target=lambda: joined.setdefault("t", _join_and_send(port, payload)), daemon=True
+    )
     sender.start()
     for headers in ({}, {LEASE: "f" * 32}):  # no lease / another trainer's lease: refused, nothing staged
         reply = client.post("/update_flattened_params/", json=body, headers=headers)

@@ -30,7 +30,10 @@ def _png(size: tuple[int, int] = (32, 32)) -> str:
 
 
 def _chat(content: Any = "<image>find", images: list[str] | None = None) -> dict[str, Any]:
-    return {"messages": [{"role": "user", "content": content}], "images": [_png()] if images is None else images}
+    return {
+        "messages": [{"role": "user", "content": content}],
+        "images": [_png()] if images is None else images,
+    }
 
 
 def _post(client: Any, body: Any, path: str = "/infer/", **kw: Any) -> Any:
@@ -104,7 +107,11 @@ def test_nan_and_infinity_anywhere_are_4xx_not_500(client: Any) -> None:
         (_chat("<image>x", images=[base64.b64encode(b"text").decode()]), 400, "not a decodable"),
         (_chat("<image>x", images=["http://example.com/a.png"]), 400, "does not fetch URLs"),
         ({"messages": [{"role": "user", "content": "hi"}], "add_eos": True}, 422, "add_eos"),
-        ({"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"tokenize": True}}, 422, "tokenize"),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"tokenize": True}},
+            422,
+            "tokenize",
+        ),
     ],
 )
 def test_malformed_requests_are_4xx_naming_the_field(
@@ -117,12 +124,19 @@ def test_malformed_requests_are_4xx_naming_the_field(
 
 def test_over_long_prompt_says_so_plainly(hf_engine: Any, app_client: Callable[..., Any]) -> None:
     client, _ = app_client(hf_engine)
-    reply = _post(client, {"infer_requests": [{"prompt_token_ids": [5] * 1024}], "request_config": GOOD_CONFIG})
+    reply = _post(
+        client, {"infer_requests": [{"prompt_token_ids": [5] * 1024}], "request_config": GOOD_CONFIG}
+    )
     assert reply.status_code == 400
-    assert "prompt too long: a prompt of 1024 tokens leaves no room" in reply.text and "-" not in reply.text.split("room")[0][-5:]
+    assert (
+        "prompt too long: a prompt of 1024 tokens leaves no room" in reply.text
+        and "-" not in reply.text.split("room")[0][-5:]
+    )
 
 
-def test_decompression_bomb_and_size_caps_are_413_or_422(hf_engine: Any, app_client: Callable[..., Any]) -> None:
+def test_decompression_bomb_and_size_caps_are_413_or_422(
+    hf_engine: Any, app_client: Callable[..., Any]
+) -> None:
     client, server = app_client(hf_engine, max_body_bytes=200_000, max_requests_per_call=3, max_tokens=8)
     bomb = Image.new("L", (12000, 12000))  # 144 M pixels, a few hundred KB as PNG
     buffer = io.BytesIO()
@@ -158,10 +172,14 @@ def test_local_paths_only_under_the_allowed_root_and_no_existence_probe(
     Image.new("RGB", (32, 32)).save(outside)
     closed = app_client(HFServerEngine(str(tiny_model_dir), max_model_len=512), max_tokens=2)[0]
     answers = [
-        _post(closed, {"infer_requests": [_chat(images=[str(path)])]}).json()["detail"].replace(str(path), "P")
+        _post(closed, {"infer_requests": [_chat(images=[str(path)])]})
+        .json()["detail"]
+        .replace(str(path), "P")
         for path in (outside, tmp_path / "missing.png")
     ]
-    assert answers[0] == answers[1] and "--allowed-local-media-path" in answers[0]  # existence is not revealed
+    assert (
+        answers[0] == answers[1] and "--allowed-local-media-path" in answers[0]
+    )  # existence is not revealed
     engine = HFServerEngine(str(tiny_model_dir), max_model_len=512, media=MediaPolicy(allowed_root=inside))
     open_ = app_client(engine, max_tokens=2)[0]
     assert _post(open_, {"infer_requests": [_chat(images=[str(inside / "a.png")])]}).status_code == 200
@@ -180,15 +198,25 @@ def test_stop_strings_are_honoured_and_token_ids_stay_stop_trimmed(client: Any, 
     cut = _post(client, body).json()[0]["response"]["choices"][0]
     assert cut["finish_reason"] == "stop"
     assert cut["message"]["content"] == full["message"]["content"][: full["message"]["content"].find(stop)]
-    assert stop not in tokenizer.decode(cut["token_ids"]) and cut["token_ids"] == full["token_ids"][: len(cut["token_ids"])]
+    assert (
+        stop not in tokenizer.decode(cut["token_ids"])
+        and cut["token_ids"] == full["token_ids"][: len(cut["token_ids"])]
+    )
     assert len(cut["token_ids"]) <= 2
 
 
 def test_every_post_needs_the_token_when_configured(hf_engine: Any, app_client: Callable[..., Any]) -> None:
     client, server = app_client(hf_engine, api_key="s3cret", max_tokens=2)
     body = {"infer_requests": [_chat()]}
-    for path in ("/infer/", "/init_communicator/", "/update_flattened_params/", "/finish_weight_update/",
-                 "/reset_prefix_cache/", "/close_communicator/", "/get_engine_type/"):
+    for path in (
+        "/infer/",
+        "/init_communicator/",
+        "/update_flattened_params/",
+        "/finish_weight_update/",
+        "/reset_prefix_cache/",
+        "/close_communicator/",
+        "/get_engine_type/",
+    ):
         for headers in ({}, {"Authorization": "Bearer wrong"}):
             reply = client.post(path, json=body, headers=headers)
             assert reply.status_code == 401, (path, reply.text)
@@ -201,7 +229,7 @@ def test_every_post_needs_the_token_when_configured(hf_engine: Any, app_client: 
 def test_a_stalled_generation_makes_health_503_and_later_calls_fail_fast(
     hf_engine: Any, app_client: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    client, server = app_client(hf_engine, engine_stall_timeout_s=1.0, max_tokens=2)
+    client, _server = app_client(hf_engine, engine_stall_timeout_s=1.0, max_tokens=2)
     release = threading.Event()
     monkeypatch.setattr(hf_engine, "generate", lambda *a, **k: release.wait(30) and [])  # a wedged engine
     stuck = threading.Thread(target=lambda: _post(client, {"infer_requests": [_chat()]}), daemon=True)
