@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from rollmatch.sync.transaction import AdapterPayload
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+PixelBounds = tuple[int | None, int | None]  # (min_pixels, max_pixels); None keeps the saved value
 
 
 @dataclass
@@ -97,10 +98,11 @@ class HFServerEngine:
         dtype: str = "float32",
         max_model_len: int = 4096,
         batch_size: int = 8,
+        pixel_bounds: PixelBounds = (None, None),
         media: MediaPolicy | None = None,
         max_images: int = 8,
     ):
-        from transformers import AutoModelForImageTextToText, AutoProcessor
+        from transformers import AutoModelForImageTextToText
 
         from rollmatch.rollout.hf import HFBackend
 
@@ -110,7 +112,7 @@ class HFServerEngine:
             self.model_dir, dtype=DTYPES[dtype], attn_implementation="sdpa"
         ).to(device)
         self.model.eval()
-        processor = AutoProcessor.from_pretrained(self.model_dir)
+        processor = load_processor(self.model_dir, pixel_bounds)
         self.preparer = PromptPreparer(
             processor, vocab_size=_text_vocab_size(self.model.config), media=media, max_images=max_images
         )
@@ -209,16 +211,17 @@ class VllmServerEngine:
         max_model_len: int = 4096,
         tensor_parallel_size: int = 1,
         enable_lora: bool = False,
+        pixel_bounds: PixelBounds = (None, None),
         media: MediaPolicy | None = None,
         max_images: int = 8,
     ):
-        from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
+        from transformers import AutoConfig, AutoModelForImageTextToText
 
         from rollmatch.rollout.vllm_engine import VllmEngine
 
         self.model_dir, self.dtype, self.max_model_len = str(model_dir), dtype, int(max_model_len)
         self.sync_modes = ["full", "adapter"] if enable_lora else ["full"]
-        processor = AutoProcessor.from_pretrained(self.model_dir)
+        processor = load_processor(self.model_dir, pixel_bounds)
         config = AutoConfig.from_pretrained(self.model_dir)
         self.preparer = PromptPreparer(
             processor, vocab_size=_text_vocab_size(config), media=media, max_images=max_images
@@ -236,6 +239,10 @@ class VllmServerEngine:
             enable_lora=enable_lora,
             enforce_eager=on_cpu,
             max_images_per_prompt=max_images,
+            # vLLM resizes images itself: the same bounds give the trainer's image-token counts.
+            mm_processor_kwargs={
+                k: v for k, v in zip(("min_pixels", "max_pixels"), pixel_bounds, strict=True) if v
+            },
         )
         self._engine.start()  # start now: a healthy server is a ready server
 
@@ -270,6 +277,18 @@ class VllmServerEngine:
         self._engine.close()
 
 
+def load_processor(model_dir: str, pixel_bounds: PixelBounds) -> Any:
+    """The model directory's processor with the trainer's ``data.min_pixels`` / ``max_pixels`` applied."""
+    from transformers import AutoProcessor
+
+    from rollmatch.data.prompts import set_pixel_bounds
+
+    processor = AutoProcessor.from_pretrained(model_dir)
+    if pixel_bounds != (None, None):
+        set_pixel_bounds(processor, *pixel_bounds)
+    return processor
+
+
 def check_weight_shapes(
     tensors: list[tuple[str, torch.Tensor]], expected: dict[str, tuple[int, ...]], model_dir: str
 ) -> None:
@@ -294,6 +313,8 @@ def build_engine(
     tensor_parallel_size: int = 1,
     data_parallel_size: int = 1,
     enable_lora: bool = False,
+    min_pixels: int | None = None,
+    max_pixels: int | None = None,
     media: MediaPolicy | None = None,
     max_images: int = 8,
 ) -> ServerEngine:
@@ -313,7 +334,12 @@ def build_engine(
                 "--engine hf supports neither --tensor-parallel-size > 1 nor --enable-lora; use --engine vllm"
             )
         return HFServerEngine(
-            model_dir, dtype=dtype, max_model_len=max_model_len, media=media, max_images=max_images
+            model_dir,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            pixel_bounds=(min_pixels, max_pixels),
+            media=media,
+            max_images=max_images,
         )
     try:
         import vllm  # noqa: F401
@@ -328,6 +354,7 @@ def build_engine(
         max_model_len=max_model_len,
         tensor_parallel_size=tensor_parallel_size,
         enable_lora=enable_lora,
+        pixel_bounds=(min_pixels, max_pixels),
         media=media,
         max_images=max_images,
     )
