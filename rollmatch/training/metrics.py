@@ -56,8 +56,11 @@ def summarize(sums: Mapping[str, float], steps: int) -> dict[str, float]:
         channel_steps = float(sums.get(f"stage2_ab/steps_{channel}_sum", 0))
         if channel_steps:
             out[f"stage2_ab/loss_{channel}"] = float(sums[f"stage2_ab/loss_{channel}_sum"]) / channel_steps
+    packs = float(sums.get("stage2_ab/async/packs_trained", 0))
+    if packs:
+        out["stage2_ab/async/ver_lag_mean"] = float(sums.get("stage2_ab/async/ver_lag_sum", 0)) / packs
     for key, value in sums.items():
-        if key.startswith(("stage2_ab/", "sync/")) and not key.endswith("_sum"):
+        if key.startswith(("stage2_ab/", "sync/", "step/")) and not key.endswith("_sum"):
             out[key] = float(value) / steps
     return out
 

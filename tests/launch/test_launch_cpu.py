@@ -1,8 +1,7 @@
 """``rollmatch launch --cpu`` with real processes: rollout server(s), a 2-rank torchrun learner, the
 health wait, teardown on every ending, and no orphan left (checked against the recorded pids).
 
-The end-to-end test runs per server engine and Channel-B mode; a new mode is one entry of
-:data:`CHANNEL_B_MODES`.
+The end-to-end test runs per (server engine, Channel-B mode) entry of :data:`RUNS`.
 """
 
 from __future__ import annotations
@@ -20,16 +19,14 @@ import requests
 
 from rollmatch.launch.processes import survivors
 
-ENGINES = ["hf", "vllm"]
-CHANNEL_B_MODES = ["micro"]  # add "async" here once stage2_ab.channel_b.mode async lands
+RUNS = [("hf", "micro"), ("vllm", "micro"), ("hf", "async")]
 RUN_TIMEOUT_S = 420
 CPU_2_RANKS = ("--cpu", "--servers", "1", "--learner-procs", "2")
 
 
 @pytest.mark.heavy
 @pytest.mark.timeout(RUN_TIMEOUT_S + 60)
-@pytest.mark.parametrize("channel_b_mode", CHANNEL_B_MODES)
-@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize(("engine", "channel_b_mode"), RUNS)
 def test_cpu_launch_trains_end_to_end(
     engine: str, channel_b_mode: str, launch_config: Callable[..., Path], start_launch: Callable[..., Any]
 ) -> None:
@@ -50,9 +47,15 @@ def test_cpu_launch_trains_end_to_end(
 
     out = run.launch_dir.parent
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    rollout_step = next(h for h in steps if h.get("stage2_ab/step_kind_b") == 1)  # step 2 is Channel-B
-    assert rollout_step["rollout/count"] == 2  # one rollout per rank, from the launched server
-    assert rollout_step["rollout/weight_version"] == 1  # rank 0 pushed its weights before step 2
+    if channel_b_mode == "micro":
+        rollout_step = next(h for h in steps if h.get("stage2_ab/step_kind_b") == 1)  # step 2 is Channel-B
+        assert rollout_step["rollout/count"] == 2  # one rollout per rank, from the launched server
+        assert rollout_step["rollout/weight_version"] == 1  # rank 0 pushed its weights before step 2
+    else:  # async: the actors rolled out from the launched server; every pack is accounted for
+        assert [h["stage2_ab/async/ver"] for h in steps if "loss" in h] == [0, 1]
+        for rank in (0, 1):
+            accounting = json.loads((out / "async" / f"rank{rank}.json").read_text())
+            assert accounting["balance"] == 0 and accounting["actor_failure"] is None
     learner_cfg = (run.launch_dir / "learner.yaml").read_text()
     assert "base_url: http://127.0.0.1:" in learner_cfg and "max_pixels: 6272" in learner_cfg
     assert f"rollout server ({engine} engine" in (run.launch_dir / "server-0.log").read_text()
