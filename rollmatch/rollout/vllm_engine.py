@@ -89,6 +89,10 @@ class VllmEngine:
         self._owns_process_group = not (
             torch.distributed.is_available() and torch.distributed.is_initialized()
         )
+        # vLLM's CPU worker replaces torch.set_num_threads with a no-op for the whole process (its worker
+        # processes pin OpenMP threads to cores). In-process nothing is pinned: the thread count stays
+        # the process's and VLLM_CPU_OMP_THREADS_BIND is not read, so the trainer keeps control of it.
+        set_num_threads = torch.set_num_threads
         try:
             self._llm = LLM(**self._engine_kwargs())
         except (RuntimeError, ValueError, OSError) as exc:
@@ -97,6 +101,8 @@ class VllmEngine:
                 "max_model_len and the memory settings (gpu_memory_utilization / kv_cache_space_gib), or set "
                 "`custom.extra.rollout_matching.rollout_backend: hf`"
             ) from exc
+        finally:
+            torch.set_num_threads = set_num_threads
         tokenizer = self._llm.get_tokenizer()
         self.image_token_id = int(tokenizer.convert_tokens_to_ids(IMAGE_TOKEN))
         vocab = tokenizer.get_vocab()
@@ -260,6 +266,8 @@ class VllmEngine:
             else "uni",
             "limit_mm_per_prompt": {"image": s.max_images_per_prompt, "video": 0},
         }
+        if s.max_num_seqs is not None:
+            kwargs["max_num_seqs"] = s.max_num_seqs
         if s.mm_processor_kwargs:
             kwargs["mm_processor_kwargs"] = dict(s.mm_processor_kwargs)
         if s.on_cpu:
