@@ -25,7 +25,7 @@ import json
 import os
 import sys
 import tempfile
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -183,6 +183,33 @@ class VllmEngine:
         self._llm.reset_mm_cache()
         if not self._llm.reset_prefix_cache():
             raise BackendError("vLLM refused to reset its prefix cache (requests still running)")
+
+    def abort_unfinished(self) -> int:
+        """Drop every request still queued in the engine, then reset the caches; returns how many.
+
+        ``LLM.generate`` leaves a request that failed inside the engine queued, and the next call then
+        spins on it forever; call this after any failed generation to leave the engine clean.
+        """
+        if self._llm is None:
+            return 0
+        engine = self._llm.llm_engine
+        unfinished = list(engine.output_processor.request_states)
+        if unfinished:
+            engine.abort_request(unfinished, internal=True)
+        engine.reset_encoder_cache()
+        self._llm.reset_mm_cache()
+        self._llm.reset_prefix_cache()
+        return len(unfinished)
+
+    def observe_forward(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` after every forward of the model (prefill or decode step): a liveness
+        signal for watchdogs. In-process engines only (the hook runs in the worker)."""
+        self.start()
+
+        def register(model: torch.nn.Module) -> None:
+            model.register_forward_hook(lambda *_: callback())
+
+        self._llm.apply_model(register)
 
     def sleep(self) -> None:
         """Release device memory (``sleep_level`` 1: weights to host, 2: weights dropped); no-op at 0."""
