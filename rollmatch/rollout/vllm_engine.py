@@ -260,10 +260,10 @@ class VllmEngine:
             "enable_prefix_caching": s.enable_prefix_caching,
             "enforce_eager": s.enforce_eager,
             "seed": s.seed,
-            # Under torchrun every learner rank runs its own engine (TP groups span ranks).
-            "distributed_executor_backend": "external_launcher"
-            if distributed and torch.distributed.get_world_size() > 1
-            else "uni",
+            "distributed_executor_backend": executor_backend(
+                s.tensor_parallel_size,
+                learner_world_size=torch.distributed.get_world_size() if distributed else 1,
+            ),
             "limit_mm_per_prompt": {"image": s.max_images_per_prompt, "video": 0},
         }
         if s.max_num_seqs is not None:
@@ -306,6 +306,18 @@ class VllmEngine:
             )
         text = self._llm.get_tokenizer().decode(ids, skip_special_tokens=False)
         return VllmOutput(list(out.prompt_token_ids), ids, text, finish)
+
+
+def executor_backend(tensor_parallel_size: int, *, learner_world_size: int) -> str:
+    """vLLM's ``distributed_executor_backend`` for an engine in this process.
+
+    Colocated under torchrun, every learner rank runs its own engine (TP groups span the learner's
+    ranks): ``external_launcher``. A rollout server (one process) sharded over several devices needs
+    worker processes: ``mp``. Otherwise the engine runs in this process: ``uni``.
+    """
+    if learner_world_size > 1:
+        return "external_launcher"
+    return "mp" if tensor_parallel_size > 1 else "uni"
 
 
 def collapse_placeholders(token_ids: Sequence[int], placeholder_id: int) -> list[int]:
