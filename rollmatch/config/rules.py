@@ -59,6 +59,7 @@ def check_runtime(
                 f"keep world_size={world_size} ranks in lock-step), or launch a single process",
             )
         )
+    problems.extend(_async_gas_problems(cfg, world_size=world_size))
     problems.extend(_tensor_parallel_problems(cfg, device_count=device_count, device_type=device_type))
     return problems
 
@@ -228,6 +229,21 @@ def _rule_async(cfg: RollmatchConfig) -> list[ConfigProblem]:
     ]
 
 
+def _rule_async_queue(cfg: RollmatchConfig) -> list[ConfigProblem]:
+    """`stage2_ab.channel_b.async.prefetch_target_packs` <= `queue_limit` (the actor cannot keep more packs ready than the queue holds)."""
+    settings = cfg.stage2_ab.channel_b.async_
+    if cfg.stage2_ab.channel_b.mode != "async" or settings.prefetch_target_packs <= settings.queue_limit:
+        return []
+    return [
+        ConfigProblem(
+            f"{_CHANNEL_B}.async.prefetch_target_packs",
+            settings.prefetch_target_packs,
+            f"more than {_CHANNEL_B}.async.queue_limit = {settings.queue_limit}: the queue would drop the "
+            "packs the actor keeps ready; raise queue_limit or lower prefetch_target_packs",
+        )
+    ]
+
+
 def _rule_engine_memory(cfg: RollmatchConfig) -> list[ConfigProblem]:
     """`vllm.gpu_memory_utilization` in (0, 1]; `vllm.max_model_len`, when set, >= `training.global_max_length`."""
     vllm = cfg.rollout.vllm
@@ -258,6 +274,7 @@ STATIC_RULES: tuple[Rule, ...] = (
     _rule_lora_sync,
     _rule_pipeline,
     _rule_async,
+    _rule_async_queue,
     _rule_engine_memory,
 )
 
@@ -270,12 +287,33 @@ def rule_descriptions() -> list[str]:
 RUNTIME_RULE_DESCRIPTIONS: tuple[str, ...] = (
     "World size > 1: `vllm.sync.mode` must resolve to full (adapter, or auto with `enable_lora`, is refused).",
     "World size > 1: `stage2_ab.channel_b.mode: step` is refused; use async.",
+    "Async mode: `stage2_ab.channel_b.async.prefetch_target_packs` >= the gradient accumulation steps in force "
+    "(a B step takes one ready pack per micro-step).",
     "`rollout_backend: vllm` with `vllm.mode: colocate` (trainer variants that roll out): "
     "`tensor_parallel_size` <= visible GPUs, and exactly 1 on CPU.",
 )
 
 
 # ------------------------------------------------------------------------------------ private helpers
+def _async_gas_problems(cfg: RollmatchConfig, *, world_size: int) -> list[ConfigProblem]:
+    """A B step in async mode takes one ready pack per micro-step: the actor must keep that many ready."""
+    if cfg.custom.trainer_variant != "stage2_ab_training" or cfg.stage2_ab.channel_b.mode != "async":
+        return []
+    gas = cfg.training.gradient_accumulation(world_size)
+    target = cfg.stage2_ab.channel_b.async_.prefetch_target_packs
+    if target >= gas:
+        return []
+    return [
+        ConfigProblem(
+            f"{_CHANNEL_B}.async.prefetch_target_packs",
+            target,
+            f"below gradient_accumulation_steps = {gas} (world_size={world_size}): a B step takes one ready pack "
+            f"per micro-step, so the actors would never keep enough ready; set prefetch_target_packs >= {gas} "
+            "(and queue_limit >= it)",
+        )
+    ]
+
+
 def _tensor_parallel_problems(
     cfg: RollmatchConfig, *, device_count: int, device_type: str
 ) -> list[ConfigProblem]:

@@ -209,6 +209,12 @@ class AsyncConfig(Section):
         2, ge=0, description="A pack is eligible iff its weight version >= current - version_window."
     )
     sync_every_steps: int = Field(1, gt=0, description="Push weights to the servers every N optimizer steps.")
+    max_wait_s: float = Field(
+        0.0,
+        ge=0.0,
+        le=3600.0,
+        description="A step that wants B waits up to this long for its ready packs before running Channel-A instead (0: no wait).",
+    )
 
 
 class ChannelBConfig(Section):
