@@ -19,6 +19,7 @@ import torch
 from transformers import AutoModelForImageTextToText, TrainingArguments, set_seed
 
 from rollmatch.collectives import build_collectives
+from rollmatch.config.hf_args import training_arguments_kwargs
 from rollmatch.config.load import load_config
 from rollmatch.config.rules import check_runtime
 from rollmatch.config.schema import RollmatchConfig
@@ -121,35 +122,8 @@ def run_training(cfg: RollmatchConfig) -> TrainResult:
 
 
 def training_arguments(cfg: RollmatchConfig, gas: int, *, use_cpu: bool) -> TrainingArguments:
-    t = cfg.training
-    return TrainingArguments(
-        output_dir=t.output_dir,
-        per_device_train_batch_size=t.per_device_train_batch_size,
-        gradient_accumulation_steps=gas,
-        learning_rate=t.learning_rate,
-        weight_decay=t.weight_decay,
-        warmup_steps=t.warmup_ratio,
-        lr_scheduler_type=t.lr_scheduler_type,
-        max_grad_norm=t.max_grad_norm,
-        num_train_epochs=t.num_train_epochs,
-        max_steps=t.max_steps,
-        logging_steps=t.logging_steps,
-        save_strategy="steps",
-        save_steps=t.save_steps,
-        save_total_limit=t.save_total_limit,
-        report_to=t.report_to or "none",
-        seed=t.seed,
-        gradient_checkpointing=t.gradient_checkpointing,
-        deepspeed=t.deepspeed,
-        dataloader_num_workers=t.dataloader_num_workers,
-        remove_unused_columns=False,
-        bf16=cfg.model.dtype == "bfloat16" and not use_cpu,
-        fp16=cfg.model.dtype == "float16" and not use_cpu,
-        use_cpu=use_cpu,
-        ddp_timeout=int(t.collective_timeout_s),
-        ddp_find_unused_parameters=False,
-        disable_tqdm=False,
-    )
+    """HF ``TrainingArguments`` from typed keys, trainer-controlled fields and ``training.hf_args``."""
+    return TrainingArguments(**training_arguments_kwargs(cfg, gas, use_cpu=use_cpu))
 
 
 def load_model(cfg: RollmatchConfig) -> torch.nn.Module:
