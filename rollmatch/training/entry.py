@@ -19,7 +19,7 @@ import torch
 from transformers import AutoModelForImageTextToText, TrainingArguments, set_seed
 
 from rollmatch.collectives import build_collectives
-from rollmatch.config.hf_args import training_arguments_kwargs
+from rollmatch.config.hf_args import eval_strategy, training_arguments_kwargs
 from rollmatch.config.load import load_config
 from rollmatch.config.rules import check_runtime
 from rollmatch.config.schema import RollmatchConfig
@@ -29,14 +29,16 @@ from rollmatch.detection.codec import build_codec
 from rollmatch.errors import ConfigError
 from rollmatch.packing.collate import enable_packed_attention
 from rollmatch.training.metrics import JsonlMetricsCallback, summarize
+from rollmatch.training.periodic_eval import DetectionEval, build_detection_eval
 from rollmatch.training.sizing import check_row_sizing
+from rollmatch.training.step import SyncBeforeRollouts
 from rollmatch.training.trainer import (
     RecordDataset,
     RollmatchTrainer,
     keep_records,
     latest_complete_checkpoint,
 )
-from rollmatch.training.variants import BuildContext, build_variant
+from rollmatch.training.variants import BuildContext, VariantParts, backend_for, build_variant
 
 log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -93,13 +95,16 @@ def run_training(cfg: RollmatchConfig) -> TrainResult:
     parts = build_variant(ctx)
     start = time.perf_counter()
     try:
+        detection_eval = eval_for_variant(ctx, parts)
         trainer = RollmatchTrainer(
             model=model,
             args=args,
             train_dataset=RecordDataset(records),
+            eval_dataset=RecordDataset(detection_eval.records) if detection_eval is not None else None,
             data_collator=keep_records,
             planner=parts.planner,
             stateful=parts.stateful,
+            detection_eval=detection_eval,
             summarize=summarize,
             collectives=collectives,
             callbacks=[JsonlMetricsCallback(os.path.join(cfg.training.output_dir, "metrics.jsonl"))],
@@ -118,6 +123,25 @@ def run_training(cfg: RollmatchConfig) -> TrainResult:
         global_step=trainer.state.global_step,
         seconds=time.perf_counter() - start,
         log_history=list(trainer.state.log_history),
+    )
+
+
+def eval_for_variant(ctx: BuildContext, parts: VariantParts) -> DetectionEval | None:
+    """In-training evaluation on the variant's rollout backend and sync policy (``sft``: built for it)."""
+    if eval_strategy(ctx.cfg) == "no":
+        return None
+    if parts.backend is None:  # sft rolls nothing out while training: evaluation brings its own backend
+        parts.backend = backend_for(ctx)
+    sync = (
+        parts.planner.sync if parts.planner.sync is not None else SyncBeforeRollouts(parts.backend, ctx.model)
+    )
+    return build_detection_eval(
+        ctx.cfg,
+        backend=parts.backend,
+        sync=sync,
+        encoder=ctx.encoder,
+        codec=ctx.codec,
+        collectives=ctx.collectives,
     )
 
 
