@@ -7,7 +7,7 @@ that allows, and what is refused here (not at the first weight sync):
 | engine | supported | refused |
 | --- | --- | --- |
 | none, DDP, ZeRO-1/2 | everything | — |
-| ZeRO-3, FSDP2 | full sync to rollout servers or a colocated vLLM engine | `rollout_backend: hf` (generation on sharded parameters), adapter sync, `vllm.sleep_level: 2` |
+| ZeRO-3, FSDP2 | full sync to rollout servers or a colocated vLLM engine | `rollout_backend: hf` (generation on sharded parameters), adapter sync, LoRA, `vllm.sleep_level: 2` |
 | FSDP1 (`fsdp_config.version: 1`) | — | always (flat parameters cannot be exported per tensor) |
 
 Owns: :func:`parameter_sharding` (which engine a config asks for: the DeepSpeed JSON's
@@ -40,7 +40,7 @@ def parameter_sharding(cfg: RollmatchConfig) -> Sharding:
 
 
 def sharding_problems(cfg: RollmatchConfig) -> list[ConfigProblem]:
-    """`training.deepspeed` must be a readable JSON file; under ZeRO-3 / FSDP2 weights reach a rollout engine only by full sync to vLLM (servers or colocate, `sleep_level` < 2); FSDP1 is refused."""
+    """`training.deepspeed` must be a readable JSON file; under ZeRO-3 / FSDP2 weights reach a rollout engine only by full sync of full weights (no LoRA) to vLLM (servers or colocate, `sleep_level` < 2); FSDP1 is refused."""
     problems: list[ConfigProblem] = []
     path = cfg.training.deepspeed
     if path is not None and isinstance(_zero_stage(path), str):
@@ -76,6 +76,15 @@ def sharding_problems(cfg: RollmatchConfig) -> list[ConfigProblem]:
                 f"{_RM}.vllm.sync.mode",
                 rm.vllm.sync.mode,
                 f"under {engine} weights are gathered per bucket for full sync only: set {_RM}.vllm.sync.mode: full",
+            )
+        )
+    if cfg.model.lora.enabled:
+        problems.append(
+            ConfigProblem(
+                "model.lora.enabled",
+                True,
+                f"under {engine} full sync exports whole base weights and cannot merge LoRA adapters into their "
+                "shards: train full weights, or LoRA without parameter sharding (ZeRO-2 / DDP)",
             )
         )
     if rm.vllm.mode == "colocate" and rm.vllm.sleep_level == 2:

@@ -169,6 +169,7 @@ def test_zero3_refuses_what_cannot_gather(problems_of, tmp_path: Path) -> None:
         }
     )
     assert "full" in problems.only(f"{rm}.vllm.sync.mode").fix
+    assert "LoRA" in problems.only("model.lora.enabled").fix
     problems = problems_of(
         {
             "training": {"hf_args": {"fsdp": "full_shard", "fsdp_config": {"version": 2}}},
