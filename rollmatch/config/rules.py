@@ -15,7 +15,14 @@ from collections.abc import Callable
 from typing import Literal
 from urllib.parse import urlparse
 
+from rollmatch.config.hf_args import (
+    dry_build_problems,
+    eval_problems,
+    eval_runtime_problems,
+    hf_args_problems,
+)
 from rollmatch.config.schema import RollmatchConfig, ServerConfig, ServerEndpoint
+from rollmatch.config.sharding import sharding_problems
 from rollmatch.errors import ConfigError, ConfigProblem
 
 _RM = "custom.extra.rollout_matching"
@@ -61,6 +68,7 @@ def check_runtime(
         )
     problems.extend(_async_gas_problems(cfg, world_size=world_size))
     problems.extend(_tensor_parallel_problems(cfg, device_count=device_count, device_type=device_type))
+    problems.extend(eval_runtime_problems(cfg, world_size=world_size))
     return problems
 
 
@@ -276,6 +284,10 @@ STATIC_RULES: tuple[Rule, ...] = (
     _rule_async,
     _rule_async_queue,
     _rule_engine_memory,
+    hf_args_problems,
+    eval_problems,
+    sharding_problems,
+    dry_build_problems,  # last: only meaningful once the names and types above are right
 )
 
 
@@ -291,6 +303,8 @@ RUNTIME_RULE_DESCRIPTIONS: tuple[str, ...] = (
     "(a B step takes one ready pack per micro-step).",
     "`rollout_backend: vllm` with `vllm.mode: colocate` (trainer variants that roll out): "
     "`tensor_parallel_size` <= visible GPUs, and exactly 1 on CPU.",
+    "World size > 1 with in-training evaluation: a colocated vLLM engine must not span ranks "
+    "(`tensor_parallel_size` 1), because rank 0 evaluates alone.",
 )
 
 

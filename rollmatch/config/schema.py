@@ -9,7 +9,7 @@ those are known, with the same :class:`~rollmatch.errors.ConfigProblem` shape).
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -281,6 +281,27 @@ class TrainingConfig(Section):
     deepspeed: str | None = Field(None, description="DeepSpeed JSON config path (HF Trainer integration).")
     dataloader_num_workers: int = Field(0, ge=0, description="DataLoader worker processes (0: main process).")
     collective_timeout_s: float = Field(600.0, gt=0.0, description="Timeout of every cross-rank wait.")
+    eval_strategy: Literal["no", "steps", "epoch"] | None = Field(
+        None,
+        description="Detection eval on data.val_jsonl during training (docs/runbook.md); null: `steps` if "
+        "eval_steps is set, else `no`.",
+    )
+    eval_steps: int | None = Field(
+        None, gt=0, description="Evaluate every N optimizer steps (eval_strategy steps; null: logging_steps)."
+    )
+    metric_for_best_model: str | None = Field(
+        None,
+        description="Eval metric that picks the best checkpoint (HF's metric_for_best_model): eval/f1, "
+        "eval/precision, eval/recall, eval/mean_iou, eval/map, eval/map_50, eval/map_75 (higher is better) or "
+        "eval/truncated_frac (lower). With hf_args.load_best_model_at_end the final model is the best one.",
+    )
+    hf_args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Any other HF TrainingArguments field, passed through as written, e.g. {optim: adamw_torch, "
+        "adam_beta2: 0.95, run_name: x, torch_compile: false, save_strategy: steps, load_best_model_at_end: "
+        "true}. Checked at load against the installed transformers (unknown names, types, its own rules); "
+        "fields set by a typed key or by the trainer are refused with the reason (docs/runbook.md).",
+    )
 
     def gradient_accumulation(self, world_size: int) -> int:
         """GAS in force: derived from ``effective_batch_size`` when set (a ceiling)."""

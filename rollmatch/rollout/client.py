@@ -9,7 +9,8 @@ through the update transaction. Leaves out: the wire shapes (``rollmatch.protoco
 
 Multi-process learners: every rank may generate; only rank 0 opens the weight-sync groups and
 pushes. ``sync_weights`` is ``barrier -> rank 0 push -> broadcast of the outcome`` on every rank,
-so no rank generates with stale weights and a failed push fails every rank.
+so no rank generates with stale weights and a failed push fails every rank; with sharded parameters
+(ZeRO-3 / FSDP2) the other ranks take part in rank 0's per-bucket gathers (``sync.weights``).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from rollmatch.rollout.chunking import contiguous_chunks
 from rollmatch.rollout.types import Decoding, Rollout, RolloutProvenance, RolloutRequest, SyncReport
 from rollmatch.sync.transaction import AdapterPayload, push_update
 from rollmatch.sync.transport import GroupTransport, default_backend
-from rollmatch.sync.weights import iter_sync_tensors, peft_adapter_config
+from rollmatch.sync.weights import SyncTensors, peft_adapter_config
 
 log = logging.getLogger(__name__)
 API_KEY_ENV = "ROLLMATCH_API_KEY"  # the same variable `rollmatch serve` reads for --api-key
@@ -379,6 +380,8 @@ class ServerBackend:
                 outcome = self._push(model, version)
             except RollmatchError as exc:
                 failure, outcome = exc, f"{type(exc).__name__}: {exc}"
+        else:  # sharded parameters (ZeRO-3 / FSDP2): take part in rank 0's per-bucket gathers
+            SyncTensors(model, self.sync_mode).drain()  # type: ignore[arg-type]
         outcome = coll.broadcast_object(outcome, f"weight sync v{version}: after push")
         if failure is not None:
             raise failure
@@ -428,16 +431,19 @@ class ServerBackend:
         return self._push_mode(model, version, "full")
 
     def _push_mode(self, model: Any, version: int, mode: str) -> SyncReport:
-        if self._group_stale:
-            self._open_groups(model)
-        adapter = (
-            AdapterPayload(peft_adapter_config(model), lora_int_id=version + 1) if mode == "adapter" else None
-        )
-        targets = list(zip(self.connections, self._transports, strict=True))
+        tensors = SyncTensors(model, mode)  # type: ignore[arg-type]
         try:
+            if self._group_stale:
+                self._open_groups(model)
+            adapter = (
+                AdapterPayload(peft_adapter_config(model), lora_int_id=version + 1)
+                if mode == "adapter"
+                else None
+            )
+            targets = list(zip(self.connections, self._transports, strict=True))
             result = push_update(
                 targets,
-                iter_sync_tensors(model, mode),
+                tensors,
                 version=version,
                 mode=mode,  # type: ignore[arg-type]
                 bucket_bytes=self.bucket_bytes,
@@ -446,6 +452,8 @@ class ServerBackend:
         except RollmatchError:
             self._group_stale = True  # a half-sent bucket leaves the group out of step: rebuild it next time
             raise
+        finally:
+            tensors.drain()  # whatever failed, run the gathers other ranks wait in (sharded parameters)
         return SyncReport(version=version, num_bytes=result.num_bytes, seconds=result.seconds, mode=mode)  # type: ignore[arg-type]
 
     def _open_groups(self, model: Any) -> None:

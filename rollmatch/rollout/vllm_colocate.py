@@ -33,7 +33,7 @@ from rollmatch.rollout.vllm_settings import (
     engine_settings_from_config,
     resolve_sync_mode,
 )
-from rollmatch.sync.weights import iter_sync_tensors, peft_adapter_config
+from rollmatch.sync.weights import SyncTensors, iter_sync_tensors, peft_adapter_config
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +124,11 @@ class VllmColocateBackend:
             self._full_sync(self._model)
 
     def _full_sync(self, model: Any) -> int:
-        return self.engine.load_weights(iter_sync_tensors(model, "full"))
+        tensors = SyncTensors(model, "full")  # every rank loads its engine: every rank runs the same gathers
+        try:
+            return self.engine.load_weights(tensors)
+        finally:
+            tensors.drain()
 
     def _try_adapter_sync(self, model: Any, version: int) -> int | None:
         """Adapter bytes sent, or None after switching to full sync for the rest of the run."""

@@ -7,6 +7,14 @@ both sides of a sync compute). Leaves out: moving buckets between processes
 (``rollmatch.sync.transport``) and loading them into an engine (``rollmatch.rollout.vllm_engine``,
 ``rollmatch.server``).
 
+Sharded parameters. Under DeepSpeed ZeRO-3 or FSDP2 each rank holds a shard of every parameter. A
+full export then gathers the parameters **per bucket** (:class:`ParameterGather`: ``deepspeed.zero.
+GatheredParameters``, or ``DTensor.full_tensor`` for FSDP2): every rank must run the same gathers in the
+same order, so every rank iterates :class:`SyncTensors` — rank 0 sends what it yields, the others call
+:meth:`SyncTensors.drain` — and a consumer that stops early drains the rest, so no rank is left waiting
+in a gather. Only one bucket of whole parameters exists at a time. Adapter export and LoRA merging are
+not supported on sharded parameters (``config.sharding`` refuses them at load).
+
 Names. ``full`` yields Hugging Face ``state_dict`` names of the unwrapped model
 (``model.visual.*``, ``model.language_model.*``, ``lm_head.weight``); vLLM's Qwen2-VL, Qwen2.5-VL
 and Qwen3-VL loaders map exactly these (``hf_to_vllm_mapper``). With tied embeddings
@@ -18,10 +26,11 @@ what ``peft.get_peft_model_state_dict`` saves.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 from torch import nn
@@ -72,6 +81,166 @@ def is_peft_model(model: nn.Module) -> bool:
     )
 
 
+class ParameterGather(Protocol):
+    """How a training engine makes its sharded parameters whole; ``gathered`` is a collective."""
+
+    name: str
+
+    def is_sharded(self, param: torch.Tensor) -> bool: ...
+
+    def full_nbytes(self, param: torch.Tensor) -> int: ...
+
+    def gathered(
+        self, params: Sequence[torch.Tensor]
+    ) -> contextlib.AbstractContextManager[list[torch.Tensor]]:
+        """Inside: the whole tensors of ``params`` (in order), valid until the context exits."""
+        ...
+
+
+class Zero3Gather:
+    """DeepSpeed ZeRO-3: ``GatheredParameters`` makes ``param.data`` whole on every rank until it exits.
+
+    ``gathered_parameters`` is DeepSpeed's context manager (injectable where DeepSpeed cannot run).
+    """
+
+    name = "DeepSpeed ZeRO-3"
+
+    def __init__(self, gathered_parameters: Callable[..., Any] | None = None):
+        if gathered_parameters is None:
+            from deepspeed.zero import GatheredParameters
+
+            gathered_parameters = GatheredParameters
+        self._gathered_parameters = gathered_parameters
+
+    def is_sharded(self, param: torch.Tensor) -> bool:
+        return hasattr(param, "ds_id")
+
+    def full_nbytes(self, param: torch.Tensor) -> int:
+        return int(param.ds_numel) * param.element_size()  # type: ignore[attr-defined]
+
+    @contextlib.contextmanager
+    def gathered(self, params: Sequence[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
+        with self._gathered_parameters(list(params), modifier_rank=None):  # read-only: nothing written back
+            yield [param.data for param in params]
+
+
+class DTensorGather:
+    """FSDP2 (``fully_shard``): parameters are ``DTensor`` s; ``full_tensor`` all-gathers one of them."""
+
+    name = "FSDP2"
+
+    def is_sharded(self, param: torch.Tensor) -> bool:
+        from torch.distributed.tensor import DTensor
+
+        return isinstance(param, DTensor)
+
+    def full_nbytes(self, param: torch.Tensor) -> int:
+        return param.numel() * param.element_size()  # a DTensor reports its global shape
+
+    @contextlib.contextmanager
+    def gathered(self, params: Sequence[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
+        with torch.no_grad():
+            yield [param.full_tensor() for param in params]  # type: ignore[attr-defined]
+
+
+def parameter_gather(model: nn.Module) -> ParameterGather | None:
+    """The gather for ``model``'s sharded parameters, or None when every rank holds them whole."""
+    # ZeRO-3 and FSDP2 shard all parameters or none of a module, so the first one tells.
+    param = next(iter(strip_parallel_wrappers(model).parameters()), None)
+    if param is None:
+        return None
+    if hasattr(param, "ds_id"):
+        try:
+            return Zero3Gather()
+        except ImportError as exc:
+            raise SyncError(
+                f"parameters are partitioned by DeepSpeed ZeRO-3 but DeepSpeed does not import: {exc}"
+            ) from exc
+    gather = DTensorGather()
+    return gather if gather.is_sharded(param) else None
+
+
+class SyncTensors:
+    """The ``(name, tensor)`` pairs of one export, as an iterator every rank must exhaust or :meth:`drain`.
+
+    Unsharded models export as :func:`iter_sync_tensors` describes (``drain`` does nothing). Sharded ones
+    (``gather`` given or detected) export their full weights in gather groups of at most ``gather_bytes``
+    of whole parameters; yielded tensors are copies, valid after their group is released.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        mode: SyncMode,
+        *,
+        gather: ParameterGather | None = None,
+        gather_bytes: int = 64 << 20,
+    ):
+        inner = strip_parallel_wrappers(model)
+        self.gather = gather if gather is not None else parameter_gather(inner)
+        self.gathers_run = 0
+        if self.gather is None:
+            self._iterator = _iter_unsharded(inner, mode)
+        elif mode != "full" or is_peft_model(inner):
+            raise SyncError(
+                f"parameters sharded by {self.gather.name} can only be exported whole (full sync, no LoRA): set "
+                "`custom.extra.rollout_matching.vllm.sync.mode: full` and `model.lora.enabled: false`"
+            )
+        else:
+            self._iterator = self._iter_gathered(inner, self.gather, gather_bytes)
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return self._iterator
+
+    def __next__(self) -> tuple[str, torch.Tensor]:
+        return next(self._iterator)
+
+    def drain(self) -> None:
+        """Run every gather not yet run (copying nothing), so this rank leaves no other rank waiting."""
+        if self.gather is None:
+            self._iterator.close()  # type: ignore[attr-defined]
+            return
+        self._keep = False
+        for _ in self._iterator:
+            pass
+
+    def _iter_gathered(
+        self, inner: nn.Module, gather: ParameterGather, gather_bytes: int
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        self._keep = True
+        group: list[tuple[str, torch.Tensor]] = []
+        used = 0
+        seen: set[int] = set()  # tied parameters (lm_head = embeddings): exported once
+        for key, tensor in inner.state_dict(keep_vars=True).items():
+            size = (
+                gather.full_nbytes(tensor)
+                if gather.is_sharded(tensor)
+                else tensor.numel() * tensor.element_size()
+            )
+            if group and used + size > gather_bytes:
+                yield from self._gather_group(group, gather, seen)
+                group, used = [], 0
+            group.append((key, tensor))
+            used += size
+        if group:
+            yield from self._gather_group(group, gather, seen)
+
+    def _gather_group(
+        self, group: list[tuple[str, torch.Tensor]], gather: ParameterGather, seen: set[int]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        params = list({id(t): t for _, t in group if gather.is_sharded(t)}.values())
+        with gather.gathered(params) as whole:
+            self.gathers_run += 1
+            by_id = {id(param): full for param, full in zip(params, whole, strict=True)}
+            for key, tensor in group:
+                name = _full_name(key, "")
+                if name is None or (name.startswith("lm_head.") and id(tensor) in seen):
+                    continue
+                seen.add(id(tensor))
+                if self._keep:
+                    yield name, by_id.get(id(tensor), tensor).detach().clone()
+
+
 def iter_sync_tensors(model: nn.Module, mode: SyncMode) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, tensor)`` pairs a rollout engine needs to serve ``model``'s current weights.
 
@@ -83,8 +252,10 @@ def iter_sync_tensors(model: nn.Module, mode: SyncMode) -> Iterator[tuple[str, t
     ``full`` mode non-adapter tensors are the model's own storage (copy them if you keep them
     across optimizer steps).
     """
-    inner = strip_parallel_wrappers(model)
-    _reject_partitioned_parameters(inner)
+    return iter(SyncTensors(model, mode))
+
+
+def _iter_unsharded(inner: nn.Module, mode: SyncMode) -> Iterator[tuple[str, torch.Tensor]]:
     if mode == "adapter":
         yield from _iter_adapter_tensors(inner)
     elif mode == "full":
@@ -256,17 +427,6 @@ def _single_active_adapter(inner: Any) -> str:
             "`model.set_adapter(<name>)` before training"
         )
     return active[0]
-
-
-def _reject_partitioned_parameters(inner: nn.Module) -> None:
-    # ZeRO-3 partitions all parameters or none, so the first one tells.
-    name, param = next(iter(inner.named_parameters()), ("", None))
-    if param is not None and hasattr(param, "ds_id"):
-        raise SyncError(
-            f"parameter {name!r} is partitioned by DeepSpeed ZeRO-3; exporting it for a rollout engine "
-            "is not supported: use ZeRO stage 2 (`training.deepspeed`), or "
-            "`custom.extra.rollout_matching.rollout_backend: hf`"
-        )
 
 
 def _pack(pending: list[tuple[str, torch.Tensor]]) -> Bucket:

@@ -122,11 +122,16 @@ def test_adapter_export_rejects_plain_and_dora_models(model_dir: str) -> None:
         list(iter_sync_tensors(_lora(model_dir, use_dora=True), "adapter"))
 
 
-def test_zero3_partitioned_parameters_fail_fast(model_dir: str) -> None:
+def test_sharded_parameters_export_only_whole(model_dir: str) -> None:
+    from rollmatch.sync.weights import SyncTensors, Zero3Gather
+
     model = _load(model_dir)
-    next(iter(model.parameters())).ds_id = 0  # what DeepSpeed ZeRO-3 sets on every parameter
-    with pytest.raises(SyncError, match="ZeRO stage 2"):
+    for param in model.parameters():
+        param.ds_id = 0  # what DeepSpeed ZeRO-3 sets on every parameter
+    with pytest.raises(SyncError, match="DeepSpeed does not import"):
         list(iter_sync_tensors(model, "full"))
+    with pytest.raises(SyncError, match="full sync, no LoRA"):
+        SyncTensors(model, "adapter", gather=Zero3Gather(gathered_parameters=lambda *a, **k: None))
 
 
 def _mixed_tensors() -> list[tuple[str, torch.Tensor]]:
