@@ -131,6 +131,7 @@ class AsyncPacks:
         self.actor.stream.ledger.mark_done([o.stream_position for o in dropped])
         sums = self.actor.take_sums()
         del sums["samples"]  # rollouts made, not trained: `samples` counts what the step trains (take)
+        sums[f"{_PREFIX}/b_step_skipped_due_to_queue"] += 0  # logged every step; the planner adds the 1
         now, rollouts = time.perf_counter(), self.actor.rollouts_total
         then, before = self._last_report
         self._last_report = (now, rollouts)

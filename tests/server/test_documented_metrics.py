@@ -140,11 +140,11 @@ def async_variant(url: str, group_port: int) -> dict[str, Any]:
                     "prefetch_target_packs": 2,
                     "version_window": 4,
                     "sync_every_steps": 4,
+                    "max_wait_s": 60.0,  # a B step waits for its packs: every step is B, deterministically
                 },
             },
         },
-        # Step 0 always skips B (the actor starts with it); later steps train the packs it made meanwhile.
-        "training": {"per_device_train_batch_size": 1, "max_steps": 8, "collective_timeout_s": 60.0},
+        "training": {"per_device_train_batch_size": 1, "max_steps": 3, "collective_timeout_s": 60.0},
     }
 
 
