@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForImageTextToText, TrainingArguments, set_seed
+from transformers import TrainingArguments, set_seed
 
 from rollmatch.collectives import build_collectives
 from rollmatch.config.load import load_config
@@ -26,6 +26,7 @@ from rollmatch.data.prompts import PromptEncoder
 from rollmatch.data.records import load_records
 from rollmatch.detection.codec import build_codec
 from rollmatch.errors import ConfigError
+from rollmatch.models.pretrained import load_pretrained
 from rollmatch.packing.collate import enable_packed_attention
 from rollmatch.training.metrics import JsonlMetricsCallback, summarize
 from rollmatch.training.trainer import (
@@ -37,7 +38,6 @@ from rollmatch.training.trainer import (
 from rollmatch.training.variants import BuildContext, build_variant
 
 log = logging.getLogger(__name__)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -170,13 +170,6 @@ def load_model(cfg: RollmatchConfig) -> torch.nn.Module:
             use_dora=lora.use_dora,
             target_modules=rf".*language_model.*\.({targets})",
         ),
-    )
-
-
-def load_pretrained(cfg: RollmatchConfig) -> torch.nn.Module:
-    """``model.path`` as saved, in the configured dtype and attention kernel (no adapters added)."""
-    return AutoModelForImageTextToText.from_pretrained(
-        cfg.model.path, dtype=DTYPES[cfg.model.dtype], attn_implementation=cfg.model.attn_implementation
     )
 
 
