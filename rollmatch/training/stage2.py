@@ -34,7 +34,7 @@ from rollmatch.collectives import Collectives
 from rollmatch.data.records import Record, load_records
 from rollmatch.errors import ConfigError, ConfigProblem
 from rollmatch.training.channels import ChannelOutput, GTChannel, RolloutChannel
-from rollmatch.training.schedule import StepKind, contiguous_chunks, realized_b_ratio, step_kind
+from rollmatch.training.schedule import StepKind, fixed_size_chunks, realized_b_ratio, step_kind
 from rollmatch.training.step_mode import (
     StepLearner,
     StepModeWindows,
@@ -133,7 +133,7 @@ class DecodeBatchedRollouts:
     def produce(self, records: Sequence[Record], global_step: int) -> ChannelOutput:
         """Every record of a window, chunk by chunk; segments in record order, sums added up."""
         merged = ChannelOutput(segments=[])
-        for start, end in contiguous_chunks(len(records), self.decode_batch_size):
+        for start, end in fixed_size_chunks(len(records), self.decode_batch_size):
             out = self.chunk(records[start:end], global_step, start)
             merged.segments.extend(out.segments)
             merged.sums.update(out.sums)

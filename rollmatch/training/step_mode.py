@@ -44,7 +44,7 @@ from rollmatch.packing.binpack import plan_rows, select_row
 from rollmatch.packing.collate import pack_row, pad_batch
 from rollmatch.packing.segment import Segment
 from rollmatch.training.channels import ChannelOutput
-from rollmatch.training.schedule import contiguous_chunks
+from rollmatch.training.schedule import fixed_size_chunks
 from rollmatch.training.window import MicroBatch, Window
 
 if TYPE_CHECKING:
@@ -173,7 +173,7 @@ class StepLearner:
     def _learn_sequential(self, records: Sequence[Record], run: _StepRun) -> None:
         wait_start = time.perf_counter()
         segments: list[Segment] = []
-        for begin, end in contiguous_chunks(len(records), self.decode_batch_size):
+        for begin, end in fixed_size_chunks(len(records), self.decode_batch_size):
             out = self.produce_chunk(records[begin:end], run.global_step, begin)
             run.add_output(out)
             segments.extend(out.segments)
@@ -183,7 +183,7 @@ class StepLearner:
             run.train(row)
 
     def _learn_pipelined(self, records: Sequence[Record], run: _StepRun, model: torch.nn.Module) -> None:
-        chunks = contiguous_chunks(len(records), self.decode_batch_size)
+        chunks = fixed_size_chunks(len(records), self.decode_batch_size)
         handoff: queue.Queue[Any] = queue.Queue(maxsize=1)  # at most one produced chunk waits
         stop = threading.Event()
         producer = threading.Thread(
