@@ -6,7 +6,6 @@ import sys
 
 import pytest
 import torch
-
 from pydantic import ValidationError
 
 from rollmatch.collectives import LocalCollectives
