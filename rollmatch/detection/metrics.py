@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import io
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from pycocotools.coco import COCO
 from pycocotools.cocoeval import COCOeval
@@ -60,21 +60,14 @@ class DetectionCounts:
     def to_sums(self) -> dict[str, float]:
         """Additive sums (``match/tp``, ``match/fp``, ``match/fn``, ``match/iou_sum``) to add up
         across micro-steps and ranks; :meth:`from_sums` reads them back."""
-        return {
-            "match/tp": float(self.tp),
-            "match/fp": float(self.fp),
-            "match/fn": float(self.fn),
-            "match/iou_sum": float(self.iou_sum),
-        }
+        return {f"match/{f.name}": float(getattr(self, f.name)) for f in fields(self)}
 
     @classmethod
     def from_sums(cls, sums: Mapping[str, float]) -> DetectionCounts:
         """The counts in ``sums`` (missing names count 0), e.g. after summing many :meth:`to_sums`."""
+        get = {f.name: sums.get(f"match/{f.name}", 0) for f in fields(cls)}
         return cls(
-            tp=round(sums.get("match/tp", 0)),
-            fp=round(sums.get("match/fp", 0)),
-            fn=round(sums.get("match/fn", 0)),
-            iou_sum=float(sums.get("match/iou_sum", 0.0)),
+            tp=round(get["tp"]), fp=round(get["fp"]), fn=round(get["fn"]), iou_sum=float(get["iou_sum"])
         )
 
     @property
@@ -111,6 +104,9 @@ class DetectionCounts:
         return {prefix + name: value for name, value in values.items()}
 
 
+_PARSE_TOTALS = ("responses", "valid", "truncated")  # the integer fields of ParseCounts
+
+
 @dataclass
 class ParseCounts:
     """Parse outcomes over many responses: valid objects, invalid reasons, truncations."""
@@ -135,27 +131,19 @@ class ParseCounts:
     def to_sums(self) -> dict[str, float]:
         """Additive sums (``parse/responses``, ``parse/valid``, ``parse/truncated``,
         ``parse/invalid_<reason>``); :meth:`from_sums` reads them back."""
-        sums = {
-            "parse/responses": float(self.responses),
-            "parse/valid": float(self.valid),
-            "parse/truncated": float(self.truncated),
-        }
+        sums = {f"parse/{name}": float(getattr(self, name)) for name in _PARSE_TOTALS}
         sums.update({f"parse/invalid_{reason}": float(n) for reason, n in self.invalid.items()})
         return sums
 
     @classmethod
     def from_sums(cls, sums: Mapping[str, float]) -> ParseCounts:
         """The counts in ``sums`` (missing names count 0)."""
-        return cls(
-            responses=round(sums.get("parse/responses", 0)),
-            valid=round(sums.get("parse/valid", 0)),
-            truncated=round(sums.get("parse/truncated", 0)),
-            invalid={
-                key.removeprefix("parse/invalid_"): round(value)
-                for key, value in sums.items()
-                if key.startswith("parse/invalid_")
-            },
-        )
+        invalid = {
+            k.removeprefix("parse/invalid_"): round(v)
+            for k, v in sums.items()
+            if k.startswith("parse/invalid_")
+        }
+        return cls(invalid=invalid, **{name: round(sums.get(f"parse/{name}", 0)) for name in _PARSE_TOTALS})
 
     def as_metrics(self, prefix: str = "parse/", per: float = 1.0) -> dict[str, float]:
         """``parse/valid`` and ``parse/invalid_<reason>``, divided by ``per`` (``truncated`` feeds
