@@ -274,6 +274,29 @@ def _rule_step_mode(cfg: RollmatchConfig) -> list[ConfigProblem]:
     return problems
 
 
+def _rule_offload(cfg: RollmatchConfig) -> list[ConfigProblem]:
+    """Rollout offload (`offload.enabled` with `offload_model` or `offload_optimizer`, colocated vLLM) refuses `training.deepspeed`."""
+    return offload_problems(cfg)
+
+
+def offload_problems(cfg: RollmatchConfig) -> list[ConfigProblem]:
+    """The config's part of the offload safety check (``training.offload`` adds the runtime part)."""
+    rm, off = cfg.rollout, cfg.rollout.offload
+    colocated = rm.rollout_backend == "vllm" and rm.vllm.mode == "colocate"
+    moves_state = off.enabled and (off.offload_model or off.offload_optimizer)
+    if not (colocated and moves_state and cfg.training.deepspeed):
+        return []
+    return [
+        ConfigProblem(
+            "training.deepspeed",
+            cfg.training.deepspeed,
+            "DeepSpeed ZeRO manages (partitioned) parameters and optimizer buffers that rollout offload "
+            f"cannot move safely: set `{_RM}.offload.enabled: false`, or `{_RM}.rollout_backend: hf`, or "
+            "train without DeepSpeed ZeRO (DDP) / without its stage 3",
+        )
+    ]
+
+
 def _rule_engine_memory(cfg: RollmatchConfig) -> list[ConfigProblem]:
     """`vllm.max_model_len`, when set, >= `training.global_max_length`."""
     vllm = cfg.rollout.vllm
@@ -297,6 +320,7 @@ STATIC_RULES: tuple[Rule, ...] = (
     _rule_pipeline,
     _rule_async,
     _rule_step_mode,
+    _rule_offload,
     _rule_engine_memory,
 )
 

@@ -361,6 +361,7 @@ def _status(exc: Exception) -> int:
 
 def serve_command(args: argparse.Namespace) -> int:
     """``rollmatch serve``: load the engine, then serve until interrupted."""
+    import torch
     import uvicorn
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -374,7 +375,18 @@ def serve_command(args: argparse.Namespace) -> int:
         enable_lora=bool(getattr(args, "enable_lora", False)),
     )
     server = RolloutServer(engine)
-    log.info("rollout server (%s engine, %s) on http://%s:%d", engine.name, args.model, args.host, args.port)
+    log.info(
+        "rollout server (%s engine, %s) on http://%s:%d; picked for this machine: device %s, dtype %s, "
+        "max_model_len %d, tensor_parallel_size %d (flags --dtype, --max-model-len, --tensor-parallel-size)",
+        engine.name,
+        args.model,
+        args.host,
+        args.port,
+        "cuda" if torch.cuda.is_available() else "cpu",
+        args.dtype,
+        args.max_model_len,
+        args.tensor_parallel_size,
+    )
     try:
         uvicorn.run(build_app(server), host=args.host, port=args.port, log_level="warning")
     finally:

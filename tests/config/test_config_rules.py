@@ -96,6 +96,15 @@ def test_step_mode_with_deepspeed_is_refused(problems_of) -> None:
     assert load_config_dict(micro).training.deepspeed == "ds_zero2.json"
 
 
+def test_rollout_offload_with_deepspeed_is_refused(problems_of) -> None:
+    offload = {"enabled": True, "offload_model": True}
+    data = rollout(offload=offload) | {"training": {"deepspeed": "ds_zero3.json"}}
+    problem = problems_of(data).only("training.deepspeed")
+    assert "offload.enabled: false" in problem.fix and "rollout_backend: hf" in problem.fix
+    # only a colocated engine offloads: with HF rollouts the same keys are fine
+    assert load_config_dict(rollout(rollout_backend="hf", offload=offload) | {"training": {"deepspeed": "d.json"}})
+
+
 def test_async_in_server_mode_loads() -> None:
     cfg = load_config_dict({**server_mode(SERVERS), "stage2_ab": {"channel_b": {"mode": "async"}}})
     assert cfg.stage2_ab.channel_b.async_.queue_limit == 8
