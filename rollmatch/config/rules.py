@@ -297,6 +297,14 @@ def offload_problems(cfg: RollmatchConfig) -> list[ConfigProblem]:
     ]
 
 
+def _rule_pixels(cfg: RollmatchConfig) -> list[ConfigProblem]:
+    """`data.min_pixels` <= `data.max_pixels` when both are set."""
+    low, high = cfg.data.min_pixels, cfg.data.max_pixels
+    if low is None or high is None or low <= high:
+        return []
+    return [ConfigProblem("data.min_pixels", low, f"must not exceed data.max_pixels (= {high}); lower it")]
+
+
 def _rule_engine_memory(cfg: RollmatchConfig) -> list[ConfigProblem]:
     """`vllm.max_model_len`, when set, >= `training.global_max_length`."""
     vllm = cfg.rollout.vllm
@@ -321,6 +329,7 @@ STATIC_RULES: tuple[Rule, ...] = (
     _rule_async,
     _rule_step_mode,
     _rule_offload,
+    _rule_pixels,
     _rule_engine_memory,
 )
 

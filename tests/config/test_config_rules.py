@@ -105,6 +105,12 @@ def test_rollout_offload_with_deepspeed_is_refused(problems_of) -> None:
     assert load_config_dict(rollout(rollout_backend="hf", offload=offload) | {"training": {"deepspeed": "d.json"}})
 
 
+def test_min_pixels_above_max_pixels_is_refused_at_load(problems_of) -> None:
+    problem = problems_of({"data": {"min_pixels": 50_000, "max_pixels": 40_000}}).only("data.min_pixels")
+    assert problem.value == 50_000 and "data.max_pixels (= 40000)" in problem.fix
+    assert load_config_dict({"data": {"min_pixels": 40_000, "max_pixels": 40_000}})
+
+
 def test_async_in_server_mode_loads() -> None:
     cfg = load_config_dict({**server_mode(SERVERS), "stage2_ab": {"channel_b": {"mode": "async"}}})
     assert cfg.stage2_ab.channel_b.async_.queue_limit == 8
