@@ -1,6 +1,8 @@
 """The one exception hierarchy of rollmatch, split by who must act.
 
 - :class:`ConfigError`: the user's config is wrong; every problem is listed with key, value and fix.
+- :class:`LaunchError`: ``rollmatch launch`` refuses a layout (devices, process counts, ports) before
+  starting anything; every problem is listed with the flag or key, value and fix.
 - :class:`DataError`: a record or dataset file is wrong; names file:line and the field.
 - :class:`BackendError`: a rollout backend / server / engine is dead or misbehaves. Nothing in
   rollmatch retries a failed call (a stalled rollout server fails the step with its URL), so there
@@ -38,6 +40,17 @@ class ConfigError(RollmatchError):
         self.problems = list(problems)
         lines = "\n".join(f"  - {p}" for p in self.problems)
         super().__init__(f"invalid config ({len(self.problems)} problem(s)):\n{lines}")
+
+
+class LaunchError(RollmatchError):
+    """A launch layout that cannot run; carries every problem (flag or config key, value, fix)."""
+
+    def __init__(self, problems: list[ConfigProblem]):
+        self.problems = list(problems)
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(
+            f"launch refused before starting anything ({len(self.problems)} problem(s)):\n{lines}"
+        )
 
 
 class DataError(RollmatchError):

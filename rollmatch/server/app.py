@@ -373,6 +373,8 @@ def serve_command(args: argparse.Namespace) -> int:
         tensor_parallel_size=args.tensor_parallel_size,
         data_parallel_size=args.data_parallel_size,
         enable_lora=bool(getattr(args, "enable_lora", False)),
+        min_pixels=getattr(args, "min_pixels", None),
+        max_pixels=getattr(args, "max_pixels", None),
     )
     server = RolloutServer(engine)
     log.info(

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from rollmatch.sync.transaction import AdapterPayload
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+PixelBounds = tuple[int | None, int | None]  # (min_pixels, max_pixels); None keeps the saved value
 IMAGE_TOKEN = "<|image_pad|>"
 EOS_TOKEN = "<|im_end|>"
 
@@ -188,9 +189,15 @@ class HFServerEngine:
     sync_modes = ["full"]  # noqa: RUF012  (read-only class constant)
 
     def __init__(
-        self, model_dir: str, *, dtype: str = "float32", max_model_len: int = 4096, batch_size: int = 8
+        self,
+        model_dir: str,
+        *,
+        dtype: str = "float32",
+        max_model_len: int = 4096,
+        batch_size: int = 8,
+        pixel_bounds: PixelBounds = (None, None),
     ):
-        from transformers import AutoModelForImageTextToText, AutoProcessor
+        from transformers import AutoModelForImageTextToText
 
         from rollmatch.rollout.hf import HFBackend
 
@@ -200,7 +207,7 @@ class HFServerEngine:
             self.model_dir, dtype=DTYPES[dtype], attn_implementation="sdpa"
         ).to(device)
         self.model.eval()
-        processor = AutoProcessor.from_pretrained(self.model_dir)
+        processor = load_processor(self.model_dir, pixel_bounds)
         self.preparer = PromptPreparer(processor)
         self.fingerprint = model_fingerprint(self.model.config, processor)
         self._backend = HFBackend(
@@ -255,14 +262,15 @@ class VllmServerEngine:
         max_model_len: int = 4096,
         tensor_parallel_size: int = 1,
         enable_lora: bool = False,
+        pixel_bounds: PixelBounds = (None, None),
     ):
-        from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
+        from transformers import AutoConfig, AutoModelForImageTextToText
 
         from rollmatch.rollout.vllm_engine import VllmEngine
 
         self.model_dir, self.dtype, self.max_model_len = str(model_dir), dtype, int(max_model_len)
         self.sync_modes = ["full", "adapter"] if enable_lora else ["full"]
-        processor = AutoProcessor.from_pretrained(self.model_dir)
+        processor = load_processor(self.model_dir, pixel_bounds)
         config = AutoConfig.from_pretrained(self.model_dir)
         self.preparer = PromptPreparer(processor)
         self.fingerprint = model_fingerprint(config, processor)
@@ -277,6 +285,10 @@ class VllmServerEngine:
             tensor_parallel_size=tensor_parallel_size,
             enable_lora=enable_lora,
             enforce_eager=on_cpu,
+            # vLLM resizes images itself: the same bounds give the trainer's image-token counts.
+            mm_processor_kwargs={
+                k: v for k, v in zip(("min_pixels", "max_pixels"), pixel_bounds, strict=True) if v
+            },
         )
         self._engine.start()  # start now: a healthy server is a ready server
 
@@ -305,6 +317,18 @@ class VllmServerEngine:
         self._engine.close()
 
 
+def load_processor(model_dir: str, pixel_bounds: PixelBounds) -> Any:
+    """The model directory's processor with the trainer's ``data.min_pixels`` / ``max_pixels`` applied."""
+    from transformers import AutoProcessor
+
+    from rollmatch.data.prompts import set_pixel_bounds
+
+    processor = AutoProcessor.from_pretrained(model_dir)
+    if pixel_bounds != (None, None):
+        set_pixel_bounds(processor, *pixel_bounds)
+    return processor
+
+
 def check_weight_shapes(
     tensors: list[tuple[str, torch.Tensor]], expected: dict[str, tuple[int, ...]], model_dir: str
 ) -> None:
@@ -329,6 +353,8 @@ def build_engine(
     tensor_parallel_size: int = 1,
     data_parallel_size: int = 1,
     enable_lora: bool = False,
+    min_pixels: int | None = None,
+    max_pixels: int | None = None,
 ) -> ServerEngine:
     """The engine ``rollmatch serve`` runs; unsupported parallel sizes fail with what to do instead."""
     if not (Path(model_dir) / "config.json").is_file():
@@ -345,7 +371,9 @@ def build_engine(
             raise BackendError(
                 "--engine hf supports neither --tensor-parallel-size > 1 nor --enable-lora; use --engine vllm"
             )
-        return HFServerEngine(model_dir, dtype=dtype, max_model_len=max_model_len)
+        return HFServerEngine(
+            model_dir, dtype=dtype, max_model_len=max_model_len, pixel_bounds=(min_pixels, max_pixels)
+        )
     try:
         import vllm  # noqa: F401
     except ImportError as exc:
@@ -359,4 +387,5 @@ def build_engine(
         max_model_len=max_model_len,
         tensor_parallel_size=tensor_parallel_size,
         enable_lora=enable_lora,
+        pixel_bounds=(min_pixels, max_pixels),
     )

@@ -3,12 +3,13 @@
 Owns the two ways a sample becomes a teacher-forced segment:
 
 - :class:`GTChannel` (stage-1 ``sft`` and Stage-2 Channel-A): prompt + the GT serialization + EOS.
-- :class:`RolloutChannel` (``rollout_matching_sft`` and Channel-B): rollout (no grad) -> prompt
-  alignment check -> strict parse -> Hungarian match -> ``prefix + FN tail + EOS``.
+- :class:`RolloutChannel` (``rollout_matching_sft`` and Channel-B): rollouts (no grad) in calls of
+  ``decode_batch_size`` samples -> prompt alignment check -> strict parse -> Hungarian match ->
+  ``prefix + FN tail + EOS``.
 
 Both return segments plus metric sums (counts, not means) so callers can aggregate exactly across
-micro-steps and ranks. Leaves out: packing into rows (``training.window``), weight sync scheduling
-and the optimizer step (``training.trainer``).
+micro-steps and ranks. Leaves out: rows (``training.rows``), when weights are synced and which
+records a step uses (``training.step``, ``training.channel_modes``).
 """
 
 from __future__ import annotations
@@ -29,15 +30,27 @@ from rollmatch.detection.targets import TargetSequence, build_gt_target, build_r
 from rollmatch.packing.segment import Segment, build_segment
 from rollmatch.rollout.alignment import check_prompt_alignment
 from rollmatch.rollout.build import decoding_from_config
+from rollmatch.rollout.chunking import step_seed
 from rollmatch.rollout.types import Rollout, RolloutBackend
+from rollmatch.training.schedule import fixed_size_chunks
 
 
 @dataclass
 class ChannelOutput:
-    """Segments of one batch plus additive metric sums (aggregated by ``training.metrics``)."""
+    """Segments of one batch plus additive metric sums (aggregated by ``training.metrics``).
+
+    ``versions``: for rollout segments, the weight version each one's rollout was generated under
+    (as the backend reported it); empty for GT segments.
+    """
 
     segments: list[Segment]
     sums: Counter[str] = field(default_factory=Counter)
+    versions: list[int] = field(default_factory=list)
+
+    def extend(self, other: ChannelOutput) -> None:
+        self.segments.extend(other.segments)
+        self.sums.update(other.sums)
+        self.versions.extend(other.versions)
 
 
 class _SegmentFactory:
@@ -86,7 +99,12 @@ class GTChannel(_SegmentFactory):
 
 
 class RolloutChannel(_SegmentFactory):
-    """Rollout-matching: the model's own prefix plus the GT objects it missed."""
+    """Rollout-matching: the model's own prefix plus the GT objects it missed.
+
+    Records are rolled out in contiguous calls of ``decode_batch_size`` samples (``None``: one call),
+    independent of the learner's micro-batch. The call starting at record ``k`` of a step is seeded
+    ``step_seed(training seed, step) + k``, so a step's rollouts do not depend on the decode batch size.
+    """
 
     def __init__(
         self,
@@ -95,12 +113,29 @@ class RolloutChannel(_SegmentFactory):
         codec: ObjectCodec,
         cfg: RollmatchConfig,
         backend: RolloutBackend,
+        *,
+        decode_batch_size: int | None = None,
     ):
         super().__init__(model, encoder, codec, cfg)
         self.backend = backend
         self.decoding = decoding_from_config(cfg)
+        self.decode_batch_size = decode_batch_size
 
-    def produce(self, records: Sequence[Record], global_step: int, seed: int) -> ChannelOutput:
+    def produce(self, records: Sequence[Record], global_step: int) -> ChannelOutput:
+        """Every record of one step, decode batch by decode batch; segments in record order."""
+        out = ChannelOutput(segments=[])
+        size = self.decode_batch_size or max(len(records), 1)
+        for start, end in fixed_size_chunks(len(records), size):
+            out.extend(self.produce_chunk(records[start:end], global_step, start))
+        return out
+
+    def produce_chunk(self, records: Sequence[Record], global_step: int, start: int) -> ChannelOutput:
+        """One rollout call: the chunk of step ``global_step`` that starts at record ``start``."""
+        seed = step_seed(self.cfg.training.seed, global_step) + start
+        return self.roll_out(records, seed=seed, created_step=global_step)
+
+    def roll_out(self, records: Sequence[Record], *, seed: int, created_step: int) -> ChannelOutput:
+        """One backend call for ``records`` (sampling seed ``seed``), then a segment per rollout."""
         encoded = [self.encoder.encode(r) for r in records]
         start = time.perf_counter()
         rollouts = self.backend.generate([e.to_request() for e in encoded], self.decoding, seed)
@@ -111,7 +146,8 @@ class RolloutChannel(_SegmentFactory):
             check_prompt_alignment(rollout, enc.input_ids, self.encoder.tokenizer)
             target, sums = self.rollout_target(record, enc, rollout)
             out.sums.update(sums)
-            out.segments.append(self.segment(enc, target, global_step))
+            out.segments.append(self.segment(enc, target, created_step))
+            out.versions.append(rollout.weight_version)
         return out
 
     def rollout_target(

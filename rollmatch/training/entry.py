@@ -29,6 +29,7 @@ from rollmatch.errors import ConfigError
 from rollmatch.models.pretrained import load_pretrained
 from rollmatch.packing.collate import enable_packed_attention
 from rollmatch.training.metrics import JsonlMetricsCallback, summarize
+from rollmatch.training.sizing import check_row_sizing
 from rollmatch.training.trainer import (
     RecordDataset,
     RollmatchTrainer,
@@ -76,6 +77,7 @@ def run_training(cfg: RollmatchConfig) -> TrainResult:
     model = load_model(cfg)
     codec = build_codec(cfg.custom.object_format, encoder.tokenizer, [encoder.eos_token_id])
     records = load_records(cfg.data.train_jsonl, max_samples=cfg.data.max_samples)
+    check_row_sizing(cfg, records, encoder, codec)
     holder: dict[str, Any] = {}
     ctx = BuildContext(
         cfg=cfg,
@@ -84,28 +86,31 @@ def run_training(cfg: RollmatchConfig) -> TrainResult:
         codec=codec,
         collectives=collectives,
         gradient_accumulation_steps=gas,
+        train_records=records,
         optimizer_getter=lambda: getattr(holder.get("trainer"), "optimizer", None),
     )
     parts = build_variant(ctx)
-    trainer = RollmatchTrainer(
-        model=model,
-        args=args,
-        train_dataset=RecordDataset(records),
-        data_collator=keep_records,
-        build_window=parts.build_window,
-        before_window=parts.before_window,
-        summarize=summarize,
-        collectives=collectives,
-        callbacks=[JsonlMetricsCallback(os.path.join(cfg.training.output_dir, "metrics.jsonl"))],
-    )
-    holder["trainer"] = trainer
     start = time.perf_counter()
     try:
-        trainer.train(resume_from_checkpoint=resolve_resume(cfg))
+        trainer = RollmatchTrainer(
+            model=model,
+            args=args,
+            train_dataset=RecordDataset(records),
+            data_collator=keep_records,
+            planner=parts.planner,
+            stateful=parts.stateful,
+            summarize=summarize,
+            collectives=collectives,
+            callbacks=[JsonlMetricsCallback(os.path.join(cfg.training.output_dir, "metrics.jsonl"))],
+        )
+        holder["trainer"] = trainer
+        resume = resolve_resume(cfg)
+        if resume is not None:
+            trainer.load_rank_state(resume)
+        trainer.train(resume_from_checkpoint=resume)
         final_dir = save_final_model(trainer, encoder, cfg)
     finally:
-        for item in parts.closeables:
-            item.close()
+        parts.close()  # async actors stop before the weight-sync groups close
     return TrainResult(
         output_dir=cfg.training.output_dir,
         final_model_dir=final_dir,

@@ -82,9 +82,17 @@ def stage2_metrics(sums: Sums, steps: int) -> dict[str, float]:
         if channel_steps:
             out[f"stage2_ab/loss_{channel}"] = float(sums[f"stage2_ab/loss_{channel}_sum"]) / channel_steps
     for key, value in sums.items():
-        if key.startswith(("stage2_ab/", "sync/")) and not key.endswith("_sum"):
+        if key.startswith(("stage2_ab/", "sync/", "step/")) and not key.endswith("_sum"):
             out[key] = float(value) / steps
     return out
+
+
+def async_metrics(sums: Sums, steps: int) -> dict[str, float]:
+    """``stage2_ab/async/ver_lag_mean``: over the ready packs trained (the other async sums are per step)."""
+    packs = float(sums.get("stage2_ab/async/packs_trained", 0))
+    if not packs:
+        return {}
+    return {"stage2_ab/async/ver_lag_mean": float(sums.get("stage2_ab/async/ver_lag_sum", 0)) / packs}
 
 
 METRIC_FAMILIES: tuple[Callable[[Sums, int], dict[str, float]], ...] = (
@@ -92,6 +100,7 @@ METRIC_FAMILIES: tuple[Callable[[Sums, int], dict[str, float]], ...] = (
     packing_metrics,
     sample_metrics,
     stage2_metrics,
+    async_metrics,
 )
 
 

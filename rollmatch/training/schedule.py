@@ -3,7 +3,7 @@
 Owns: the deterministic A/B rule of DESIGN §10 — optimizer step ``s`` (0-indexed) runs Channel-B iff
 ``floor((s + 1) * b_ratio) > floor(s * b_ratio)`` — the realized B fraction it implies, and the
 split of a decode batch into contiguous rollout calls. Leaves out: the cross-rank agreement on the
-kind (rank 0 decides and broadcasts, ``training.stage2``) and what each channel does.
+kind (rank 0 decides, every rank agrees: ``training.step``) and what each channel does.
 
 The rule spreads B steps evenly (``b_ratio: 0.25`` -> A, A, A, B, A, A, A, B, ...), depends only on
 the optimizer-step counter (so a resumed run continues exactly where it stopped) and needs no

@@ -102,7 +102,9 @@ def test_rollout_offload_with_deepspeed_is_refused(problems_of) -> None:
     problem = problems_of(data).only("training.deepspeed")
     assert "offload.enabled: false" in problem.fix and "rollout_backend: hf" in problem.fix
     # only a colocated engine offloads: with HF rollouts the same keys are fine
-    assert load_config_dict(rollout(rollout_backend="hf", offload=offload) | {"training": {"deepspeed": "d.json"}})
+    assert load_config_dict(
+        rollout(rollout_backend="hf", offload=offload) | {"training": {"deepspeed": "d.json"}}
+    )
 
 
 def test_min_pixels_above_max_pixels_is_refused_at_load(problems_of) -> None:

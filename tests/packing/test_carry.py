@@ -1,4 +1,5 @@
-"""Carry buffer: one row per call with the oldest pinned, bounded, errors leave it untouched."""
+"""Carry buffer: a step's rows (packed ahead, bounded wait) and one row per call; oldest pinned; errors
+leave it untouched."""
 
 from __future__ import annotations
 
@@ -26,6 +27,33 @@ def test_rows_pin_the_oldest_and_fill_best(text_segment: Callable[..., Segment])
     assert ids(second) == ["b", "e"]  # b (oldest) pinned; 6+4 fills exactly
     assert ids(buffer.drain_rows()[0]) == ["d"]
     assert len(buffer) == 0 and buffer.next_row([]) == []
+
+
+def test_a_step_takes_as_many_full_rows_as_its_segments_bring(text_segment: Callable[..., Segment]) -> None:
+    buffer = CarryBuffer(capacity_tokens=10, max_segments=8)
+    # 36 tokens arrive: three full rows leave, less than a row's worth waits for the next step.
+    new = (
+        [text_segment(name, 6) for name in "abc"]
+        + [text_segment(name, 4) for name in "def"]
+        + [text_segment("g", 6)]
+    )
+    rows = buffer.take_rows(new, min_rows=1)
+    assert [ids(row) for row in rows] == [["a", "d"], ["b", "e"], ["c", "f"]]
+    assert ids(list(buffer.waiting)) == ["g"] and buffer.depth_tokens < 10
+    # Fewer tokens than a row: still the one row the step needs, nothing left behind.
+    assert [ids(row) for row in buffer.take_rows([text_segment("h", 3)], min_rows=1)] == [["g", "h"]]
+    assert len(buffer) == 0
+
+
+def test_take_rows_bounds_the_waiting_count_and_drains(text_segment: Callable[..., Segment]) -> None:
+    buffer = CarryBuffer(capacity_tokens=100, max_segments=2)
+    rows = buffer.take_rows([text_segment(f"s{i}", 1) for i in range(5)], min_rows=0)
+    assert len(buffer) <= 2 and sum(len(r) for r in rows) + len(buffer) == 5
+    buffer.take_rows([text_segment("x", 1)], min_rows=0)
+    drained = buffer.take_rows([], min_rows=0, drain=True)
+    assert len(buffer) == 0 and sum(len(r) for r in drained) >= 1
+    with pytest.raises(PackingError, match=r"'huge' has 101 tokens"):
+        buffer.take_rows([text_segment("huge", 101)], min_rows=1)
 
 
 def test_overflow_raises_and_leaves_the_buffer_unchanged(text_segment: Callable[..., Segment]) -> None:

@@ -11,9 +11,8 @@ from rollmatch.config.load import load_config_dict
 from rollmatch.config.rules import check_runtime
 from rollmatch.config.schema import ChannelBConfig, RollmatchConfig, TrainingConfig
 from rollmatch.errors import ConfigError
-from rollmatch.training.stage2 import build_stage2
 from rollmatch.training.step_mode import rollouts_per_step
-from rollmatch.training.variants import BuildContext
+from rollmatch.training.variants import BuildContext, build_stage2
 
 STAGE2 = {
     "custom": {
@@ -119,12 +118,30 @@ def bare_context(cfg: RollmatchConfig) -> BuildContext:
     )
 
 
-def test_variant_refuses_async_mode_it_does_not_provide():
+@pytest.mark.parametrize(
+    "rollouts",
+    [
+        {"rollout_backend": "hf"},
+        {"rollout_backend": "vllm", "vllm": {"mode": "colocate"}},
+    ],
+    ids=["hf", "colocate"],
+)
+def test_async_mode_needs_rollout_servers_at_load_time(rollouts):
+    # check-config and train share this verdict: the config never loads.
+    config = {
+        "custom": {"trainer_variant": "stage2_ab_training", "extra": {"rollout_matching": rollouts}},
+        "stage2_ab": {"schedule": {"b_ratio": 0.5}, "channel_b": {"mode": "async"}},
+    }
+    message = problems_of(config)
+    assert "stage2_ab.channel_b.mode = 'async'" in message and "vllm.mode: server" in message
+
+
+def test_async_mode_with_servers_and_full_sync_loads():
     cfg = load_config_dict(
         {**SERVER, "stage2_ab": {"schedule": {"b_ratio": 0.5}, "channel_b": {"mode": "async"}}}
     )
-    with pytest.raises(ConfigError, match=r"stage2_ab\.channel_b\.mode = 'async'.*micro"):
-        build_stage2(bare_context(cfg))
+    assert cfg.stage2_ab.channel_b.mode == "async"
+    assert check_runtime(cfg, world_size=2, device_count=0, device_type="cpu") == []
 
 
 def test_variant_refuses_a_code_built_config_without_b_ratio():
