@@ -186,7 +186,8 @@ def bench_server(engine: str, num_requests: int, max_new_tokens: int, repeats: i
     from rollmatch.models.tiny import build_tiny_model
     from rollmatch.rollout.client import ServerBackend
     from rollmatch.rollout.types import Decoding
-    from rollmatch.server.engines import PreparedPrompt, build_engine
+    from rollmatch.server.engines import build_engine
+    from rollmatch.server.prompts import PreparedPrompt
 
     model_dir = build_tiny_model("qwen2_5_vl", Path(tempfile.mkdtemp(prefix="bench-sync-")) / "model")
     encoder = PromptEncoder.from_pretrained(model_dir, DataConfig())

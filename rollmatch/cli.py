@@ -21,7 +21,7 @@ COMMANDS: dict[str, str] = {
     "data": "rollmatch.data.commands:data_command",
     "demo": "rollmatch.demo:demo_command",
     "eval": "rollmatch.evaluation:eval_command",
-    "serve": "rollmatch.server.app:serve_command",
+    "serve": "rollmatch.server.serve:serve_command",
     "launch": "rollmatch.launch.command:launch_command",
 }
 
@@ -110,6 +110,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--max-pixels", type=int, default=None, help="image processor max_pixels (data.max_pixels)"
+    )
+    # Security and limits (docs/server.md, "Security model"); None = the default of server.limits.ServerLimits.
+    p.add_argument("--api-key", default=None, help="token every POST needs (default: $ROLLMATCH_API_KEY)")
+    p.add_argument("--allowed-local-media-path", default=None, help="directory images may be read from")
+    p.add_argument("--max-body-bytes", type=int, default=None, help="request body cap (413)")
+    p.add_argument("--max-image-pixels", type=int, default=None, help="width*height cap per image (413)")
+    p.add_argument("--max-requests-per-call", type=int, default=None, help="infer_requests per call (413)")
+    p.add_argument("--max-images-per-request", type=int, default=None, help="images per prompt (413)")
+    p.add_argument("--max-tokens", type=int, default=None, help="new tokens per response (422 above)")
+    p.add_argument(
+        "--engine-stall-timeout-s", type=float, default=None, help="no decoding progress this long: unhealthy"
     )
     _add_launch_parser(sub)
     return parser

@@ -29,8 +29,19 @@ class ConfigProblem:
     value: Any
     fix: str
 
+    @property
+    def shown_value(self) -> str:
+        """``repr(value)``, cut short for huge values (e.g. a YAML anchor bomb: its start, not megabytes)."""
+        shown = repr(self.value)
+        if len(shown) > _MAX_VALUE_CHARS:
+            shown = f"{shown[:_MAX_VALUE_CHARS]}... ({len(shown)} characters)"
+        return shown
+
     def __str__(self) -> str:
-        return f"{self.key} = {self.value!r}: {self.fix}"
+        return f"{self.key} = {self.shown_value}: {self.fix}"
+
+
+_MAX_VALUE_CHARS = 200
 
 
 class ConfigError(RollmatchError):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Literal
+from urllib.parse import urlparse
 
 from rollmatch.config.schema import RollmatchConfig, ServerConfig, ServerEndpoint
 from rollmatch.errors import ConfigError, ConfigProblem
@@ -144,7 +145,7 @@ def _rule_b_ratio_required(cfg: RollmatchConfig) -> list[ConfigProblem]:
 
 
 def _rule_servers(cfg: RollmatchConfig) -> list[ConfigProblem]:
-    """Rollout servers: exactly one form (`servers` or legacy `base_url` + `group_port`), paired lists, unique URLs; `vllm.mode: server` needs at least one server."""
+    """Rollout servers: exactly one form (`servers` or legacy `base_url` + `group_port`), paired lists, unique URLs, no two servers on one host sharing a `group_port`; `vllm.mode: server` needs at least one server."""
     server_cfg = cfg.rollout.vllm.server
     problems = server_problems(server_cfg)
     configured = server_cfg.servers or server_cfg.base_url
@@ -441,8 +442,20 @@ def _legacy_problems(server_cfg: ServerConfig) -> list[ConfigProblem]:
 def _endpoint_problems(endpoints: list[tuple[str, int]], key: str) -> list[ConfigProblem]:
     problems: list[ConfigProblem] = []
     seen: set[str] = set()
+    group_ports: dict[tuple[str, int], str] = {}
     for url, port in endpoints:
         normalised = url.rstrip("/")
+        host = (urlparse(normalised).hostname or "").replace("localhost", "127.0.0.1")
+        other = group_ports.setdefault((host, port), url)
+        if other != url:
+            problems.append(
+                ConfigProblem(
+                    key,
+                    port,
+                    f"{url} and {other} share group_port {port} on host {host}: each server's weight-sync group "
+                    "needs its own port on its host; give every server on one host a different group_port",
+                )
+            )
         if not normalised.startswith(("http://", "https://")):
             problems.append(ConfigProblem(key, url, "a server URL must start with http:// or https://"))
         if normalised in seen:

@@ -268,7 +268,7 @@ class TrainingConfig(Section):
     lr_scheduler_type: str = Field("constant", description="HF scheduler name: constant, linear, cosine, ...")
     max_grad_norm: float = Field(1.0, ge=0.0, description="Gradient clipping norm (0: off).")
     num_train_epochs: float = Field(1.0, gt=0.0, description="Epochs over train_jsonl (when max_steps <= 0).")
-    max_steps: int = Field(-1, description="> 0 overrides num_train_epochs.")
+    max_steps: int = Field(-1, ge=-1, description="> 0 overrides num_train_epochs; -1: use the epochs.")
     logging_steps: int = Field(1, gt=0, description="Log metrics every N optimizer steps.")
     save_steps: int = Field(500, gt=0, description="Checkpoint every N optimizer steps.")
     save_total_limit: int | None = Field(2, gt=0, description="Keep at most N checkpoints (null: all).")

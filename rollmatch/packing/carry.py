@@ -6,13 +6,15 @@ Owns: :class:`CarryBuffer` (bounded, rank-local, one row per call, checkpointabl
 (``packing.collate``).
 
 Each optimizer step the trainer adds the segments of its micro-batches and takes that step's rows
-(:meth:`CarryBuffer.take_rows`): at least one per micro-step, and more while a full row's worth of
-tokens (or more than ``max_segments`` segments) would be left waiting, so what waits is always less
-than one row and a step that brings more tokens than its rows hold trains extra rows instead of
-failing. Every row includes the oldest waiting segment, so nothing starves; the rest of the row is
-filled as close to capacity as the waiting lengths allow. ``Segment.created_step`` records the
-optimizer step whose rollouts produced a segment. :meth:`CarryBuffer.next_row` is the one-row-per-call
-form (benchmarks and streaming callers).
+(:meth:`CarryBuffer.take_rows`): at least one, and more while :data:`RESERVE_ROWS` rows' worth of
+tokens (or more than ``max_segments`` segments) would be left waiting. A step that brings more tokens
+than one row trains extra rows instead of failing, and the reserve keeps enough choice for full rows:
+on long-tailed length mixes one row's worth of reserve used 5-20% more rows than the one-row-per-step
+optimum, three rows' worth is within 0-6% (``bench/packing.py``), at a wait of a few steps. Every row
+includes the oldest waiting segment, so nothing starves; the rest of the row is filled as close to
+capacity as the waiting lengths allow. ``Segment.created_step`` records the optimizer step whose
+rollouts produced a segment. :meth:`CarryBuffer.next_row` is the one-row-per-call form (benchmarks
+and streaming callers).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from rollmatch.packing.binpack import select_row
 from rollmatch.packing.segment import Segment
 
 _BUFFER_KEY = "training.carry_buffer_size"
+RESERVE_ROWS = 3  # rows' worth of tokens a step may leave waiting (choice for fuller rows)
 _CAPACITY_KEY = "training.global_max_length"
 
 
@@ -59,8 +62,8 @@ class CarryBuffer:
     ) -> list[list[Segment]]:
         """Add ``new_segments`` and take this step's rows (each in age order, oldest segment pinned).
 
-        At least ``min_rows`` rows (while segments wait), then more while the waiting tokens would fill
-        a row or more than ``max_segments`` segments would wait; ``drain`` takes everything. Raises
+        At least ``min_rows`` rows (while segments wait), then more while :data:`RESERVE_ROWS` rows'
+        worth of tokens or more than ``max_segments`` segments would wait; ``drain`` takes everything. Raises
         :class:`PackingError` (buffer unchanged) if a segment exceeds the row capacity.
         """
         self._check_fit(new_segments)
@@ -75,7 +78,8 @@ class CarryBuffer:
         return rows
 
     def _over_limits(self, waiting: Sequence[Segment]) -> bool:
-        return len(waiting) > self.max_segments or sum(s.length for s in waiting) >= self.capacity_tokens
+        tokens = sum(s.length for s in waiting)
+        return len(waiting) > self.max_segments or tokens >= RESERVE_ROWS * self.capacity_tokens
 
     def _check_fit(self, segments: Sequence[Segment]) -> None:
         for segment in segments:

@@ -15,7 +15,9 @@ so no rank generates with stale weights and a failed push fails every rank.
 from __future__ import annotations
 
 import logging
+import os
 import socket
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -30,6 +32,7 @@ from rollmatch.config.schema import RollmatchConfig
 from rollmatch.errors import BackendError, ConfigError, ConfigProblem, RollmatchError, SyncError
 from rollmatch.models.wrappers import strip_parallel_wrappers
 from rollmatch.protocol import (
+    MAX_GROUP_TIMEOUT_S,
     PROTOCOL_VERSION,
     InferBody,
     InferRequest,
@@ -48,12 +51,22 @@ from rollmatch.sync.transport import GroupTransport, default_backend
 from rollmatch.sync.weights import iter_sync_tensors, peft_adapter_config
 
 log = logging.getLogger(__name__)
+API_KEY_ENV = "ROLLMATCH_API_KEY"  # the same variable `rollmatch serve` reads for --api-key
+LEASE_HEADER = "X-Rollmatch-Sync-Lease"  # server.sync_session.LEASE_HEADER
+_HEALTH_POLL_S = 5.0
 _KEY = "custom.extra.rollout_matching.vllm"
 _ALTERNATIVES = f"or set `{_KEY}.mode: colocate` / `custom.extra.rollout_matching.rollout_backend: hf`"
 
 
 class ServerConnection:
-    """One rollout server: JSON over HTTP with explicit timeouts; implements ``ControlChannel``."""
+    """One rollout server: JSON over HTTP with explicit timeouts; implements ``ControlChannel``.
+
+    Every request carries ``Authorization: Bearer $ROLLMATCH_API_KEY`` when that variable is set,
+    and, once ``/init_communicator/`` handed one out, the sync lease. A call made without an HTTP
+    timeout (``/infer/`` with ``infer_timeout_s: null``) is watched: ``/health/`` is polled while it
+    is outstanding, and the call fails naming the URL once the server stops answering for
+    ``timeout_s`` or reports itself unhealthy.
+    """
 
     def __init__(self, url: str, group_port: int, *, timeout_s: float, infer_timeout_s: float | None):
         self.url = url.rstrip("/")
@@ -62,6 +75,10 @@ class ServerConnection:
         self.infer_timeout_s = infer_timeout_s if infer_timeout_s and infer_timeout_s > 0 else None
         self.host = urlparse(self.url).hostname or "127.0.0.1"
         self.session = requests.Session()
+        api_key = os.environ.get(API_KEY_ENV)
+        if api_key:
+            self.session.headers["Authorization"] = f"Bearer {api_key}"
+        self.sync_lease: str | None = None
 
     def wait_healthy(self) -> None:
         """Poll ``/health/`` until it answers, at most ``timeout_s``."""
@@ -87,12 +104,18 @@ class ServerConnection:
         return self._call("GET", path, None, phase, self.timeout_s)
 
     def post(self, path: str, body: WireModel | None, phase: str, timeout_s: float | None = -1.0) -> Any:
-        return self._call("POST", path, body, phase, self.timeout_s if timeout_s == -1.0 else timeout_s)
+        timeout = self.timeout_s if timeout_s == -1.0 else timeout_s
+        if timeout is None:
+            return self._watched_call("POST", path, body, phase)
+        return self._call("POST", path, body, phase, timeout)
 
     def _call(self, method: str, path: str, body: WireModel | None, phase: str, timeout: float | None) -> Any:
         payload = None if body is None else body.model_dump(mode="json", exclude_none=True)
+        headers = {LEASE_HEADER: self.sync_lease} if self.sync_lease else None
         try:
-            reply = self.session.request(method, f"{self.url}{path}", json=payload, timeout=timeout)
+            reply = self.session.request(
+                method, f"{self.url}{path}", json=payload, timeout=timeout, headers=headers
+            )
         except requests.Timeout as exc:
             raise BackendError(
                 f"rollout server {self.url}: {phase} ({method} {path}) got no answer within {timeout}s"
@@ -105,10 +128,57 @@ class ServerConnection:
         if reply.status_code != 200:
             detail = _detail(reply)
             error = SyncError if reply.status_code == 409 else BackendError
+            hint = f" (set {API_KEY_ENV} to the server's --api-key)" if reply.status_code == 401 else ""
             raise error(
-                f"rollout server {self.url}: {phase} ({method} {path}) -> HTTP {reply.status_code}: {detail}"
+                f"rollout server {self.url}: {phase} ({method} {path}) -> HTTP {reply.status_code}: {detail}{hint}"
             )
         return reply.json()
+
+    def _watched_call(self, method: str, path: str, body: WireModel | None, phase: str) -> Any:
+        """A call without an HTTP timeout, run in a daemon thread while ``/health/`` is polled here."""
+        outcome: dict[str, Any] = {}
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                outcome["value"] = self._call(method, path, body, phase, None)
+            except BaseException as exc:  # handed to the caller's thread below
+                outcome["error"] = exc
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name=f"rollout-call {self.url}", daemon=True).start()
+        probe = requests.Session()
+        probe.headers.update(self.session.headers)
+        last_answer, last_problem = time.monotonic(), "no answer yet"
+        poll_s = max(0.2, min(_HEALTH_POLL_S, self.timeout_s / 4))
+        try:
+            while not done.wait(poll_s):
+                try:
+                    reply = probe.get(f"{self.url}/health/", timeout=min(_HEALTH_POLL_S, self.timeout_s))
+                except requests.RequestException as exc:
+                    last_problem = f"{type(exc).__name__}: {exc}"
+                else:
+                    if reply.status_code == 200:
+                        last_answer = time.monotonic()
+                        continue
+                    if reply.status_code == 503:  # broken or stalled: it will not answer this call
+                        raise BackendError(
+                            f"rollout server {self.url}: {phase} ({method} {path}) abandoned: the server reports "
+                            f"itself unhealthy: {_detail(reply)}; restart it"
+                        )
+                    last_problem = f"HTTP {reply.status_code}"
+                if time.monotonic() - last_answer > self.timeout_s:
+                    raise BackendError(
+                        f"rollout server {self.url}: {phase} ({method} {path}) abandoned: GET /health/ got no "
+                        f"answer for {self.timeout_s:.0f}s ({_KEY}.server.timeout_s; last: {last_problem}); the "
+                        f"server is frozen or gone. Restart it, {_ALTERNATIVES}"
+                    )
+        finally:
+            probe.close()
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["value"]
 
     def close(self) -> None:
         self.session.close()
@@ -388,17 +458,20 @@ class ServerBackend:
         backend = default_backend(device)
         for conn in self.connections:
             server_ranks = int(conn.get("/get_world_size/", "communicator init")["world_size"])
+            group_host = socket.gethostbyname(conn.host)  # the server listens on the address we reach it at
             body = InitCommunicatorBody(
-                host=socket.gethostname(),
+                host=group_host,
                 port=conn.group_port,
                 world_size=server_ranks + 1,
                 backend=backend,
-                timeout_s=conn.timeout_s,
+                timeout_s=min(conn.timeout_s, MAX_GROUP_TIMEOUT_S),
             )
-            conn.post("/init_communicator/", body, "communicator init")
+            conn.sync_lease = None
+            reply = conn.post("/init_communicator/", body, "communicator init")
+            conn.sync_lease = reply.get("lease") if isinstance(reply, dict) else None
             self._transports.append(
                 GroupTransport(
-                    host=socket.gethostbyname(conn.host),
+                    host=group_host,
                     port=conn.group_port,
                     rank=server_ranks,
                     world_size=server_ranks + 1,
@@ -423,6 +496,7 @@ class ServerBackend:
                     )
                 except BackendError as exc:  # the server may be gone already; closing must still finish
                     log.warning("%s", exc)
+                conn.sync_lease = None
         self._transports = []
         self._group_stale = True
 

@@ -40,6 +40,7 @@ class VllmEngineSettings:
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
     kv_cache_space_gib: float = 1.0
+    max_num_seqs: int | None = None
     enable_lora: bool = False
     max_lora_rank: int = 16
     sleep_level: int = 0

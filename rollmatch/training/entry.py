@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from transformers import TrainingArguments, set_seed
 
-from rollmatch.collectives import build_collectives
+from rollmatch.collectives import build_collectives, exit_hard_on_fatal_distributed_error, init_default_group
 from rollmatch.config.load import load_config
 from rollmatch.config.rules import check_runtime
 from rollmatch.config.schema import RollmatchConfig
@@ -52,7 +52,9 @@ class TrainResult:
 
 def train_command(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    result = run_training(load_config(args.config, args.overrides))
+    cfg = load_config(args.config, args.overrides)
+    with exit_hard_on_fatal_distributed_error():  # a hung peer must not hang this rank's teardown
+        result = run_training(cfg)
     print(
         f"trained {result.global_step} steps in {result.seconds:.1f}s; final model: {result.final_model_dir}"
     )
@@ -69,7 +71,8 @@ def run_training(cfg: RollmatchConfig) -> TrainResult:
     if problems:
         raise ConfigError(problems)
     gas = cfg.training.gradient_accumulation(world_size)
-    args = training_arguments(cfg, gas, use_cpu=device_type == "cpu")  # initialises torch.distributed
+    init_default_group(cfg.training.collective_timeout_s)  # before HF, which would ignore the timeout
+    args = training_arguments(cfg, gas, use_cpu=device_type == "cpu")
     set_seed(cfg.training.seed)
     collectives = build_collectives(cfg.training.collective_timeout_s)
 

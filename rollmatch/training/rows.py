@@ -5,7 +5,7 @@ packed rows with the channel's own carry buffer, or padded batches), :func:`spre
 rows each micro-step trains: the same on every rank) and :func:`padding_row` (the zero-weight row a
 rank runs when another rank has more rows, so DDP stays in lock-step). Leaves out: how segments are
 produced (``training.channels``), which rows a step takes (``packing.carry``: packed ahead over the
-whole step, as many full rows as the data brings, less than a row left waiting) and the step's
+whole step, as many full rows as the data brings, a bounded reserve left waiting) and the step's
 decisions (``training.step``).
 """
 
@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from rollmatch.packing.binpack import plan_rows
 from rollmatch.packing.carry import CarryBuffer
 from rollmatch.packing.collate import pack_row, pad_batch
 from rollmatch.packing.segment import Segment
@@ -40,7 +41,7 @@ class RowPlanner:
         """This step's rows for the segments its micro-batches brought (``drain``: empty the carry too).
 
         Packed: the step's segments are packed ahead, across its micro-batches — at least one row, more
-        while a full row's worth would wait. Padded: one batch per micro-batch.
+        while a reserve of rows would wait (``packing.carry``). Padded: one batch per micro-batch.
         """
         if self.carry is None:
             return [list(batch) for batch in micro_batches]
@@ -51,8 +52,8 @@ class RowPlanner:
         """Every segment in rows now, nothing carried (step mode): packed, or ``batch_size`` per batch."""
         if self.carry is None:
             return [list(segments[i : i + batch_size]) for i in range(0, len(segments), batch_size)]
-        scratch = CarryBuffer(capacity_tokens=self.packing_length, max_segments=max(1, len(segments)))
-        return scratch.take_rows(segments, min_rows=0, drain=True)
+        plan = plan_rows([s.length for s in segments], self.packing_length)
+        return [[segments[i] for i in row] for row in plan]
 
     def batch(self, row: Row) -> MicroBatch:
         """Model inputs of one row: a packed row, or a right-padded batch."""

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rollmatch.errors import PackingError
-from rollmatch.packing.carry import CarryBuffer, row_stats
+from rollmatch.packing.carry import RESERVE_ROWS, CarryBuffer, row_stats
 from rollmatch.packing.segment import Segment
 
 
@@ -29,19 +29,17 @@ def test_rows_pin_the_oldest_and_fill_best(text_segment: Callable[..., Segment])
     assert len(buffer) == 0 and buffer.next_row([]) == []
 
 
-def test_a_step_takes_as_many_full_rows_as_its_segments_bring(text_segment: Callable[..., Segment]) -> None:
-    buffer = CarryBuffer(capacity_tokens=10, max_segments=8)
-    # 36 tokens arrive: three full rows leave, less than a row's worth waits for the next step.
-    new = (
-        [text_segment(name, 6) for name in "abc"]
-        + [text_segment(name, 4) for name in "def"]
-        + [text_segment("g", 6)]
-    )
-    rows = buffer.take_rows(new, min_rows=1)
-    assert [ids(row) for row in rows] == [["a", "d"], ["b", "e"], ["c", "f"]]
-    assert ids(list(buffer.waiting)) == ["g"] and buffer.depth_tokens < 10
-    # Fewer tokens than a row: still the one row the step needs, nothing left behind.
-    assert [ids(row) for row in buffer.take_rows([text_segment("h", 3)], min_rows=1)] == [["g", "h"]]
+def test_a_step_takes_rows_until_less_than_the_reserve_waits(text_segment: Callable[..., Segment]) -> None:
+    assert RESERVE_ROWS == 3
+    buffer = CarryBuffer(capacity_tokens=10, max_segments=16)
+    # 46 tokens arrive (4.6 rows' worth): rows leave until less than 3 rows' worth (30 tokens) waits.
+    lengths = {"a": 6, "b": 6, "c": 6, "d": 4, "e": 4, "f": 4, "g": 6, "h": 6, "i": 4}
+    rows = buffer.take_rows([text_segment(n, length) for n, length in lengths.items()], min_rows=1)
+    assert [ids(row) for row in rows] == [["a", "d"], ["b", "e"]]  # oldest pinned, exact fills
+    assert buffer.depth_tokens == 26 and ids(list(buffer.waiting)) == ["c", "f", "g", "h", "i"]
+    # A step that brings little still trains its one row, from the oldest waiting segments.
+    assert [ids(row) for row in buffer.take_rows([text_segment("j", 1)], min_rows=1)] == [["c", "f"]]
+    assert [sum(s.length for s in row) for row in buffer.take_rows([], min_rows=0, drain=True)] == [10, 7]
     assert len(buffer) == 0
 
 

@@ -152,3 +152,12 @@ def test_from_config_validates_then_builds_a_lazy_engine() -> None:
 def test_collapse_placeholders_keeps_one_token_per_image_run() -> None:
     assert collapse_placeholders([1, 9, 9, 9, 2, 9, 9, 3, 9], 9) == [1, 9, 2, 9, 3, 9]
     assert collapse_placeholders([1, 2], 9) == [1, 2]
+
+
+def test_executor_backend_follows_the_process_layout() -> None:
+    from rollmatch.rollout.vllm_engine import executor_backend
+
+    assert executor_backend(1, learner_world_size=1) == "uni"  # one process, one device
+    assert executor_backend(2, learner_world_size=1) == "mp"  # a rollout server sharded over 2 GPUs
+    assert executor_backend(1, learner_world_size=4) == "external_launcher"  # colocated under torchrun
+    assert executor_backend(4, learner_world_size=4) == "external_launcher"
