@@ -81,7 +81,12 @@ class LossConfig(Section):
 class MatchingConfig(Section):
     """Hungarian matching of parsed predictions to ground truth."""
 
-    iou_threshold: float = Field(0.5, ge=0.0, le=1.0, description="Pairs below this IoU cannot match.")
+    iou_threshold: float = Field(
+        0.5,
+        ge=0.0,
+        le=1.0,
+        description="A pair can match iff IoU > 0 and IoU >= this (0: any overlap; boxes that only touch never match).",
+    )
     label_mode: Literal["ignore", "require"] = Field(
         "ignore", description="`require`: a label mismatch is no match; `ignore`: geometry only."
     )
@@ -115,7 +120,7 @@ class ServerConfig(Section):
         None, description="Legacy form: int -> group_port + i for server i, or one per base_url."
     )
     timeout_s: float = Field(
-        240.0, description="Reachability (/health/ polling) and communicator init timeout."
+        240.0, gt=0.0, description="Reachability (/health/ polling) and communicator init timeout (s)."
     )
     infer_timeout_s: float | None = Field(None, description="HTTP timeout of /infer/; null or <= 0: none.")
 
@@ -136,7 +141,9 @@ class VllmConfig(Section):
     mode: Literal["colocate", "server"] = Field(
         "colocate", description="In-process engine or HTTP rollout servers."
     )
-    gpu_memory_utilization: float = Field(0.45, description="Fraction of device memory for vLLM, in (0, 1].")
+    gpu_memory_utilization: float = Field(
+        0.45, gt=0.0, le=1.0, description="Fraction of device memory for vLLM, in (0, 1]."
+    )
     tensor_parallel_size: int = Field(4, gt=0, description="vLLM tensor parallel size (CPU: 1).")
     enable_lora: bool = Field(False, description="Serve LoRA adapters (needed by sync.mode adapter).")
     max_model_len: int | None = Field(

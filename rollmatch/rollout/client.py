@@ -28,7 +28,7 @@ from urllib.parse import urlparse
 import requests
 
 from rollmatch.collectives import Collectives
-from rollmatch.config.rules import resolve_servers
+from rollmatch.config.rules import resolve_servers, resolve_sync_mode, sync_mode_problems
 from rollmatch.config.schema import RollmatchConfig
 from rollmatch.errors import BackendError, ConfigError, ConfigProblem, RollmatchError, SyncError
 from rollmatch.models.wrappers import strip_parallel_wrappers
@@ -237,7 +237,10 @@ class ServerBackend:
                     )
                 ]
             )
-        mode = resolve_sync_mode(vllm.sync.mode, vllm.enable_lora, collectives.world_size)
+        problems = sync_mode_problems(cfg, world_size=collectives.world_size)
+        if problems:
+            raise ConfigError(problems)
+        mode = resolve_sync_mode(cfg)
         connections = [
             ServerConnection(
                 e.base_url,
@@ -504,23 +507,6 @@ class ServerBackend:
                 conn.sync_lease = None
         self._transports = []
         self._group_stale = True
-
-
-def resolve_sync_mode(mode: str, enable_lora: bool, world_size: int) -> str:
-    """``full`` or ``adapter`` (``auto`` = adapter iff ``enable_lora``); adapter needs one process."""
-    resolved = ("adapter" if enable_lora else "full") if mode == "auto" else mode
-    if resolved == "adapter" and world_size > 1:
-        raise ConfigError(
-            [
-                ConfigProblem(
-                    f"{_KEY}.sync.mode",
-                    mode,
-                    f"resolves to adapter sync, which multi-process learners "
-                    f"(world_size {world_size}) do not support: set `{_KEY}.sync.mode: full`",
-                )
-            ]
-        )
-    return resolved
 
 
 def local_model_info(cfg: RollmatchConfig, model: Any, model_dir: str) -> dict[str, Any]:

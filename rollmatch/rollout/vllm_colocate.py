@@ -23,16 +23,12 @@ from typing import Any, Literal
 import torch
 
 from rollmatch.collectives import Collectives, LocalCollectives
+from rollmatch.config.rules import resolve_sync_mode
 from rollmatch.config.schema import RollmatchConfig
 from rollmatch.errors import SyncError
 from rollmatch.rollout.types import Decoding, Rollout, RolloutProvenance, RolloutRequest, SyncReport
 from rollmatch.rollout.vllm_engine import VllmEngine, VllmOutput
-from rollmatch.rollout.vllm_settings import (
-    VLLM_KEY,
-    check_vllm_colocate_config,
-    engine_settings_from_config,
-    resolve_sync_mode,
-)
+from rollmatch.rollout.vllm_settings import VLLM_KEY, check_vllm_colocate_config, engine_settings_from_config
 from rollmatch.sync.weights import SyncTensors, iter_sync_tensors, peft_adapter_config
 
 log = logging.getLogger(__name__)

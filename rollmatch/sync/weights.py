@@ -1,9 +1,9 @@
-"""What a weight sync sends: merged or adapter tensors, packed into flat buckets, with a checksum.
+"""What a weight sync sends: merged or adapter tensors, packed into flat buckets.
 
-Owns: :func:`iter_sync_tensors` (the tensors a rollout engine needs, under the names vLLM loads),
-:class:`Bucket` / :func:`flatten_buckets` / :func:`unflatten_bucket` (byte-exact packing of many
-tensors into few flat buffers) and :func:`checksum_tensors` (an exact, device-independent digest
-both sides of a sync compute). Leaves out: moving buckets between processes
+Owns: :func:`iter_sync_tensors` (the tensors a rollout engine needs, under the names vLLM loads)
+and :class:`Bucket` / :func:`flatten_buckets` / :func:`unflatten_bucket` (byte-exact packing of many
+tensors into few flat buffers). Leaves out: the checksum both sides of a sync compute (one scheme,
+per bucket: ``rollmatch.sync.transaction.bucket_checksum``), moving buckets between processes
 (``rollmatch.sync.transport``) and loading them into an engine (``rollmatch.rollout.vllm_engine``,
 ``rollmatch.server``).
 
@@ -27,7 +27,6 @@ what ``peft.get_peft_model_state_dict`` saves.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
@@ -42,9 +41,6 @@ SyncMode = Literal["full", "adapter"]
 
 _PEFT_PREFIX = "base_model.model."
 _BUCKET_ALIGN_BYTES = 16  # every tensor starts 16-byte aligned so any dtype can view its slice
-_FLETCHER_MOD = 65521
-_CHECKSUM_CHUNK = _FLETCHER_MOD * 256  # 32-bit words per reduction chunk (~16.8M): bounded temporaries
-_MERSENNE_31 = (1 << 31) - 1
 
 
 @dataclass(frozen=True)
@@ -322,24 +318,6 @@ def unflatten_bucket(
     return out
 
 
-def checksum_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> str:
-    """An exact, order-sensitive digest of names, dtypes, shapes and bytes (sha256 hex, 16 chars).
-
-    Per tensor, the bytes are read as signed 32-bit words ``w_i`` (zero-padded) and reduced on
-    the tensor's device to two integers, ``sum(w_i)`` and the Fletcher-style
-    ``sum(w_i * (i mod 65521 + 1)) mod (2**31 - 1)``, with integer arithmetic only (exact, so the
-    same bytes give the same digest on CPU and GPU, in any reduction order); these and the
-    name/dtype/shape are hashed in order with sha256.
-    """
-    digest = hashlib.sha256()
-    for name, tensor in named:
-        plain, weighted = _word_sums(tensor.detach())
-        digest.update(
-            f"{name}|{_dtype_name(tensor.dtype)}|{tuple(tensor.shape)}|{plain}|{weighted};".encode()
-        )
-    return digest.hexdigest()[:16]
-
-
 # ------------------------------------------------------------------------------------------ helpers
 def _iter_full_tensors(inner: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     peft = is_peft_model(inner)
@@ -443,25 +421,6 @@ def _pack(pending: list[tuple[str, torch.Tensor]]) -> Bucket:
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous().reshape(-1).view(torch.uint8)
-
-
-def _word_sums(tensor: torch.Tensor) -> tuple[int, int]:
-    raw = _as_bytes(tensor)
-    if raw.numel() % 4:
-        raw = torch.cat([raw, raw.new_zeros(4 - raw.numel() % 4)])
-    words = raw.view(torch.int32)
-    weights = torch.arange(1, _FLETCHER_MOD + 1, device=words.device, dtype=torch.int64)
-    plain, weighted = 0, 0
-    for start in range(0, words.numel(), _CHECKSUM_CHUNK):
-        chunk = words[start : start + _CHECKSUM_CHUNK]
-        if chunk.numel() % _FLETCHER_MOD:
-            chunk = torch.nn.functional.pad(chunk, (0, _FLETCHER_MOD - chunk.numel() % _FLETCHER_MOD))
-        # Chunks start at multiples of the modulus, so word i sits in column i mod 65521; int64
-        # column sums are exact, and the weighted sum is reduced mod 2^31 - 1 so it cannot overflow.
-        columns = chunk.view(-1, _FLETCHER_MOD).sum(0, dtype=torch.int64)
-        plain += int(columns.sum().item())
-        weighted += int(((columns % _MERSENNE_31) * weights).sum().item())
-    return plain, weighted % _MERSENNE_31
 
 
 def _aligned(nbytes: int) -> int:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForImageTextToText, TrainingArguments, set_seed
+from transformers import TrainingArguments, set_seed
 
 from rollmatch.collectives import build_collectives, exit_hard_on_fatal_distributed_error, init_default_group
 from rollmatch.config.hf_args import eval_strategy, training_arguments_kwargs
@@ -27,6 +27,7 @@ from rollmatch.data.prompts import PromptEncoder
 from rollmatch.data.records import load_records
 from rollmatch.detection.codec import build_codec
 from rollmatch.errors import ConfigError
+from rollmatch.models.pretrained import load_pretrained
 from rollmatch.packing.collate import enable_packed_attention
 from rollmatch.training.metrics import JsonlMetricsCallback, summarize
 from rollmatch.training.periodic_eval import DetectionEval, build_detection_eval
@@ -41,7 +42,6 @@ from rollmatch.training.trainer import (
 from rollmatch.training.variants import BuildContext, VariantParts, backend_for, build_variant
 
 log = logging.getLogger(__name__)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -176,13 +176,6 @@ def load_model(cfg: RollmatchConfig) -> torch.nn.Module:
             use_dora=lora.use_dora,
             target_modules=rf".*language_model.*\.({targets})",
         ),
-    )
-
-
-def load_pretrained(cfg: RollmatchConfig) -> torch.nn.Module:
-    """``model.path`` as saved, in the configured dtype and attention kernel (no adapters added)."""
-    return AutoModelForImageTextToText.from_pretrained(
-        cfg.model.path, dtype=DTYPES[cfg.model.dtype], attn_implementation=cfg.model.attn_implementation
     )
 
 

@@ -33,8 +33,8 @@ from rollmatch.data.records import Record, load_records
 from rollmatch.detection.codec import ObjectCodec
 from rollmatch.errors import BackendError
 from rollmatch.evaluation import EvalResult, evaluate
+from rollmatch.rollout.build import decoding_from_config
 from rollmatch.rollout.types import RolloutBackend, SyncReport
-from rollmatch.training.channels import decoding_from_config
 from rollmatch.training.step import SyncPolicy
 
 log = logging.getLogger(__name__)
@@ -96,6 +96,7 @@ class DetectionEval:
             self.codec,
             self.records,
             decoding=decoding_from_config(self.cfg, self.cfg.eval.max_new_tokens),
+            matching=self.cfg.matching,
             batch_size=self.cfg.eval.batch_size,
             predictions_path=os.path.join(out_dir, f"step-{global_step}.predictions.jsonl"),
             seed=self.cfg.training.seed,

@@ -1,4 +1,4 @@
-"""Weight export for sync: merged/adapter tensors, buckets and checksums on a tiny real Qwen2-VL."""
+"""Weight export for sync: merged/adapter tensors, buckets and their checksum on a tiny real Qwen2-VL."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from transformers import AutoModelForImageTextToText
 
 from rollmatch.errors import SyncError
 from rollmatch.models.tiny import build_tiny_model
+from rollmatch.sync.transaction import bucket_checksum
 from rollmatch.sync.weights import (
-    checksum_tensors,
     flatten_buckets,
     iter_sync_tensors,
     peft_adapter_config,
@@ -167,18 +167,19 @@ def test_unflatten_rejects_a_layout_mismatch() -> None:
         unflatten_bucket(bucket.metas, bucket.flat[:16])
 
 
-def test_checksum_is_exact_and_order_sensitive() -> None:
+def test_bucket_checksum_sees_layout_and_bytes() -> None:
+    """The one checksum of a sync (``sync.transaction.bucket_checksum``) on flattened real buckets."""
     tensors = _mixed_tensors()
-    digest = checksum_tensors(tensors)
-    bucket_pairs = [
-        p for b in flatten_buckets(tensors, bucket_bytes=1 << 20) for p in unflatten_bucket(b.metas, b.flat)
-    ]
-    assert checksum_tensors(bucket_pairs) == digest
-    assert checksum_tensors(list(reversed(tensors))) != digest
+
+    def digest(named: list[tuple[str, torch.Tensor]]) -> str:
+        (bucket,) = flatten_buckets(named, bucket_bytes=1 << 20)
+        return bucket_checksum(bucket.metas, bucket.flat)
+
+    reference = digest(tensors)
+    assert digest([(n, t.clone()) for n, t in tensors]) == reference
+    assert digest(list(reversed(tensors))) != reference  # layout: order
     flipped = [(n, t.clone()) for n, t in tensors]
     flipped[4][1].view(torch.int32)[5, 7] ^= 1  # one bit
-    assert checksum_tensors(flipped) != digest
-    swapped = [(n, t.clone()) for n, t in tensors]
-    swapped[3] = ("d", swapped[3][1].flip(0))  # same values, other order: position-weighted sum sees it
-    assert checksum_tensors(swapped) != digest
-    assert checksum_tensors([("x", torch.ones(4))]) != checksum_tensors([("y", torch.ones(4))])
+    assert digest(flipped) != reference
+    renamed = [("x" if n == "a" else n, t) for n, t in tensors]
+    assert digest(renamed) != reference  # layout: names
