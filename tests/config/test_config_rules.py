@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -88,23 +90,31 @@ def test_rollouts_per_step_outside_step_mode_is_refused(problems_of, mode: str) 
     assert load_config_dict(step).stage2_ab.channel_b.rollouts_per_step == 16
 
 
-def test_step_mode_with_deepspeed_is_refused(problems_of) -> None:
-    data = {"stage2_ab": {"channel_b": {"mode": "step"}}, "training": {"deepspeed": "ds_zero2.json"}}
+def deepspeed_file(tmp_path: Path, stage: int) -> str:
+    path = tmp_path / f"ds_zero{stage}.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": stage}}))
+    return str(path)
+
+
+def test_step_mode_with_deepspeed_is_refused(problems_of, tmp_path) -> None:
+    zero2 = deepspeed_file(tmp_path, 2)
+    data = {"stage2_ab": {"channel_b": {"mode": "step"}}, "training": {"deepspeed": zero2}}
     problem = problems_of(data).only("training.deepspeed")
     assert "stage2_ab.channel_b.mode: micro" in problem.fix
-    micro = {"stage2_ab": {"channel_b": {"mode": "micro"}}, "training": {"deepspeed": "ds_zero2.json"}}
-    assert load_config_dict(micro).training.deepspeed == "ds_zero2.json"
+    micro = {"stage2_ab": {"channel_b": {"mode": "micro"}}, "training": {"deepspeed": zero2}}
+    assert load_config_dict(micro).training.deepspeed == zero2
 
 
-def test_rollout_offload_with_deepspeed_is_refused(problems_of) -> None:
+def test_rollout_offload_with_deepspeed_is_refused(problems_of, tmp_path) -> None:
     offload = {"enabled": True, "offload_model": True}
-    data = rollout(offload=offload) | {"training": {"deepspeed": "ds_zero3.json"}}
+    data = rollout(offload=offload) | {"training": {"deepspeed": deepspeed_file(tmp_path, 2)}}
     problem = problems_of(data).only("training.deepspeed")
     assert "offload.enabled: false" in problem.fix and "rollout_backend: hf" in problem.fix
     # only a colocated engine offloads: with HF rollouts the same keys are fine
-    assert load_config_dict(
-        rollout(rollout_backend="hf", offload=offload) | {"training": {"deepspeed": "d.json"}}
-    )
+    hf = rollout(rollout_backend="hf", offload=offload) | {
+        "training": {"deepspeed": deepspeed_file(tmp_path, 2)}
+    }
+    assert load_config_dict(hf)
 
 
 def test_min_pixels_above_max_pixels_is_refused_at_load(problems_of) -> None:
