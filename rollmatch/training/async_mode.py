@@ -83,13 +83,14 @@ class AsyncPacks:
         return report
 
     # ---------------------------------------------------------------------------------- channel
-    def status(self, global_step: int, micro_steps: int) -> ChannelStatus:
-        """This rank's eligible packs (after dropping stale ones), waiting up to ``max_wait_s`` for enough."""
+    def status(self, global_step: int, micro_steps: int, *, wants_b: bool) -> ChannelStatus:
+        """This rank's eligible packs (after dropping stale ones); a step that wants B waits up to
+        ``max_wait_s`` for enough."""
         self._start(global_step)
         version = self.version_of(global_step)
         self.actor.set_current_version(version)
         self.queue.drop_stale(version, self.version_window)
-        deadline = time.monotonic() + self.max_wait_s
+        deadline = time.monotonic() + (self.max_wait_s if wants_b else 0.0)
         while len(self.queue) < micro_steps and self.actor.failure is None:
             remaining = deadline - time.monotonic()
             if remaining <= 0:

@@ -132,7 +132,7 @@ def async_variant(url: str, group_port: int) -> dict[str, Any]:
             },
         },
         "stage2_ab": {
-            "schedule": {"b_ratio": 1.0},
+            "schedule": {"b_ratio": 0.5},  # A, B, A: both channels' metrics
             "channel_b": {
                 "mode": "async",
                 "async": {
@@ -140,7 +140,7 @@ def async_variant(url: str, group_port: int) -> dict[str, Any]:
                     "prefetch_target_packs": 2,
                     "version_window": 4,
                     "sync_every_steps": 4,
-                    "max_wait_s": 60.0,  # a B step waits for its packs: every step is B, deterministically
+                    "max_wait_s": 60.0,  # the B step waits for its packs: deterministic
                 },
             },
         },

@@ -162,6 +162,21 @@ def test_a_b_step_waits_up_to_max_wait_s_for_its_packs(tiny) -> None:
     assert channel.actor.started
 
 
+def test_a_step_the_schedule_wants_on_channel_a_never_waits(tiny) -> None:
+    channel = async_channel(tiny, max_wait_s=30.0)
+    plan_a = StepPlanner(
+        schedule=ABSchedule(0.5),  # step 0 wants A
+        channel_a=WindowRows(GTChannel(tiny.model, tiny.encoder, tiny.codec, tiny.cfg).produce, rows(tiny)),
+        channel_b=channel,
+        sync=channel,
+        collectives=LocalCollectives(),
+        report_ab=True,
+    )
+    started = time.monotonic()
+    assert plan_a.plan([tiny.records[:1]], 0).kind == "A"
+    assert time.monotonic() - started < 20  # the empty queue was not waited for
+
+
 def test_an_actor_that_cannot_reach_its_server_fails_the_step_naming_the_url(tiny, free_port) -> None:
     from rollmatch.rollout.client import ServerBackend, ServerConnection
 
