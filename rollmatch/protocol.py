@@ -26,7 +26,7 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
 
 from rollmatch.rollout.types import Decoding
 
@@ -262,6 +262,11 @@ class RolloutOutput(BaseModel):
     sample_id: str | None = None
 
 
+# The whole ``/infer/`` reply: serialised by the server and parsed by the client in one pass each
+# (pydantic's JSON encoder / parser, no intermediate Python dicts).
+INFER_REPLY = TypeAdapter(list[RolloutOutput])
+
+
 def request_config_from_decoding(decoding: Decoding, seed: int | None) -> RequestConfig:
     """The ``request_config`` that asks a server for exactly ``decoding`` (token ids included)."""
     return RequestConfig(
@@ -321,6 +326,32 @@ def encode_image(image: Image) -> str:
     buffer = io.BytesIO()
     image.save(buffer, format="PNG", compress_level=1)
     return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+# ------------------------------------------------------------------------------------- timings
+# ``/infer/`` answers carry the server's own phase times in the standard ``Server-Timing`` header
+# (``parse;dur=1.204, engine;dur=250.1``, milliseconds), so a client can tell transfer from work.
+SERVER_TIMING_HEADER = "Server-Timing"
+
+
+def format_server_timing(seconds: dict[str, float]) -> str:
+    """``{"parse": 0.0012}`` -> ``parse;dur=1.200`` (the header's unit is milliseconds)."""
+    return ", ".join(f"{name};dur={value * 1000:.3f}" for name, value in seconds.items())
+
+
+def parse_server_timing(value: str) -> dict[str, float]:
+    """The header back to seconds per phase; entries without a ``dur`` are skipped."""
+    phases: dict[str, float] = {}
+    for entry in value.split(","):
+        name, _, params = entry.strip().partition(";")
+        for param in params.split(";"):
+            key, _, number = param.strip().partition("=")
+            if name and key == "dur":
+                try:
+                    phases[name] = float(number) / 1000
+                except ValueError:
+                    continue
+    return phases
 
 
 # ----------------------------------------------------------------------------------------- sync
