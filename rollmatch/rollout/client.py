@@ -14,7 +14,6 @@ so no rank generates with stale weights and a failed push fails every rank.
 
 from __future__ import annotations
 
-import json
 import logging
 import socket
 import time
@@ -23,12 +22,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import ValidationError
+
 from rollmatch.collectives import Collectives
 from rollmatch.config.rules import resolve_servers
 from rollmatch.config.schema import RollmatchConfig
 from rollmatch.errors import BackendError, ConfigError, ConfigProblem, RollmatchError, SyncError
 from rollmatch.models.wrappers import strip_parallel_wrappers
 from rollmatch.protocol import (
+    INFER_REPLY,
     MAX_GROUP_TIMEOUT_S,
     PROTOCOL_VERSION,
     SERVER_TIMING_HEADER,
@@ -258,11 +260,19 @@ class ServerBackend:
 
     @staticmethod
     def _parse_reply(conn: ServerConnection, content: bytes, expected: int) -> list[RolloutOutput]:
-        raw = json.loads(content)
-        if not isinstance(raw, list) or len(raw) != expected:
-            got = len(raw) if isinstance(raw, list) else type(raw).__name__
-            raise BackendError(f"rollout server {conn.url}: sent {expected} requests, got {got} outputs")
-        return [RolloutOutput.model_validate(item) for item in raw]
+        try:
+            outputs = INFER_REPLY.validate_json(content)
+        except ValidationError as exc:
+            first = exc.errors(include_input=False, include_url=False)[0]
+            raise BackendError(
+                f"rollout server {conn.url}: /infer/ answered something that is not a list of rollout outputs "
+                f"({'.'.join(map(str, first['loc'])) or 'answer'}: {first['msg']}); is it a rollmatch server?"
+            ) from None
+        if len(outputs) != expected:
+            raise BackendError(
+                f"rollout server {conn.url}: sent {expected} requests, got {len(outputs)} outputs"
+            )
+        return outputs
 
     def sync_weights(self, model: Any, version: int) -> SyncReport:
         """``barrier -> rank 0 pushes -> every rank gets the outcome`` (a failure raises on every rank)."""

@@ -12,7 +12,6 @@ keeps the connection open.
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
@@ -172,8 +171,9 @@ class ServerConnection:
 
 
 def encode_body(body: WireModel) -> bytes:
-    """A wire model as the JSON bytes of a request body (``None`` fields left out)."""
-    return json.dumps(body.model_dump(mode="json", exclude_none=True), allow_nan=False).encode()
+    """A wire model as the JSON bytes of a request body (``None`` fields left out), written by
+    pydantic's serialiser in one pass (no intermediate dict; wire models hold no NaN / Infinity)."""
+    return body.model_dump_json(exclude_none=True).encode()
 
 
 def detail_of(reply: requests.Response) -> str:

@@ -80,7 +80,9 @@ class PromptPreparer:
         if request.prompt_token_ids:
             self.check_token_ids(f"{where}.prompt_token_ids", request.prompt_token_ids, len(request.images))
             with times.phase("decode"):
-                images = [self._image(value, f"{where}.images[{i}]") for i, value in enumerate(request.images)]
+                images = [
+                    self._image(value, f"{where}.images[{i}]") for i, value in enumerate(request.images)
+                ]
             return PreparedPrompt(sample_id, list(request.prompt_token_ids), images)
         messages, sources = chat_messages(request.messages, request.images, where)
         if len(sources) > self.max_images:

@@ -16,8 +16,9 @@ from typing import Any
 import pytest
 
 from rollmatch.collectives import LocalCollectives
+from rollmatch.errors import BackendError
 from rollmatch.protocol import format_server_timing, parse_server_timing
-from rollmatch.rollout.client import ServerBackend
+from rollmatch.rollout.client import ServerBackend, ServerConnection
 from rollmatch.rollout.types import Decoding
 from rollmatch.server.timing import PhaseTimes
 
@@ -106,3 +107,17 @@ def test_a_good_body_with_a_json_content_type_and_charset_is_served(client: Any)
     assert reply.status_code == 200, reply.text
     assert reply.headers["X-Weight-Version"] == "0"
     assert set(parse_server_timing(reply.headers["Server-Timing"])) == SERVER_PHASES
+
+
+def test_an_answer_that_is_not_a_list_of_outputs_names_the_server() -> None:
+    conn = ServerConnection("http://127.0.0.1:9", 1, timeout_s=1.0, infer_timeout_s=None)
+    for content, needle in (
+        (b'{"detail": "x"}', "not a list of rollout outputs"),
+        (b"<html>", "Invalid JSON"),
+    ):
+        with pytest.raises(BackendError, match=needle) as caught:
+            ServerBackend._parse_reply(conn, content, 1)
+        assert "http://127.0.0.1:9" in str(caught.value)
+    with pytest.raises(BackendError, match="sent 2 requests, got 0 outputs"):
+        ServerBackend._parse_reply(conn, b"[]", 2)
+    conn.close()
