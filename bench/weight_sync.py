@@ -55,7 +55,7 @@ from rollmatch.sync.transaction import UpdateReceiver, push_update
 from rollmatch.sync.transport import GroupTransport
 from rollmatch.sync.weights import flatten_buckets
 
-IMAGE_WIRES = ("png",)
+IMAGE_WIRES = ("png", "resized_bmp")
 RACCOON = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "raccoon" / "images"
 MB = 1 << 20
 

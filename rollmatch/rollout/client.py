@@ -39,13 +39,13 @@ from rollmatch.protocol import (
     InitCommunicatorBody,
     RolloutOutput,
     ServerInfo,
-    encode_image,
     fingerprint_mismatches,
     parse_server_timing,
     request_config_from_decoding,
 )
 from rollmatch.rollout.chunking import contiguous_chunks
 from rollmatch.rollout.connection import API_KEY_ENV, KEY, LEASE_HEADER, ServerConnection, encode_body
+from rollmatch.rollout.image_wire import ImageWire, OriginalPng, build_image_wire
 from rollmatch.rollout.types import Decoding, Rollout, RolloutProvenance, RolloutRequest, SyncReport
 from rollmatch.sync.transaction import AdapterPayload, push_update
 from rollmatch.sync.transport import GroupTransport, default_backend
@@ -96,6 +96,7 @@ class ServerBackend:
         sync_mode: str = "full",
         fallback_to_full: bool = True,
         bucket_bytes: int = 64 << 20,
+        image_wire: ImageWire | None = None,
     ):
         if not connections:
             raise BackendError("ServerBackend needs at least one server connection")
@@ -105,6 +106,7 @@ class ServerBackend:
         self.sync_mode = sync_mode
         self.fallback_to_full = fallback_to_full
         self.bucket_bytes = bucket_bytes
+        self.image_wire: ImageWire = image_wire if image_wire is not None else OriginalPng()
         self._version = 0
         self._transports: list[GroupTransport] = []
         self._group_stale = True
@@ -138,16 +140,18 @@ class ServerBackend:
             )
             for e in endpoints
         ]
+        processor = trainer_processor(cfg, model_dir)
         backend = cls(
             connections,
             collectives=collectives,
             tokenizer=tokenizer,
             sync_mode=mode,
             fallback_to_full=vllm.sync.fallback_to_full,
+            image_wire=build_image_wire(vllm.server.image_wire, processor),
         )
         with ThreadPoolExecutor(max_workers=len(connections)) as pool:
             list(pool.map(ServerConnection.wait_healthy, connections))
-        backend.check_compatible(local_model_info(cfg, model, model_dir))
+        backend.check_compatible(local_model_info(cfg, model, model_dir, processor))
         backend._align_initial_version(model)
         return backend
 
@@ -224,7 +228,7 @@ class ServerBackend:
         self, conn: ServerConnection, chunk: Sequence[RolloutRequest], decoding: Decoding, seed: int
     ) -> tuple[list[Rollout], InferTiming]:
         start = time.perf_counter()
-        images = [[encode_image(image) for image in r.images] for r in chunk]
+        images = [self.image_wire.encode(r) for r in chunk]
         encoded = time.perf_counter()
         body = InferBody(
             infer_requests=[
@@ -438,16 +442,28 @@ def resolve_sync_mode(mode: str, enable_lora: bool, world_size: int) -> str:
     return resolved
 
 
-def local_model_info(cfg: RollmatchConfig, model: Any, model_dir: str) -> dict[str, Any]:
-    """What :meth:`ServerBackend.check_compatible` compares: the trainer's fingerprint and max length."""
+def trainer_processor(cfg: RollmatchConfig, model_dir: str) -> Any:
+    """The trainer's processor: the model directory's, with ``data.min_pixels`` / ``max_pixels`` applied."""
     from transformers import AutoProcessor
 
     from rollmatch.data.prompts import set_pixel_bounds
-    from rollmatch.protocol import model_fingerprint
 
     processor = AutoProcessor.from_pretrained(str(model_dir))
     if cfg.data.min_pixels is not None or cfg.data.max_pixels is not None:
         set_pixel_bounds(processor, cfg.data.min_pixels, cfg.data.max_pixels)
+    return processor
+
+
+def local_model_info(
+    cfg: RollmatchConfig, model: Any, model_dir: str, processor: Any = None
+) -> dict[str, Any]:
+    """What :meth:`ServerBackend.check_compatible` compares: the trainer's fingerprint and max length.
+
+    ``processor``: the trainer's (:func:`trainer_processor`; loaded here when not given).
+    """
+    from rollmatch.protocol import model_fingerprint
+
+    processor = processor if processor is not None else trainer_processor(cfg, model_dir)
     config = strip_parallel_wrappers(model).config if model is not None else None
     if config is None:
         from transformers import AutoConfig
