@@ -17,7 +17,6 @@ carry the trainer's ``prompt_token_ids`` (used verbatim, never re-tokenized), ev
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import io
 import json
@@ -26,6 +25,7 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
+import pybase64
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
 
 from rollmatch.rollout.types import Decoding
@@ -317,6 +317,19 @@ def decoding_from_request_config(
 
 
 # ------------------------------------------------------------------------------------------ images
+def to_base64(data: bytes) -> str:
+    """Standard padded base64 (RFC 4648) as text. pybase64's SIMD codec writes the same characters as
+    the standard library's ``base64`` at a small fraction of its time (about 0.2 ms per 150 KB image
+    there, a noticeable share of a rollout call)."""
+    return pybase64.b64encode(data).decode("ascii")
+
+
+def from_base64(text: str) -> bytes:
+    """Strict base64 decoding: a character outside the alphabet, whitespace or bad padding raises
+    ``binascii.Error`` (a ``ValueError``)."""
+    return pybase64.b64decode(text, validate=True)
+
+
 def encode_image(image: Image) -> str:
     """Base64 PNG: lossless, so the server's processor sees the trainer's exact pixels.
 
@@ -325,7 +338,7 @@ def encode_image(image: Image) -> str:
     """
     buffer = io.BytesIO()
     image.save(buffer, format="PNG", compress_level=1)
-    return base64.b64encode(buffer.getvalue()).decode("ascii")
+    return to_base64(buffer.getvalue())
 
 
 # ------------------------------------------------------------------------------------- timings

@@ -215,12 +215,16 @@ class ServerBackend:
                 decoding.max_new_tokens,
                 {conn.url: seed + start for conn, start, _ in jobs},
             )
-        with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
-            futures = [
-                pool.submit(self._infer_chunk, conn, requests[start:end], decoding, seed + start)
-                for conn, start, end in jobs
-            ]
-            chunks = [future.result() for future in futures]
+        if len(jobs) == 1:  # one server: no thread to start and hand the answer back from
+            conn, start, end = jobs[0]
+            chunks = [self._infer_chunk(conn, requests[start:end], decoding, seed + start)]
+        else:
+            with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+                futures = [
+                    pool.submit(self._infer_chunk, conn, requests[start:end], decoding, seed + start)
+                    for conn, start, end in jobs
+                ]
+                chunks = [future.result() for future in futures]
         self.last_infer_timings = [timing for _, timing in chunks]
         return [rollout for rollouts, _ in chunks for rollout in rollouts]
 

@@ -134,12 +134,14 @@ class ServerConnection:
                 done.set()
 
         threading.Thread(target=run, name=f"rollout-call {self.url}", daemon=True).start()
-        probe = requests.Session()
-        probe.headers.update(self.session.headers)
+        probe: requests.Session | None = None  # opened at the first probe: most calls answer before it
         last_answer, last_problem = time.monotonic(), "no answer yet"
         poll_s = max(0.2, min(_HEALTH_POLL_S, self.timeout_s / 4))
         try:
             while not done.wait(poll_s):
+                if probe is None:
+                    probe = requests.Session()
+                    probe.headers.update(self.session.headers)
                 try:
                     reply = probe.get(f"{self.url}/health/", timeout=min(_HEALTH_POLL_S, self.timeout_s))
                 except requests.RequestException as exc:
@@ -161,7 +163,12 @@ class ServerConnection:
                         f"server is frozen or gone. Restart it, {ALTERNATIVES}"
                     )
         finally:
-            probe.close()
+            if probe is not None:
+                probe.close()
+        return self._outcome(outcome)
+
+    @staticmethod
+    def _outcome(outcome: dict[str, Any]) -> requests.Response:
         if "error" in outcome:
             raise outcome["error"]
         return outcome["value"]

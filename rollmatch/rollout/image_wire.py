@@ -19,7 +19,6 @@ Leaves out: the server's decoding and media policy (``server.media``) and the HT
 
 from __future__ import annotations
 
-import base64
 import io
 from typing import Any, Protocol
 
@@ -28,7 +27,7 @@ import torch
 from PIL import Image
 
 from rollmatch.errors import BackendError, ConfigError, ConfigProblem
-from rollmatch.protocol import encode_image
+from rollmatch.protocol import encode_image, to_base64
 from rollmatch.rollout.types import RolloutRequest
 
 IMAGE_WIRE_KEY = "custom.extra.rollout_matching.vllm.server.image_wire"
@@ -155,4 +154,4 @@ def build_image_wire(name: str, processor: Any | None) -> ImageWire:
 def _bmp_base64(image: Image.Image) -> str:
     buffer = io.BytesIO()
     image.save(buffer, format="BMP")
-    return base64.b64encode(buffer.getvalue()).decode("ascii")
+    return to_base64(buffer.getvalue())
