@@ -221,7 +221,8 @@ def bench_server(args: argparse.Namespace) -> dict[str, Any]:
         }
         sync = _bench_server_sync(next(iter(backends.values())), model, args.repeats)
         local = build_engine(args.engine, str(model_dir), dtype="float32", max_model_len=4096)
-        samples = _paired_infer_rounds(backends, local, rounds, decoding)
+        samples = _paired_infer_rounds(backends, local, rounds, decoding, process.pid)
+        opened = {wire: _connections_opened(backend) for wire, backend in backends.items()}
         local.close()
         for backend in backends.values():
             backend.close()
@@ -229,6 +230,8 @@ def bench_server(args: argparse.Namespace) -> dict[str, Any]:
         process.terminate()
         process.wait(timeout=60)
     infer = _infer_summary(samples, args)
+    for wire, count in opened.items():  # keep-alive: one connection for every call of a session
+        infer["wires"][wire]["connections_opened"] = count
     top = {
         f"infer_http_over_inprocess_{wire}": infer["wires"][wire]["http_over_inprocess"]["median"]
         for wire in args.image_wire
@@ -281,38 +284,40 @@ def _bench_server_sync(backend: Any, model: Any, repeats: int) -> dict[str, Any]
 
 
 def _paired_infer_rounds(
-    backends: dict[str, Any], local: Any, rounds: list[list[Any]], decoding: Any
+    backends: dict[str, Any], local: Any, rounds: list[list[Any]], decoding: Any, server_pid: int
 ) -> list[dict[str, Any]]:
     """Every path on the same photographs per round, in an order rotated each round; round 0 warms up."""
     samples = [
-        _one_round(backends, local, requests_, decoding, index) for index, requests_ in enumerate(rounds)
+        _one_round(backends, local, requests_, decoding, index, server_pid)
+        for index, requests_ in enumerate(rounds)
     ]
     return samples[1:]
 
 
 def _one_round(
-    backends: dict[str, Any], local: Any, requests_: list[Any], decoding: Any, shift: int
+    backends: dict[str, Any], local: Any, requests_: list[Any], decoding: Any, shift: int, server_pid: int
 ) -> dict[str, Any]:
-    """Seconds of the in-process engine, of each image wire over HTTP (with its ``InferTiming``), and
-    of the in-process engine on the images a wire delivered (``<wire>_same_images``: the transport
-    alone, for wires that change the images)."""
+    """Wall and CPU seconds of the in-process engine, of each image wire over HTTP (CPU of this
+    process and the server's, with its ``InferTiming``), and of the in-process engine on the images a
+    wire delivered (``<wire>_same_images``: the transport alone, for wires that change the images)."""
     from rollmatch.server.prompts import PreparedPrompt
 
     sample: dict[str, Any] = {}
+    pids = (os.getpid(), server_pid)
 
-    def inprocess(images: list[list[Any]]) -> float:
+    def inprocess(images: list[list[Any]]) -> dict[str, float]:
         prompts = [
             PreparedPrompt(r.sample_id, r.prompt_token_ids, i) for r, i in zip(requests_, images, strict=True)
         ]
-        start = time.perf_counter()
-        local.generate(prompts, decoding, 0)
-        return time.perf_counter() - start
+        with _Clock(pids) as clock:
+            local.generate(prompts, decoding, 0)
+        return clock.reading
 
     def over_http(wire: str) -> None:
         backend = backends[wire]
-        start = time.perf_counter()
-        backend.generate(requests_, decoding, seed=0)
-        sample[wire] = {"seconds": time.perf_counter() - start, "timing": backend.last_infer_timings[0]}
+        with _Clock(pids) as clock:
+            backend.generate(requests_, decoding, seed=0)
+        sample[wire] = {**clock.reading, "timing": backend.last_infer_timings[0]}
         if wire != "png":
             sample[f"{wire}_same_images"] = inprocess(_delivered_images(backend, requests_))
 
@@ -324,6 +329,53 @@ def _one_round(
     for step in steps[shift:] + steps[:shift]:
         step()
     return sample
+
+
+class _Clock:
+    """Wall seconds of a block and the CPU seconds every thread of the given processes spent in it.
+
+    CPU time comes from ``/proc/<pid>/task/*/schedstat`` (nanoseconds on a core; a thread that ends
+    inside the block loses its share). With one thread per process it counts the work done and
+    hardly moves when other processes share the cores, unlike wall time.
+    """
+
+    def __init__(self, pids: tuple[int, ...]):
+        self.pids = pids
+        self.reading: dict[str, float] = {}
+
+    def __enter__(self) -> _Clock:
+        self._cpu = [_thread_cpu_ns(pid) for pid in self.pids]
+        self._start = time.perf_counter()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        wall = time.perf_counter() - self._start
+        spent = [
+            sum(ns - before.get(tid, 0) for tid, ns in _thread_cpu_ns(pid).items())
+            for pid, before in zip(self.pids, self._cpu, strict=True)
+        ]
+        self.reading = {"seconds": wall, "cpu_seconds": sum(spent) / 1e9, "cpu_seconds_here": spent[0] / 1e9}
+
+
+def _thread_cpu_ns(pid: int) -> dict[int, int]:
+    on_cpu: dict[int, int] = {}
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/schedstat") as stat:
+                on_cpu[int(task)] = int(stat.read().split()[0])
+        except FileNotFoundError:  # the thread ended meanwhile
+            continue
+    return on_cpu
+
+
+def _connections_opened(backend: Any) -> int:
+    """TCP connections the backend's HTTP sessions opened so far (urllib3 pool counters)."""
+    pools = [
+        pool
+        for conn in backend.connections
+        for pool in conn.session.get_adapter(conn.url).poolmanager.pools._container.values()
+    ]
+    return sum(pool.num_connections for pool in pools)
 
 
 def _delivered_images(backend: Any, requests_: list[Any]) -> list[list[Any]]:
@@ -343,7 +395,8 @@ def _spread(values: list[float]) -> dict[str, float]:
 def _infer_summary(samples: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
     """Medians over rounds; ratios are per round (paired), then median / min / max."""
     median = statistics.median
-    inproc = [s["inprocess"] for s in samples]
+    inproc = [s["inprocess"]["seconds"] for s in samples]
+    inproc_cpu = [s["inprocess"]["cpu_seconds"] for s in samples]
     wires: dict[str, Any] = {}
     for wire in args.image_wire:
         http = [s[wire]["seconds"] for s in samples]
@@ -361,11 +414,15 @@ def _infer_summary(samples: list[dict[str, Any]], args: argparse.Namespace) -> d
         }
         phases = sorted({name for t in timings for name in t.server_s})
         server = {name: [t.server_s.get(name, 0.0) for t in timings] for name in phases}
+        http_cpu = [s[wire]["cpu_seconds"] for s in samples]
         entry: dict[str, Any] = {
             "http_over_inprocess": {
                 **_spread([h / i for h, i in zip(http, inproc, strict=True)]),
                 "best_of": round(min(http) / min(inproc), 3),
             },
+            "http_over_inprocess_cpu": _spread([h / i for h, i in zip(http_cpu, inproc_cpu, strict=True)]),
+            "http_cpu_seconds": round(median(http_cpu), 4),
+            "http_cpu_seconds_client": round(median(s[wire]["cpu_seconds_here"] for s in samples), 4),
             "http_seconds": round(median(http), 4),
             "client_seconds": {k: round(median(v), 4) for k, v in client.items()},
             "server_seconds": {k: round(median(v), 4) for k, v in server.items()},
@@ -374,10 +431,14 @@ def _infer_summary(samples: list[dict[str, Any]], args: argparse.Namespace) -> d
             "reply_bytes": timings[-1].reply_bytes,
         }
         if f"{wire}_same_images" in samples[0]:
-            same = [s[f"{wire}_same_images"] for s in samples]
+            same = [s[f"{wire}_same_images"]["seconds"] for s in samples]
+            same_cpu = [s[f"{wire}_same_images"]["cpu_seconds"] for s in samples]
             entry["inprocess_same_images_seconds"] = round(median(same), 4)
             entry["http_over_inprocess_same_images"] = _spread(
                 [h / i for h, i in zip(http, same, strict=True)]
+            )
+            entry["http_over_inprocess_same_images_cpu"] = _spread(
+                [h / i for h, i in zip(http_cpu, same_cpu, strict=True)]
             )
         wires[wire] = entry
     return {
@@ -386,6 +447,7 @@ def _infer_summary(samples: list[dict[str, Any]], args: argparse.Namespace) -> d
         "max_new_tokens": args.max_new_tokens,
         "rounds": len(samples),
         "inprocess_seconds": round(median(inproc), 4),
+        "inprocess_cpu_seconds": round(median(inproc_cpu), 4),
         "wires": wires,
     }
 
