@@ -1,10 +1,12 @@
 """Wire models of the rollout server, shared by the server (``server.app``) and its client.
 
 Owns: the JSON shapes of every endpoint (pydantic) with the range of every number (checked here,
-at the wire, before anything reaches an engine), the trainer's image encoding (base64 PNG), and
-conversion between :class:`~rollmatch.rollout.types.Decoding` and ms-swift's ``request_config``.
+at the wire, before anything reaches an engine), base64 and the default image encoding (PNG),
+the ``/infer/`` reply adapter, the ``Server-Timing`` header of ``/infer/`` answers, and conversion
+between :class:`~rollmatch.rollout.types.Decoding` and ms-swift's ``request_config``.
 Leaves out: engines, HTTP plumbing, the server's configurable caps and media policy
-(``server.limits``, ``server.media``) and the transfer of tensors.
+(``server.limits``, ``server.media``), the trainer's choice of image encoding
+(``rollout.image_wire``) and the transfer of tensors.
 
 Compatibility with ms-swift 4.x's ``swift rollout``: ``POST /infer/`` accepts every field of
 ``RolloutInferRequest`` and ``RequestConfig`` (options the server cannot honour, e.g. ``n > 1`` or
