@@ -40,6 +40,8 @@ test: $(STAMP) $(SWIFT_STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff format --check . && $(VENV)/bin/ruff check .
+	# Import layers: a module imports only from its own layer and below (tools/check_layers.py).
+	$(VENV)/bin/python tools/check_layers.py
 
 format: $(STAMP)
 	$(VENV)/bin/ruff format . && $(VENV)/bin/ruff check --fix .

@@ -65,7 +65,8 @@ from rollmatch.rollout.types import Decoding, Rollout, RolloutRequest
 from rollmatch.rollout.vllm_colocate import VllmColocateBackend
 from rollmatch.rollout.vllm_engine import VllmEngine
 from rollmatch.rollout.vllm_settings import VllmEngineSettings
-from rollmatch.sync.weights import checksum_tensors, flatten_buckets, iter_sync_tensors
+from rollmatch.sync.transaction import bucket_checksum
+from rollmatch.sync.weights import flatten_buckets, iter_sync_tensors
 
 DEFAULT_DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
 MB = 1 << 20
@@ -321,7 +322,8 @@ def _sync_cost(backend: VllmColocateBackend, model: torch.nn.Module, repeats: in
     buckets = list(flatten_buckets(named))
     flatten_s = time.perf_counter() - start
     start = time.perf_counter()
-    checksum_tensors(named)
+    for bucket in buckets:
+        bucket_checksum(bucket.metas, bucket.flat)
     checksum_s = time.perf_counter() - start
     return {
         "sync_mb": megabytes,

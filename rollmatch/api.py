@@ -10,6 +10,7 @@ from rollmatch.data.records import Record, RecordObject, load_records
 from rollmatch.detection.codec import ObjectCodec, ParseResult, QwenJsonCodec, build_codec
 from rollmatch.detection.matching import MatchResult, hungarian_match
 from rollmatch.detection.objects import DetObject, iou
+from rollmatch.detection.scoring import ScoreCounts, ScoredResponse, score_response
 from rollmatch.detection.targets import TargetSequence, build_gt_target, build_rollout_target
 from rollmatch.evaluation import EvalResult, evaluate, run_eval
 from rollmatch.rollout.build import build_backend
@@ -34,6 +35,8 @@ __all__ = [
     "Rollout",
     "RolloutBackend",
     "RolloutRequest",
+    "ScoreCounts",
+    "ScoredResponse",
     "TargetSequence",
     "build_backend",
     "build_codec",
@@ -47,4 +50,5 @@ __all__ = [
     "load_records",
     "run_eval",
     "run_training",
+    "score_response",
 ]

@@ -78,13 +78,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="runs/demo")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides of the demo config")
 
-    p = sub.add_parser("eval", help="Roll out over a dataset; precision/recall/F1@0.5 and COCO mAP.")
+    p = sub.add_parser(
+        "eval", help="Roll out over a dataset; precision/recall/F1 at matching.iou_threshold and COCO mAP."
+    )
     p.add_argument("--model", required=True)
     p.add_argument("--data", required=True, help="JSONL records")
     p.add_argument("--out", help="predictions JSONL (default: <model>/predictions.jsonl)")
-    p.add_argument("--config", help="YAML config for data/decoding settings")
+    p.add_argument(
+        "--config",
+        help="YAML config (data, decoding, matching, engine); without it the engine settings are picked "
+        "for this machine and printed",
+    )
     p.add_argument("--backend", choices=["hf", "vllm"], default=None)
-    p.add_argument("--max-samples", type=int, default=None)
+    p.add_argument(
+        "--max-samples", type=int, default=None, help="evaluate the first N records (eval.max_samples)"
+    )
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides")
 
     p = sub.add_parser("serve", help="Run a rollout server (swift-compatible HTTP API + weight sync).")

@@ -4,8 +4,9 @@
 - :class:`LaunchError`: ``rollmatch launch`` refuses a layout (devices, process counts, ports) before
   starting anything; every problem is listed with the flag or key, value and fix.
 - :class:`DataError`: a record or dataset file is wrong; names file:line and the field.
-- :class:`BackendError`: a rollout backend / server / engine is dead or misbehaves (not retryable here).
-- :class:`RetryableError`: a transient fault the caller may retry (e.g. a dropped HTTP connection).
+- :class:`BackendError`: a rollout backend / server / engine is dead or misbehaves. Nothing in
+  rollmatch retries a failed call (a stalled rollout server fails the step with its URL), so there
+  is no separate retryable class; add one together with the first caller that retries.
 - :class:`PromptAlignmentError`, :class:`PackingError`, :class:`SyncError`,
   :class:`CollectiveTimeoutError`: contract violations of one subsystem, each naming what to change.
 """
@@ -69,10 +70,6 @@ class DataError(RollmatchError):
 
 class BackendError(RollmatchError):
     """A rollout backend, engine or server is unusable; the message names it and suggests a fix."""
-
-
-class RetryableError(RollmatchError):
-    """A transient fault; retrying the same call may succeed."""
 
 
 class PromptAlignmentError(RollmatchError):

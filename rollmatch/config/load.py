@@ -31,7 +31,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
-from rollmatch.config.legacy import translate_legacy
+from rollmatch.config.legacy import aliased_section_conflicts, translate_legacy
 from rollmatch.config.rules import check_config
 from rollmatch.config.schema import RollmatchConfig
 from rollmatch.errors import ConfigError, ConfigProblem
@@ -173,8 +173,10 @@ def deep_merge(base: Mapping[str, Any], top: Mapping[str, Any]) -> dict[str, Any
 # ------------------------------------------------------------------------------------ private helpers
 def _load_layers(layers: list[Layer], overrides: Sequence[str]) -> RollmatchConfig:
     override_layer, problems = parse_overrides(overrides)
+    all_layers = [*layers, ("<overrides>", override_layer)]
+    problems.extend(aliased_section_conflicts(all_layers))
     merged: dict[str, Any] = {}
-    for source, layer in [*layers, ("<overrides>", override_layer)]:
+    for source, layer in all_layers:
         translated, legacy_problems = translate_legacy(layer, source)
         problems.extend(legacy_problems)
         merged = deep_merge(merged, translated)

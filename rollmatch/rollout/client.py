@@ -9,7 +9,8 @@ transaction (``sync.transaction``) and the group (``sync.transport``).
 
 Multi-process learners: every rank may generate; only rank 0 opens the weight-sync groups and
 pushes. ``sync_weights`` is ``barrier -> rank 0 push -> broadcast of the outcome`` on every rank,
-so no rank generates with stale weights and a failed push fails every rank.
+so no rank generates with stale weights and a failed push fails every rank; with sharded parameters
+(ZeRO-3 / FSDP2) the other ranks take part in rank 0's per-bucket gathers (``sync.weights``).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from rollmatch.collectives import Collectives
-from rollmatch.config.rules import resolve_servers
+from rollmatch.config.rules import resolve_servers, resolve_sync_mode, sync_mode_problems
 from rollmatch.config.schema import RollmatchConfig
 from rollmatch.errors import BackendError, ConfigError, ConfigProblem, RollmatchError, SyncError
 from rollmatch.models.wrappers import strip_parallel_wrappers
@@ -49,7 +50,7 @@ from rollmatch.rollout.image_wire import ImageWire, OriginalPng, build_image_wir
 from rollmatch.rollout.types import Decoding, Rollout, RolloutProvenance, RolloutRequest, SyncReport
 from rollmatch.sync.transaction import AdapterPayload, push_update
 from rollmatch.sync.transport import GroupTransport, default_backend
-from rollmatch.sync.weights import iter_sync_tensors, peft_adapter_config
+from rollmatch.sync.weights import SyncTensors, peft_adapter_config
 
 __all__ = ["API_KEY_ENV", "LEASE_HEADER", "InferTiming", "ServerBackend", "ServerConnection"]
 log = logging.getLogger(__name__)
@@ -130,7 +131,10 @@ class ServerBackend:
                     )
                 ]
             )
-        mode = resolve_sync_mode(vllm.sync.mode, vllm.enable_lora, collectives.world_size)
+        problems = sync_mode_problems(cfg, world_size=collectives.world_size)
+        if problems:
+            raise ConfigError(problems)
+        mode = resolve_sync_mode(cfg)
         connections = [
             ServerConnection(
                 e.base_url,
@@ -293,6 +297,8 @@ class ServerBackend:
                 outcome = self._push(model, version)
             except RollmatchError as exc:
                 failure, outcome = exc, f"{type(exc).__name__}: {exc}"
+        else:  # sharded parameters (ZeRO-3 / FSDP2): take part in rank 0's per-bucket gathers
+            SyncTensors(model, self.sync_mode).drain()  # type: ignore[arg-type]
         outcome = coll.broadcast_object(outcome, f"weight sync v{version}: after push")
         if failure is not None:
             raise failure
@@ -342,16 +348,19 @@ class ServerBackend:
         return self._push_mode(model, version, "full")
 
     def _push_mode(self, model: Any, version: int, mode: str) -> SyncReport:
-        if self._group_stale:
-            self._open_groups(model)
-        adapter = (
-            AdapterPayload(peft_adapter_config(model), lora_int_id=version + 1) if mode == "adapter" else None
-        )
-        targets = list(zip(self.connections, self._transports, strict=True))
+        tensors = SyncTensors(model, mode)  # type: ignore[arg-type]
         try:
+            if self._group_stale:
+                self._open_groups(model)
+            adapter = (
+                AdapterPayload(peft_adapter_config(model), lora_int_id=version + 1)
+                if mode == "adapter"
+                else None
+            )
+            targets = list(zip(self.connections, self._transports, strict=True))
             result = push_update(
                 targets,
-                iter_sync_tensors(model, mode),
+                tensors,
                 version=version,
                 mode=mode,  # type: ignore[arg-type]
                 bucket_bytes=self.bucket_bytes,
@@ -360,6 +369,8 @@ class ServerBackend:
         except RollmatchError:
             self._group_stale = True  # a half-sent bucket leaves the group out of step: rebuild it next time
             raise
+        finally:
+            tensors.drain()  # whatever failed, run the gathers other ranks wait in (sharded parameters)
         return SyncReport(version=version, num_bytes=result.num_bytes, seconds=result.seconds, mode=mode)  # type: ignore[arg-type]
 
     def _open_groups(self, model: Any) -> None:
@@ -427,23 +438,6 @@ def _rollout(
         weight_version=output.weight_version,
         provenance=provenance,
     )
-
-
-def resolve_sync_mode(mode: str, enable_lora: bool, world_size: int) -> str:
-    """``full`` or ``adapter`` (``auto`` = adapter iff ``enable_lora``); adapter needs one process."""
-    resolved = ("adapter" if enable_lora else "full") if mode == "auto" else mode
-    if resolved == "adapter" and world_size > 1:
-        raise ConfigError(
-            [
-                ConfigProblem(
-                    f"{_KEY}.sync.mode",
-                    mode,
-                    f"resolves to adapter sync, which multi-process learners "
-                    f"(world_size {world_size}) do not support: set `{_KEY}.sync.mode: full`",
-                )
-            ]
-        )
-    return resolved
 
 
 def trainer_processor(cfg: RollmatchConfig, model_dir: str) -> Any:

@@ -20,6 +20,7 @@ from dataclasses import fields
 from pathlib import Path
 from types import FrameType
 
+import torch
 import uvicorn
 
 from rollmatch.server.app import build_app
@@ -67,11 +68,17 @@ def serve_command(args: argparse.Namespace) -> int:
             API_KEY_ENV,
         )
     log.info(
-        "rollout server (%s engine, %s) on http://%s:%d; local media: %s; limits: %s",
+        "rollout server (%s engine, %s) on http://%s:%d; engine picked for this machine: device %s, dtype %s, "
+        "max_model_len %d, tensor_parallel_size %d (flags --dtype, --max-model-len, --tensor-parallel-size); "
+        "local media: %s; limits: %s",
         engine.name,
         args.model,
         args.host,
         args.port,
+        "cuda" if torch.cuda.is_available() else "cpu",
+        args.dtype,
+        args.max_model_len,
+        args.tensor_parallel_size,
         media.allowed_root or "refused",
         limits,
     )

@@ -14,7 +14,7 @@ offsets) and of exactly the transmitted bytes (padding included); the update che
 over the bucket digests. The byte digest reads the buffer as 64-bit words and reduces it, on the
 buffer's device, to their wrapping sum and a chunk-position-weighted sum (512 KiB chunks): integer
 arithmetic, so CPU and GPU agree bit for bit; memory-bandwidth fast (tens of GB/s, no host copy on
-GPU), where ``sync.weights.checksum_tensors`` runs at ~50 MB/s on CPU and CRC-32 at ~4 GB/s. It
+GPU; CRC-32 runs at ~4 GB/s). It is the one checksum scheme of a weight sync. It
 catches any changed, missing or extra word and misplaced chunks; it is an integrity check against
 transport and layout faults, not a cryptographic hash. The receiver digests each bucket in a
 background thread as soon as it lands, overlapping the next bucket's transfer.

@@ -7,8 +7,9 @@ run (they share one notion of the weight version):
   at every optimizer-step start without a message, and a resumed run continues it. Before step ``s`` the
   servers are pushed ``ver(s)`` whenever it changed (and once at the start of every run, before the
   actors start, so no rollout comes from weights the learner no longer has).
-- **status**: stale packs (``ver_pack < ver - version_window``) are dropped and counted; the rank reports
-  how many eligible packs it holds. The planner runs B only if every rank holds one per micro-step.
+- **status**: stale packs (``ver_pack < ver - version_window``) are dropped and counted; the rank waits up
+  to ``max_wait_s`` for one eligible pack per micro-step, then reports how many it holds. The planner runs
+  B only if every rank holds one per micro-step.
 - **take**: a B step pops exactly one pack per micro-step (one packed row each: DDP lock-step).
 
 Every step it also reports the queue (depth per rank, cumulative produced / trained / dropped counts) and
@@ -38,6 +39,7 @@ from rollmatch.training.step import ChannelBatch, ChannelStatus, GaugeKind, Wind
 log = logging.getLogger(__name__)
 _PREFIX = "stage2_ab/async"
 _STOP_TIMEOUT_S = 10.0
+_WAIT_SLICE_S = 0.5
 
 
 class AsyncPacks:
@@ -54,6 +56,7 @@ class AsyncPacks:
         version_window: int,
         sync_every_steps: int,
         accounting_path: str | None,
+        max_wait_s: float = 0.0,
     ):
         self.backend = backend
         self.model = model
@@ -63,7 +66,8 @@ class AsyncPacks:
         self.version_window = version_window
         self.sync_every_steps = sync_every_steps
         self.accounting_path = accounting_path
-        self._synced_this_run = False
+        self.max_wait_s = max_wait_s
+        self._first_push: SyncReport | None = None
         self._last_report = (time.perf_counter(), 0)  # (time, actor rollouts) at the previous step
         self._closed = False
 
@@ -72,24 +76,40 @@ class AsyncPacks:
 
     # ------------------------------------------------------------------------------ sync policy
     def before_step(self, global_step: int, kind: StepKind) -> SyncReport | None:
-        version = self.version_of(global_step)
-        report = None
-        if not self._synced_this_run or self.backend.weight_version != version:
-            report = self.backend.sync_weights(self.model, version)
-            self._synced_this_run = True
-        if not self.actor.started:  # only now do the servers hold this run's weights
-            self.actor.set_current_version(version)
-            self.actor.start()
+        """Push ``ver(global_step)`` if the servers hold another version (the run's first push is in ``status``)."""
+        report, self._first_push = self._first_push, None
+        if self.backend.weight_version != self.version_of(global_step):
+            report = self.backend.sync_weights(self.model, self.version_of(global_step))
         return report
 
     # ---------------------------------------------------------------------------------- channel
-    def status(self, global_step: int, micro_steps: int) -> ChannelStatus:
-        if self.actor.failure is not None:
-            return ChannelStatus(failure=f"rollout actor: {self.actor.failure}")
+    def status(self, global_step: int, micro_steps: int, *, wants_b: bool) -> ChannelStatus:
+        """This rank's eligible packs (after dropping stale ones); a step that wants B waits up to
+        ``max_wait_s`` for enough."""
+        self._start(global_step)
         version = self.version_of(global_step)
         self.actor.set_current_version(version)
         self.queue.drop_stale(version, self.version_window)
+        deadline = time.monotonic() + (self.max_wait_s if wants_b else 0.0)
+        while len(self.queue) < micro_steps and self.actor.failure is None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            self.queue.wait_for_change(min(remaining, _WAIT_SLICE_S))
+            self.queue.drop_stale(version, self.version_window)
+        if self.actor.failure is not None:
+            return ChannelStatus(failure=f"rollout actor: {self.actor.failure}")
         return ChannelStatus(ready=len(self.queue))
+
+    def _start(self, global_step: int) -> None:
+        """First step of the run (all ranks): push this run's weights, then start the actor."""
+        if self.actor.started:
+            return
+        version = self.version_of(global_step)
+        # Always push: a server may hold this version number with another run's weights.
+        self._first_push = self.backend.sync_weights(self.model, version)
+        self.actor.set_current_version(version)
+        self.actor.start()
 
     def take(self, windows: Windows, global_step: int, *, final: bool) -> ChannelBatch:
         version = self.version_of(global_step)
@@ -112,6 +132,7 @@ class AsyncPacks:
         self.actor.stream.ledger.mark_done([o.stream_position for o in dropped])
         sums = self.actor.take_sums()
         del sums["samples"]  # rollouts made, not trained: `samples` counts what the step trains (take)
+        sums[f"{_PREFIX}/b_step_skipped_due_to_queue"] += 0  # logged every step; the planner adds the 1
         now, rollouts = time.perf_counter(), self.actor.rollouts_total
         then, before = self._last_report
         self._last_report = (now, rollouts)

@@ -30,7 +30,7 @@ class WindowRows:
         self.producer = producer
         self.rows = rows
 
-    def status(self, global_step: int, micro_steps: int) -> ChannelStatus:
+    def status(self, global_step: int, micro_steps: int, *, wants_b: bool) -> ChannelStatus:
         return ChannelStatus()  # the window's own records always feed the step
 
     def take(self, windows: Windows, global_step: int, *, final: bool) -> ChannelBatch:

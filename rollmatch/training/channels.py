@@ -25,12 +25,13 @@ from rollmatch.config.schema import RollmatchConfig
 from rollmatch.data.prompts import EncodedPrompt, PromptEncoder
 from rollmatch.data.records import Record
 from rollmatch.detection.codec import ObjectCodec
-from rollmatch.detection.matching import hungarian_match
+from rollmatch.detection.scoring import score_response
 from rollmatch.detection.targets import TargetSequence, build_gt_target, build_rollout_target
 from rollmatch.packing.segment import Segment, build_segment
 from rollmatch.rollout.alignment import check_prompt_alignment
+from rollmatch.rollout.build import decoding_from_config
 from rollmatch.rollout.chunking import step_seed
-from rollmatch.rollout.types import Decoding, Rollout, RolloutBackend
+from rollmatch.rollout.types import Rollout, RolloutBackend
 from rollmatch.training.schedule import fixed_size_chunks
 
 
@@ -50,18 +51,6 @@ class ChannelOutput:
         self.segments.extend(other.segments)
         self.sums.update(other.sums)
         self.versions.extend(other.versions)
-
-
-def decoding_from_config(cfg: RollmatchConfig, max_new_tokens: int | None = None) -> Decoding:
-    """The rollout :class:`Decoding` of ``custom.extra.rollout_matching``."""
-    rm = cfg.rollout
-    return Decoding(
-        temperature=rm.decoding.temperature,
-        top_p=rm.decoding.top_p,
-        top_k=rm.decoding.top_k,
-        repetition_penalty=rm.decoding.repetition_penalty,
-        max_new_tokens=max_new_tokens or rm.max_new_tokens,
-    )
 
 
 class _SegmentFactory:
@@ -165,37 +154,30 @@ class RolloutChannel(_SegmentFactory):
         self, record: Record, encoded: EncodedPrompt, rollout: Rollout
     ) -> tuple[TargetSequence, Counter[str]]:
         """Parse, match and build ``Y_train`` for one rollout; returns the target and metric sums."""
-        gts = self.encoder.gt_objects(record, encoded)
-        parse = self.codec.parse(
+        scored = score_response(
+            self.codec,
             rollout.response_token_ids,
+            self.encoder.gt_objects(record, encoded),
             extent=self.encoder.frame_extent(encoded),
             hit_max_tokens=rollout.hit_max_tokens,
+            matching=self.cfg.matching,
         )
-        match = hungarian_match(parse.objects, gts, **self.cfg.matching.model_dump())
         target = build_rollout_target(
-            parse,
-            [gts[i] for i in match.fn],
+            scored.parse,
+            scored.missed,
             codec=self.codec,
             tokenizer=self.encoder.tokenizer,
             eos_token_id=self.encoder.eos_token_id,
             prefix_weight=self.cfg.loss.prefix_weight,
             desc_weight=self.cfg.loss.desc_weight,
         )
-        sums: Counter[str] = Counter(
+        sums: Counter[str] = Counter(scored.counts().to_sums())
+        sums.update(
             {
                 "samples": 1,
                 "rollout/count": 1,
                 "rollout/tokens": len(rollout.response_token_ids),
-                "rollout/truncated": int(parse.truncated),
-                "parse/valid": len(parse.objects),
-                "parse/elements": parse.num_complete,
-                "match/tp": len(match.pairs),
-                "match/fp": len(match.fp),
-                "match/fn": len(match.fn),
-                "match/iou_sum": sum(iou for _, _, iou in match.pairs),
                 "rollout/weight_version_sum": rollout.weight_version,
             }
         )
-        for reason, count in parse.invalid.items():
-            sums[f"parse/invalid_{reason}"] += count
         return target, sums

@@ -62,7 +62,8 @@ def realized_b_ratio(step: int, b_ratio: float) -> float:
 def fixed_size_chunks(count: int, chunk_size: int) -> list[tuple[int, int]]:
     """``[start, end)`` ranges covering ``range(count)`` in order, each ``chunk_size`` long but the last.
 
-    Used to split one step's rollouts into backend calls of
+    (Not :func:`rollmatch.rollout.chunking.contiguous_chunks`, which takes a number of chunks.) Used
+    to split one step's rollouts into backend calls of
     ``stage2_ab.channel_b.rollout_decode_batch_size`` samples.
     """
     if chunk_size <= 0:

@@ -68,7 +68,10 @@ class ChannelBatch:
 class Channel(Protocol):
     """A source of rows for optimizer steps (Channel-A, or one of the Channel-B modes)."""
 
-    def status(self, global_step: int, micro_steps: int) -> ChannelStatus: ...
+    def status(self, global_step: int, micro_steps: int, *, wants_b: bool) -> ChannelStatus:
+        """Can this rank feed a B step of ``micro_steps`` micro-steps now? (``wants_b``: this rank's
+        reading of the schedule, so a source may wait for rows only when the step will want them.)"""
+        ...
 
     def take(self, windows: Windows, global_step: int, *, final: bool) -> ChannelBatch: ...
 
@@ -186,7 +189,9 @@ class StepPlanner:
         """The step's kind, the same on every rank; ``True`` when a wanted B step runs A (no packs)."""
         if self.channel_b is None:
             return "A", False  # sft
-        status = self.channel_b.status(global_step, micro_steps)
+        status = self.channel_b.status(
+            global_step, micro_steps, wants_b=self.schedule.wants(global_step) == "B"
+        )
         constant = self.schedule.constant
         if constant is not None and status.ready is None and status.failure is None:
             return constant, False  # the same kind every step and nothing to wait for: no vote

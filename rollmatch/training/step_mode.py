@@ -106,7 +106,7 @@ class StepRollouts:
         self.pipeline = pipeline
         self.wait_timeout_s = wait_timeout_s
 
-    def status(self, global_step: int, micro_steps: int) -> ChannelStatus:
+    def status(self, global_step: int, micro_steps: int, *, wants_b: bool) -> ChannelStatus:
         return ChannelStatus()
 
     def take(self, windows: Windows, global_step: int, *, final: bool) -> ChannelBatch:

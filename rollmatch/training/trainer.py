@@ -11,7 +11,11 @@ files). This class only:
   size because DDP averages gradients — so packing, accumulation and world size leave gradients unchanged;
 - merges the planner's metric sums into HF's logs (per-rank sums known only after training are reduced
   across ranks at log time), and saves each rank's carry buffers / record-stream position with every
-  checkpoint (marked complete only after every rank wrote its part).
+  checkpoint (marked complete only after every rank wrote its part);
+- evaluates with rollmatch's detection eval (``evaluate``: ``training.periodic_eval``) when HF's eval
+  strategy says so, logging ``eval/*`` and returning HF-style ``eval_*`` keys so ``metric_for_best_model``,
+  best-checkpoint retention and ``load_best_model_at_end`` work as HF's own (the best model is reloaded the
+  way resume loads weights).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from transformers import Trainer
 from rollmatch.collectives import Collectives
 from rollmatch.packing.collate import model_inputs
 from rollmatch.training.losses import weighted_ce_sum
+from rollmatch.training.periodic_eval import DetectionEval, hf_metrics
 from rollmatch.training.step import MicroStep, StepPlan, StepPlanner
 
 log = logging.getLogger(__name__)
@@ -77,10 +82,12 @@ class RollmatchTrainer(Trainer):
         summarize: SummaryFn,
         collectives: Collectives,
         stateful: Mapping[str, Any] | None = None,
+        detection_eval: DetectionEval | None = None,
         **kwargs: Any,
     ):
         super().__init__(*args, **kwargs)
         self.planner = planner
+        self.detection_eval = detection_eval
         self.summarize = summarize
         self.collectives = collectives
         self.stateful = dict(stateful or {})
@@ -211,6 +218,49 @@ class RollmatchTrainer(Trainer):
             logs.update(self._gauges)
             self._pending_sums, self._local_sums, self._pending_steps = Counter(), Counter(), 0
         super().log(logs, start_time)
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(
+        self,
+        eval_dataset: Any = None,
+        ignore_keys: list[str] | None = None,
+        metric_key_prefix: str = "eval",
+    ) -> dict[str, float]:
+        """Detection eval of the current weights on every rank (rank 0 rolls out); logs ``eval/*``."""
+        if self.detection_eval is None:
+            raise RuntimeError(
+                "evaluation was requested but no detection eval is configured: set training.eval_steps "
+                "(or training.eval_strategy) and data.val_jsonl"
+            )
+        round_ = self.detection_eval.run(self.state.global_step)
+        if round_.sync is not None:  # the push counts towards the next log line's sync/* metrics
+            self._pending_sums.update(
+                {"sync/seconds": round_.sync.seconds, "sync/bytes": round_.sync.num_bytes, "sync/pushes": 1}
+            )
+            self._gauges["sync/version"] = float(round_.sync.version)
+        self.log(dict(round_.metrics))
+        metrics = hf_metrics(round_.metrics, metric_key_prefix)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        return metrics
+
+    def _load_best_model(self) -> None:
+        """``load_best_model_at_end``: the best checkpoint's weights, loaded the way resume loads them."""
+        best = self.state.best_model_checkpoint
+        if (
+            best is None
+            or self.is_deepspeed_enabled
+            or self.is_fsdp_enabled
+            or hasattr(self.model, "peft_config")
+        ):
+            super()._load_best_model()
+            return
+        log.info(
+            "loading the best model (%s = %s) from %s",
+            self.args.metric_for_best_model,
+            self.state.best_metric,
+            best,
+        )
+        self._load_from_checkpoint(best)
 
     # ------------------------------------------------------------------ checkpoints
     def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:

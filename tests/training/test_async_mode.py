@@ -3,6 +3,7 @@ gate, stale drops, one pack per micro-step, accounting, resume state, and an act
 
 from __future__ import annotations
 
+import threading
 import time
 from types import SimpleNamespace
 from typing import Any
@@ -15,6 +16,7 @@ from rollmatch.data.prompts import PromptEncoder
 from rollmatch.data.records import load_records
 from rollmatch.detection.codec import build_codec
 from rollmatch.errors import BackendError
+from rollmatch.rollout.hf import HFBackend
 from rollmatch.training.actor import RolloutActor
 from rollmatch.training.async_mode import AsyncPacks
 from rollmatch.training.channel_modes import WindowRows
@@ -36,9 +38,12 @@ def tiny(loaded_tiny, tiny_model_dir, make_config) -> SimpleNamespace:
     records = load_records(cfg.data.train_jsonl)
     segments = GTChannel(model, encoder, codec, cfg).produce(records, 0).segments
     model.zero_grad(set_to_none=True)
+    actors: list[RolloutActor] = []
     yield SimpleNamespace(
-        model=model, cfg=cfg, encoder=encoder, codec=codec, records=records, segments=segments
+        model=model, cfg=cfg, encoder=encoder, codec=codec, records=records, segments=segments, actors=actors
     )
+    for actor in actors:  # every step start starts the rank's actor; stop them all
+        assert actor.stop(timeout_s=30.0)
     model.zero_grad(set_to_none=True)
 
 
@@ -49,8 +54,16 @@ def rows(tiny: SimpleNamespace) -> RowPlanner:
 
 
 def async_channel(
-    tiny: SimpleNamespace, rollouts: Any = None, *, window: int = 1, limit: int = 8
+    tiny: SimpleNamespace, rollouts: Any = None, *, window: int = 1, limit: int = 8, max_wait_s: float = 0.0
 ) -> AsyncPacks:
+    """Async Channel-B over an in-process HF backend. Without ``rollouts`` the actor stays idle (prefetch
+    target 0: it never rolls out), so the test alone fills the queue."""
+    backend = HFBackend(
+        tiny.model,
+        tiny.encoder.tokenizer,
+        eos_token_id=tiny.encoder.eos_token_id,
+        pad_token_id=tiny.encoder.pad_token_id,
+    )
     queue: ReadyPackQueue[Any] = ReadyPackQueue(limit)
     actor = RolloutActor(
         rollouts=rollouts,
@@ -58,13 +71,13 @@ def async_channel(
         queue=queue,
         packer=VersionPurePacker(length=lambda s: s.length, capacity=1024, batch_size=None),
         decode_batch_size=2,
-        prefetch_target=2,
+        prefetch_target=2 if rollouts is not None else 0,
         version_window=window,
         training_seed=0,
         rank=0,
     )
-    return AsyncPacks(
-        backend=None,  # type: ignore[arg-type]  # no sync in these tests (the planner gets sync=None)
+    channel = AsyncPacks(
+        backend=backend,
         model=tiny.model,
         actor=actor,
         queue=queue,
@@ -72,7 +85,10 @@ def async_channel(
         version_window=window,
         sync_every_steps=1,
         accounting_path=None,
+        max_wait_s=max_wait_s,
     )
+    tiny.actors.append(actor)
+    return channel
 
 
 def planner(tiny: SimpleNamespace, channel_b: AsyncPacks) -> StepPlanner:
@@ -80,7 +96,7 @@ def planner(tiny: SimpleNamespace, channel_b: AsyncPacks) -> StepPlanner:
         schedule=ABSchedule(1.0),
         channel_a=WindowRows(GTChannel(tiny.model, tiny.encoder, tiny.codec, tiny.cfg).produce, rows(tiny)),
         channel_b=channel_b,
-        sync=None,
+        sync=channel_b,
         collectives=LocalCollectives(),
         report_ab=True,
     )
@@ -127,6 +143,38 @@ def test_too_few_eligible_packs_run_a_and_keep_the_packs(tiny) -> None:
     channel.queue.put(ready_pack(tiny, 3, 0))
     plan = planner(tiny, channel).plan([tiny.records[:1], tiny.records[1:2]], 3)  # 1 pack for 2 micro-steps
     assert plan.kind == "A" and len(channel.queue) == 1
+
+
+def test_a_b_step_waits_up_to_max_wait_s_for_its_packs(tiny) -> None:
+    channel = async_channel(tiny, window=1, max_wait_s=30.0)
+
+    def late_producer() -> None:
+        time.sleep(0.3)  # the learner is already waiting at the step start
+        channel.queue.put(ready_pack(tiny, 0, 0))
+
+    producer = threading.Thread(target=late_producer)
+    started = time.monotonic()
+    producer.start()
+    plan = planner(tiny, channel).plan([tiny.records[:1]], 0)
+    producer.join(timeout=10)
+    assert plan.kind == "B" and 0.25 < time.monotonic() - started < 25
+    assert plan.gauges["sync/version"] == 0  # the run's first push happened before the actor started
+    assert channel.actor.started
+
+
+def test_a_step_the_schedule_wants_on_channel_a_never_waits(tiny) -> None:
+    channel = async_channel(tiny, max_wait_s=30.0)
+    plan_a = StepPlanner(
+        schedule=ABSchedule(0.5),  # step 0 wants A
+        channel_a=WindowRows(GTChannel(tiny.model, tiny.encoder, tiny.codec, tiny.cfg).produce, rows(tiny)),
+        channel_b=channel,
+        sync=channel,
+        collectives=LocalCollectives(),
+        report_ab=True,
+    )
+    started = time.monotonic()
+    assert plan_a.plan([tiny.records[:1]], 0).kind == "A"
+    assert time.monotonic() - started < 20  # the empty queue was not waited for
 
 
 def test_an_actor_that_cannot_reach_its_server_fails_the_step_naming_the_url(tiny, free_port) -> None:

@@ -164,3 +164,23 @@ def test_variant_refuses_a_code_built_config_without_b_ratio():
 def test_rollouts_per_step_default_is_bs_times_world_times_gas(channel_b, training, world, budget):
     t = TrainingConfig(**training)
     assert rollouts_per_step(ChannelBConfig(**channel_b), t, world, t.gradient_accumulation(world)) == budget
+
+
+def test_async_queue_must_hold_the_packs_the_actor_keeps_ready():
+    channel_b = {"mode": "async", "async": {"queue_limit": 2, "prefetch_target_packs": 4}}
+    message = problems_of({**SERVER, "stage2_ab": {"schedule": {"b_ratio": 0.5}, "channel_b": channel_b}})
+    assert "stage2_ab.channel_b.async.prefetch_target_packs = 4" in message and "queue_limit = 2" in message
+
+
+def test_async_actors_must_keep_a_pack_per_micro_step_ready():
+    cfg = load_config_dict(
+        {
+            **SERVER,
+            "stage2_ab": {"schedule": {"b_ratio": 0.5}, "channel_b": {"mode": "async"}},
+            "training": {"per_device_train_batch_size": 2, "effective_batch_size": 16},
+        }
+    )
+    problems = check_runtime(cfg, world_size=2, device_count=0, device_type="cpu")  # GAS = 16 / (2 * 2) = 4
+    assert [p.key for p in problems] == ["stage2_ab.channel_b.async.prefetch_target_packs"]
+    assert "gradient_accumulation_steps = 4" in problems[0].fix and ">= 4" in problems[0].fix
+    assert check_runtime(cfg, world_size=4, device_count=0, device_type="cpu") == []  # GAS 2 = the default 2
