@@ -123,6 +123,12 @@ class ServerConfig(Section):
         240.0, gt=0.0, description="Reachability (/health/ polling) and communicator init timeout (s)."
     )
     infer_timeout_s: float | None = Field(None, description="HTTP timeout of /infer/; null or <= 0: none.")
+    image_wire: Literal["png", "resized_bmp"] = Field(
+        "png",
+        description="How /infer/ carries images. png: each original image as PNG (any swift-style server). "
+        "resized_bmp (opt-in, faster): the pixels the trainer's processor already resized, uncompressed, "
+        "bit-exact for the server's processor (docs/server.md).",
+    )
 
 
 class SyncConfig(Section):

@@ -13,37 +13,47 @@ Endpoints: ``GET /health/`` (503 when a weight load failed half-way or the engin
 ``/init_communicator/`` (returns the sync lease), ``/update_flattened_params/``,
 ``/update_adapter_flattened_param/``, ``/finish_weight_update/`` (these need the lease in
 ``X-Rollmatch-Sync-Lease``), ``/reset_prefix_cache/``, ``/close_communicator/``.
-Synchronous handlers run in the thread pool, so health probes answer during generation.
+Synchronous handlers run in the thread pool, so health probes answer during generation. ``/infer/``
+reads its body itself and does all its work in one worker-thread hop (parse and validate the JSON
+exactly as a declared body would be, generate, serialise the reply); its answer carries the
+phase times in a ``Server-Timing`` header (``receive``, ``parse``, ``prepare``, ``decode``,
+``engine``, ``outputs``, ``respond``).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Header, HTTPException, Request, Response
+from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
 
 from rollmatch.errors import BackendError, RollmatchError, SyncError
 from rollmatch.protocol import (
+    INFER_REPLY,
+    SERVER_TIMING_HEADER,
     FinishUpdateBody,
     FinishUpdateReply,
     InferBody,
     InitCommunicatorBody,
-    RolloutOutput,
     ServerInfo,
     ServerStats,
     UpdateAdapterBody,
     UpdateFlattenedParamsBody,
+    format_server_timing,
 )
 from rollmatch.server.gate import RequestGate
 from rollmatch.server.limits import RequestTooLarge
 from rollmatch.server.rollout_server import RolloutServer
 from rollmatch.server.sync_session import LEASE_HEADER
+from rollmatch.server.timing import PhaseTimes
 
 log = logging.getLogger(__name__)
 _MAX_ERRORS_SHOWN = 8
+ModelT = TypeVar("ModelT", bound=BaseModel)
 
 
 def build_app(server: RolloutServer, *, api_key: str | None = None) -> FastAPI:
@@ -88,10 +98,25 @@ def build_app(server: RolloutServer, *, api_key: str | None = None) -> FastAPI:
         return server.stats()
 
     @app.post("/infer/")
-    def infer(body: InferBody, response: Response) -> list[RolloutOutput]:
-        outputs = call(server.infer, body)
-        response.headers["X-Weight-Version"] = str(server.weight_version)
-        return outputs
+    async def infer(request: Request) -> Response:
+        times = PhaseTimes()
+        with times.phase("receive"):
+            raw = await request.body()
+        content_type = request.headers.get("content-type")
+
+        def answer() -> bytes:  # one worker-thread hop: parse, generate, serialise
+            with times.phase("parse"):
+                body = parse_json_body(InferBody, raw, content_type)
+            outputs = call(server.infer, body, times)
+            with times.phase("respond"):
+                return INFER_REPLY.dump_json(outputs)
+
+        payload = await run_in_threadpool(answer)
+        headers = {
+            "X-Weight-Version": str(server.weight_version),
+            SERVER_TIMING_HEADER: format_server_timing(times.seconds),
+        }
+        return Response(payload, media_type="application/json", headers=headers)
 
     @app.post("/init_communicator/")
     def init_communicator(body: InitCommunicatorBody, request: Request) -> dict[str, str]:
@@ -130,6 +155,28 @@ def build_app(server: RolloutServer, *, api_key: str | None = None) -> FastAPI:
         return {"message": "communicator closed"}
 
     return app
+
+
+def parse_json_body(model: type[ModelT], raw: bytes, content_type: str | None) -> ModelT:
+    """``raw`` validated as ``model`` with the same rules as a declared FastAPI JSON body: a missing
+    or non-JSON content type, bad JSON (syntax, UTF-8, lone surrogates, nesting deeper than 200) or
+    a bad field is a ``RequestValidationError`` (a 422 naming it, never echoing the input)."""
+    media_type = (content_type or "").split(";", 1)[0].strip().lower()
+    if media_type != "application/json" and not media_type.endswith("+json"):
+        raise RequestValidationError(
+            [
+                {
+                    "type": "content_type",
+                    "loc": ("body",),
+                    "msg": f"send the body as JSON with `Content-Type: application/json` (got {media_type or 'none'!r})",
+                }
+            ]
+        )
+    try:
+        return model.model_validate_json(raw)  # one pass in pydantic's parser: no Python dict first
+    except ValidationError as exc:
+        errors = exc.errors(include_input=False, include_url=False)
+        raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in errors]) from None
 
 
 def _status(exc: Exception) -> int:

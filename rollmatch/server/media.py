@@ -14,7 +14,6 @@ Safety rules, each a 4xx naming the image (never a 500, never a file probe):
 
 from __future__ import annotations
 
-import base64
 import binascii
 import io
 import struct
@@ -22,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from rollmatch.protocol import from_base64
 from rollmatch.server.limits import RequestTooLarge
 
 if TYPE_CHECKING:
@@ -81,7 +81,7 @@ def _local_file(value: str, policy: MediaPolicy) -> Path | None:
 
 def _b64(value: str, where: str, policy: MediaPolicy | None = None) -> bytes:
     try:
-        return base64.b64decode(value, validate=True)
+        return from_base64(value)
     except (binascii.Error, ValueError) as exc:
         if policy is not None and policy.allowed_root is None:
             hint = (

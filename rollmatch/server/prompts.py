@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from rollmatch.protocol import ChatTurn, InferRequest, TextPart
 from rollmatch.server.limits import RequestTooLarge
 from rollmatch.server.media import MediaPolicy, decode_image
+from rollmatch.server.timing import PhaseTimes
 
 if TYPE_CHECKING:
     from PIL.Image import Image
@@ -62,8 +63,12 @@ class PromptPreparer:
         # Ids the tokenizer can decode and the embedding holds (vLLM refuses ids past the tokenizer).
         self.vocab_size = min(len(self.tokenizer), vocab_size or len(self.tokenizer))
 
-    def prepare(self, request: InferRequest, index: int) -> PreparedPrompt:
-        """Decode the images; take the trainer's ids (checked), or encode the chat messages."""
+    def prepare(self, request: InferRequest, index: int, times: PhaseTimes | None = None) -> PreparedPrompt:
+        """Decode the images; take the trainer's ids (checked), or encode the chat messages.
+
+        ``times`` (optional) gets the image decoding as its ``decode`` phase.
+        """
+        times = times if times is not None else PhaseTimes()
         where = f"infer_requests[{index}]"
         sample_id = request.sample_id or request.uuid or f"request-{index}"
         if len(request.images) > self.max_images:
@@ -74,7 +79,10 @@ class PromptPreparer:
             )
         if request.prompt_token_ids:
             self.check_token_ids(f"{where}.prompt_token_ids", request.prompt_token_ids, len(request.images))
-            images = [self._image(value, f"{where}.images[{i}]") for i, value in enumerate(request.images)]
+            with times.phase("decode"):
+                images = [
+                    self._image(value, f"{where}.images[{i}]") for i, value in enumerate(request.images)
+                ]
             return PreparedPrompt(sample_id, list(request.prompt_token_ids), images)
         messages, sources = chat_messages(request.messages, request.images, where)
         if len(sources) > self.max_images:
@@ -83,7 +91,8 @@ class PromptPreparer:
                 f"{where} holds {len(sources)} images, over this server's limit of {self.max_images} per prompt "
                 "(rollmatch serve --max-images-per-request)",
             )
-        images = [self._image(value, name) for name, value in sources]
+        with times.phase("decode"):
+            images = [self._image(value, name) for name, value in sources]
         text = self.tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=True, **request.chat_template_kwargs
         )

@@ -37,6 +37,7 @@ from rollmatch.server.engines import EngineOutput, ServerEngine
 from rollmatch.server.limits import RequestTooLarge, ServerLimits
 from rollmatch.server.prompts import PreparedPrompt, trim_at_stop_strings
 from rollmatch.server.sync_session import SyncSession
+from rollmatch.server.timing import PhaseTimes
 from rollmatch.server.watchdog import GENERATION, EngineGuard
 from rollmatch.sync.transaction import VerifiedUpdate
 
@@ -68,11 +69,16 @@ class RolloutServer:
         return f"the rollout engine is stalled: {stalled}" if stalled else None
 
     # ------------------------------------------------------------------------------- inference
-    def infer(self, body: InferBody) -> list[RolloutOutput]:
+    def infer(self, body: InferBody, times: PhaseTimes | None = None) -> list[RolloutOutput]:
+        """Roll out every request of ``body``; ``times`` (optional) gets the phases ``prepare`` (caps,
+        id checks; ``decode`` for the images inside it), ``engine`` (with any wait for the engine
+        lock) and ``outputs``."""
+        times = times if times is not None else PhaseTimes()
         if self.broken is not None:
             raise BackendError(f"this rollout server stopped serving: {self.broken}; restart it")
         try:
-            config, prompts = self._checked(body)
+            with times.phase("prepare"):
+                config, prompts = self._checked(body, times)
         except ValueError:
             self._count(rejected=1)
             raise
@@ -88,7 +94,7 @@ class RolloutServer:
         decoding = decoding_from_request_config(
             config, self.engine.max_model_len - longest, self.limits.max_tokens
         )
-        with self.guard.hold(GENERATION):
+        with times.phase("engine"), self.guard.hold(GENERATION):
             version = self.weight_version
             try:
                 outputs = self.engine.generate(prompts, decoding, config.seed)
@@ -96,14 +102,15 @@ class RolloutServer:
                 self.engine.recover()
                 raise _engine_failure(exc) from exc
         self._count(calls=1, requests=len(prompts))
-        if config.stop:
-            outputs = [self._apply_stops(out, config.stop) for out in outputs]
-        return [
-            _rollout_output(self.engine.model_dir, p, out, version, config.return_details)
-            for p, out in zip(prompts, outputs, strict=True)
-        ]
+        with times.phase("outputs"):
+            if config.stop:
+                outputs = [self._apply_stops(out, config.stop) for out in outputs]
+            return [
+                _rollout_output(self.engine.model_dir, p, out, version, config.return_details)
+                for p, out in zip(prompts, outputs, strict=True)
+            ]
 
-    def _checked(self, body: InferBody) -> tuple[RequestConfig, list[PreparedPrompt]]:
+    def _checked(self, body: InferBody, times: PhaseTimes) -> tuple[RequestConfig, list[PreparedPrompt]]:
         """Caps and cross-field checks the wire models cannot know; then the prepared prompts."""
         config = body.request_config or RequestConfig()
         count = len(body.infer_requests)
@@ -131,7 +138,8 @@ class RolloutServer:
             raise ValueError(
                 f"request_config.top_k = {config.top_k} is larger than the vocabulary ({vocab}); send -1 to disable"
             )
-        return config, [self.engine.preparer.prepare(r, i) for i, r in enumerate(body.infer_requests)]
+        prepare = self.engine.preparer.prepare
+        return config, [prepare(r, i, times) for i, r in enumerate(body.infer_requests)]
 
     def _apply_stops(self, out: EngineOutput, stops: list[str]) -> EngineOutput:
         trimmed = trim_at_stop_strings(out.token_ids, out.text, stops, self.engine.preparer.tokenizer)

@@ -257,7 +257,12 @@ class ActorRolloutClient:
             ServerConnection(c.url, c.group_port, timeout_s=c.timeout_s, infer_timeout_s=c.infer_timeout_s)
             for c in backend.connections
         ]
-        self._client = ServerBackend(connections, collectives=LocalCollectives(), tokenizer=backend.tokenizer)
+        self._client = ServerBackend(
+            connections,
+            collectives=LocalCollectives(),
+            tokenizer=backend.tokenizer,
+            image_wire=backend.image_wire,
+        )
 
     @property
     def weight_version(self) -> int:

@@ -166,7 +166,7 @@ def test_a_request_that_fails_inside_vllm_leaves_the_engine_clean(
             **{**RequestConfig().model_dump(), "seed": 2**64, "temperature": 1.0, "max_tokens": 4}
         )
         with monkeypatch.context() as patch:
-            patch.setattr(server, "_checked", lambda body: (unchecked, prompts))
+            patch.setattr(server, "_checked", lambda body, times: (unchecked, prompts))
             with pytest.raises(ValueError, match=r"the engine refused the request .*Overflow"):
                 server.infer(good)
         done: dict[str, Any] = {}
