@@ -3,8 +3,13 @@
 PY ?= python3.11
 VENV := .venv
 STAMP := $(VENV)/.installed
+# ms-swift's own request/response classes for the compatibility test: its pins clash with ours, so it
+# gets a separate venv (ms-swift --no-deps + the few packages its protocol module imports), built once.
+SWIFT_VENV := .venv-swift
+SWIFT_STAMP := $(SWIFT_VENV)/.installed
+SWIFT_VERSION := 4.6.0
 
-.PHONY: venv demo test lint format bench
+.PHONY: venv swift-venv demo test lint format bench
 
 venv: $(STAMP)
 
@@ -17,14 +22,26 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/pip uninstall -q -y torchaudio torchcodec || true
 	touch $(STAMP)
 
+swift-venv: $(SWIFT_STAMP)
+
+$(SWIFT_STAMP): tests/server/swift_requirements.txt
+	test -x $(SWIFT_VENV)/bin/python || $(PY) -m venv $(SWIFT_VENV)
+	$(SWIFT_VENV)/bin/pip install -q torch==2.13.0
+	$(SWIFT_VENV)/bin/pip install -q --no-deps ms-swift==$(SWIFT_VERSION)
+	$(SWIFT_VENV)/bin/pip install -q -r tests/server/swift_requirements.txt
+	$(SWIFT_VENV)/bin/python -c "from swift.infer_engine.protocol import RequestConfig, RolloutInferRequest, RolloutOutput"
+	touch $(SWIFT_STAMP)
+
 demo: $(STAMP)
 	$(VENV)/bin/rollmatch demo
 
-test: $(STAMP)
+test: $(STAMP) $(SWIFT_STAMP)
 	$(VENV)/bin/python -m pytest -q
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff format --check . && $(VENV)/bin/ruff check .
+	# Import layers: a module imports only from its own layer and below (tools/check_layers.py).
+	$(VENV)/bin/python tools/check_layers.py
 
 format: $(STAMP)
 	$(VENV)/bin/ruff format . && $(VENV)/bin/ruff check --fix .

@@ -6,6 +6,8 @@ parse, the matching and the FN tail all do real work). Host seconds per sample =
 Hungarian match + Y_train construction; rollout seconds per sample = HF generate on the tiny
 model producing exactly as many tokens as that response, for the same batch. Prints one JSON
 object: {"datasets": {NAME: {"host_seconds_per_sample", "rollout_seconds_per_sample", "ratio"}}}.
+The host side is the trainer's own path: ``detection.scoring.score_response`` (strict parse +
+matching with the default ``matching.*``) and ``build_rollout_target``.
 """
 
 from __future__ import annotations
@@ -20,14 +22,14 @@ from pathlib import Path
 import torch
 
 import rollmatch  # noqa: F401  (environment workarounds)
-from rollmatch.config.schema import DataConfig
+from rollmatch.config.schema import DataConfig, MatchingConfig
 from rollmatch.data.convert import from_yolo, read_yolo_names
 from rollmatch.data.prompts import PromptEncoder
 from rollmatch.data.records import load_records
 from rollmatch.data.shapes import generate_shapes
 from rollmatch.detection.codec import build_codec
-from rollmatch.detection.matching import hungarian_match
 from rollmatch.detection.objects import DetObject
+from rollmatch.detection.scoring import score_response
 from rollmatch.detection.targets import build_rollout_target
 from rollmatch.models.tiny import build_tiny_model
 from rollmatch.rollout.hf import left_padded_inputs
@@ -51,6 +53,7 @@ def jittered_response(gts: list[DetObject], rng: random.Random, extent: tuple[in
 
 def measure(name: str, records: list, model: torch.nn.Module, encoder: PromptEncoder) -> dict[str, float]:
     codec = build_codec("qwen_json", encoder.tokenizer, [encoder.eos_token_id])
+    matching = MatchingConfig()
     tok = encoder.tokenizer
     rng = random.Random(0)
     host = rollout = 0.0
@@ -64,11 +67,11 @@ def measure(name: str, records: list, model: torch.nn.Module, encoder: PromptEnc
             responses.append((gts, tok.encode(codec.serialize(pred), add_special_tokens=False)))
         t0 = time.perf_counter()
         for enc, (gts, ids) in zip(encoded, responses, strict=True):
-            parse = codec.parse(ids, extent=encoder.frame_extent(enc), hit_max_tokens=False)
-            match = hungarian_match(parse.objects, gts)
+            extent = encoder.frame_extent(enc)
+            scored = score_response(codec, ids, gts, extent=extent, hit_max_tokens=False, matching=matching)
             build_rollout_target(
-                parse,
-                [gts[i] for i in match.fn],
+                scored.parse,
+                scored.missed,
                 codec=codec,
                 tokenizer=tok,
                 eos_token_id=encoder.eos_token_id,

@@ -9,17 +9,29 @@
    interleaved rounds per path (and the median per-round ratio).
 2. ``server_full_sync_seconds_per_mb``: end to end against a real ``rollmatch serve`` process
    (HTTP, gloo, checksums and loading into the engine) for the tiny model; informational.
-3. ``infer_http_over_inprocess``: one batch of rollouts through ``POST /infer/`` (PNG images, JSON,
-   HTTP) vs the same engine class called in this process on the same prompts (interleaved runs,
-   best of each). With the tiny model generation is cheap, so this is an upper bound on the HTTP share.
+3. ``infer_http_over_inprocess``: one batch of rollouts (``--requests``, default 8) through
+   ``POST /infer/`` vs the same engine class called in this process on the same prompts, per
+   ``--image-wire`` (how the client sends images; ``infer_http_over_inprocess_<wire>``). Every
+   round uses new photographs and runs every path on them, in an order rotated each round; round
+   0 warms up. Ratios are paired per round: ``infer.wires.<wire>.http_over_inprocess`` gives their
+   median, min and max (``best_of``: best HTTP round over best in-process round). Where the time
+   goes, medians over rounds: ``client_seconds`` (``encode_images``, ``serialize_json``,
+   ``round_trip``, of which ``transfer_and_http`` is not spent in a server phase, ``parse_reply``,
+   ``client_other``) and ``server_seconds`` (the server's ``Server-Timing`` phases: ``receive``,
+   ``parse`` = JSON parse + validation, ``prepare`` = caps and id checks, ``decode`` = images,
+   ``engine`` = the engine call incl. the HF processor, ``outputs``, ``respond`` = reply JSON).
+   For a wire that changes the images, ``http_over_inprocess_same_images`` compares with the
+   in-process engine given the images the server decoded (the transport's cost alone). With the
+   tiny model generation is cheap, so these ratios are upper bounds on the HTTP share.
 
-Run: ``.venv/bin/python bench/weight_sync.py [--payload-mb 256] [--engine hf|vllm]`` (a few minutes
-on 2 cores).
+Run: ``.venv/bin/python bench/weight_sync.py [--payload-mb 256] [--engine hf|vllm] [--threads 1]
+[--skip-transaction]`` (a few minutes on 2 cores; ``--threads 1`` on a shared machine, docs/performance.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import multiprocessing as mp
 import os
@@ -35,6 +47,7 @@ from typing import Any
 
 import requests
 import torch
+from transformers import AutoModelForImageTextToText
 
 import rollmatch  # noqa: F401  (environment workarounds before transformers loads)
 from rollmatch.protocol import FinishUpdateBody, UpdateFlattenedParamsBody, WireModel
@@ -42,6 +55,7 @@ from rollmatch.sync.transaction import UpdateReceiver, push_update
 from rollmatch.sync.transport import GroupTransport
 from rollmatch.sync.weights import flatten_buckets
 
+IMAGE_WIRES = ("png", "resized_bmp")
 RACCOON = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "raccoon" / "images"
 MB = 1 << 20
 
@@ -148,9 +162,11 @@ def bench_transaction(payload_mb: int, bucket_mb: int, repeats: int) -> dict[str
 
 
 # ------------------------------------------------------------------------------ 2-3. real server
-def _start_server(model_dir: Path, engine: str) -> tuple[subprocess.Popen[bytes], str]:
+def _start_server(model_dir: Path, engine: str, threads: int | None) -> tuple[subprocess.Popen[bytes], str]:
     port = _free_port()
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
     command = [
         sys.executable,
         "-m",
@@ -176,80 +192,263 @@ def _start_server(model_dir: Path, engine: str) -> tuple[subprocess.Popen[bytes]
     raise RuntimeError(f"rollout server ({engine}) did not start within 300s")
 
 
-def bench_server(engine: str, num_requests: int, max_new_tokens: int, repeats: int) -> dict[str, Any]:
-    from transformers import AutoModelForImageTextToText
-
+def bench_server(args: argparse.Namespace) -> dict[str, Any]:
+    """Weight sync through a real server, then paired rounds of /infer/ over HTTP vs in process."""
     from rollmatch.collectives import LocalCollectives
-    from rollmatch.config.schema import DataConfig, RollmatchConfig
+    from rollmatch.config.schema import DataConfig
     from rollmatch.data.prompts import PromptEncoder
-    from rollmatch.data.records import Record
     from rollmatch.models.tiny import build_tiny_model
     from rollmatch.rollout.client import ServerBackend
     from rollmatch.rollout.types import Decoding
-    from rollmatch.server.engines import PreparedPrompt, build_engine
+    from rollmatch.server.engines import build_engine
 
     model_dir = build_tiny_model("qwen2_5_vl", Path(tempfile.mkdtemp(prefix="bench-sync-")) / "model")
     encoder = PromptEncoder.from_pretrained(model_dir, DataConfig())
-    paths = sorted(RACCOON.glob("raccoon-*.jpg"))[:num_requests]
-    requests_ = [
-        encoder.encode(Record(id=p.stem, images=(str(p),), width=1, height=1)).to_request() for p in paths
-    ]
-    decoding = Decoding(max_new_tokens=max_new_tokens)
-    process, url = _start_server(model_dir, engine)
+    decoding = Decoding(max_new_tokens=args.max_new_tokens)
+    rounds = _photo_rounds(encoder, args.requests, args.repeats + 1)  # new photographs every round
+    process, url = _start_server(model_dir, args.engine, args.threads)
     try:
-        cfg = RollmatchConfig.model_validate(
-            {
-                "model": {"path": str(model_dir)},
-                "custom": {
-                    "extra": {
-                        "rollout_matching": {
-                            "vllm": {
-                                "mode": "server",
-                                "server": {"servers": [{"base_url": url, "group_port": _free_port()}]},
-                            }
-                        }
-                    }
-                },
-            }
-        )
         model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
-        backend = ServerBackend.from_config(
-            cfg,
-            model=model,
-            tokenizer=encoder.tokenizer,
-            model_dir=str(model_dir),
-            collectives=LocalCollectives(),
-        )
-        sync_s, sync_mb = [], 0.0
-        for version in range(1, repeats + 2):
-            report = backend.sync_weights(model, version)
-            sync_s.append(report.seconds)
-            sync_mb = report.num_bytes / MB
-        local = build_engine(engine, str(model_dir), dtype="float32", max_model_len=4096)
-        prompts = [PreparedPrompt(r.sample_id, r.prompt_token_ids, r.images) for r in requests_]
-        http_s, local_s = [], []
-        for _ in range(repeats + 1):  # interleaved, so load from elsewhere hits both alike
-            start = time.perf_counter()
-            backend.generate(requests_, decoding, seed=0)
-            http_s.append(time.perf_counter() - start)
-            start = time.perf_counter()
-            local.generate(prompts, decoding, 0)
-            local_s.append(time.perf_counter() - start)
+        backends = {
+            wire: ServerBackend.from_config(
+                _server_config(model_dir, url, wire),
+                model=model,
+                tokenizer=encoder.tokenizer,
+                model_dir=str(model_dir),
+                collectives=LocalCollectives(),
+            )
+            for wire in args.image_wire
+        }
+        sync = _bench_server_sync(next(iter(backends.values())), model, args.repeats)
+        local = build_engine(args.engine, str(model_dir), dtype="float32", max_model_len=4096)
+        samples = _paired_infer_rounds(backends, local, rounds, decoding, process.pid)
+        opened = {wire: _connections_opened(backend) for wire, backend in backends.items()}
         local.close()
-        backend.close()
+        for backend in backends.values():
+            backend.close()
     finally:
         process.terminate()
         process.wait(timeout=60)
-    http, inproc = min(http_s[1:]), min(local_s[1:])
+    infer = _infer_summary(samples, args)
+    for wire, count in opened.items():  # keep-alive: one connection for every call of a session
+        infer["wires"][wire]["connections_opened"] = count
+    top = {
+        f"infer_http_over_inprocess_{wire}": infer["wires"][wire]["http_over_inprocess"]["median"]
+        for wire in args.image_wire
+    }
+    if "png" in args.image_wire:
+        top["infer_http_over_inprocess"] = top["infer_http_over_inprocess_png"]
+    return {**sync, **top, "infer": infer}
+
+
+def _server_config(model_dir: Path, url: str, wire: str) -> Any:
+    from rollmatch.config.schema import RollmatchConfig
+
+    server: dict[str, Any] = {"servers": [{"base_url": url, "group_port": _free_port()}]}
+    if wire != "png":
+        server["image_wire"] = wire
+    return RollmatchConfig.model_validate(
+        {
+            "model": {"path": str(model_dir)},
+            "custom": {"extra": {"rollout_matching": {"vllm": {"mode": "server", "server": server}}}},
+        }
+    )
+
+
+def _photo_rounds(encoder: Any, batch: int, rounds: int) -> list[list[Any]]:
+    """``rounds`` batches of trainer-encoded requests on distinct real photographs."""
+    from rollmatch.data.records import Record
+
+    paths = sorted(RACCOON.glob("raccoon-*.jpg"))
+    if len(paths) < batch * rounds:
+        raise SystemExit(f"{len(paths)} photographs in {RACCOON} cannot give {rounds} rounds of {batch}")
+    return [
+        [
+            encoder.encode(Record(id=p.stem, images=(str(p),), width=1, height=1)).to_request()
+            for p in paths[r * batch : (r + 1) * batch]
+        ]
+        for r in range(rounds)
+    ]
+
+
+def _bench_server_sync(backend: Any, model: Any, repeats: int) -> dict[str, Any]:
+    sync_s, sync_mb = [], 0.0
+    for version in range(1, repeats + 2):
+        report = backend.sync_weights(model, version)
+        sync_s.append(report.seconds)
+        sync_mb = report.num_bytes / MB
     return {
         "server_full_sync_seconds_per_mb": round(min(sync_s[1:]) / sync_mb, 6),
         "server_full_sync_mb": round(sync_mb, 2),
-        "infer_http_over_inprocess": round(http / inproc, 3),
-        "infer_http_seconds": round(http, 4),
-        "infer_inprocess_seconds": round(inproc, 4),
-        "infer_requests": len(requests_),
-        "max_new_tokens": max_new_tokens,
-        "engine": engine,
+    }
+
+
+def _paired_infer_rounds(
+    backends: dict[str, Any], local: Any, rounds: list[list[Any]], decoding: Any, server_pid: int
+) -> list[dict[str, Any]]:
+    """Every path on the same photographs per round, in an order rotated each round; round 0 warms up."""
+    samples = [
+        _one_round(backends, local, requests_, decoding, index, server_pid)
+        for index, requests_ in enumerate(rounds)
+    ]
+    return samples[1:]
+
+
+def _one_round(
+    backends: dict[str, Any], local: Any, requests_: list[Any], decoding: Any, shift: int, server_pid: int
+) -> dict[str, Any]:
+    """Wall and CPU seconds of the in-process engine, of each image wire over HTTP (CPU of this
+    process and the server's, with its ``InferTiming``), and of the in-process engine on the images a
+    wire delivered (``<wire>_same_images``: the transport alone, for wires that change the images)."""
+    from rollmatch.server.prompts import PreparedPrompt
+
+    sample: dict[str, Any] = {}
+    pids = (os.getpid(), server_pid)
+
+    def inprocess(images: list[list[Any]]) -> dict[str, float]:
+        prompts = [
+            PreparedPrompt(r.sample_id, r.prompt_token_ids, i) for r, i in zip(requests_, images, strict=True)
+        ]
+        with _Clock(pids) as clock:
+            local.generate(prompts, decoding, 0)
+        return clock.reading
+
+    def over_http(wire: str) -> None:
+        backend = backends[wire]
+        with _Clock(pids) as clock:
+            backend.generate(requests_, decoding, seed=0)
+        sample[wire] = {**clock.reading, "timing": backend.last_infer_timings[0]}
+        if wire != "png":
+            sample[f"{wire}_same_images"] = inprocess(_delivered_images(backend, requests_))
+
+    def trainer_images() -> None:
+        sample["inprocess"] = inprocess([list(r.images) for r in requests_])
+
+    steps = [trainer_images, *(functools.partial(over_http, wire) for wire in backends)]
+    shift %= len(steps)
+    for step in steps[shift:] + steps[:shift]:
+        step()
+    return sample
+
+
+class _Clock:
+    """Wall seconds of a block and the CPU seconds every thread of the given processes spent in it.
+
+    CPU time comes from ``/proc/<pid>/task/*/schedstat`` (nanoseconds on a core; a thread that ends
+    inside the block loses its share). With one thread per process it counts the work done and
+    hardly moves when other processes share the cores, unlike wall time.
+    """
+
+    def __init__(self, pids: tuple[int, ...]):
+        self.pids = pids
+        self.reading: dict[str, float] = {}
+
+    def __enter__(self) -> _Clock:
+        self._cpu = [_thread_cpu_ns(pid) for pid in self.pids]
+        self._start = time.perf_counter()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        wall = time.perf_counter() - self._start
+        spent = [
+            sum(ns - before.get(tid, 0) for tid, ns in _thread_cpu_ns(pid).items())
+            for pid, before in zip(self.pids, self._cpu, strict=True)
+        ]
+        self.reading = {"seconds": wall, "cpu_seconds": sum(spent) / 1e9, "cpu_seconds_here": spent[0] / 1e9}
+
+
+def _thread_cpu_ns(pid: int) -> dict[int, int]:
+    on_cpu: dict[int, int] = {}
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/schedstat") as stat:
+                on_cpu[int(task)] = int(stat.read().split()[0])
+        except FileNotFoundError:  # the thread ended meanwhile
+            continue
+    return on_cpu
+
+
+def _connections_opened(backend: Any) -> int:
+    """TCP connections the backend's HTTP sessions opened so far (urllib3 pool counters)."""
+    pools = [
+        pool
+        for conn in backend.connections
+        for pool in conn.session.get_adapter(conn.url).poolmanager.pools._container.values()
+    ]
+    return sum(pool.num_connections for pool in pools)
+
+
+def _delivered_images(backend: Any, requests_: list[Any]) -> list[list[Any]]:
+    from rollmatch.server.media import decode_image
+
+    return [[decode_image(value) for value in backend.image_wire.encode(r)] for r in requests_]
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    return {
+        "median": round(statistics.median(values), 3),
+        "min": round(min(values), 3),
+        "max": round(max(values), 3),
+    }
+
+
+def _infer_summary(samples: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
+    """Medians over rounds; ratios are per round (paired), then median / min / max."""
+    median = statistics.median
+    inproc = [s["inprocess"]["seconds"] for s in samples]
+    inproc_cpu = [s["inprocess"]["cpu_seconds"] for s in samples]
+    wires: dict[str, Any] = {}
+    for wire in args.image_wire:
+        http = [s[wire]["seconds"] for s in samples]
+        timings = [s[wire]["timing"] for s in samples]
+        client = {
+            "encode_images": [t.encode_s for t in timings],
+            "serialize_json": [t.serialize_s for t in timings],
+            "round_trip": [t.round_trip_s for t in timings],
+            "transfer_and_http": [t.transfer_s for t in timings],
+            "parse_reply": [t.parse_s for t in timings],
+            "client_other": [
+                h - t.encode_s - t.serialize_s - t.round_trip_s - t.parse_s
+                for h, t in zip(http, timings, strict=True)
+            ],
+        }
+        phases = sorted({name for t in timings for name in t.server_s})
+        server = {name: [t.server_s.get(name, 0.0) for t in timings] for name in phases}
+        http_cpu = [s[wire]["cpu_seconds"] for s in samples]
+        entry: dict[str, Any] = {
+            "http_over_inprocess": {
+                **_spread([h / i for h, i in zip(http, inproc, strict=True)]),
+                "best_of": round(min(http) / min(inproc), 3),
+            },
+            "http_over_inprocess_cpu": _spread([h / i for h, i in zip(http_cpu, inproc_cpu, strict=True)]),
+            "http_cpu_seconds": round(median(http_cpu), 4),
+            "http_cpu_seconds_client": round(median(s[wire]["cpu_seconds_here"] for s in samples), 4),
+            "http_seconds": round(median(http), 4),
+            "client_seconds": {k: round(median(v), 4) for k, v in client.items()},
+            "server_seconds": {k: round(median(v), 4) for k, v in server.items()},
+            "server_engine_minus_inprocess": round(median(server.get("engine", [0.0])) - median(inproc), 4),
+            "request_bytes": timings[-1].request_bytes,
+            "reply_bytes": timings[-1].reply_bytes,
+        }
+        if f"{wire}_same_images" in samples[0]:
+            same = [s[f"{wire}_same_images"]["seconds"] for s in samples]
+            same_cpu = [s[f"{wire}_same_images"]["cpu_seconds"] for s in samples]
+            entry["inprocess_same_images_seconds"] = round(median(same), 4)
+            entry["http_over_inprocess_same_images"] = _spread(
+                [h / i for h, i in zip(http, same, strict=True)]
+            )
+            entry["http_over_inprocess_same_images_cpu"] = _spread(
+                [h / i for h, i in zip(http_cpu, same_cpu, strict=True)]
+            )
+        wires[wire] = entry
+    return {
+        "engine": args.engine,
+        "requests": args.requests,
+        "max_new_tokens": args.max_new_tokens,
+        "rounds": len(samples),
+        "inprocess_seconds": round(median(inproc), 4),
+        "inprocess_cpu_seconds": round(median(inproc_cpu), 4),
+        "wires": wires,
     }
 
 
@@ -258,13 +457,25 @@ def main() -> None:
     parser.add_argument("--payload-mb", type=int, default=256)
     parser.add_argument("--bucket-mb", type=int, default=64)
     parser.add_argument("--engine", choices=["hf", "vllm"], default="hf")
-    parser.add_argument("--requests", type=int, default=4)
+    parser.add_argument("--requests", type=int, default=8, help="requests per /infer/ call (the batch)")
     parser.add_argument("--max-new-tokens", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3, help="timed rounds (after one warm-up round)")
+    parser.add_argument(
+        "--image-wire",
+        nargs="+",
+        default=list(IMAGE_WIRES),
+        choices=IMAGE_WIRES,
+        help="image encodings to time over HTTP (custom.extra.rollout_matching.vllm.server.image_wire)",
+    )
+    parser.add_argument("--threads", type=int, default=None, help="torch threads here and in the server")
+    parser.add_argument("--skip-transaction", action="store_true", help="leave out part 1")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     result: dict[str, Any] = {"torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count()}
-    result |= bench_transaction(args.payload_mb, args.bucket_mb, args.repeats)
-    result |= bench_server(args.engine, args.requests, args.max_new_tokens, args.repeats)
+    if not args.skip_transaction:
+        result |= bench_transaction(args.payload_mb, args.bucket_mb, args.repeats)
+    result |= bench_server(args)
     print(json.dumps(result))
 
 

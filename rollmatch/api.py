@@ -10,6 +10,7 @@ from rollmatch.data.records import Record, RecordObject, load_records
 from rollmatch.detection.codec import ObjectCodec, ParseResult, QwenJsonCodec, build_codec
 from rollmatch.detection.matching import MatchResult, hungarian_match
 from rollmatch.detection.objects import DetObject, iou
+from rollmatch.detection.scoring import ScoreCounts, ScoredResponse, score_response
 from rollmatch.detection.targets import (
     TargetSequence,
     build_gt_target,
@@ -39,6 +40,8 @@ __all__ = [
     "Rollout",
     "RolloutBackend",
     "RolloutRequest",
+    "ScoreCounts",
+    "ScoredResponse",
     "TargetSequence",
     "build_backend",
     "build_codec",
@@ -53,4 +56,5 @@ __all__ = [
     "load_records",
     "run_eval",
     "run_training",
+    "score_response",
 ]

@@ -22,7 +22,8 @@ COMMANDS: dict[str, str] = {
     "demo": "rollmatch.demo:demo_command",
     "eval": "rollmatch.evaluation:eval_command",
     "viz": "rollmatch.viz:viz_command",
-    "serve": "rollmatch.server.app:serve_command",
+    "serve": "rollmatch.server.serve:serve_command",
+    "launch": "rollmatch.launch.command:launch_command",
 }
 
 
@@ -83,13 +84,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="runs/demo")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides of the demo config")
 
-    p = sub.add_parser("eval", help="Roll out over a dataset; precision/recall/F1@0.5 and COCO mAP.")
+    p = sub.add_parser(
+        "eval", help="Roll out over a dataset; precision/recall/F1 at matching.iou_threshold and COCO mAP."
+    )
     p.add_argument("--model", required=True)
     p.add_argument("--data", required=True, help="JSONL records")
     p.add_argument("--out", help="predictions JSONL (default: <model>/predictions.jsonl)")
-    p.add_argument("--config", help="YAML config for data/decoding settings")
+    p.add_argument(
+        "--config",
+        help="YAML config (data, decoding, matching, engine); without it the engine settings are picked "
+        "for this machine and printed",
+    )
     p.add_argument("--backend", choices=["hf", "vllm"], default=None)
-    p.add_argument("--max-samples", type=int, default=None)
+    p.add_argument(
+        "--max-samples", type=int, default=None, help="evaluate the first N records (eval.max_samples)"
+    )
     p.add_argument(
         "--pictures", type=int, default=0, help="draw the first N images into <predictions dir>/pictures"
     )
@@ -112,7 +121,67 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--enable-lora", action="store_true", help="vLLM engine: accept adapter weight syncs")
+    p.add_argument(
+        "--min-pixels", type=int, default=None, help="image processor min_pixels (data.min_pixels)"
+    )
+    p.add_argument(
+        "--max-pixels", type=int, default=None, help="image processor max_pixels (data.max_pixels)"
+    )
+    # Security and limits (docs/server.md, "Security model"); None = the default of server.limits.ServerLimits.
+    p.add_argument("--api-key", default=None, help="token every POST needs (default: $ROLLMATCH_API_KEY)")
+    p.add_argument("--allowed-local-media-path", default=None, help="directory images may be read from")
+    p.add_argument("--max-body-bytes", type=int, default=None, help="request body cap (413)")
+    p.add_argument("--max-image-pixels", type=int, default=None, help="width*height cap per image (413)")
+    p.add_argument("--max-requests-per-call", type=int, default=None, help="infer_requests per call (413)")
+    p.add_argument("--max-images-per-request", type=int, default=None, help="images per prompt (413)")
+    p.add_argument("--max-tokens", type=int, default=None, help="new tokens per response (422 above)")
+    p.add_argument(
+        "--engine-stall-timeout-s", type=float, default=None, help="no decoding progress this long: unhealthy"
+    )
+    _add_launch_parser(sub)
     return parser
+
+
+def _add_launch_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "launch",
+        help="Start rollout servers and the torchrun learner on disjoint devices; stop them all on exit.",
+        description="GPUs: --server-devices 0,1,2,3,4,5 --learner-devices 6,7 [--tensor-parallel-size 2]; "
+        "CPU: --cpu --servers 1 --learner-procs 2. Overrides go right after the config.",
+    )
+    p.add_argument("config", help="YAML config (the one `train` takes) with vllm.mode: server")
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. training.max_steps=10")
+    p.add_argument("--server-devices", default="", help="GPUs of the rollout servers, e.g. 0,1,2,3")
+    p.add_argument("--learner-devices", default="", help="GPUs of the learner (one torchrun rank each)")
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=_positive_int,
+        default=None,
+        help="GPUs per server (default: vllm.tensor_parallel_size); servers = server devices / this",
+    )
+    p.add_argument("--cpu", action="store_true", help="run every process on the CPU (gloo learner)")
+    p.add_argument("--servers", type=_positive_int, default=None, help="--cpu: rollout servers (default 1)")
+    p.add_argument(
+        "--learner-procs", type=_positive_int, default=None, help="--cpu: learner ranks (default 1)"
+    )
+    only = p.add_mutually_exclusive_group()
+    only.add_argument("--servers-only", action="store_true", help="start and keep only the servers")
+    only.add_argument(
+        "--learner-only", action="store_true", help="start only the learner (config names servers)"
+    )
+    p.add_argument("--engine", choices=["vllm", "hf"], default="vllm", help="rollout server engine")
+    p.add_argument("--port-base", type=int, default=None, help="fixed ports from here (default: free ports)")
+    p.add_argument(
+        "--grace-s", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL at teardown"
+    )
+    p.add_argument("--dry-run", action="store_true", help="print commands and environment; start nothing")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive integer")
+    return value
 
 
 def _resolve(target: str) -> Callable[[argparse.Namespace], int]:

@@ -4,17 +4,44 @@ Owns: the :class:`Collectives` protocol, a single-process :class:`LocalCollectiv
 :class:`TorchCollectives` over ``torch.distributed`` (a gloo group for objects and scalars, so
 CPU and GPU learners behave the same). Every wait has a timeout and its error names the phase.
 Leaves out: process-group creation for weight sync (``rollmatch.sync.transport``).
+
+A rank whose peer hangs must not hang too. :func:`init_default_group` creates the default group
+with ``timeout_s`` before anything else can (the HF Trainer's own initialisation ignores its
+``ddp_timeout`` on CPU, so a gradient all-reduce would wait 30 minutes), and a fatal distributed
+error (a collective timeout, a lost peer) arms :func:`exit_hard_after`: the error is logged and
+flushed, normal unwinding gets ``FATAL_EXIT_GRACE_S``, then the process leaves with
+``os._exit(FATAL_EXIT_CODE)``. Process-group teardown after such an error can block forever;
+the hard exit lets torchrun see a failed worker and tear the whole job down.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
+import logging
+import os
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as torch_dist
 
 from rollmatch.errors import CollectiveTimeoutError
+
+log = logging.getLogger(__name__)
+FATAL_EXIT_GRACE_S = 10.0
+FATAL_EXIT_CODE = 3
+# Messages of RuntimeErrors that gloo / NCCL raise for timeouts and lost peers.
+_FATAL_MARKERS = (
+    "gloo",
+    "nccl",
+    "timed out",
+    "connection closed by peer",
+    "connection reset",
+    "processgroup",
+)
 
 
 class Collectives(Protocol):
@@ -89,14 +116,18 @@ class TorchCollectives:
         try:
             ok = work.wait(timeout=self.timeout)
         except RuntimeError as exc:  # gloo raises on timeout / peer failure
-            raise CollectiveTimeoutError(
+            error = CollectiveTimeoutError(
                 f"collective '{phase}' failed or timed out after {self.timeout.total_seconds():.0f}s on "
                 f"rank {self.rank}/{self.world_size}: {exc}"
-            ) from exc
+            )
+            exit_hard_after(FATAL_EXIT_GRACE_S, str(error))
+            raise error from exc
         if ok is False:
-            raise CollectiveTimeoutError(
+            error = CollectiveTimeoutError(
                 f"collective '{phase}' timed out after {self.timeout.total_seconds():.0f}s on rank {self.rank}"
             )
+            exit_hard_after(FATAL_EXIT_GRACE_S, str(error))
+            raise error
 
     def barrier(self, phase: str) -> None:
         self.all_reduce_sum([0.0], phase)
@@ -142,3 +173,76 @@ def build_collectives(timeout_s: float = 600.0) -> Collectives:
     if torch_dist.is_available() and torch_dist.is_initialized() and torch_dist.get_world_size() > 1:
         return TorchCollectives(timeout_s=timeout_s)
     return LocalCollectives()
+
+
+# ------------------------------------------------------------------------------- fatal errors
+def init_default_group(timeout_s: float) -> None:
+    """Under torchrun, create the default group with ``timeout_s`` (gloo on CPU, NCCL on GPU).
+
+    A no-op in a single process or when a group exists already. Must run before the HF Trainer's
+    arguments are built, which would otherwise create the group with a 30-minute timeout.
+    """
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or not torch_dist.is_available():
+        return
+    if torch_dist.is_initialized():
+        return
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    torch_dist.init_process_group(backend=backend, timeout=_dt.timedelta(seconds=timeout_s))
+
+
+def is_fatal_distributed_error(exc: BaseException) -> bool:
+    """A collective timeout or a lost peer, anywhere in ``exc``'s cause / context chain."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, CollectiveTimeoutError | torch_dist.DistError):
+            return True
+        if isinstance(current, RuntimeError) and any(m in str(current).lower() for m in _FATAL_MARKERS):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
+_armed = threading.Event()
+
+
+def exit_hard_after(grace_s: float, why: str) -> None:
+    """Log and flush ``why`` now; ``os._exit(FATAL_EXIT_CODE)`` in ``grace_s`` unless the process
+    has left by then (armed once per process)."""
+    if _armed.is_set():
+        return
+    _armed.set()
+    rank = os.environ.get("RANK", "0")
+    log.error("rank %s: fatal distributed error, leaving in %.0fs: %s", rank, grace_s, why)
+    _flush()
+
+    def leave() -> None:
+        log.error("rank %s: still running %.0fs after a fatal distributed error; exiting now", rank, grace_s)
+        _flush()
+        os._exit(FATAL_EXIT_CODE)
+
+    timer = threading.Timer(grace_s, leave)
+    timer.daemon = True
+    timer.start()
+
+
+@contextmanager
+def exit_hard_on_fatal_distributed_error(grace_s: float = FATAL_EXIT_GRACE_S) -> Iterator[None]:
+    """Around a multi-rank entry point: a fatal distributed error arms :func:`exit_hard_after`, then
+    propagates as usual (its message is printed; the hard exit only bounds the teardown)."""
+    try:
+        yield
+    except BaseException as exc:
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and is_fatal_distributed_error(exc):
+            exit_hard_after(grace_s, f"{type(exc).__name__}: {exc}")
+        raise
+
+
+def _flush() -> None:
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()

@@ -1,9 +1,12 @@
 """The one exception hierarchy of rollmatch, split by who must act.
 
 - :class:`ConfigError`: the user's config is wrong; every problem is listed with key, value and fix.
+- :class:`LaunchError`: ``rollmatch launch`` refuses a layout (devices, process counts, ports) before
+  starting anything; every problem is listed with the flag or key, value and fix.
 - :class:`DataError`: a record or dataset file is wrong; names file:line and the field.
-- :class:`BackendError`: a rollout backend / server / engine is dead or misbehaves (not retryable here).
-- :class:`RetryableError`: a transient fault the caller may retry (e.g. a dropped HTTP connection).
+- :class:`BackendError`: a rollout backend / server / engine is dead or misbehaves. Nothing in
+  rollmatch retries a failed call (a stalled rollout server fails the step with its URL), so there
+  is no separate retryable class; add one together with the first caller that retries.
 - :class:`PromptAlignmentError`, :class:`PackingError`, :class:`SyncError`,
   :class:`CollectiveTimeoutError`: contract violations of one subsystem, each naming what to change.
 """
@@ -26,8 +29,19 @@ class ConfigProblem:
     value: Any
     fix: str
 
+    @property
+    def shown_value(self) -> str:
+        """``repr(value)``, cut short for huge values (e.g. a YAML anchor bomb: its start, not megabytes)."""
+        shown = repr(self.value)
+        if len(shown) > _MAX_VALUE_CHARS:
+            shown = f"{shown[:_MAX_VALUE_CHARS]}... ({len(shown)} characters)"
+        return shown
+
     def __str__(self) -> str:
-        return f"{self.key} = {self.value!r}: {self.fix}"
+        return f"{self.key} = {self.shown_value}: {self.fix}"
+
+
+_MAX_VALUE_CHARS = 200
 
 
 class ConfigError(RollmatchError):
@@ -39,16 +53,23 @@ class ConfigError(RollmatchError):
         super().__init__(f"invalid config ({len(self.problems)} problem(s)):\n{lines}")
 
 
+class LaunchError(RollmatchError):
+    """A launch layout that cannot run; carries every problem (flag or config key, value, fix)."""
+
+    def __init__(self, problems: list[ConfigProblem]):
+        self.problems = list(problems)
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(
+            f"launch refused before starting anything ({len(self.problems)} problem(s)):\n{lines}"
+        )
+
+
 class DataError(RollmatchError):
     """A bad record or dataset file (message names file:line, the field and what is wrong)."""
 
 
 class BackendError(RollmatchError):
     """A rollout backend, engine or server is unusable; the message names it and suggests a fix."""
-
-
-class RetryableError(RollmatchError):
-    """A transient fault; retrying the same call may succeed."""
 
 
 class PromptAlignmentError(RollmatchError):

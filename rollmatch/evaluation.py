@@ -1,30 +1,35 @@
 """``rollmatch eval``: roll out over a dataset and score the detections.
 
-Owns: batching records through any rollout backend, strict parsing, matching at IoU 0.5
-(precision / recall / F1), COCO-style mAP through pycocotools, and the predictions JSONL.
-Rollouts carry no confidence, so for mAP each prediction is scored by its position in the
-decoded list (earlier = higher); documented in docs/runbook.md.
+Owns: batching records through any rollout backend, scoring each response through the one
+scoring path of training (``detection.scoring``: strict parse + matching with ``cfg.matching``,
+precision / recall / F1 at ``matching.iou_threshold``), COCO-style mAP through pycocotools, and the
+predictions JSONL. Rollouts carry no confidence, so for mAP each prediction is scored by its
+position in the decoded list (earlier = higher); documented in docs/runbook.md.
+
+Without ``--config`` the engine settings are picked for this machine
+(:func:`rollmatch.rollout.build.machine_overrides`) and printed; with a config they are the
+config's.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from tqdm import tqdm
 
-from rollmatch.config.schema import RollmatchConfig
+from rollmatch.config.schema import MatchingConfig, RollmatchConfig
 from rollmatch.data.prompts import EncodedPrompt, PromptEncoder
 from rollmatch.data.records import Record
 from rollmatch.detection.codec import ObjectCodec, ParseResult
-from rollmatch.detection.matching import hungarian_match
-from rollmatch.detection.metrics import DetectionCounts, coco_map
+from rollmatch.detection.metrics import coco_map
 from rollmatch.detection.objects import CoordFrame, DetObject, from_frame
+from rollmatch.detection.scoring import ScoreCounts, score_response
 from rollmatch.rollout.alignment import check_prompt_alignment
 from rollmatch.rollout.types import Decoding, RolloutBackend
 
@@ -52,16 +57,17 @@ def evaluate(
     records: Sequence[Record],
     *,
     decoding: Decoding,
+    matching: MatchingConfig | None = None,
     batch_size: int = 8,
     predictions_path: str | Path | None = None,
     seed: int = 0,
     progress: bool = True,
 ) -> EvalResult:
-    """Roll out every record, parse strictly, match at IoU 0.5, compute P/R/F1 and COCO mAP."""
+    """Roll out every record, score it like training does (``matching``, default
+    ``MatchingConfig()``), compute P/R/F1 and COCO mAP. Request ``i`` is seeded ``seed + i``."""
     start = time.perf_counter()
-    counts = DetectionCounts()
-    invalid: Counter[str] = Counter()
-    truncated = 0
+    matching = matching if matching is not None else MatchingConfig()
+    counts = ScoreCounts()
     scored_preds: list[list[tuple[DetObject, float]]] = []
     gts_all: list[list[DetObject]] = []
     lines: list[str] = []
@@ -72,40 +78,37 @@ def evaluate(
         rollouts = backend.generate([e.to_request() for e in encoded], decoding, seed + offset)
         for record, enc, rollout in zip(batch, encoded, rollouts, strict=True):
             check_prompt_alignment(rollout, enc.input_ids, encoder.tokenizer)
-            gts = encoder.gt_objects(record, enc)
-            parse = codec.parse(
+            scored = score_response(
+                codec,
                 rollout.response_token_ids,
+                encoder.gt_objects(record, enc),
                 extent=encoder.frame_extent(enc),
                 hit_max_tokens=rollout.hit_max_tokens,
+                matching=matching,
             )
-            match = hungarian_match(parse.objects, gts, iou_threshold=0.5)
-            counts.add(match, len(parse.objects), len(gts))
-            invalid.update(parse.invalid)
-            truncated += int(parse.truncated)
-            n = len(parse.objects)
-            scored_preds.append([(obj, 1.0 - i / (n + 1)) for i, obj in enumerate(parse.objects)])
-            gts_all.append(gts)
-            lines.append(
-                json.dumps(
-                    prediction_line(record, enc, encoder.coord_frame, parse.objects, rollout.text, parse)
-                )
-            )
+            counts.add(scored)
+            objects = scored.parse.objects
+            scored_preds.append([(obj, 1.0 - i / (len(objects) + 1)) for i, obj in enumerate(objects)])
+            gts_all.append(list(scored.gt_objects))
+            line = prediction_line(record, enc, encoder.coord_frame, objects, rollout.text, scored.parse)
+            lines.append(json.dumps(line))
     labels = sorted({o.label for gts in gts_all for o in gts} | {o.label for p in scored_preds for o, _ in p})
     maps = coco_map(scored_preds, gts_all, labels) if records else {"map": 0.0, "map_50": 0.0, "map_75": 0.0}
     if predictions_path is not None:
         Path(predictions_path).parent.mkdir(parents=True, exist_ok=True)
         Path(predictions_path).write_text("".join(line + "\n" for line in lines))
+    detection = counts.detection
     return EvalResult(
         num_samples=len(records),
-        precision=counts.precision,
-        recall=counts.recall,
-        f1=counts.f1,
-        mean_iou=counts.mean_iou,
+        precision=detection.precision,
+        recall=detection.recall,
+        f1=detection.f1,
+        mean_iou=detection.mean_iou,
         map=maps["map"],
         map_50=maps["map_50"],
         map_75=maps["map_75"],
-        truncated_frac=truncated / len(records) if records else 0.0,
-        invalid=dict(invalid),
+        truncated_frac=counts.parsing.truncated_frac,
+        invalid=dict(counts.parsing.invalid),
         seconds=time.perf_counter() - start,
         predictions_path=str(predictions_path) if predictions_path is not None else None,
     )
@@ -139,12 +142,21 @@ def prediction_line(
 def eval_command(args: argparse.Namespace) -> int:
     from rollmatch.config.load import load_config
     from rollmatch.data.records import load_records
+    from rollmatch.rollout.build import machine_overrides
 
-    overrides = [f"model.path={args.model}", *args.overrides]
+    picked = [] if args.config else machine_overrides()
+    if picked:
+        print(
+            f"rollmatch eval: no --config, engine settings for this machine: {' '.join(picked)}",
+            file=sys.stderr,
+        )
+    overrides = [*picked, f"model.path={args.model}"]
     if args.backend:
         overrides.append(f"custom.extra.rollout_matching.rollout_backend={args.backend}")
-    cfg = load_config(args.config, overrides)
-    records = load_records(args.data, max_samples=args.max_samples)
+    if args.max_samples is not None:
+        overrides.append(f"eval.max_samples={args.max_samples}")
+    cfg = load_config(args.config, [*overrides, *args.overrides])
+    records = load_records(args.data, max_samples=cfg.eval.max_samples)
     predictions_path = args.out or str(Path(args.model) / "predictions.jsonl")
     result = run_eval(cfg, records, predictions_path)
     print(json.dumps(asdict(result), indent=2))
@@ -160,13 +172,15 @@ def eval_command(args: argparse.Namespace) -> int:
 
 
 def run_eval(cfg: RollmatchConfig, records: Sequence[Record], predictions_path: str | None) -> EvalResult:
-    """Evaluate ``cfg.model.path`` with the configured backend (HF or vLLM) on ``records``."""
+    """Evaluate ``cfg.model.path`` with the configured backend (HF or vLLM) on ``records`` (the first
+    ``eval.max_samples`` of them when set)."""
     from rollmatch.collectives import LocalCollectives
     from rollmatch.detection.codec import build_codec
-    from rollmatch.rollout.build import build_backend
-    from rollmatch.training.channels import decoding_from_config
-    from rollmatch.training.entry import load_pretrained
+    from rollmatch.models.pretrained import load_pretrained
+    from rollmatch.rollout.build import build_backend, decoding_from_config
 
+    if cfg.eval.max_samples is not None:
+        records = records[: cfg.eval.max_samples]
     encoder = PromptEncoder.from_pretrained(cfg.model.path, cfg.data)
     model = load_pretrained(cfg)  # an evaluated model dir has adapters merged already
     codec = build_codec(cfg.custom.object_format, encoder.tokenizer, [encoder.eos_token_id])
@@ -186,6 +200,7 @@ def run_eval(cfg: RollmatchConfig, records: Sequence[Record], predictions_path: 
             codec,
             records,
             decoding=decoding_from_config(cfg, cfg.eval.max_new_tokens),
+            matching=cfg.matching,
             batch_size=cfg.eval.batch_size,
             predictions_path=predictions_path,
             seed=cfg.training.seed,

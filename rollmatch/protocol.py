@@ -1,12 +1,16 @@
 """Wire models of the rollout server, shared by the server (``server.app``) and its client.
 
-Owns: the JSON shapes of every endpoint (pydantic), images on the wire (base64 PNG out, base64 /
-data URL / local path in), and conversion between :class:`~rollmatch.rollout.types.Decoding` and
-ms-swift's ``request_config``. Leaves out: engines, HTTP plumbing and the transfer of tensors.
+Owns: the JSON shapes of every endpoint (pydantic) with the range of every number (checked here,
+at the wire, before anything reaches an engine), base64 and the default image encoding (PNG),
+the ``/infer/`` reply adapter, the ``Server-Timing`` header of ``/infer/`` answers, and conversion
+between :class:`~rollmatch.rollout.types.Decoding` and ms-swift's ``request_config``.
+Leaves out: engines, HTTP plumbing, the server's configurable caps and media policy
+(``server.limits``, ``server.media``), the trainer's choice of image encoding
+(``rollout.image_wire``) and the transfer of tensors.
 
-Compatibility with ms-swift's ``swift rollout``: ``POST /infer/`` accepts ``infer_requests``
-(``messages`` + ``images``) and ``request_config`` (``max_tokens``, ``temperature``, ``top_p``,
-``top_k``, ``repetition_penalty``, ``seed``, ``stop``, ``return_details``, ...) and answers a JSON
+Compatibility with ms-swift 4.x's ``swift rollout``: ``POST /infer/`` accepts every field of
+``RolloutInferRequest`` and ``RequestConfig`` (options the server cannot honour, e.g. ``n > 1`` or
+``stream``, are a 422 naming the field, never ignored) and answers a JSON
 list of ``RolloutOutput`` items whose ``response`` is a ``ChatCompletionResponse`` with
 ``prompt_token_ids`` and per-choice ``token_ids`` / ``finish_reason``. Additions: a request may
 carry the trainer's ``prompt_token_ids`` (used verbatim, never re-tokenized), every item carries
@@ -15,16 +19,16 @@ carry the trainer's ``prompt_token_ids`` (used verbatim, never re-tokenized), ev
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import io
 import json
+import math
 import time
 import uuid
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+import pybase64
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
 
 from rollmatch.rollout.types import Decoding
 
@@ -34,77 +38,150 @@ if TYPE_CHECKING:
 PROTOCOL_VERSION = 1
 
 
-class WireModel(BaseModel):
-    """Base of every wire model: unknown fields are errors (a typo never passes silently)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-
 # ------------------------------------------------------------------------------------------- infer
-class RequestConfig(WireModel):
-    """ms-swift's ``RequestConfig``. ``None`` means the server default (greedy, all the room left)."""
+# Absolute wire bounds; the server adds its own configurable caps (``rollmatch serve --max-*``).
+SEED_MAX = 2**63 - 1  # every engine seeds a torch.Generator with an int64 (request j uses seed + j)
+TEMPERATURE_MIN, TEMPERATURE_MAX = 0.01, 100.0  # besides 0 (greedy): no overflow in logits / T
+PENALTY_MIN, PENALTY_MAX = 0.01, 100.0
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256
+MAX_SAMPLE_ID_CHARS = 256
+TOKEN_ID_MAX = 2**31 - 1
+MESSAGE_ROLES = ("system", "user", "assistant")
+# Options of ms-swift's RequestConfig that only take their default here: the value the server
+# implements, per field. Anything else is a 422 naming the field (never silently ignored).
+_DEFAULT_ONLY_OPTIONS: dict[str, Any] = {
+    "num_beams": 1,
+    "n": 1,
+    "best_of": (None, 1),
+    "stream": False,
+    "logprobs": False,
+    "top_logprobs": None,
+    "prompt_logprobs": None,
+    "min_p": (None, 0.0),
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "length_penalty": 1.0,
+    "structured_outputs_regex": None,
+}
 
-    max_tokens: int | None = Field(None, gt=0)
-    temperature: float | None = Field(None, ge=0.0)
-    top_k: int | None = None
+
+class WireModel(BaseModel):
+    """Base of every wire model: unknown fields are errors (a typo never passes silently), and
+    NaN / Infinity are refused wherever a number is expected."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class RequestConfig(WireModel):
+    """ms-swift 4.x ``RequestConfig``, every field. ``None`` means the server default (greedy, all the
+    room left up to the server's ``--max-tokens`` cap)."""
+
+    max_tokens: int | None = Field(None, gt=0, le=TOKEN_ID_MAX)
+    temperature: float | None = Field(None, ge=0.0, le=TEMPERATURE_MAX)
+    top_k: int | None = Field(None, ge=-1, le=TOKEN_ID_MAX)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    repetition_penalty: float | None = Field(None, gt=0.0)
-    seed: int | None = None
-    stop: list[str] | None = Field(default_factory=list)
-    return_details: bool = False
-    # Accepted because swift's client sends them; only their defaults are implemented.
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, ge=PENALTY_MIN, le=PENALTY_MAX)
     num_beams: int = 1
-    n: int = 1
+    stop: list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]] | None = Field(
+        default_factory=list, max_length=MAX_STOP_STRINGS
+    )
+    seed: int | None = Field(None, ge=0, le=SEED_MAX)
     stream: bool = False
     logprobs: bool = False
     top_logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    n: int = 1
     best_of: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     length_penalty: float = 1.0
+    return_details: bool = False
     structured_outputs_regex: str | None = None
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature_greedy_or_sane(cls, value: float | None) -> float | None:
+        if value is not None and 0.0 < value < TEMPERATURE_MIN:
+            raise ValueError(
+                f"temperature {value} is too small to sample with (logits / T overflow); send 0 for greedy "
+                f"decoding or a value in [{TEMPERATURE_MIN}, {TEMPERATURE_MAX}]"
+            )
+        return value
 
     @model_validator(mode="after")
     def _only_implemented_options(self) -> RequestConfig:
-        defaults = {
-            "num_beams": 1,
-            "n": 1,
-            "stream": False,
-            "logprobs": False,
-            "top_logprobs": None,
-            "best_of": None,
-            "presence_penalty": 0.0,
-            "frequency_penalty": 0.0,
-            "length_penalty": 1.0,
-            "structured_outputs_regex": None,
-        }
-        for key, default in defaults.items():
-            if getattr(self, key) != default:
+        for key, allowed in _DEFAULT_ONLY_OPTIONS.items():
+            accepted = allowed if isinstance(allowed, tuple) else (allowed,)
+            if getattr(self, key) not in accepted:
                 raise ValueError(
                     f"request_config.{key} = {getattr(self, key)!r} is not supported by the rollmatch rollout "
-                    f"server; send {default!r} (or omit it)"
+                    f"server; send {accepted[0]!r} (or omit it)"
                 )
         return self
 
 
+class TextPart(WireModel):
+    type: Literal["text"]
+    text: str
+
+
+class ImageUrl(WireModel):
+    url: str
+    detail: str | None = None
+
+
+class ImagePart(WireModel):
+    """``{"type": "image", "image": ...}`` or ``{"type": "image_url", "image_url": {"url": ...}}``; a part
+    without its value takes the next entry of the request's ``images``."""
+
+    type: Literal["image", "image_url"]
+    image: str | None = None
+    image_url: ImageUrl | str | None = None
+
+    @property
+    def value(self) -> str | None:
+        value = self.image if self.type == "image" else self.image_url
+        return value.url if isinstance(value, ImageUrl) else value
+
+
+class ChatTurn(WireModel):
+    """One chat message: string content (with ``<image>`` tags) or a list of text / image parts."""
+
+    role: str
+    content: str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]]
+
+    @field_validator("role")
+    @classmethod
+    def _known_role(cls, value: str) -> str:
+        if value not in MESSAGE_ROLES:
+            raise ValueError(
+                f"unknown role {value[:40]!r}: a message role is one of {', '.join(MESSAGE_ROLES)}"
+            )
+        return value
+
+
 class InferRequest(WireModel):
-    """One prompt: chat ``messages`` + ``images`` (swift), and/or the trainer's ``prompt_token_ids``.
+    """One prompt: chat ``messages`` + ``images`` (ms-swift 4.x ``RolloutInferRequest``, every field),
+    and/or the trainer's ``prompt_token_ids``.
 
     With ``prompt_token_ids`` the ids are used as given and ``messages`` are ignored; the images
     must be the ones whose placeholders the ids contain.
     """
 
-    messages: list[dict[str, Any]] = Field(default_factory=list)
+    messages: list[ChatTurn] = Field(default_factory=list)
     images: list[str] = Field(default_factory=list)
-    prompt_token_ids: list[int] | None = None
-    sample_id: str | None = None
+    prompt_token_ids: list[Annotated[int, Field(ge=0, le=TOKEN_ID_MAX)]] | None = None
+    sample_id: str | None = Field(None, max_length=MAX_SAMPLE_ID_CHARS)
     # swift fields with no meaning for detection rollouts: accepted when empty.
     audios: list[str] = Field(default_factory=list)
     videos: list[str] = Field(default_factory=list)
     tools: list[Any] | None = None
     objects: dict[str, Any] = Field(default_factory=dict)
     data_dict: dict[str, Any] = Field(default_factory=dict)
-    uuid: str | None = None
+    uuid: str | None = Field(None, max_length=MAX_SAMPLE_ID_CHARS)
+    chat_template_kwargs: dict[str, str | int | float | bool | None] = Field(default_factory=dict)
+    add_eos: bool | Literal["auto"] | None = None
 
     @model_validator(mode="after")
     def _has_a_prompt(self) -> InferRequest:
@@ -112,7 +189,20 @@ class InferRequest(WireModel):
             raise ValueError("an infer request needs `messages` or `prompt_token_ids`")
         if self.audios or self.videos or self.tools:
             raise ValueError("audios, videos and tools are not supported by the rollmatch rollout server")
+        if self.add_eos not in (None, False):
+            raise ValueError(
+                f"add_eos = {self.add_eos!r}: the rollout server generates responses, it does not score "
+                "completed ones; send null (or omit it)"
+            )
+        reserved = sorted(set(self.chat_template_kwargs) & _RESERVED_TEMPLATE_KWARGS)
+        if reserved:
+            raise ValueError(f"chat_template_kwargs may not set {reserved}: the server sets them itself")
         return self
+
+
+_RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"messages", "conversation", "tokenize", "add_generation_prompt", "return_dict", "tools", "images"}
+)
 
 
 class InferBody(WireModel):
@@ -123,12 +213,14 @@ class InferBody(WireModel):
     metrics: Any = None
     template: Any = None
     use_tqdm: bool | None = None
-    adapter_request: Any = None
+    adapter_request: None = None
 
 
 class ChatMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str
+    tool_calls: None = None
+    reasoning_content: None = None
 
 
 class ChatChoice(BaseModel):
@@ -137,6 +229,7 @@ class ChatChoice(BaseModel):
     finish_reason: Literal["stop", "length"]
     logprobs: None = None
     token_ids: list[int] | None = None  # stop-trimmed response ids (with return_details)
+    routed_experts: None = None
 
 
 class Usage(BaseModel):
@@ -153,6 +246,8 @@ class ChatCompletionResponse(BaseModel):
     object: str = "chat.completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     prompt_token_ids: list[int] | None = None
+    prompt_logprobs: None = None
+    images_size: list[tuple[int, int]] | None = None
 
 
 class RolloutOutput(BaseModel):
@@ -164,8 +259,14 @@ class RolloutOutput(BaseModel):
     response_loss_mask: list[list[int]] = Field(default_factory=list)
     rollout_infos: dict[str, Any] = Field(default_factory=dict)
     rollout_logprobs: list[list[float]] = Field(default_factory=list)
+    prompt_logprobs: None = None
     weight_version: int
     sample_id: str | None = None
+
+
+# The whole ``/infer/`` reply: serialised by the server and parsed by the client in one pass each
+# (pydantic's JSON encoder / parser, no intermediate Python dicts).
+INFER_REPLY = TypeAdapter(list[RolloutOutput])
 
 
 def request_config_from_decoding(decoding: Decoding, seed: int | None) -> RequestConfig:
@@ -181,121 +282,167 @@ def request_config_from_decoding(decoding: Decoding, seed: int | None) -> Reques
     )
 
 
-def decoding_from_request_config(config: RequestConfig, room: int) -> Decoding:
-    """Server side: swift's ``None`` defaults become greedy decoding with ``room`` new tokens."""
+def decoding_from_request_config(
+    config: RequestConfig, room: int, max_tokens_cap: int | None = None
+) -> Decoding:
+    """Server side: swift's ``None`` defaults become greedy decoding with ``room`` new tokens.
+
+    ``room`` is what the longest prompt leaves within the server's ``max_model_len``;
+    ``max_tokens_cap`` the server's ``--max-tokens`` (``None``: no cap).
+    """
+    if room <= 0:
+        raise ValueError(
+            f"prompt too long: the longest prompt leaves no room for new tokens ({-room + 1} token(s) over the "
+            "server's max_model_len); shorten it or serve with a larger --max-model-len"
+        )
     if config.max_tokens is not None and config.max_tokens > room:
         raise ValueError(
-            f"request_config.max_tokens = {config.max_tokens} leaves no room: the longest prompt allows "
+            f"request_config.max_tokens = {config.max_tokens} does not fit: the longest prompt leaves room for "
             f"{room} new tokens within the server's max_model_len; lower max_tokens or serve with a larger "
             "--max-model-len"
         )
+    max_new = room if config.max_tokens is None else config.max_tokens
+    if max_tokens_cap is not None:
+        if config.max_tokens is not None and config.max_tokens > max_tokens_cap:
+            raise ValueError(
+                f"request_config.max_tokens = {config.max_tokens} is over this server's cap of {max_tokens_cap} "
+                "new tokens per request (rollmatch serve --max-tokens)"
+            )
+        max_new = min(max_new, max_tokens_cap)
     return Decoding(
         temperature=0.0 if config.temperature is None else config.temperature,
         top_p=1.0 if config.top_p is None else config.top_p,
-        top_k=-1 if config.top_k is None else config.top_k,
+        top_k=-1 if config.top_k in (None, 0) else config.top_k,
         repetition_penalty=1.0 if config.repetition_penalty is None else config.repetition_penalty,
-        max_new_tokens=room if config.max_tokens is None else config.max_tokens,
+        max_new_tokens=max_new,
     )
 
 
 # ------------------------------------------------------------------------------------------ images
+def to_base64(data: bytes) -> str:
+    """Standard padded base64 (RFC 4648) as text. pybase64's SIMD codec writes the same characters as
+    the standard library's ``base64`` at a small fraction of its time (about 0.2 ms per 150 KB image
+    there, a noticeable share of a rollout call)."""
+    return pybase64.b64encode(data).decode("ascii")
+
+
+def from_base64(text: str) -> bytes:
+    """Strict base64 decoding: a character outside the alphabet, whitespace or bad padding raises
+    ``binascii.Error`` (a ``ValueError``)."""
+    return pybase64.b64decode(text, validate=True)
+
+
 def encode_image(image: Image) -> str:
     """Base64 PNG: lossless, so the server's processor sees the trainer's exact pixels.
 
     Compression level 1: several times faster to write than the default, for ~10-20% more bytes.
+    The server side (decoding with its media policy and pixel limit) is ``server.media``.
     """
     buffer = io.BytesIO()
     image.save(buffer, format="PNG", compress_level=1)
-    return base64.b64encode(buffer.getvalue()).decode("ascii")
+    return to_base64(buffer.getvalue())
 
 
-def decode_image(value: str) -> Image:
-    """An RGB image from base64, a ``data:image/...;base64,`` URL or a local path on the server."""
-    from PIL import Image as PILImage
-
-    if value.startswith("data:"):
-        value = value.split(",", 1)[1] if "," in value else ""
-        raw = _b64(value)
-    elif value.startswith(("http://", "https://")):
-        raise ValueError(
-            f"image URL {value[:80]!r}: the rollout server does not fetch URLs; send base64 or a local path"
-        )
-    elif len(value) < 4096 and Path(value).is_file():
-        raw = Path(value).read_bytes()
-    else:
-        raw = _b64(value)
-    try:
-        with PILImage.open(io.BytesIO(raw)) as image:
-            return image.convert("RGB")
-    except OSError as exc:
-        raise ValueError(f"image {value[:60]!r}...: not a decodable image ({exc})") from exc
+# ------------------------------------------------------------------------------------- timings
+# ``/infer/`` answers carry the server's own phase times in the standard ``Server-Timing`` header
+# (``parse;dur=1.204, engine;dur=250.1``, milliseconds), so a client can tell transfer from work.
+SERVER_TIMING_HEADER = "Server-Timing"
 
 
-def _b64(value: str) -> bytes:
-    try:
-        return base64.b64decode(value, validate=True)
-    except ValueError as exc:
-        raise ValueError(
-            f"image {value[:60]!r}...: neither a local file on the server nor valid base64 ({exc})"
-        ) from exc
+def format_server_timing(seconds: dict[str, float]) -> str:
+    """``{"parse": 0.0012}`` -> ``parse;dur=1.200`` (the header's unit is milliseconds)."""
+    return ", ".join(f"{name};dur={value * 1000:.3f}" for name, value in seconds.items())
+
+
+def parse_server_timing(value: str) -> dict[str, float]:
+    """The header back to seconds per phase; entries without a ``dur`` are skipped."""
+    phases: dict[str, float] = {}
+    for entry in value.split(","):
+        name, _, params = entry.strip().partition(";")
+        for param in params.split(";"):
+            key, _, number = param.strip().partition("=")
+            if name and key == "dur":
+                try:
+                    phases[name] = float(number) / 1000
+                except ValueError:
+                    continue
+    return phases
 
 
 # ----------------------------------------------------------------------------------------- sync
-class InitCommunicatorBody(WireModel):
-    """swift's ``InitCommunicatorRequest`` plus the group backend and the rendezvous timeout."""
+MAX_GROUP_TIMEOUT_S = 3600.0  # no init or transfer may hold the sync state longer
+MAX_BUCKET_BYTES = 1 << 36  # 64 GiB: larger announcements are refused before any allocation
+MAX_WEIGHT_VERSION = 2**62
+_NAME_CHARS = 1024
 
-    host: str
+
+class InitCommunicatorBody(WireModel):
+    """swift's ``InitCommunicatorRequest`` plus the group backend and the rendezvous timeout.
+
+    ``host`` is the server interface the weight-sync group listens on (the address the trainer
+    reaches the server at; loopback when both share a host), never all interfaces.
+    """
+
+    host: str = Field(min_length=1, max_length=255)
     port: int = Field(gt=0, lt=65536)
-    world_size: int = Field(gt=1)
-    client_device_uuid: str | None = None
+    world_size: int = Field(gt=1, le=1024)
+    client_device_uuid: str | None = Field(None, max_length=256)
     backend: Literal["gloo", "nccl"] = "gloo"
-    timeout_s: float = Field(240.0, gt=0.0)
+    timeout_s: float = Field(240.0, gt=0.0, le=MAX_GROUP_TIMEOUT_S)
 
 
 class FlattenedTensorMeta(WireModel):
     """swift's ``FlattenedTensorMetadata``; ``start_idx``/``end_idx`` are byte offsets in the bucket."""
 
-    name: str
-    shape: list[int]
-    dtype: str
-    start_idx: int = Field(ge=0)
-    end_idx: int = Field(ge=0)
-    numel: int = Field(ge=0)
+    name: str = Field(min_length=1, max_length=_NAME_CHARS)
+    shape: list[Annotated[int, Field(ge=0, le=MAX_BUCKET_BYTES)]] = Field(max_length=16)
+    dtype: str = Field(max_length=64)
+    start_idx: int = Field(ge=0, le=MAX_BUCKET_BYTES)
+    end_idx: int = Field(ge=0, le=MAX_BUCKET_BYTES)
+    numel: int = Field(ge=0, le=MAX_BUCKET_BYTES)
 
     @field_validator("dtype")
     @classmethod
     def _plain_dtype(cls, value: str) -> str:
         return value.removeprefix("torch.")
 
+    @model_validator(mode="after")
+    def _consistent(self) -> FlattenedTensorMeta:
+        if math.prod(self.shape) != self.numel:
+            raise ValueError(f"tensor {self.name!r}: numel {self.numel} but shape {self.shape}")
+        if self.end_idx < self.start_idx:
+            raise ValueError(f"tensor {self.name!r}: end_idx {self.end_idx} < start_idx {self.start_idx}")
+        return self
+
 
 class TransactionHeader(WireModel):
     """Which update a bucket belongs to (absent: a swift-style update, applied as it arrives)."""
 
-    version: int
+    version: int = Field(ge=0, le=MAX_WEIGHT_VERSION)
     mode: Literal["full", "adapter"]
-    bucket_index: int = Field(ge=0)
-    num_bytes: int = Field(gt=0)
+    bucket_index: int = Field(ge=0, le=1 << 20)
+    num_bytes: int = Field(gt=0, le=MAX_BUCKET_BYTES)
 
 
 class UpdateFlattenedParamsBody(WireModel):
-    metadatas: list[FlattenedTensorMeta]
+    metadatas: list[FlattenedTensorMeta] = Field(max_length=1 << 20)
     transaction: TransactionHeader | None = None
 
 
 class UpdateAdapterBody(WireModel):
-    lora_int_id: int
+    lora_int_id: int = Field(ge=1, le=2**31 - 1)
     peft_config: dict[str, Any]
-    metadatas: list[FlattenedTensorMeta]
+    metadatas: list[FlattenedTensorMeta] = Field(max_length=1 << 20)
     transaction: TransactionHeader | None = None
 
 
 class FinishUpdateBody(WireModel):
     """The sender's account of an update: what the receiver must have got, bucket by bucket."""
 
-    version: int
+    version: int = Field(ge=0, le=MAX_WEIGHT_VERSION)
     mode: Literal["full", "adapter"]
-    bucket_checksums: list[str]
-    checksum: str
+    bucket_checksums: list[Annotated[str, Field(max_length=64)]] = Field(max_length=1 << 20)
+    checksum: str = Field(max_length=64)
 
 
 class FinishUpdateReply(BaseModel):
@@ -330,9 +477,11 @@ class ServerStats(BaseModel):
 
     weight_version: int
     pushes_by_version: dict[int, int]
-    failed_pushes: int
+    failed_pushes: int  # rejected at finish, or abandoned (abandoned_pushes counts those)
+    abandoned_pushes: int = 0  # staged buckets never finished: freed after the group timeout
     infer_requests: int
     infer_calls: int
+    rejected_requests: int = 0  # 4xx answers of /infer/
     communicator: str
 
 

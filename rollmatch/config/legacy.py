@@ -1,8 +1,9 @@
 """Older spellings of config keys: accepted with a warning, or rejected naming the new key.
 
-Owns: the table of moved / removed keys and :func:`translate_legacy`, which runs on one raw YAML
-layer (a file, a dict or the overrides) before layers are merged, so a base file written in the new
-spelling and a child in the old one still combine. Leaves out: unknown keys in general (pydantic
+Owns: the table of moved / removed keys, :func:`translate_legacy`, which runs on one raw YAML
+layer (a file, a dict or the overrides) before layers are merged, and
+:func:`aliased_section_conflicts`, which refuses a config that sets an aliased section in both
+spellings in any of its layers (one would silently override the other), naming every location. Leaves out: unknown keys in general (pydantic
 ``extra=forbid``, turned into problems by :mod:`rollmatch.config.load`) and cross-field rules
 (:mod:`rollmatch.config.rules`).
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import copy
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rollmatch.errors import ConfigProblem
@@ -39,6 +40,29 @@ REJECTED_KEYS: dict[str, str] = {
 ALIASED_SECTIONS: dict[str, str] = {"custom.extra.stage2_ab": "stage2_ab"}
 
 
+def aliased_section_conflicts(layers: Sequence[tuple[str, Mapping[str, Any]]]) -> list[ConfigProblem]:
+    """A problem for each aliased section set in both spellings anywhere in ``layers``.
+
+    ``layers`` are ``(source, raw mapping)`` pairs (files of an ``extends`` chain, a dict, the
+    overrides). One spelling would silently override the other when the layers merge, so a config
+    may use only one; the problem names every location of both.
+    """
+    problems: list[ConfigProblem] = []
+    for old, new in ALIASED_SECTIONS.items():
+        old_in = [source for source, layer in layers if _has_path(layer, old.split("."))]
+        new_in = [source for source, layer in layers if _has_path(layer, new.split("."))]
+        if old_in and new_in:
+            problems.append(
+                ConfigProblem(
+                    old,
+                    f"set in {', '.join(old_in)}",
+                    f"both `{old}` (deprecated spelling, in {', '.join(old_in)}) and `{new}` (in "
+                    f"{', '.join(new_in)}) are set; keep only `{new}` and move these settings into it",
+                )
+            )
+    return problems
+
+
 def translate_legacy(layer: Mapping[str, Any], source: str) -> tuple[dict[str, Any], list[ConfigProblem]]:
     """Move aliased sections to their new place and pop rejected keys, reporting each one.
 
@@ -62,14 +86,7 @@ def _move_section(data: dict[str, Any], old: str, new: str, source: str) -> list
         return []
     new_parts = new.split(".")
     if _has_path(data, new_parts):
-        return [
-            ConfigProblem(
-                old,
-                value,
-                f"both `{old}` (deprecated spelling) and `{new}` are set in {source}; "
-                f"keep only `{new}` and move these settings into it",
-            )
-        ]
+        return []  # both spellings: reported once, with every location, by aliased_section_conflicts
     warnings.warn(
         f"{source}: `{old}` is deprecated; move that section to top-level `{new}`",
         DeprecationWarning,

@@ -31,7 +31,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
-from rollmatch.config.legacy import translate_legacy
+from rollmatch.config.legacy import aliased_section_conflicts, translate_legacy
 from rollmatch.config.rules import check_config
 from rollmatch.config.schema import RollmatchConfig
 from rollmatch.errors import ConfigError, ConfigProblem
@@ -97,7 +97,7 @@ def check_config_command(args: argparse.Namespace) -> int:
             _print_warnings(caught)
             print(f"{args.config}: invalid config ({len(exc.problems)} problem(s)):", file=sys.stderr)
             for problem in exc.problems:
-                print(f"  - {problem.key} = {problem.value!r}\n      fix: {problem.fix}", file=sys.stderr)
+                print(f"  - {problem.key} = {problem.shown_value}\n      fix: {problem.fix}", file=sys.stderr)
             return 2
     _print_warnings(caught)
     print(config_to_json(cfg) if getattr(args, "json", False) else config_to_yaml(cfg), end="")
@@ -173,8 +173,10 @@ def deep_merge(base: Mapping[str, Any], top: Mapping[str, Any]) -> dict[str, Any
 # ------------------------------------------------------------------------------------ private helpers
 def _load_layers(layers: list[Layer], overrides: Sequence[str]) -> RollmatchConfig:
     override_layer, problems = parse_overrides(overrides)
+    all_layers = [*layers, ("<overrides>", override_layer)]
+    problems.extend(aliased_section_conflicts(all_layers))
     merged: dict[str, Any] = {}
-    for source, layer in [*layers, ("<overrides>", override_layer)]:
+    for source, layer in all_layers:
         translated, legacy_problems = translate_legacy(layer, source)
         problems.extend(legacy_problems)
         merged = deep_merge(merged, translated)
@@ -319,9 +321,17 @@ def _read_yaml_mapping(path: Path) -> dict[str, Any]:
     try:
         data = yaml.load(path.read_text(encoding="utf-8"), Loader=_StrictLoader)
     except yaml.YAMLError as exc:
-        raise ConfigError([ConfigProblem("config file", str(path), f"not valid YAML: {exc}")]) from exc
+        raise ConfigError(
+            [ConfigProblem("config file", str(path), f"not valid YAML: {str(exc)[:500]}")]
+        ) from exc
     if data is None:
-        return {}
+        raise ConfigError(
+            [
+                ConfigProblem(
+                    "config file", str(path), "the file is empty; a config needs at least `model.path`"
+                )
+            ]
+        )
     if not isinstance(data, dict):
         raise ConfigError(
             [

@@ -13,8 +13,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Literal
+from urllib.parse import urlparse
 
+from rollmatch.config.hf_args import (
+    dry_build_problems,
+    eval_problems,
+    eval_runtime_problems,
+    hf_args_problems,
+)
 from rollmatch.config.schema import RollmatchConfig, ServerConfig, ServerEndpoint
+from rollmatch.config.sharding import sharding_problems
 from rollmatch.errors import ConfigError, ConfigProblem
 
 _RM = "custom.extra.rollout_matching"
@@ -34,21 +42,11 @@ def check_config(cfg: RollmatchConfig) -> list[ConfigProblem]:
 def check_runtime(
     cfg: RollmatchConfig, *, world_size: int, device_count: int, device_type: str
 ) -> list[ConfigProblem]:
-    """Problems that depend on the launch: world size, number and type (``cpu``/``cuda``) of devices."""
-    problems: list[ConfigProblem] = []
-    if world_size > 1 and resolve_sync_mode(cfg) == "adapter":
-        sync_mode = cfg.rollout.vllm.sync.mode
-        why_adapter = (
-            " (auto resolves to adapter because vllm.enable_lora is true)" if sync_mode == "auto" else ""
-        )
-        problems.append(
-            ConfigProblem(
-                f"{_VLLM}.sync.mode",
-                sync_mode,
-                f"set {_VLLM}.sync.mode: full: with world_size={world_size} multi-process learners support "
-                f"only full sync{why_adapter}",
-            )
-        )
+    """Problems that depend on the launch: world size, number and type (``cpu``/``cuda``) of devices.
+
+    ``device_count`` is the number of visible accelerators (0 on a CPU machine).
+    """
+    problems = sync_mode_problems(cfg, world_size=world_size)
     if world_size > 1 and cfg.stage2_ab.channel_b.mode == "step":
         problems.append(
             ConfigProblem(
@@ -58,8 +56,32 @@ def check_runtime(
                 f"keep world_size={world_size} ranks in lock-step), or launch a single process",
             )
         )
-    problems.extend(_tensor_parallel_problems(cfg, device_count=device_count, device_type=device_type))
+    problems.extend(_async_gas_problems(cfg, world_size=world_size))
+    problems.extend(
+        _colocated_engine_problems(
+            cfg, world_size=world_size, device_count=device_count, device_type=device_type
+        )
+    )
+    problems.extend(eval_runtime_problems(cfg, world_size=world_size))
     return problems
+
+
+def sync_mode_problems(cfg: RollmatchConfig, *, world_size: int) -> list[ConfigProblem]:
+    """The weight-sync mode in force against the world size: several learner processes need full sync."""
+    if world_size <= 1 or resolve_sync_mode(cfg) != "adapter":
+        return []
+    sync_mode = cfg.rollout.vllm.sync.mode
+    why_adapter = (
+        " (auto resolves to adapter because vllm.enable_lora is true)" if sync_mode == "auto" else ""
+    )
+    return [
+        ConfigProblem(
+            f"{_VLLM}.sync.mode",
+            sync_mode,
+            f"set {_VLLM}.sync.mode: full: with world_size={world_size} multi-process learners support "
+            f"only full sync{why_adapter}",
+        )
+    ]
 
 
 def validate_runtime(cfg: RollmatchConfig, *, world_size: int, device_count: int, device_type: str) -> None:
@@ -96,16 +118,8 @@ def resolve_servers(server_cfg: ServerConfig) -> list[ServerEndpoint]:
 
 
 def server_problems(server_cfg: ServerConfig) -> list[ConfigProblem]:
-    """Every problem of the server section alone (forms, pairing, ports, URLs, timeout)."""
+    """Every problem of the server section alone (forms, pairing, ports, URLs)."""
     problems: list[ConfigProblem] = []
-    if server_cfg.timeout_s <= 0:
-        problems.append(
-            ConfigProblem(
-                f"{_SERVER}.timeout_s",
-                server_cfg.timeout_s,
-                "must be > 0 seconds (it bounds server reachability and communicator init); e.g. 240",
-            )
-        )
     legacy_set = server_cfg.base_url is not None or server_cfg.group_port is not None
     if server_cfg.servers is not None and legacy_set:
         problems.append(
@@ -140,7 +154,7 @@ def _rule_b_ratio_required(cfg: RollmatchConfig) -> list[ConfigProblem]:
 
 
 def _rule_servers(cfg: RollmatchConfig) -> list[ConfigProblem]:
-    """Rollout servers: exactly one form (`servers` or legacy `base_url` + `group_port`), paired lists, unique URLs, `timeout_s` > 0; `vllm.mode: server` needs at least one server."""
+    """Rollout servers: exactly one form (`servers` or legacy `base_url` + `group_port`), paired lists, unique URLs, no two servers on one host sharing a `group_port`; `vllm.mode: server` needs at least one server."""
     server_cfg = cfg.rollout.vllm.server
     problems = server_problems(server_cfg)
     configured = server_cfg.servers or server_cfg.base_url
@@ -157,9 +171,27 @@ def _rule_servers(cfg: RollmatchConfig) -> list[ConfigProblem]:
 
 
 def _rule_lora_sync(cfg: RollmatchConfig) -> list[ConfigProblem]:
-    """`vllm.sync.mode: adapter` needs `vllm.enable_lora: true`, which needs `model.lora.enabled: true`."""
+    """`vllm.sync.mode: adapter` needs `vllm.enable_lora: true`, which needs `model.lora.enabled: true`; adapter sync (also `auto` with `enable_lora`) refuses DoRA and `vllm.sleep_level: 2`."""
     vllm = cfg.rollout.vllm
     problems: list[ConfigProblem] = []
+    if resolve_sync_mode(cfg) == "adapter" and cfg.model.lora.use_dora:
+        problems.append(
+            ConfigProblem(
+                f"{_VLLM}.sync.mode",
+                vllm.sync.mode,
+                f"vLLM cannot serve DoRA adapters: set {_VLLM}.sync.mode: full (DoRA is merged into full "
+                "weights), or model.lora.use_dora: false",
+            )
+        )
+    if resolve_sync_mode(cfg) == "adapter" and vllm.sleep_level == 2:
+        problems.append(
+            ConfigProblem(
+                f"{_VLLM}.sleep_level",
+                2,
+                "level 2 discards the base weights, which adapter sync never resends: use sleep_level 1 "
+                f"or {_VLLM}.sync.mode: full",
+            )
+        )
     if vllm.sync.mode == "adapter" and not vllm.enable_lora:
         problems.append(
             ConfigProblem(
@@ -227,18 +259,81 @@ def _rule_async(cfg: RollmatchConfig) -> list[ConfigProblem]:
     ]
 
 
-def _rule_engine_memory(cfg: RollmatchConfig) -> list[ConfigProblem]:
-    """`vllm.gpu_memory_utilization` in (0, 1]; `vllm.max_model_len`, when set, >= `training.global_max_length`."""
-    vllm = cfg.rollout.vllm
+def _rule_async_queue(cfg: RollmatchConfig) -> list[ConfigProblem]:
+    """`stage2_ab.channel_b.async.prefetch_target_packs` <= `queue_limit` (the actor cannot keep more packs ready than the queue holds)."""
+    settings = cfg.stage2_ab.channel_b.async_
+    if cfg.stage2_ab.channel_b.mode != "async" or settings.prefetch_target_packs <= settings.queue_limit:
+        return []
+    return [
+        ConfigProblem(
+            f"{_CHANNEL_B}.async.prefetch_target_packs",
+            settings.prefetch_target_packs,
+            f"more than {_CHANNEL_B}.async.queue_limit = {settings.queue_limit}: the queue would drop the "
+            "packs the actor keeps ready; raise queue_limit or lower prefetch_target_packs",
+        )
+    ]
+
+
+def _rule_step_mode(cfg: RollmatchConfig) -> list[ConfigProblem]:
+    """`stage2_ab.channel_b.rollouts_per_step` is read only by `channel_b.mode: step`; step mode refuses `training.deepspeed`."""
+    channel_b = cfg.stage2_ab.channel_b
     problems: list[ConfigProblem] = []
-    if not 0.0 < vllm.gpu_memory_utilization <= 1.0:
+    if channel_b.rollouts_per_step is not None and channel_b.mode != "step":
         problems.append(
             ConfigProblem(
-                f"{_VLLM}.gpu_memory_utilization",
-                vllm.gpu_memory_utilization,
-                "must be a fraction of device memory in (0, 1]; e.g. 0.45 when colocated with training",
+                f"{_CHANNEL_B}.rollouts_per_step",
+                channel_b.rollouts_per_step,
+                f"only step mode reads it (mode is {channel_b.mode!r}: rollouts follow the micro-batches); "
+                f"delete it, or set {_CHANNEL_B}.mode: step",
             )
         )
+    if channel_b.mode == "step" and cfg.training.deepspeed is not None:
+        problems.append(
+            ConfigProblem(
+                "training.deepspeed",
+                cfg.training.deepspeed,
+                "step mode runs a variable number of backward passes inside one micro-step, which DeepSpeed's "
+                f"accumulation bookkeeping cannot follow; unset training.deepspeed or use {_CHANNEL_B}.mode: micro",
+            )
+        )
+    return problems
+
+
+def _rule_offload(cfg: RollmatchConfig) -> list[ConfigProblem]:
+    """Rollout offload (`offload.enabled` with `offload_model` or `offload_optimizer`, colocated vLLM) refuses `training.deepspeed`."""
+    return offload_problems(cfg)
+
+
+def offload_problems(cfg: RollmatchConfig) -> list[ConfigProblem]:
+    """The config's part of the offload safety check (``training.offload`` adds the runtime part)."""
+    rm, off = cfg.rollout, cfg.rollout.offload
+    colocated = rm.rollout_backend == "vllm" and rm.vllm.mode == "colocate"
+    moves_state = off.enabled and (off.offload_model or off.offload_optimizer)
+    if not (colocated and moves_state and cfg.training.deepspeed):
+        return []
+    return [
+        ConfigProblem(
+            "training.deepspeed",
+            cfg.training.deepspeed,
+            "DeepSpeed ZeRO manages (partitioned) parameters and optimizer buffers that rollout offload "
+            f"cannot move safely: set `{_RM}.offload.enabled: false`, or `{_RM}.rollout_backend: hf`, or "
+            "train without DeepSpeed ZeRO (DDP) / without its stage 3",
+        )
+    ]
+
+
+def _rule_pixels(cfg: RollmatchConfig) -> list[ConfigProblem]:
+    """`data.min_pixels` <= `data.max_pixels` when both are set."""
+    low, high = cfg.data.min_pixels, cfg.data.max_pixels
+    if low is None or high is None or low <= high:
+        return []
+    return [ConfigProblem("data.min_pixels", low, f"must not exceed data.max_pixels (= {high}); lower it")]
+
+
+def _rule_engine_memory(cfg: RollmatchConfig) -> list[ConfigProblem]:
+    """`vllm.max_model_len`, when set, >= `training.global_max_length`."""
+    vllm = cfg.rollout.vllm
+    problems: list[ConfigProblem] = []
     if vllm.max_model_len is not None and vllm.max_model_len < cfg.training.global_max_length:
         problems.append(
             ConfigProblem(
@@ -257,7 +352,15 @@ STATIC_RULES: tuple[Rule, ...] = (
     _rule_lora_sync,
     _rule_pipeline,
     _rule_async,
+    _rule_async_queue,
+    _rule_step_mode,
+    _rule_offload,
+    _rule_pixels,
     _rule_engine_memory,
+    hf_args_problems,
+    eval_problems,
+    sharding_problems,
+    dry_build_problems,  # last: only meaningful once the names and types above are right
 )
 
 
@@ -269,33 +372,75 @@ def rule_descriptions() -> list[str]:
 RUNTIME_RULE_DESCRIPTIONS: tuple[str, ...] = (
     "World size > 1: `vllm.sync.mode` must resolve to full (adapter, or auto with `enable_lora`, is refused).",
     "World size > 1: `stage2_ab.channel_b.mode: step` is refused; use async.",
+    "Async mode: `stage2_ab.channel_b.async.prefetch_target_packs` >= the gradient accumulation steps in force "
+    "(a B step takes one ready pack per micro-step).",
     "`rollout_backend: vllm` with `vllm.mode: colocate` (trainer variants that roll out): "
-    "`tensor_parallel_size` <= visible GPUs, and exactly 1 on CPU.",
+    "`tensor_parallel_size` <= visible GPUs and dividing the world size, exactly 1 on CPU; "
+    "`vllm.sleep_level` 0 on CPU.",
+    "World size > 1 with in-training evaluation: a colocated vLLM engine must not span ranks "
+    "(`tensor_parallel_size` 1), because rank 0 evaluates alone.",
 )
 
 
 # ------------------------------------------------------------------------------------ private helpers
-def _tensor_parallel_problems(
-    cfg: RollmatchConfig, *, device_count: int, device_type: str
+def _async_gas_problems(cfg: RollmatchConfig, *, world_size: int) -> list[ConfigProblem]:
+    """A B step in async mode takes one ready pack per micro-step: the actor must keep that many ready."""
+    if cfg.custom.trainer_variant != "stage2_ab_training" or cfg.stage2_ab.channel_b.mode != "async":
+        return []
+    gas = cfg.training.gradient_accumulation(world_size)
+    target = cfg.stage2_ab.channel_b.async_.prefetch_target_packs
+    if target >= gas:
+        return []
+    return [
+        ConfigProblem(
+            f"{_CHANNEL_B}.async.prefetch_target_packs",
+            target,
+            f"below gradient_accumulation_steps = {gas} (world_size={world_size}): a B step takes one ready pack "
+            f"per micro-step, so the actors would never keep enough ready; set prefetch_target_packs >= {gas} "
+            "(and queue_limit >= it)",
+        )
+    ]
+
+
+def _colocated_engine_problems(
+    cfg: RollmatchConfig, *, world_size: int, device_count: int, device_type: str
 ) -> list[ConfigProblem]:
     rm = cfg.rollout
     # Stage-1 SFT makes no rollouts, so the engine settings are not in force.
     if cfg.custom.trainer_variant == "sft" or rm.rollout_backend != "vllm" or rm.vllm.mode != "colocate":
         return []
+    problems: list[ConfigProblem] = []
     tp = rm.vllm.tensor_parallel_size
     key = f"{_VLLM}.tensor_parallel_size"
     if device_type == "cpu" and tp != 1:
-        return [ConfigProblem(key, tp, "the vLLM CPU engine runs unsharded: set tensor_parallel_size: 1")]
-    if device_type != "cpu" and tp > device_count:
-        return [
+        problems.append(
+            ConfigProblem(key, tp, "the vLLM CPU engine runs unsharded: set tensor_parallel_size: 1")
+        )
+    elif device_type != "cpu" and tp > device_count:
+        problems.append(
             ConfigProblem(
                 key,
                 tp,
                 f"only {device_count} {device_type} device(s) visible to a colocated engine; set "
                 f"tensor_parallel_size <= {device_count}, or use vllm.mode: server on dedicated devices",
             )
-        ]
-    return []
+        )
+    elif tp > 1 and world_size % tp:
+        problems.append(
+            ConfigProblem(
+                key,
+                tp,
+                f"a colocated engine spans {tp} learner ranks, but the world size is {world_size}: launch a "
+                f"multiple of {tp} ranks with torchrun, or set it to 1",
+            )
+        )
+    if device_type == "cpu" and rm.vllm.sleep_level:
+        problems.append(
+            ConfigProblem(
+                f"{_VLLM}.sleep_level", rm.vllm.sleep_level, "vLLM sleep mode needs a GPU: set it to 0 on CPU"
+            )
+        )
+    return problems
 
 
 def _legacy_urls(server_cfg: ServerConfig) -> list[str]:
@@ -349,8 +494,20 @@ def _legacy_problems(server_cfg: ServerConfig) -> list[ConfigProblem]:
 def _endpoint_problems(endpoints: list[tuple[str, int]], key: str) -> list[ConfigProblem]:
     problems: list[ConfigProblem] = []
     seen: set[str] = set()
+    group_ports: dict[tuple[str, int], str] = {}
     for url, port in endpoints:
         normalised = url.rstrip("/")
+        host = (urlparse(normalised).hostname or "").replace("localhost", "127.0.0.1")
+        other = group_ports.setdefault((host, port), url)
+        if other != url:
+            problems.append(
+                ConfigProblem(
+                    key,
+                    port,
+                    f"{url} and {other} share group_port {port} on host {host}: each server's weight-sync group "
+                    "needs its own port on its host; give every server on one host a different group_port",
+                )
+            )
         if not normalised.startswith(("http://", "https://")):
             problems.append(ConfigProblem(key, url, "a server URL must start with http:// or https://"))
         if normalised in seen:

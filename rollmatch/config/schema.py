@@ -9,7 +9,7 @@ those are known, with the same :class:`~rollmatch.errors.ConfigProblem` shape).
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -85,7 +85,12 @@ class LossConfig(Section):
 class MatchingConfig(Section):
     """Hungarian matching of parsed predictions to ground truth."""
 
-    iou_threshold: float = Field(0.5, ge=0.0, le=1.0, description="Pairs below this IoU cannot match.")
+    iou_threshold: float = Field(
+        0.5,
+        ge=0.0,
+        le=1.0,
+        description="A pair can match iff IoU > 0 and IoU >= this (0: any overlap; boxes that only touch never match).",
+    )
     label_mode: Literal["ignore", "require"] = Field(
         "ignore", description="`require`: a label mismatch is no match; `ignore`: geometry only."
     )
@@ -119,9 +124,15 @@ class ServerConfig(Section):
         None, description="Legacy form: int -> group_port + i for server i, or one per base_url."
     )
     timeout_s: float = Field(
-        240.0, description="Reachability (/health/ polling) and communicator init timeout."
+        240.0, gt=0.0, description="Reachability (/health/ polling) and communicator init timeout (s)."
     )
     infer_timeout_s: float | None = Field(None, description="HTTP timeout of /infer/; null or <= 0: none.")
+    image_wire: Literal["png", "resized_bmp"] = Field(
+        "png",
+        description="How /infer/ carries images. png: each original image as PNG (any swift-style server). "
+        "resized_bmp (opt-in, faster): the pixels the trainer's processor already resized, uncompressed, "
+        "bit-exact for the server's processor (docs/server.md).",
+    )
 
 
 class SyncConfig(Section):
@@ -140,7 +151,9 @@ class VllmConfig(Section):
     mode: Literal["colocate", "server"] = Field(
         "colocate", description="In-process engine or HTTP rollout servers."
     )
-    gpu_memory_utilization: float = Field(0.45, description="Fraction of device memory for vLLM, in (0, 1].")
+    gpu_memory_utilization: float = Field(
+        0.45, gt=0.0, le=1.0, description="Fraction of device memory for vLLM, in (0, 1]."
+    )
     tensor_parallel_size: int = Field(4, gt=0, description="vLLM tensor parallel size (CPU: 1).")
     enable_lora: bool = Field(False, description="Serve LoRA adapters (needed by sync.mode adapter).")
     max_model_len: int | None = Field(
@@ -213,6 +226,12 @@ class AsyncConfig(Section):
         2, ge=0, description="A pack is eligible iff its weight version >= current - version_window."
     )
     sync_every_steps: int = Field(1, gt=0, description="Push weights to the servers every N optimizer steps.")
+    max_wait_s: float = Field(
+        0.0,
+        ge=0.0,
+        le=3600.0,
+        description="A step that wants B waits up to this long for its ready packs before running Channel-A instead (0: no wait).",
+    )
 
 
 class ChannelBConfig(Section):
@@ -265,7 +284,7 @@ class TrainingConfig(Section):
     lr_scheduler_type: str = Field("constant", description="HF scheduler name: constant, linear, cosine, ...")
     max_grad_norm: float = Field(1.0, ge=0.0, description="Gradient clipping norm (0: off).")
     num_train_epochs: float = Field(1.0, gt=0.0, description="Epochs over train_jsonl (when max_steps <= 0).")
-    max_steps: int = Field(-1, description="> 0 overrides num_train_epochs.")
+    max_steps: int = Field(-1, ge=-1, description="> 0 overrides num_train_epochs; -1: use the epochs.")
     logging_steps: int = Field(1, gt=0, description="Log metrics every N optimizer steps.")
     save_steps: int = Field(500, gt=0, description="Checkpoint every N optimizer steps.")
     save_total_limit: int | None = Field(2, gt=0, description="Keep at most N checkpoints (null: all).")
@@ -279,6 +298,27 @@ class TrainingConfig(Section):
     deepspeed: str | None = Field(None, description="DeepSpeed JSON config path (HF Trainer integration).")
     dataloader_num_workers: int = Field(0, ge=0, description="DataLoader worker processes (0: main process).")
     collective_timeout_s: float = Field(600.0, gt=0.0, description="Timeout of every cross-rank wait.")
+    eval_strategy: Literal["no", "steps", "epoch"] | None = Field(
+        None,
+        description="Detection eval on data.val_jsonl during training (docs/runbook.md); null: `steps` if "
+        "eval_steps is set, else `no`.",
+    )
+    eval_steps: int | None = Field(
+        None, gt=0, description="Evaluate every N optimizer steps (eval_strategy steps; null: logging_steps)."
+    )
+    metric_for_best_model: str | None = Field(
+        None,
+        description="Eval metric that picks the best checkpoint (HF's metric_for_best_model): eval/f1, "
+        "eval/precision, eval/recall, eval/mean_iou, eval/map, eval/map_50, eval/map_75 (higher is better) or "
+        "eval/truncated_frac (lower). With hf_args.load_best_model_at_end the final model is the best one.",
+    )
+    hf_args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Any other HF TrainingArguments field, passed through as written, e.g. {optim: adamw_torch, "
+        "adam_beta2: 0.95, run_name: x, torch_compile: false, save_strategy: steps, load_best_model_at_end: "
+        "true}. Checked at load against the installed transformers (unknown names, types, its own rules); "
+        "fields set by a typed key or by the trainer are refused with the reason (docs/runbook.md).",
+    )
 
     def gradient_accumulation(self, world_size: int) -> int:
         """GAS in force: derived from ``effective_batch_size`` when set (a ceiling)."""

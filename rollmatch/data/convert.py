@@ -9,7 +9,10 @@ the real image. Leaves out: writing JSONL (``records.write_records``) and any re
 Choices (docs/data.md):
 - COCO: ``iscrowd: 1`` annotations are skipped (crowd regions are not single objects; COCO
   evaluation ignores them too); images without annotations are kept with no objects.
-- VOC: coordinates are taken as written (no 1-based shift); ``difficult`` objects are kept.
+- VOC: pixel indices are 1-based and inclusive (``xmin = 1`` is the first column, ``xmax`` the
+  last column covered), so a box becomes ``[xmin - 1, ymin - 1, xmax, ymax]`` in the project's
+  0-based frame, as Detectron2's VOC loader and the usual VOC -> COCO converters do; the same
+  photo then converts to the same box from VOC and from COCO. ``difficult`` objects are kept.
 - YOLO: an image without a label file is a background image (no objects), as in Ultralytics.
 - All: a zero-width or zero-height box (a point or line, e.g. YOLO ``w = 0``) cannot be learned or
   serialized; it is dropped and described in the caller's ``dropped`` list, or logged as a
@@ -135,6 +138,7 @@ def _read_coco_json(src: Path) -> dict[str, Any]:
 def from_voc(folder: str | os.PathLike[str], *, dropped: list[str] | None = None) -> list[Record]:
     """Records from a Pascal VOC folder: ``annotations/*.xml`` (or ``Annotations/``) and ``images/``
     (or ``JPEGImages/``), sorted numerically by xml name. ``<size>`` must equal the real image size.
+    Boxes ``xmin ymin xmax ymax`` (1-based, inclusive) become ``[xmin - 1, ymin - 1, xmax, ymax]``.
     Zero-area boxes are dropped and described in ``dropped`` (logged when it is ``None``).
     """
     root = Path(folder).absolute()
@@ -157,8 +161,11 @@ def _voc_record(xml_path: Path, img_dir: Path, dropped: list[str] | None) -> Rec
     for i, obj in enumerate(tree.findall("object")):
         where = f"{xml_path}: object {i}"
         label = _xml_text(obj, "name", xml_path)
-        bbox = tuple(_xml_number(obj, f"bndbox/{k}", xml_path) for k in ("xmin", "ymin", "xmax", "ymax"))
-        obj = _object_or_drop(label, bbox, size, where, dropped)
+        xmin, ymin, xmax, ymax = (
+            _xml_number(obj, f"bndbox/{k}", xml_path) for k in ("xmin", "ymin", "xmax", "ymax")
+        )
+        # 1-based inclusive pixel indices -> 0-based edges (see the module docstring)
+        obj = _object_or_drop(label, (xmin - 1, ymin - 1, xmax, ymax), size, where, dropped)
         if obj is not None:
             objects.append(obj)
     return Record(

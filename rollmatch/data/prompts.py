@@ -3,7 +3,7 @@
 Owns: :func:`load_rgb`, :class:`EncodedPrompt` (token ids + processor outputs of one record, exactly
 what the HF model consumes) and :class:`PromptEncoder` (record -> encoded prompt, record boxes ->
 GT objects in the configured coordinate frame). Rollout backends receive these ids and must use
-them (see :class:`rollmatch.rollout.types.RolloutRequest`).
+them (see :class:`rollmatch.data.requests.RolloutRequest`).
 Leaves out: reading JSONL records (``data.records``), serializing objects (``detection.codec``) and
 building training targets (``detection.targets``).
 
@@ -21,10 +21,10 @@ import torch
 from PIL import Image
 
 from rollmatch.data.records import load_image
+from rollmatch.data.requests import RolloutRequest
 from rollmatch.detection.objects import CoordFrame, DetObject, canonical_order, to_frame
 from rollmatch.detection.objects import frame_extent as _frame_extent
 from rollmatch.errors import ConfigError, ConfigProblem, DataError
-from rollmatch.rollout.types import RolloutRequest
 
 if TYPE_CHECKING:
     from rollmatch.config.schema import DataConfig

@@ -8,7 +8,7 @@ Leaves out: converters (``data.convert``), the synthetic set (``data.shapes``) a
 A line::
 
     {"id": "raccoon-1", "images": ["images/raccoon-1.jpg"], "width": 650, "height": 417,
-     "objects": [{"label": "raccoon", "bbox": [81, 88, 522, 408]}]}
+     "objects": [{"label": "raccoon", "bbox": [80, 87, 522, 408]}]}
 
 ``bbox`` is pixel ``[x1, y1, x2, y2]`` of the original image ``images[0]`` (``width`` x ``height``),
 with ``x2 > x1`` and ``y2 > y1``. Relative image paths resolve against the JSONL file's folder and

@@ -13,15 +13,19 @@ Format (one line, ``json.dumps`` separators, ``ensure_ascii=False``)::
 Strict parse of the response token ids (docs/detection.md):
 
 1. cut at the first EOS id; decode token by token into exact character spans;
-2. scan the JSON list (depth, strings, escapes); a top-level element is *complete* at its closing
-   ``}`` (``]`` for an array, the next delimiter for a scalar);
+2. scan the JSON list (depth, strings, escapes); a top-level element is *complete* only at the
+   closing ``}`` of an object at depth 1; a top-level value that is not an object stops the scan
+   (``not_object``), so the prefix never holds one;
 3. validate each complete element with ``json.loads`` on its exact text; invalid ones are counted
    by reason and excluded from the objects, never repaired;
 4. the prefix is the token ids through the last complete element. Earlier tokens are never
-   re-tokenized: only the token(s) holding the cut (e.g. ``"},`` or ``"}]``) are re-encoded for
-   their kept part, which must decode back to the same text; if it does not, the cut moves back
-   one element (the dropped elements are counted as ``cut_mismatch``). With no complete element,
-   or no leading ``[``, the prefix is the ids of ``[``.
+   re-tokenized: only the one token holding the cut (e.g. ``"},`` or ``"}]``) is re-encoded for
+   its kept part, and the prefix must decode back to the same text; if it does not (or the cut
+   token starts inside a multi-byte character), the cut moves back one element (the dropped
+   elements are counted as ``cut_mismatch``). With no complete element, or no leading ``[``, the
+   prefix is the ids of ``[``;
+5. ``truncated``: the response hit ``max_new_tokens``, or it ended inside the list (between or
+   inside elements). A list that stops at an error or closes is not truncated.
 """
 
 from __future__ import annotations
@@ -43,7 +47,6 @@ from rollmatch.errors import ConfigError, ConfigProblem
 # A complete element that fails validation is counted under one of these reasons.
 ELEMENT_REASONS: tuple[str, ...] = (
     "bad_json",  # json.loads rejects the element's exact text
-    "not_object",  # valid JSON, but not an object
     "bad_keys",  # keys other than exactly bbox_2d + label (or a repeated key)
     "bad_label",  # label is not a string
     "empty_label",  # label is empty or only whitespace
@@ -53,6 +56,7 @@ ELEMENT_REASONS: tuple[str, ...] = (
 # At most one of these per response: why the scan of the list stopped or what was dropped.
 LIST_REASONS: tuple[str, ...] = (
     "not_a_list",  # the response does not start with "["
+    "not_object",  # a top-level element that is not an object (number, literal, string, array)
     "bad_structure",  # junk between elements, a trailing comma or a mismatched bracket
     "text_after_list",  # non-whitespace after the closing "]"
     "cut_mismatch",  # complete elements dropped because their cut did not re-encode exactly
@@ -78,7 +82,7 @@ class ParseResult:
     prefix_text: str
     num_complete: int  # complete top-level elements inside the prefix, valid + invalid
     invalid: dict[str, int]  # reason (ELEMENT_REASONS, LIST_REASONS) -> count
-    truncated: bool  # hit max_new_tokens, or the list ended mid-element / without its closing "]"
+    truncated: bool  # hit max_new_tokens, or the response ended inside the list (not at an error)
     has_complete_element: bool  # False -> the prefix is exactly "["
     response_text: str = ""  # the decoded response, cut at the first EOS (for logs)
     closed: bool = False  # the list's closing "]" was seen
@@ -173,6 +177,7 @@ class QwenJsonCodec:
                 [ConfigProblem("eos_token_ids", list(eos_token_ids), "pass the tokenizer's EOS id(s)")]
             )
         self.tokenizer = tokenizer
+        self._decode_window = _window_decoder(tokenizer)
         self.eos_token_ids = frozenset(int(i) for i in eos_token_ids)
         self.open_token_ids = list(tokenizer.encode("[", add_special_tokens=False))
         opened = tokenizer.decode(self.open_token_ids, skip_special_tokens=False)
@@ -226,7 +231,7 @@ class QwenJsonCodec:
             prefix_text=decoded.text[:cut_char] if kept else "[",
             num_complete=kept,
             invalid=invalid,
-            truncated=hit_max_tokens or (scan.started and not scan.closed),
+            truncated=hit_max_tokens or scan.ended_early,
             has_complete_element=kept > 0,
             response_text=decoded.text,
             closed=scan.closed,
@@ -239,18 +244,40 @@ class QwenJsonCodec:
         group_ends = [g[3] for g in decoded.groups]
         for kept in range(len(scan.elements), 0, -1):
             cut_char = scan.elements[kept - 1][1]
-            first, end, start, stop = decoded.groups[bisect_right(group_ends, cut_char - 1)]
-            if stop == cut_char:
-                prefix = ids[:end]
-            else:  # the cut falls inside a token (e.g. `"},`): re-encode only its kept part
-                kept_text = decoded.text[start:cut_char]
-                prefix = ids[:first] + list(self.tokenizer.encode(kept_text, add_special_tokens=False))
-            redecoded = self.tokenizer.decode(
-                prefix, skip_special_tokens=False, clean_up_tokenization_spaces=False
-            )
-            if redecoded == decoded.text[:cut_char]:
-                return kept, prefix
+            group = decoded.groups[bisect_right(group_ends, cut_char - 1)]
+            prefix = self._prefix_through(ids, decoded.text, group, cut_char)
+            if prefix is not None:
+                redecoded = self.tokenizer.decode(
+                    prefix, skip_special_tokens=False, clean_up_tokenization_spaces=False
+                )
+                if redecoded == decoded.text[:cut_char]:
+                    return kept, prefix
         return 0, list(self.open_token_ids)
+
+    def _prefix_through(
+        self, ids: list[int], text: str, group: tuple[int, int, int, int], cut_char: int
+    ) -> list[int] | None:
+        """The ids through character ``cut_char``, ending in ``group``; None if the cut needs more
+        than the token holding it re-encoded.
+
+        Groups start on character boundaries, so the group's tokens decode on their own. The cut
+        token is the last one whose preceding tokens decode to a prefix of ``text`` ending before
+        the cut; it must hold the cut character itself (not start inside a multi-byte character
+        that it completes). Its kept part alone is re-encoded; every token before it is kept as is,
+        even a stray byte that decodes to U+FFFD.
+        """
+        first, end, start, stop = group
+        if stop == cut_char:
+            return ids[:end]
+        kept_text = text[start:cut_char]
+        for token in range(end - 1, first - 1, -1):
+            head = self._decode_window(ids[first:token])
+            if len(head) < len(kept_text) and kept_text.startswith(head):
+                if not self._decode_window(ids[first : token + 1]).startswith(kept_text):
+                    return None  # the cut token starts mid-character: keeping it alone is impossible
+                tail = self.tokenizer.encode(kept_text[len(head) :], add_special_tokens=False)
+                return ids[:token] + list(tail)
+        return None
 
 
 def build_codec(name: str, tokenizer: Tokenizer, eos_token_ids: Sequence[int]) -> ObjectCodec:

@@ -1,6 +1,6 @@
 """Character-level scanning of a JSON list as a model writes it (pure: no tokenizer, no torch).
 
-Owns: :func:`scan_json_list`, which finds the complete top-level elements of a possibly truncated
+Owns: :func:`scan_json_list`, which finds the complete top-level objects of a possibly truncated
 or broken list (depth, strings, escapes; no value is interpreted), and :func:`char_roles`, which
 labels every character as structure, value or string text (used for per-token loss weights).
 Leaves out: validating elements and anything about tokens (``detection.codec``).
@@ -17,6 +17,7 @@ _STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
 _CLOSER = {"{": "}", "[": "]"}
 _SCALAR_START = frozenset("-0123456789tfn")
 _SCALAR_END = frozenset(WHITESPACE + ',]}[{"')
+_VALUE_START = _SCALAR_START | {'"', "["}  # a JSON value that is not an object
 _NUMBER_CHARS = frozenset("0123456789+-.eE")
 
 # Character roles (one byte per character, see char_roles).
@@ -31,16 +32,22 @@ class ListScan:
 
     started: bool  # the text starts with "["
     closed: bool  # the closing "]" was seen
-    elements: list[tuple[int, int]] = field(default_factory=list)  # [start, end) per complete element
-    stop_reason: str | None = None  # not_a_list | bad_structure | text_after_list
+    elements: list[tuple[int, int]] = field(default_factory=list)  # [start, end) per complete object
+    stop_reason: str | None = None  # not_a_list | not_object | bad_structure | text_after_list
+
+    @property
+    def ended_early(self) -> bool:
+        """The text ended inside the list (between or inside elements), not at an error or its ``]``."""
+        return self.started and not self.closed and self.stop_reason is None
 
 
 def scan_json_list(text: str) -> ListScan:
-    """Scan ``text`` as the start of a JSON list; never raises.
+    """Scan ``text`` as the start of a JSON list of objects; never raises.
 
-    An element is complete at its closing ``}`` (``]`` for an array, the closing quote for a string,
-    the next delimiter for a number or literal). The scan stops, keeping what is complete so far, at
-    the end of the text, at the closing ``]``, or at the first structural error.
+    An element is complete only at the closing ``}`` of a top-level object (depth 1). A top-level
+    value that is not an object (a number, literal, string or array) is never complete: the scan
+    stops at its first character (``not_object``). The scan stops, keeping what is complete so
+    far, at the end of the text, at the closing ``]``, or at the first structural error.
     """
     if not text.startswith("["):
         return ListScan(started=False, closed=False, stop_reason="not_a_list")
@@ -62,7 +69,10 @@ def scan_json_list(text: str) -> ListScan:
                 return scan
             pos, expect_separator = pos + 1, False
             continue
-        end = _element_end(text, pos)
+        if char != "{":
+            scan.stop_reason = "not_object" if char in _VALUE_START else "bad_structure"
+            return scan
+        end = _object_end(text, pos)
         if end is None:
             return scan
         if end < 0:
@@ -132,16 +142,8 @@ def _scalar_end(text: str, pos: int) -> int:
     return end
 
 
-def _element_end(text: str, pos: int) -> int | None:
-    """End of the element starting at ``pos``: None if the text ends first, -1 if it is malformed."""
-    char = text[pos]
-    if char == '"':
-        return _string_end(text, pos)
-    if char in _SCALAR_START:
-        end = _scalar_end(text, pos)
-        return end if end < len(text) else None  # a number could still continue
-    if char not in _CLOSER:
-        return -1
+def _object_end(text: str, pos: int) -> int | None:
+    """End of the object opened at ``pos``: None if the text ends first, -1 if it is malformed."""
     stack: list[str] = []
     while pos < len(text):
         char = text[pos]

@@ -11,8 +11,9 @@ The assignment is ``scipy.optimize.linear_sum_assignment`` on a square matrix of
     G dummy rows fn_cost                         0
 
 A pair is allowed iff its IoU is positive and at least ``iou_threshold`` (and, under
-``label_mode="require"``, the labels are equal). The dummy blocks always give a feasible
-assignment, so a forbidden pair is never chosen.
+``label_mode="require"``, the labels are equal). So ``iou_threshold: 0`` means "any overlap": boxes
+that only touch or lie apart (IoU 0) never match, at any threshold. The dummy blocks always give a
+feasible assignment, so a forbidden pair is never chosen.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+from pydantic import ValidationError
 from scipy.optimize import linear_sum_assignment
 
 from rollmatch.config.schema import MatchingConfig
@@ -28,7 +30,6 @@ from rollmatch.detection.objects import DetObject, iou_matrix
 from rollmatch.errors import ConfigError, ConfigProblem
 
 _DEFAULTS = MatchingConfig()
-LABEL_MODES = ("ignore", "require")
 
 
 @dataclass
@@ -88,13 +89,13 @@ def hungarian_match(
 
 
 def _check_settings(iou_threshold: float, label_mode: str, fp_cost: float, fn_cost: float) -> None:
-    problems: list[ConfigProblem] = []
-    if not 0.0 <= iou_threshold <= 1.0:
-        problems.append(ConfigProblem("matching.iou_threshold", iou_threshold, "use a value in [0, 1]"))
-    if label_mode not in LABEL_MODES:
-        problems.append(ConfigProblem("matching.label_mode", label_mode, f"use one of {list(LABEL_MODES)}"))
-    for key, value in (("matching.fp_cost", fp_cost), ("matching.fn_cost", fn_cost)):
-        if not value >= 0.0:  # also rejects NaN
-            problems.append(ConfigProblem(key, value, "use a cost >= 0"))
-    if problems:
-        raise ConfigError(problems)
+    """The ``matching.*`` bounds live in the schema (``MatchingConfig``); arguments are checked there."""
+    try:
+        MatchingConfig(iou_threshold=iou_threshold, label_mode=label_mode, fp_cost=fp_cost, fn_cost=fn_cost)
+    except ValidationError as exc:
+        raise ConfigError(
+            [
+                ConfigProblem(f"matching.{error['loc'][0]}", error["input"], error["msg"])
+                for error in exc.errors(include_url=False)
+            ]
+        ) from None

@@ -1,9 +1,11 @@
 """Detection and parse metrics (pure: counts in, floats out).
 
 Owns: :class:`DetectionCounts` (matching counts -> precision / recall / F1 / mean IoU),
-:class:`ParseCounts` (parse outcomes -> ``parse/*``) and :func:`coco_map` (COCO-style mAP via
-pycocotools' ``COCOeval``). Leaves out: summing counts across ranks (the trainer all-reduces
-:meth:`DetectionCounts.state`) and logging.
+:class:`ParseCounts` (parse outcomes -> ``parse/*`` and the truncated fraction) and
+:func:`coco_map` (COCO-style mAP via pycocotools' ``COCOeval``). Leaves out: summing across
+micro-steps and ranks (``to_sums`` gives additive ``{name: number}`` sums that the trainer adds up
+exactly; ``from_sums`` reads them back, and ``training.metrics.summarize`` turns them into the
+logged values) and logging.
 
 Conventions: a ratio whose denominator is 0 is 0.0, except that nothing to count at all (no
 prediction and no GT) is a perfect 1.0 for precision, recall and F1.
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import io
-from collections.abc import Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
 from pycocotools.coco import COCO
@@ -55,14 +57,18 @@ class DetectionCounts:
             iou_sum=self.iou_sum + other.iou_sum,
         )
 
-    def state(self) -> list[float]:
-        """The counts as floats (field order), e.g. to all-reduce across ranks."""
-        return [float(getattr(self, f.name)) for f in fields(self)]
+    def to_sums(self) -> dict[str, float]:
+        """Additive sums (``match/tp``, ``match/fp``, ``match/fn``, ``match/iou_sum``) to add up
+        across micro-steps and ranks; :meth:`from_sums` reads them back."""
+        return {f"match/{f.name}": float(getattr(self, f.name)) for f in fields(self)}
 
     @classmethod
-    def from_state(cls, values: Sequence[float]) -> DetectionCounts:
-        tp, fp, fn, iou_sum = values
-        return cls(tp=round(tp), fp=round(fp), fn=round(fn), iou_sum=float(iou_sum))
+    def from_sums(cls, sums: Mapping[str, float]) -> DetectionCounts:
+        """The counts in ``sums`` (missing names count 0), e.g. after summing many :meth:`to_sums`."""
+        get = {f.name: sums.get(f"match/{f.name}", 0) for f in fields(cls)}
+        return cls(
+            tp=round(get["tp"]), fp=round(get["fp"]), fn=round(get["fn"]), iou_sum=float(get["iou_sum"])
+        )
 
     @property
     def precision(self) -> float:
@@ -84,17 +90,21 @@ class DetectionCounts:
     def _empty(self) -> bool:
         return self.tp == 0 and self.fp == 0 and self.fn == 0
 
-    def as_metrics(self, prefix: str = "match/") -> dict[str, float]:
-        """The ``match/*`` metrics: precision, recall, f1, mean_iou, fn, fp."""
+    def as_metrics(self, prefix: str = "match/", per: float = 1.0) -> dict[str, float]:
+        """The ``match/*`` metrics: precision, recall, f1, mean_iou, and fn, fp divided by ``per``
+        (e.g. the number of optimizer steps the counts cover)."""
         values = {
             "precision": self.precision,
             "recall": self.recall,
             "f1": self.f1,
             "mean_iou": self.mean_iou,
-            "fn": float(self.fn),
-            "fp": float(self.fp),
+            "fn": self.fn / per,
+            "fp": self.fp / per,
         }
         return {prefix + name: value for name, value in values.items()}
+
+
+_PARSE_TOTALS = ("responses", "valid", "truncated")  # the integer fields of ParseCounts
 
 
 @dataclass
@@ -113,10 +123,33 @@ class ParseCounts:
         for reason, count in parse.invalid.items():
             self.invalid[reason] = self.invalid.get(reason, 0) + count
 
-    def as_metrics(self, prefix: str = "parse/") -> dict[str, float]:
-        """``parse/valid`` and ``parse/invalid_<reason>`` (totals; ``truncated`` feeds ``rollout/*``)."""
-        metrics = {prefix + "valid": float(self.valid)}
-        metrics.update({f"{prefix}invalid_{reason}": float(n) for reason, n in sorted(self.invalid.items())})
+    @property
+    def truncated_frac(self) -> float:
+        """Fraction of responses that were truncated (0.0 with no response)."""
+        return self.truncated / self.responses if self.responses else 0.0
+
+    def to_sums(self) -> dict[str, float]:
+        """Additive sums (``parse/responses``, ``parse/valid``, ``parse/truncated``,
+        ``parse/invalid_<reason>``); :meth:`from_sums` reads them back."""
+        sums = {f"parse/{name}": float(getattr(self, name)) for name in _PARSE_TOTALS}
+        sums.update({f"parse/invalid_{reason}": float(n) for reason, n in self.invalid.items()})
+        return sums
+
+    @classmethod
+    def from_sums(cls, sums: Mapping[str, float]) -> ParseCounts:
+        """The counts in ``sums`` (missing names count 0)."""
+        invalid = {
+            k.removeprefix("parse/invalid_"): round(v)
+            for k, v in sums.items()
+            if k.startswith("parse/invalid_")
+        }
+        return cls(invalid=invalid, **{name: round(sums.get(f"parse/{name}", 0)) for name in _PARSE_TOTALS})
+
+    def as_metrics(self, prefix: str = "parse/", per: float = 1.0) -> dict[str, float]:
+        """``parse/valid`` and ``parse/invalid_<reason>``, divided by ``per`` (``truncated`` feeds
+        ``rollout/truncated_frac``)."""
+        metrics = {prefix + "valid": self.valid / per}
+        metrics.update({f"{prefix}invalid_{reason}": n / per for reason, n in sorted(self.invalid.items())})
         return metrics
 
 

@@ -1,12 +1,21 @@
-"""Pick the rollout backend once, from the config; nothing else branches on the backend name."""
+"""Pick the rollout backend once, from the config; nothing else branches on the backend name.
+
+Owns: :func:`build_backend`, :func:`decoding_from_config` (the rollout :class:`Decoding` of the
+config) and :func:`machine_overrides` (engine settings that run on this machine, for commands
+that take no config file: ``rollmatch eval`` without ``--config``).
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from rollmatch.collectives import Collectives
 from rollmatch.config.schema import RollmatchConfig
-from rollmatch.rollout.types import RolloutBackend
+from rollmatch.rollout.types import Decoding, RolloutBackend
+
+_RM = "custom.extra.rollout_matching"
 
 
 def build_backend(
@@ -44,3 +53,36 @@ def build_backend(
     return ServerBackend.from_config(
         cfg, model=model, tokenizer=tokenizer, model_dir=model_dir, collectives=collectives
     )
+
+
+def decoding_from_config(cfg: RollmatchConfig, max_new_tokens: int | None = None) -> Decoding:
+    """The rollout :class:`Decoding` of ``custom.extra.rollout_matching`` (``max_new_tokens`` overrides)."""
+    rm = cfg.rollout
+    return Decoding(
+        temperature=rm.decoding.temperature,
+        top_p=rm.decoding.top_p,
+        top_k=rm.decoding.top_k,
+        repetition_penalty=rm.decoding.repetition_penalty,
+        max_new_tokens=max_new_tokens or rm.max_new_tokens,
+    )
+
+
+def machine_overrides() -> list[str]:
+    """Overrides that make a config-less command's engine run on this machine.
+
+    The schema's engine defaults are the spec's training settings (a colocated vLLM sharing 4 GPUs
+    with the learner: ``tensor_parallel_size`` 4, ``gpu_memory_utilization`` 0.45). A command that
+    takes no config (``rollmatch eval --model DIR``) runs one engine alone instead: vLLM when it is
+    installed, else HF generate; one unsharded engine (``tensor_parallel_size`` 1, the only size
+    the CPU engine runs and one that fits any single GPU that holds the model); on GPU 0.9 of the
+    device memory, as vLLM's own default, since no learner shares it.
+    """
+    from rollmatch.rollout.vllm_settings import vllm_installed
+
+    backend = "vllm" if vllm_installed() else "hf"
+    overrides = [f"{_RM}.rollout_backend={backend}"]
+    if backend == "vllm":
+        overrides += [f"{_RM}.vllm.mode=colocate", f"{_RM}.vllm.tensor_parallel_size=1"]
+        if torch.cuda.is_available():
+            overrides.append(f"{_RM}.vllm.gpu_memory_utilization=0.9")
+    return overrides

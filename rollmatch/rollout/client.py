@@ -1,15 +1,16 @@
 """Server-mode rollout backend: the trainer's HTTP client to one or more ``rollmatch serve`` servers.
 
-Owns: :class:`ServerConnection` (one server: reachability, JSON calls with timeouts, errors that
-name the URL) and :class:`ServerBackend` (the ``RolloutBackend`` for
+Owns: :class:`ServerBackend` (the ``RolloutBackend`` for
 ``custom.extra.rollout_matching.vllm.mode: server``): start-up checks (reachable, same model /
-tokenizer / template / processor), request chunking over servers, and in-memory weight sync
-through the update transaction. Leaves out: the wire shapes (``rollmatch.protocol``), the transaction
-(``sync.transaction``) and the group (``sync.transport``).
+tokenizer / template / processor), request chunking over servers, the ``/infer/`` exchange with
+its :class:`InferTiming`, and in-memory weight sync through the update transaction. Leaves out: one
+server's HTTP calls (``rollout.connection``), the wire shapes (``rollmatch.protocol``), the
+transaction (``sync.transaction``) and the group (``sync.transport``).
 
 Multi-process learners: every rank may generate; only rank 0 opens the weight-sync groups and
 pushes. ``sync_weights`` is ``barrier -> rank 0 push -> broadcast of the outcome`` on every rank,
-so no rank generates with stale weights and a failed push fails every rank.
+so no rank generates with stale weights and a failed push fails every rank; with sharded parameters
+(ZeRO-3 / FSDP2) the other ranks take part in rank 0's per-bucket gathers (``sync.weights``).
 """
 
 from __future__ import annotations
@@ -19,106 +20,67 @@ import socket
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlparse
 
-import requests
+from pydantic import ValidationError
 
 from rollmatch.collectives import Collectives
-from rollmatch.config.rules import resolve_servers
+from rollmatch.config.rules import resolve_servers, resolve_sync_mode, sync_mode_problems
 from rollmatch.config.schema import RollmatchConfig
 from rollmatch.errors import BackendError, ConfigError, ConfigProblem, RollmatchError, SyncError
 from rollmatch.models.wrappers import strip_parallel_wrappers
 from rollmatch.protocol import (
+    INFER_REPLY,
+    MAX_GROUP_TIMEOUT_S,
     PROTOCOL_VERSION,
+    SERVER_TIMING_HEADER,
     InferBody,
     InferRequest,
     InitCommunicatorBody,
     RolloutOutput,
     ServerInfo,
-    WireModel,
-    encode_image,
     fingerprint_mismatches,
+    parse_server_timing,
     request_config_from_decoding,
 )
 from rollmatch.rollout.chunking import contiguous_chunks
+from rollmatch.rollout.connection import API_KEY_ENV, KEY, LEASE_HEADER, ServerConnection, encode_body
+from rollmatch.rollout.image_wire import ImageWire, OriginalPng, build_image_wire
 from rollmatch.rollout.types import Decoding, Rollout, RolloutProvenance, RolloutRequest, SyncReport
 from rollmatch.sync.transaction import AdapterPayload, push_update
 from rollmatch.sync.transport import GroupTransport, default_backend
-from rollmatch.sync.weights import iter_sync_tensors, peft_adapter_config
+from rollmatch.sync.weights import SyncTensors, peft_adapter_config
 
+__all__ = ["API_KEY_ENV", "LEASE_HEADER", "InferTiming", "ServerBackend", "ServerConnection"]
 log = logging.getLogger(__name__)
-_KEY = "custom.extra.rollout_matching.vllm"
-_ALTERNATIVES = f"or set `{_KEY}.mode: colocate` / `custom.extra.rollout_matching.rollout_backend: hf`"
+_KEY = KEY
 
 
-class ServerConnection:
-    """One rollout server: JSON over HTTP with explicit timeouts; implements ``ControlChannel``."""
+@dataclass(frozen=True)
+class InferTiming:
+    """Where one ``/infer/`` call of one server spent its time (seconds; bytes on the wire).
 
-    def __init__(self, url: str, group_port: int, *, timeout_s: float, infer_timeout_s: float | None):
-        self.url = url.rstrip("/")
-        self.group_port = group_port
-        self.timeout_s = timeout_s
-        self.infer_timeout_s = infer_timeout_s if infer_timeout_s and infer_timeout_s > 0 else None
-        self.host = urlparse(self.url).hostname or "127.0.0.1"
-        self.session = requests.Session()
+    Client side: ``encode_s`` (images to base64), ``serialize_s`` (body to JSON bytes),
+    ``round_trip_s`` (request sent to answer read: transfer, HTTP and the server), ``parse_s``
+    (answer JSON to rollouts). ``server_s``: the server's own phases from its ``Server-Timing``
+    header (``receive``, ``parse``, ``prepare``, ``decode``, ``engine``, ``outputs``, ``respond``).
+    """
 
-    def wait_healthy(self) -> None:
-        """Poll ``/health/`` until it answers, at most ``timeout_s``."""
-        deadline = time.monotonic() + self.timeout_s
-        last = "no answer"
-        while True:
-            try:
-                reply = self.session.get(f"{self.url}/health/", timeout=min(5.0, self.timeout_s))
-                if reply.status_code == 200:
-                    return
-                last = f"HTTP {reply.status_code}: {reply.text[:200]}"
-            except requests.RequestException as exc:
-                last = f"{type(exc).__name__}: {exc}"
-            if time.monotonic() >= deadline:
-                raise BackendError(
-                    f"rollout server {self.url} is not reachable after {self.timeout_s:.0f}s "
-                    f"({_KEY}.server.timeout_s); last error: {last}. Start it with `rollmatch serve --model "
-                    f"<model.path> --port <port>` and check the URL, {_ALTERNATIVES}"
-                )
-            time.sleep(0.5)
+    server: str
+    requests: int
+    encode_s: float
+    serialize_s: float
+    round_trip_s: float
+    parse_s: float
+    request_bytes: int
+    reply_bytes: int
+    server_s: dict[str, float] = field(default_factory=dict)
 
-    def get(self, path: str, phase: str) -> dict[str, Any]:
-        return self._call("GET", path, None, phase, self.timeout_s)
-
-    def post(self, path: str, body: WireModel | None, phase: str, timeout_s: float | None = -1.0) -> Any:
-        return self._call("POST", path, body, phase, self.timeout_s if timeout_s == -1.0 else timeout_s)
-
-    def _call(self, method: str, path: str, body: WireModel | None, phase: str, timeout: float | None) -> Any:
-        payload = None if body is None else body.model_dump(mode="json", exclude_none=True)
-        try:
-            reply = self.session.request(method, f"{self.url}{path}", json=payload, timeout=timeout)
-        except requests.Timeout as exc:
-            raise BackendError(
-                f"rollout server {self.url}: {phase} ({method} {path}) got no answer within {timeout}s"
-            ) from exc
-        except requests.RequestException as exc:
-            raise BackendError(
-                f"rollout server {self.url}: {phase} ({method} {path}) failed: {exc}; is the server still "
-                f"running? {_ALTERNATIVES}"
-            ) from exc
-        if reply.status_code != 200:
-            detail = _detail(reply)
-            error = SyncError if reply.status_code == 409 else BackendError
-            raise error(
-                f"rollout server {self.url}: {phase} ({method} {path}) -> HTTP {reply.status_code}: {detail}"
-            )
-        return reply.json()
-
-    def close(self) -> None:
-        self.session.close()
-
-
-def _detail(reply: requests.Response) -> str:
-    try:
-        return str(reply.json().get("detail", reply.text))[:2000]
-    except ValueError:
-        return reply.text[:2000]
+    @property
+    def transfer_s(self) -> float:
+        """The round trip minus the server's measured phases: transfer, HTTP parsing, thread hops."""
+        return self.round_trip_s - sum(self.server_s.values())
 
 
 class ServerBackend:
@@ -135,6 +97,7 @@ class ServerBackend:
         sync_mode: str = "full",
         fallback_to_full: bool = True,
         bucket_bytes: int = 64 << 20,
+        image_wire: ImageWire | None = None,
     ):
         if not connections:
             raise BackendError("ServerBackend needs at least one server connection")
@@ -144,10 +107,12 @@ class ServerBackend:
         self.sync_mode = sync_mode
         self.fallback_to_full = fallback_to_full
         self.bucket_bytes = bucket_bytes
+        self.image_wire: ImageWire = image_wire if image_wire is not None else OriginalPng()
         self._version = 0
         self._transports: list[GroupTransport] = []
         self._group_stale = True
         self._closed = False
+        self.last_infer_timings: list[InferTiming] = []  # one per server of the latest generate()
 
     @classmethod
     def from_config(
@@ -166,7 +131,10 @@ class ServerBackend:
                     )
                 ]
             )
-        mode = resolve_sync_mode(vllm.sync.mode, vllm.enable_lora, collectives.world_size)
+        problems = sync_mode_problems(cfg, world_size=collectives.world_size)
+        if problems:
+            raise ConfigError(problems)
+        mode = resolve_sync_mode(cfg)
         connections = [
             ServerConnection(
                 e.base_url,
@@ -176,16 +144,18 @@ class ServerBackend:
             )
             for e in endpoints
         ]
+        processor = trainer_processor(cfg, model_dir)
         backend = cls(
             connections,
             collectives=collectives,
             tokenizer=tokenizer,
             sync_mode=mode,
             fallback_to_full=vllm.sync.fallback_to_full,
+            image_wire=build_image_wire(vllm.server.image_wire, processor),
         )
         with ThreadPoolExecutor(max_workers=len(connections)) as pool:
             list(pool.map(ServerConnection.wait_healthy, connections))
-        backend.check_compatible(local_model_info(cfg, model, model_dir))
+        backend.check_compatible(local_model_info(cfg, model, model_dir, processor))
         backend._align_initial_version(model)
         return backend
 
@@ -249,54 +219,72 @@ class ServerBackend:
                 decoding.max_new_tokens,
                 {conn.url: seed + start for conn, start, _ in jobs},
             )
-        with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
-            futures = [
-                pool.submit(self._infer_chunk, conn, requests[start:end], decoding, seed + start)
-                for conn, start, end in jobs
-            ]
-            return [rollout for future in futures for rollout in future.result()]
+        if len(jobs) == 1:  # one server: no thread to start and hand the answer back from
+            conn, start, end = jobs[0]
+            chunks = [self._infer_chunk(conn, requests[start:end], decoding, seed + start)]
+        else:
+            with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+                futures = [
+                    pool.submit(self._infer_chunk, conn, requests[start:end], decoding, seed + start)
+                    for conn, start, end in jobs
+                ]
+                chunks = [future.result() for future in futures]
+        self.last_infer_timings = [timing for _, timing in chunks]
+        return [rollout for rollouts, _ in chunks for rollout in rollouts]
 
     def _infer_chunk(
         self, conn: ServerConnection, chunk: Sequence[RolloutRequest], decoding: Decoding, seed: int
-    ) -> list[Rollout]:
+    ) -> tuple[list[Rollout], InferTiming]:
+        start = time.perf_counter()
+        images = [self.image_wire.encode(r) for r in chunk]
+        encoded = time.perf_counter()
         body = InferBody(
             infer_requests=[
-                InferRequest(
-                    prompt_token_ids=list(r.prompt_token_ids),
-                    images=[encode_image(image) for image in r.images],
-                    sample_id=r.sample_id,
-                )
-                for r in chunk
+                InferRequest(prompt_token_ids=list(r.prompt_token_ids), images=i, sample_id=r.sample_id)
+                for r, i in zip(chunk, images, strict=True)
             ],
             request_config=request_config_from_decoding(decoding, seed),
         )
-        raw = conn.post(
-            "/infer/", body, f"rollout of {len(chunk)} request(s)", timeout_s=conn.infer_timeout_s
+        payload = encode_body(body)
+        serialized = time.perf_counter()
+        reply = conn.post_bytes(
+            "/infer/", payload, f"rollout of {len(chunk)} request(s)", timeout_s=conn.infer_timeout_s
         )
-        if not isinstance(raw, list) or len(raw) != len(chunk):
-            got = len(raw) if isinstance(raw, list) else type(raw).__name__
-            raise BackendError(f"rollout server {conn.url}: sent {len(chunk)} requests, got {got} outputs")
+        answered = time.perf_counter()
+        outputs = self._parse_reply(conn, reply.content, len(chunk))
         provenance = RolloutProvenance(backend=self.name, seed=seed, decoding=decoding, server=conn.url)
-        rollouts = []
-        for request, item in zip(chunk, raw, strict=True):
-            output = RolloutOutput.model_validate(item)
-            choice = output.response.choices[0]
-            if choice.token_ids is None or output.response.prompt_token_ids is None:
-                raise BackendError(
-                    f"rollout server {conn.url} returned no token ids (return_details ignored)"
-                )
-            rollouts.append(
-                Rollout(
-                    sample_id=request.sample_id,
-                    prompt_token_ids=output.response.prompt_token_ids,
-                    response_token_ids=choice.token_ids,
-                    text=choice.message.content,
-                    finish_reason=choice.finish_reason,
-                    weight_version=output.weight_version,
-                    provenance=provenance,
-                )
+        rollouts = [
+            _rollout(conn, request, output, provenance)
+            for request, output in zip(chunk, outputs, strict=True)
+        ]
+        timing = InferTiming(
+            server=conn.url,
+            requests=len(chunk),
+            encode_s=encoded - start,
+            serialize_s=serialized - encoded,
+            round_trip_s=answered - serialized,
+            parse_s=time.perf_counter() - answered,
+            request_bytes=len(payload),
+            reply_bytes=len(reply.content),
+            server_s=parse_server_timing(reply.headers.get(SERVER_TIMING_HEADER, "")),
+        )
+        return rollouts, timing
+
+    @staticmethod
+    def _parse_reply(conn: ServerConnection, content: bytes, expected: int) -> list[RolloutOutput]:
+        try:
+            outputs = INFER_REPLY.validate_json(content)
+        except ValidationError as exc:
+            first = exc.errors(include_input=False, include_url=False)[0]
+            raise BackendError(
+                f"rollout server {conn.url}: /infer/ answered something that is not a list of rollout outputs "
+                f"({'.'.join(map(str, first['loc'])) or 'answer'}: {first['msg']}); is it a rollmatch server?"
+            ) from None
+        if len(outputs) != expected:
+            raise BackendError(
+                f"rollout server {conn.url}: sent {expected} requests, got {len(outputs)} outputs"
             )
-        return rollouts
+        return outputs
 
     def sync_weights(self, model: Any, version: int) -> SyncReport:
         """``barrier -> rank 0 pushes -> every rank gets the outcome`` (a failure raises on every rank)."""
@@ -309,6 +297,8 @@ class ServerBackend:
                 outcome = self._push(model, version)
             except RollmatchError as exc:
                 failure, outcome = exc, f"{type(exc).__name__}: {exc}"
+        else:  # sharded parameters (ZeRO-3 / FSDP2): take part in rank 0's per-bucket gathers
+            SyncTensors(model, self.sync_mode).drain()  # type: ignore[arg-type]
         outcome = coll.broadcast_object(outcome, f"weight sync v{version}: after push")
         if failure is not None:
             raise failure
@@ -358,16 +348,19 @@ class ServerBackend:
         return self._push_mode(model, version, "full")
 
     def _push_mode(self, model: Any, version: int, mode: str) -> SyncReport:
-        if self._group_stale:
-            self._open_groups(model)
-        adapter = (
-            AdapterPayload(peft_adapter_config(model), lora_int_id=version + 1) if mode == "adapter" else None
-        )
-        targets = list(zip(self.connections, self._transports, strict=True))
+        tensors = SyncTensors(model, mode)  # type: ignore[arg-type]
         try:
+            if self._group_stale:
+                self._open_groups(model)
+            adapter = (
+                AdapterPayload(peft_adapter_config(model), lora_int_id=version + 1)
+                if mode == "adapter"
+                else None
+            )
+            targets = list(zip(self.connections, self._transports, strict=True))
             result = push_update(
                 targets,
-                iter_sync_tensors(model, mode),
+                tensors,
                 version=version,
                 mode=mode,  # type: ignore[arg-type]
                 bucket_bytes=self.bucket_bytes,
@@ -376,6 +369,8 @@ class ServerBackend:
         except RollmatchError:
             self._group_stale = True  # a half-sent bucket leaves the group out of step: rebuild it next time
             raise
+        finally:
+            tensors.drain()  # whatever failed, run the gathers other ranks wait in (sharded parameters)
         return SyncReport(version=version, num_bytes=result.num_bytes, seconds=result.seconds, mode=mode)  # type: ignore[arg-type]
 
     def _open_groups(self, model: Any) -> None:
@@ -385,17 +380,20 @@ class ServerBackend:
         backend = default_backend(device)
         for conn in self.connections:
             server_ranks = int(conn.get("/get_world_size/", "communicator init")["world_size"])
+            group_host = socket.gethostbyname(conn.host)  # the server listens on the address we reach it at
             body = InitCommunicatorBody(
-                host=socket.gethostname(),
+                host=group_host,
                 port=conn.group_port,
                 world_size=server_ranks + 1,
                 backend=backend,
-                timeout_s=conn.timeout_s,
+                timeout_s=min(conn.timeout_s, MAX_GROUP_TIMEOUT_S),
             )
-            conn.post("/init_communicator/", body, "communicator init")
+            conn.sync_lease = None
+            reply = conn.post("/init_communicator/", body, "communicator init")
+            conn.sync_lease = reply.get("lease") if isinstance(reply, dict) else None
             self._transports.append(
                 GroupTransport(
-                    host=socket.gethostbyname(conn.host),
+                    host=group_host,
                     port=conn.group_port,
                     rank=server_ranks,
                     world_size=server_ranks + 1,
@@ -420,37 +418,50 @@ class ServerBackend:
                     )
                 except BackendError as exc:  # the server may be gone already; closing must still finish
                     log.warning("%s", exc)
+                conn.sync_lease = None
         self._transports = []
         self._group_stale = True
 
 
-def resolve_sync_mode(mode: str, enable_lora: bool, world_size: int) -> str:
-    """``full`` or ``adapter`` (``auto`` = adapter iff ``enable_lora``); adapter needs one process."""
-    resolved = ("adapter" if enable_lora else "full") if mode == "auto" else mode
-    if resolved == "adapter" and world_size > 1:
-        raise ConfigError(
-            [
-                ConfigProblem(
-                    f"{_KEY}.sync.mode",
-                    mode,
-                    f"resolves to adapter sync, which multi-process learners "
-                    f"(world_size {world_size}) do not support: set `{_KEY}.sync.mode: full`",
-                )
-            ]
-        )
-    return resolved
+def _rollout(
+    conn: ServerConnection, request: RolloutRequest, output: RolloutOutput, provenance: RolloutProvenance
+) -> Rollout:
+    choice = output.response.choices[0]
+    if choice.token_ids is None or output.response.prompt_token_ids is None:
+        raise BackendError(f"rollout server {conn.url} returned no token ids (return_details ignored)")
+    return Rollout(
+        sample_id=request.sample_id,
+        prompt_token_ids=output.response.prompt_token_ids,
+        response_token_ids=choice.token_ids,
+        text=choice.message.content,
+        finish_reason=choice.finish_reason,
+        weight_version=output.weight_version,
+        provenance=provenance,
+    )
 
 
-def local_model_info(cfg: RollmatchConfig, model: Any, model_dir: str) -> dict[str, Any]:
-    """What :meth:`ServerBackend.check_compatible` compares: the trainer's fingerprint and max length."""
+def trainer_processor(cfg: RollmatchConfig, model_dir: str) -> Any:
+    """The trainer's processor: the model directory's, with ``data.min_pixels`` / ``max_pixels`` applied."""
     from transformers import AutoProcessor
 
     from rollmatch.data.prompts import set_pixel_bounds
-    from rollmatch.protocol import model_fingerprint
 
     processor = AutoProcessor.from_pretrained(str(model_dir))
     if cfg.data.min_pixels is not None or cfg.data.max_pixels is not None:
         set_pixel_bounds(processor, cfg.data.min_pixels, cfg.data.max_pixels)
+    return processor
+
+
+def local_model_info(
+    cfg: RollmatchConfig, model: Any, model_dir: str, processor: Any = None
+) -> dict[str, Any]:
+    """What :meth:`ServerBackend.check_compatible` compares: the trainer's fingerprint and max length.
+
+    ``processor``: the trainer's (:func:`trainer_processor`; loaded here when not given).
+    """
+    from rollmatch.protocol import model_fingerprint
+
+    processor = processor if processor is not None else trainer_processor(cfg, model_dir)
     config = strip_parallel_wrappers(model).config if model is not None else None
     if config is None:
         from transformers import AutoConfig

@@ -5,6 +5,14 @@ the first EOS, finish reasons and seeded sampling that does not disturb the trai
 Leaves out: prompt encoding (the trainer's ``PromptEncoder``) and the alignment check
 (``rollout.alignment``). Weights are shared with the trainer, so ``sync_weights`` only records the
 version.
+
+Seeds, as in the vLLM backends: request ``i`` of a ``generate(requests, decoding, seed)`` call
+samples from its own generator seeded with ``seed + i`` (:class:`PerRequestSampler`), so its random
+draws do not depend on ``batch_size`` or on how a caller splits a step into calls (a chunk that
+starts at request ``s`` is called with ``step_seed + s``). What a batch can still change is the
+logits themselves: a left-padded batched forward can differ from an unbatched one in the last
+float bits, which changes a sampled token only when a draw lands within that rounding of a
+cumulative-probability boundary. Greedy rollouts do not sample.
 """
 
 from __future__ import annotations
@@ -13,6 +21,13 @@ import time
 from collections.abc import Sequence
 
 import torch
+from transformers import (
+    LogitsProcessor,
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from rollmatch.models.wrappers import strip_parallel_wrappers
 from rollmatch.rollout.types import Decoding, Rollout, RolloutProvenance, RolloutRequest, SyncReport
@@ -61,7 +76,6 @@ class HFBackend:
             # fork_rng: sampling must not shift the trainer's RNG stream (resume determinism).
             with torch.no_grad(), torch.random.fork_rng(devices=[]):
                 for offset in range(0, len(requests), self.batch_size):
-                    torch.manual_seed(seed + offset)
                     chunk = requests[offset : offset + self.batch_size]
                     rollouts.extend(self._generate_batch(model, chunk, decoding, seed + offset))
         finally:
@@ -74,17 +88,16 @@ class HFBackend:
     ) -> list[Rollout]:
         device = next(model.parameters()).device
         inputs = left_padded_inputs(requests, self.pad_token_id, device)
-        sampling = {"do_sample": False}
+        # HF's own sampling draws from one global stream for the whole batch; ours picks each
+        # row's token from that row's generator and hands generate a one-hot row to take greedily.
+        processors = LogitsProcessorList()
         if not decoding.greedy:
-            sampling = {
-                "do_sample": True,
-                "temperature": decoding.temperature,
-                "top_p": decoding.top_p,
-                "top_k": decoding.top_k if decoding.top_k > 0 else 0,
-            }
+            seeds = [seed + i for i in range(len(requests))]
+            processors.append(PerRequestSampler(decoding, seeds, device))
         output = model.generate(
             **inputs,
-            **sampling,
+            do_sample=False,
+            logits_processor=processors,
             max_new_tokens=decoding.max_new_tokens,
             repetition_penalty=decoding.repetition_penalty,
             eos_token_id=self.eos_token_id,
@@ -92,9 +105,8 @@ class HFBackend:
             use_cache=True,
         )
         prompt_width = inputs["input_ids"].shape[1]
-        provenance = RolloutProvenance(backend=self.name, seed=seed, decoding=decoding)
         results = []
-        for row, request in zip(output[:, prompt_width:].tolist(), requests, strict=True):
+        for i, (row, request) in enumerate(zip(output[:, prompt_width:].tolist(), requests, strict=True)):
             response, finish = trim_at_eos(row, self.eos_token_id, decoding.max_new_tokens)
             results.append(
                 Rollout(
@@ -104,10 +116,37 @@ class HFBackend:
                     text=self.tokenizer.decode(response, skip_special_tokens=False),
                     finish_reason=finish,
                     weight_version=self._version,
-                    provenance=provenance,
+                    provenance=RolloutProvenance(backend=self.name, seed=seed + i, decoding=decoding),
                 )
             )
         return results
+
+
+class PerRequestSampler(LogitsProcessor):
+    """Samples row ``i`` of a generate batch from its own generator, seeded with ``seeds[i]``.
+
+    Runs after HF's processors (repetition penalty), applies temperature, top-k and top-p like
+    vLLM, draws one token per row and returns scores that are ``-inf`` except at that token, so
+    greedy decoding takes it. A row's draws depend only on its seed and its own logits.
+    """
+
+    def __init__(self, decoding: Decoding, seeds: Sequence[int], device: torch.device):
+        self.warpers = LogitsProcessorList([TemperatureLogitsWarper(decoding.temperature)])
+        if decoding.top_k > 0:
+            self.warpers.append(TopKLogitsWarper(decoding.top_k))
+        if decoding.top_p < 1.0:
+            self.warpers.append(TopPLogitsWarper(decoding.top_p))
+        self.generators = [torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        probs = torch.softmax(self.warpers(input_ids, scores).float(), dim=-1)
+        chosen = torch.stack(
+            [
+                torch.multinomial(row, 1, generator=gen)
+                for row, gen in zip(probs, self.generators, strict=True)
+            ]
+        )
+        return torch.full_like(scores, float("-inf")).scatter_(1, chosen, 0.0)
 
 
 def trim_at_eos(token_ids: list[int], eos_token_id: int, max_new_tokens: int) -> tuple[list[int], str]:

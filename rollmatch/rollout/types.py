@@ -1,19 +1,29 @@
 """Rollout data types and the backend protocol shared by every rollout backend.
 
-Owns: :class:`Decoding`, :class:`RolloutRequest`, :class:`Rollout`, :class:`SyncReport` and the
-:class:`RolloutBackend` protocol. Leaves out: how prompts are encoded (``rollmatch.data.prompts``)
-and how a backend is picked from the config (``rollmatch.rollout.build``).
+Owns: :class:`Decoding`, :class:`Rollout`, :class:`SyncReport` and the :class:`RolloutBackend`
+protocol; re-exports :class:`RolloutRequest`, which lives below rollout in
+``rollmatch.data.requests`` because prompt encoding builds it. Leaves out: how prompts are encoded
+(``rollmatch.data.prompts``) and how a backend is picked from the config
+(``rollmatch.rollout.build``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol, runtime_checkable
 
-if TYPE_CHECKING:
-    import torch
-    from PIL.Image import Image
+from rollmatch.data.requests import RolloutRequest
+
+__all__ = [
+    "Decoding",
+    "FinishReason",
+    "Rollout",
+    "RolloutBackend",
+    "RolloutProvenance",
+    "RolloutRequest",
+    "SyncReport",
+]
 
 FinishReason = Literal["stop", "length"]
 
@@ -31,25 +41,6 @@ class Decoding:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
-
-
-@dataclass
-class RolloutRequest:
-    """One prompt to roll out, as the trainer encoded it.
-
-    ``prompt_token_ids`` are authoritative: a backend must use them (or prove it produced the
-    same ids) and return the ids it used. ``pixel_values``/``image_grid_thw``/``mm_token_type_ids``
-    are the processor outputs for the same images, for backends that run the HF model directly.
-    ``messages`` is the chat form of the prompt for engines that only accept messages.
-    """
-
-    sample_id: str
-    prompt_token_ids: list[int]
-    images: list[Image]
-    messages: list[dict[str, Any]] = field(default_factory=list)
-    pixel_values: torch.Tensor | None = None
-    image_grid_thw: torch.Tensor | None = None
-    mm_token_type_ids: list[int] | None = None
 
 
 @dataclass(frozen=True)

@@ -23,17 +23,13 @@ from typing import Any, Literal
 import torch
 
 from rollmatch.collectives import Collectives, LocalCollectives
+from rollmatch.config.rules import resolve_sync_mode
 from rollmatch.config.schema import RollmatchConfig
 from rollmatch.errors import SyncError
 from rollmatch.rollout.types import Decoding, Rollout, RolloutProvenance, RolloutRequest, SyncReport
 from rollmatch.rollout.vllm_engine import VllmEngine, VllmOutput
-from rollmatch.rollout.vllm_settings import (
-    VLLM_KEY,
-    check_vllm_colocate_config,
-    engine_settings_from_config,
-    resolve_sync_mode,
-)
-from rollmatch.sync.weights import iter_sync_tensors, peft_adapter_config
+from rollmatch.rollout.vllm_settings import VLLM_KEY, check_vllm_colocate_config, engine_settings_from_config
+from rollmatch.sync.weights import SyncTensors, iter_sync_tensors, peft_adapter_config
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +120,11 @@ class VllmColocateBackend:
             self._full_sync(self._model)
 
     def _full_sync(self, model: Any) -> int:
-        return self.engine.load_weights(iter_sync_tensors(model, "full"))
+        tensors = SyncTensors(model, "full")  # every rank loads its engine: every rank runs the same gathers
+        try:
+            return self.engine.load_weights(tensors)
+        finally:
+            tensors.drain()
 
     def _try_adapter_sync(self, model: Any, version: int) -> int | None:
         """Adapter bytes sent, or None after switching to full sync for the rest of the run."""

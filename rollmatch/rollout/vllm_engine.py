@@ -25,7 +25,7 @@ import json
 import os
 import sys
 import tempfile
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -89,6 +89,10 @@ class VllmEngine:
         self._owns_process_group = not (
             torch.distributed.is_available() and torch.distributed.is_initialized()
         )
+        # vLLM's CPU worker replaces torch.set_num_threads with a no-op for the whole process (its worker
+        # processes pin OpenMP threads to cores). In-process nothing is pinned: the thread count stays
+        # the process's and VLLM_CPU_OMP_THREADS_BIND is not read, so the trainer keeps control of it.
+        set_num_threads = torch.set_num_threads
         try:
             self._llm = LLM(**self._engine_kwargs())
         except (RuntimeError, ValueError, OSError) as exc:
@@ -97,6 +101,8 @@ class VllmEngine:
                 "max_model_len and the memory settings (gpu_memory_utilization / kv_cache_space_gib), or set "
                 "`custom.extra.rollout_matching.rollout_backend: hf`"
             ) from exc
+        finally:
+            torch.set_num_threads = set_num_threads
         tokenizer = self._llm.get_tokenizer()
         self.image_token_id = int(tokenizer.convert_tokens_to_ids(IMAGE_TOKEN))
         vocab = tokenizer.get_vocab()
@@ -178,6 +184,33 @@ class VllmEngine:
         if not self._llm.reset_prefix_cache():
             raise BackendError("vLLM refused to reset its prefix cache (requests still running)")
 
+    def abort_unfinished(self) -> int:
+        """Drop every request still queued in the engine, then reset the caches; returns how many.
+
+        ``LLM.generate`` leaves a request that failed inside the engine queued, and the next call then
+        spins on it forever; call this after any failed generation to leave the engine clean.
+        """
+        if self._llm is None:
+            return 0
+        engine = self._llm.llm_engine
+        unfinished = list(engine.output_processor.request_states)
+        if unfinished:
+            engine.abort_request(unfinished, internal=True)
+        engine.reset_encoder_cache()
+        self._llm.reset_mm_cache()
+        self._llm.reset_prefix_cache()
+        return len(unfinished)
+
+    def observe_forward(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` after every forward of the model (prefill or decode step): a liveness
+        signal for watchdogs. In-process engines only (the hook runs in the worker)."""
+        self.start()
+
+        def register(model: torch.nn.Module) -> None:
+            model.register_forward_hook(lambda *_: callback())
+
+        self._llm.apply_model(register)
+
     def sleep(self) -> None:
         """Release device memory (``sleep_level`` 1: weights to host, 2: weights dropped); no-op at 0."""
         if self._llm is None or self.settings.sleep_level == 0 or self._asleep:
@@ -227,12 +260,14 @@ class VllmEngine:
             "enable_prefix_caching": s.enable_prefix_caching,
             "enforce_eager": s.enforce_eager,
             "seed": s.seed,
-            # Under torchrun every learner rank runs its own engine (TP groups span ranks).
-            "distributed_executor_backend": "external_launcher"
-            if distributed and torch.distributed.get_world_size() > 1
-            else "uni",
+            "distributed_executor_backend": executor_backend(
+                s.tensor_parallel_size,
+                learner_world_size=torch.distributed.get_world_size() if distributed else 1,
+            ),
             "limit_mm_per_prompt": {"image": s.max_images_per_prompt, "video": 0},
         }
+        if s.max_num_seqs is not None:
+            kwargs["max_num_seqs"] = s.max_num_seqs
         if s.mm_processor_kwargs:
             kwargs["mm_processor_kwargs"] = dict(s.mm_processor_kwargs)
         if s.on_cpu:
@@ -271,6 +306,18 @@ class VllmEngine:
             )
         text = self._llm.get_tokenizer().decode(ids, skip_special_tokens=False)
         return VllmOutput(list(out.prompt_token_ids), ids, text, finish)
+
+
+def executor_backend(tensor_parallel_size: int, *, learner_world_size: int) -> str:
+    """vLLM's ``distributed_executor_backend`` for an engine in this process.
+
+    Colocated under torchrun, every learner rank runs its own engine (TP groups span the learner's
+    ranks): ``external_launcher``. A rollout server (one process) sharded over several devices needs
+    worker processes: ``mp``. Otherwise the engine runs in this process: ``uni``.
+    """
+    if learner_world_size > 1:
+        return "external_launcher"
+    return "mp" if tensor_parallel_size > 1 else "uni"
 
 
 def collapse_placeholders(token_ids: Sequence[int], placeholder_id: int) -> list[int]:

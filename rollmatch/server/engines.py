@@ -1,19 +1,20 @@
 """Rollout-server engines: the model behind ``rollmatch serve``, HF ``generate`` or vLLM.
 
-Owns: the :class:`ServerEngine` protocol, request preparation shared by both engines
-(:class:`PromptPreparer`: swift chat messages -> the model's chat template, or the trainer's token
-ids verbatim; images decoded from the wire), :class:`HFServerEngine` (wraps
-:class:`~rollmatch.rollout.hf.HFBackend` around a model loaded from the directory) and
-:class:`VllmServerEngine` (wraps :class:`~rollmatch.rollout.vllm_engine.VllmEngine`), and
-:func:`build_engine` for the CLI. Leaves out: HTTP and weight-version bookkeeping (``server.app``).
+Owns: the :class:`ServerEngine` protocol, :class:`HFServerEngine` (wraps
+:class:`~rollmatch.rollout.hf.HFBackend` around a model loaded from the directory),
+:class:`VllmServerEngine` (wraps :class:`~rollmatch.rollout.vllm_engine.VllmEngine`) and
+:func:`build_engine` for the CLI. Both report a liveness signal on every model forward
+(``observe_progress``) and can be left clean after a failed generation (``recover``).
+Leaves out: request preparation (``server.prompts``), HTTP and weight-version bookkeeping
+(``server.rollout_server``).
 
 Engines are not thread-safe; the server serialises ``generate`` and weight loads.
 """
 
 from __future__ import annotations
 
-import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -21,26 +22,16 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from rollmatch.errors import BackendError, SyncError
-from rollmatch.protocol import InferRequest, decode_image, model_fingerprint
+from rollmatch.protocol import model_fingerprint
 from rollmatch.rollout.types import Decoding, FinishReason, RolloutRequest
+from rollmatch.server.media import MediaPolicy
+from rollmatch.server.prompts import PreparedPrompt, PromptPreparer
 
 if TYPE_CHECKING:
-    from PIL.Image import Image
-
     from rollmatch.sync.transaction import AdapterPayload
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-IMAGE_TOKEN = "<|image_pad|>"
-EOS_TOKEN = "<|im_end|>"
-
-
-@dataclass
-class PreparedPrompt:
-    """A request ready for an engine: the prompt ids it will use and the decoded images."""
-
-    sample_id: str
-    prompt_token_ids: list[int]
-    images: list[Image]
+PixelBounds = tuple[int | None, int | None]  # (min_pixels, max_pixels); None keeps the saved value
 
 
 @dataclass
@@ -71,6 +62,14 @@ class ServerEngine(Protocol):
         """Roll out every prompt; request ``j`` samples with seed ``seed + j`` where it can."""
         ...
 
+    def observe_progress(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` on every model forward (a decoding step): the watchdog's liveness signal."""
+        ...
+
+    def recover(self) -> None:
+        """Leave the engine clean after a failed ``generate`` (no request left queued, caches reset)."""
+        ...
+
     def load_weights(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
         """Load full (merged) weights; validate everything before changing anything."""
         ...
@@ -84,101 +83,6 @@ class ServerEngine(Protocol):
     def close(self) -> None: ...
 
 
-class PromptPreparer:
-    """Turns wire requests into prompt ids + images with the model directory's processor."""
-
-    def __init__(self, processor: Any):
-        self.processor = processor
-        self.tokenizer = getattr(processor, "tokenizer", processor)
-        self.image_token_id = int(self.tokenizer.convert_tokens_to_ids(IMAGE_TOKEN))
-        self.eos_token_id = int(self.tokenizer.convert_tokens_to_ids(EOS_TOKEN))
-        self.pad_token_id = int(self.tokenizer.pad_token_id)
-
-    def prepare(self, request: InferRequest, index: int) -> PreparedPrompt:
-        """Decode the images; take the trainer's ids, or encode the chat messages."""
-        sample_id = request.sample_id or request.uuid or f"request-{index}"
-        images = [decode_image(value) for value in request.images]
-        if request.prompt_token_ids:
-            self._check_placeholders(sample_id, request.prompt_token_ids, len(images))
-            return PreparedPrompt(sample_id, list(request.prompt_token_ids), images)
-        messages, inline_images = chat_messages(request.messages)
-        images = [decode_image(value) for value in inline_images] + images
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        batch = self.processor(text=[text], images=images or None, return_tensors="pt")
-        return PreparedPrompt(sample_id, batch["input_ids"][0].tolist(), images)
-
-    def pixel_inputs(self, prompt: PreparedPrompt) -> RolloutRequest:
-        """The HF-model inputs of a prepared prompt (processor run on its images)."""
-        ids = prompt.prompt_token_ids
-        request = RolloutRequest(
-            sample_id=prompt.sample_id,
-            prompt_token_ids=ids,
-            images=prompt.images,
-            mm_token_type_ids=[1 if t == self.image_token_id else 0 for t in ids],
-        )
-        if not prompt.images:
-            return request
-        out = self.processor.image_processor(images=prompt.images, return_tensors="pt")
-        merge = int(self.processor.image_processor.merge_size)
-        expected = int(out["image_grid_thw"].prod(dim=-1).sum()) // (merge * merge)
-        found = sum(request.mm_token_type_ids)
-        if expected != found:
-            raise ValueError(
-                f"sample {prompt.sample_id!r}: the prompt holds {found} {IMAGE_TOKEN} tokens but the server's "
-                f"processor makes {expected} for these images: trainer and server resize images differently "
-                "(compare the `processor` fingerprint of GET /info/ with the trainer's data.min_pixels/max_pixels)"
-            )
-        request.pixel_values, request.image_grid_thw = out["pixel_values"], out["image_grid_thw"]
-        return request
-
-    def _check_placeholders(self, sample_id: str, ids: list[int], num_images: int) -> None:
-        start = int(self.tokenizer.convert_tokens_to_ids("<|vision_start|>"))
-        blocks = sum(1 for a, b in itertools.pairwise(ids) if a == start and b == self.image_token_id)
-        if blocks != num_images:
-            raise ValueError(
-                f"sample {sample_id!r}: prompt_token_ids hold {blocks} image placeholder block(s) but the request "
-                f"carries {num_images} image(s); send one image per <|vision_start|><|image_pad|>... block"
-            )
-
-
-def chat_messages(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]]:
-    """swift / OpenAI messages -> the chat-template form, plus images given inside the content.
-
-    String content may hold ``<image>`` tags (swift: images come from the request's ``images``);
-    list content may hold ``{"type": "image", "image": ...}`` or ``{"type": "image_url", ...}``.
-    """
-    out: list[dict[str, Any]] = []
-    inline: list[str] = []
-    for message in messages:
-        if "role" not in message or "content" not in message:
-            raise ValueError(f"message {message!r} needs `role` and `content`")
-        content = message["content"]
-        if isinstance(content, str):
-            parts: list[dict[str, Any]] = []
-            for i, text in enumerate(content.split("<image>")):
-                if i:
-                    parts.append({"type": "image"})
-                if text:
-                    parts.append({"type": "text", "text": text})
-            out.append({"role": message["role"], "content": parts})
-            continue
-        parts = []
-        for item in content:
-            kind = item.get("type")
-            if kind == "text":
-                parts.append({"type": "text", "text": item["text"]})
-            elif kind in ("image", "image_url"):
-                value = item.get(kind)
-                value = value.get("url") if isinstance(value, dict) else value
-                if value is not None:
-                    inline.append(str(value))
-                parts.append({"type": "image"})
-            else:
-                raise ValueError(f"message content type {kind!r} is not supported (text and image only)")
-        out.append({"role": message["role"], "content": parts})
-    return out, inline
-
-
 # ---------------------------------------------------------------------------------------- engines
 class HFServerEngine:
     """HF ``generate`` on a model loaded from the directory (any machine; the reference engine)."""
@@ -188,9 +92,17 @@ class HFServerEngine:
     sync_modes = ["full"]  # noqa: RUF012  (read-only class constant)
 
     def __init__(
-        self, model_dir: str, *, dtype: str = "float32", max_model_len: int = 4096, batch_size: int = 8
+        self,
+        model_dir: str,
+        *,
+        dtype: str = "float32",
+        max_model_len: int = 4096,
+        batch_size: int = 8,
+        pixel_bounds: PixelBounds = (None, None),
+        media: MediaPolicy | None = None,
+        max_images: int = 8,
     ):
-        from transformers import AutoModelForImageTextToText, AutoProcessor
+        from transformers import AutoModelForImageTextToText
 
         from rollmatch.rollout.hf import HFBackend
 
@@ -200,8 +112,10 @@ class HFServerEngine:
             self.model_dir, dtype=DTYPES[dtype], attn_implementation="sdpa"
         ).to(device)
         self.model.eval()
-        processor = AutoProcessor.from_pretrained(self.model_dir)
-        self.preparer = PromptPreparer(processor)
+        processor = load_processor(self.model_dir, pixel_bounds)
+        self.preparer = PromptPreparer(
+            processor, vocab_size=_text_vocab_size(self.model.config), media=media, max_images=max_images
+        )
         self.fingerprint = model_fingerprint(self.model.config, processor)
         self._backend = HFBackend(
             self.model,
@@ -211,16 +125,25 @@ class HFServerEngine:
             batch_size=batch_size,
         )
         self._params = dict(self.model.state_dict())
+        self._progress_hook: torch.utils.hooks.RemovableHandle | None = None
 
     def generate(
         self, prompts: list[PreparedPrompt], decoding: Decoding, seed: int | None
     ) -> list[EngineOutput]:
-        requests = [self.preparer.pixel_inputs(p) for p in prompts]
+        requests = [pixel_inputs(self.preparer, p) for p in prompts]
         base_seed = int(seed) if seed is not None else int(time.time_ns() % (1 << 31))
         rollouts = self._backend.generate(requests, decoding, base_seed)
         return [
             EngineOutput(r.prompt_token_ids, r.response_token_ids, r.text, r.finish_reason) for r in rollouts
         ]
+
+    def observe_progress(self, callback: Callable[[], None]) -> None:
+        if self._progress_hook is not None:  # one observer: a newer server replaces an older one
+            self._progress_hook.remove()
+        self._progress_hook = self.model.register_forward_hook(lambda *_: callback())
+
+    def recover(self) -> None:
+        return None  # HF generate keeps no state across calls
 
     @torch.no_grad()
     def load_weights(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
@@ -241,6 +164,39 @@ class HFServerEngine:
         return None
 
 
+def pixel_inputs(preparer: PromptPreparer, prompt: PreparedPrompt) -> RolloutRequest:
+    """The HF-model inputs of a prepared prompt (processor run on its images), checked against the ids."""
+    ids = prompt.prompt_token_ids
+    request = RolloutRequest(
+        sample_id=prompt.sample_id,
+        prompt_token_ids=ids,
+        images=prompt.images,
+        mm_token_type_ids=[1 if t == preparer.image_token_id else 0 for t in ids],
+    )
+    if not prompt.images:
+        return request
+    processor = preparer.processor
+    out = processor.image_processor(images=prompt.images, return_tensors="pt")
+    merge = int(processor.image_processor.merge_size)
+    expected = int(out["image_grid_thw"].prod(dim=-1).sum()) // (merge * merge)
+    found = sum(request.mm_token_type_ids or [])
+    if expected != found:
+        raise ValueError(
+            f"sample {prompt.sample_id!r}: the prompt holds {found} <|image_pad|> tokens but the server's "
+            f"processor makes {expected} for these images: the sender resized the images differently from "
+            "the server, or the ids do not belong to these images (compare the `processor` fingerprint of "
+            "GET /info/ with the trainer's data.min_pixels/max_pixels)"
+        )
+    request.pixel_values, request.image_grid_thw = out["pixel_values"], out["image_grid_thw"]
+    return request
+
+
+def _text_vocab_size(config: object) -> int | None:
+    text = getattr(config, "text_config", None) or config
+    size = getattr(text, "vocab_size", None)
+    return int(size) if size else None
+
+
 class VllmServerEngine:
     """An in-process vLLM engine (``rollmatch.rollout.vllm_engine.VllmEngine``) behind the server."""
 
@@ -255,16 +211,21 @@ class VllmServerEngine:
         max_model_len: int = 4096,
         tensor_parallel_size: int = 1,
         enable_lora: bool = False,
+        pixel_bounds: PixelBounds = (None, None),
+        media: MediaPolicy | None = None,
+        max_images: int = 8,
     ):
-        from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
+        from transformers import AutoConfig, AutoModelForImageTextToText
 
         from rollmatch.rollout.vllm_engine import VllmEngine
 
         self.model_dir, self.dtype, self.max_model_len = str(model_dir), dtype, int(max_model_len)
         self.sync_modes = ["full", "adapter"] if enable_lora else ["full"]
-        processor = AutoProcessor.from_pretrained(self.model_dir)
+        processor = load_processor(self.model_dir, pixel_bounds)
         config = AutoConfig.from_pretrained(self.model_dir)
-        self.preparer = PromptPreparer(processor)
+        self.preparer = PromptPreparer(
+            processor, vocab_size=_text_vocab_size(config), media=media, max_images=max_images
+        )
         self.fingerprint = model_fingerprint(config, processor)
         with torch.device("meta"):  # names and shapes a full sync must match, without allocating weights
             skeleton = AutoModelForImageTextToText.from_config(config)
@@ -277,6 +238,11 @@ class VllmServerEngine:
             tensor_parallel_size=tensor_parallel_size,
             enable_lora=enable_lora,
             enforce_eager=on_cpu,
+            max_images_per_prompt=max_images,
+            # vLLM resizes images itself: the same bounds give the trainer's image-token counts.
+            mm_processor_kwargs={
+                k: v for k, v in zip(("min_pixels", "max_pixels"), pixel_bounds, strict=True) if v
+            },
         )
         self._engine.start()  # start now: a healthy server is a ready server
 
@@ -289,6 +255,12 @@ class VllmServerEngine:
         ]
         outputs = self._engine.generate(requests, decoding, seed)
         return [EngineOutput(o.prompt_token_ids, o.token_ids, o.text, o.finish_reason) for o in outputs]
+
+    def observe_progress(self, callback: Callable[[], None]) -> None:
+        self._engine.observe_forward(callback)
+
+    def recover(self) -> None:
+        self._engine.abort_unfinished()
 
     def load_weights(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
         check_weight_shapes(tensors, self._shapes, self.model_dir)
@@ -303,6 +275,18 @@ class VllmServerEngine:
 
     def close(self) -> None:
         self._engine.close()
+
+
+def load_processor(model_dir: str, pixel_bounds: PixelBounds) -> Any:
+    """The model directory's processor with the trainer's ``data.min_pixels`` / ``max_pixels`` applied."""
+    from transformers import AutoProcessor
+
+    from rollmatch.data.prompts import set_pixel_bounds
+
+    processor = AutoProcessor.from_pretrained(model_dir)
+    if pixel_bounds != (None, None):
+        set_pixel_bounds(processor, *pixel_bounds)
+    return processor
 
 
 def check_weight_shapes(
@@ -329,6 +313,10 @@ def build_engine(
     tensor_parallel_size: int = 1,
     data_parallel_size: int = 1,
     enable_lora: bool = False,
+    min_pixels: int | None = None,
+    max_pixels: int | None = None,
+    media: MediaPolicy | None = None,
+    max_images: int = 8,
 ) -> ServerEngine:
     """The engine ``rollmatch serve`` runs; unsupported parallel sizes fail with what to do instead."""
     if not (Path(model_dir) / "config.json").is_file():
@@ -345,7 +333,14 @@ def build_engine(
             raise BackendError(
                 "--engine hf supports neither --tensor-parallel-size > 1 nor --enable-lora; use --engine vllm"
             )
-        return HFServerEngine(model_dir, dtype=dtype, max_model_len=max_model_len)
+        return HFServerEngine(
+            model_dir,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            pixel_bounds=(min_pixels, max_pixels),
+            media=media,
+            max_images=max_images,
+        )
     try:
         import vllm  # noqa: F401
     except ImportError as exc:
@@ -359,4 +354,7 @@ def build_engine(
         max_model_len=max_model_len,
         tensor_parallel_size=tensor_parallel_size,
         enable_lora=enable_lora,
+        pixel_bounds=(min_pixels, max_pixels),
+        media=media,
+        max_images=max_images,
     )

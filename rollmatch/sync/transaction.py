@@ -14,7 +14,7 @@ offsets) and of exactly the transmitted bytes (padding included); the update che
 over the bucket digests. The byte digest reads the buffer as 64-bit words and reduces it, on the
 buffer's device, to their wrapping sum and a chunk-position-weighted sum (512 KiB chunks): integer
 arithmetic, so CPU and GPU agree bit for bit; memory-bandwidth fast (tens of GB/s, no host copy on
-GPU), where ``sync.weights.checksum_tensors`` runs at ~50 MB/s on CPU and CRC-32 at ~4 GB/s. It
+GPU; CRC-32 runs at ~4 GB/s). It is the one checksum scheme of a weight sync. It
 catches any changed, missing or extra word and misplaced chunks; it is an integrity check against
 transport and layout faults, not a cryptographic hash. The receiver digests each bucket in a
 background thread as soon as it lands, overlapping the next bucket's transfer.
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -230,13 +230,26 @@ class VerifiedUpdate:
 
 
 class UpdateReceiver:
-    """Stages the buckets of the update in progress and verifies them at finish (one sender)."""
+    """Stages the buckets of the update in progress and verifies them at finish (one sender).
 
-    def __init__(self, transport: WeightTransport, source_rank: int, device: torch.device | str = "cpu"):
+    An update that never reaches its finish is *abandoned*: replaced by a new bucket 0, released by
+    :meth:`release_idle` after the sender went quiet, or dropped by :meth:`close`. Each case frees
+    the staged buckets and calls ``on_abandon(header, why)`` once, so the owner can log and count it.
+    """
+
+    def __init__(
+        self,
+        transport: WeightTransport,
+        source_rank: int,
+        device: torch.device | str = "cpu",
+        on_abandon: Callable[[TransactionHeader, str], None] | None = None,
+    ):
         self.transport, self.source_rank, self.device = transport, source_rank, torch.device(device)
         self._header: TransactionHeader | None = None
         self._buckets: list[_StagedBucket] = []
         self._adapter: AdapterPayload | None = None
+        self._last_activity = time.monotonic()
+        self._on_abandon = on_abandon
         # One worker: buckets land in order, and digesting one overlaps the next one's transfer.
         self._digester = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-digest")
 
@@ -247,7 +260,9 @@ class UpdateReceiver:
         adapter: AdapterPayload | None = None,
     ) -> None:
         """Post the receive of one announced bucket (returns before the bytes arrive)."""
+        self._last_activity = time.monotonic()
         if header.bucket_index == 0:  # a new update replaces whatever an aborted one left staged
+            self._abandon(f"replaced by bucket 0 of version {header.version}")
             self._buckets, self._adapter = [], adapter
         elif self._header is None or (header.version, header.mode) != (
             self._header.version,
@@ -260,11 +275,22 @@ class UpdateReceiver:
             raise SyncError(f"bucket {header.bucket_index} arrived, expected bucket {len(self._buckets)}")
         self._header = header
         plan = [bucket_meta(m) for m in metas]
+        for wire, meta in zip(metas, plan, strict=True):
+            if wire.end_idx - wire.start_idx != meta.nbytes:
+                raise SyncError(
+                    f"bucket {header.bucket_index}: tensor {meta.name!r} spans bytes [{wire.start_idx}, "
+                    f"{wire.end_idx}) but {meta.numel} x {meta.dtype} needs {meta.nbytes}"
+                )
         if any(m.offset + m.nbytes > header.num_bytes for m in plan):
             raise SyncError(
                 f"bucket {header.bucket_index}: metadata points past its {header.num_bytes} bytes"
             )
-        flat = torch.empty(header.num_bytes, dtype=torch.uint8, device=self.device)
+        try:
+            flat = torch.empty(header.num_bytes, dtype=torch.uint8, device=self.device)
+        except (RuntimeError, MemoryError) as exc:  # an allocation the receiver cannot make
+            raise SyncError(
+                f"bucket {header.bucket_index}: cannot stage {header.num_bytes} bytes ({exc})"
+            ) from exc
         transfer = self.transport.broadcast_async(flat, self.source_rank)
         phase = f"receive bucket {header.bucket_index} of version {header.version}"
         self._buckets.append(
@@ -294,9 +320,29 @@ class UpdateReceiver:
         tensors = [pair for b in buckets for pair in unflatten_bucket(b.metas, b.flat)]
         return VerifiedUpdate(body.version, body.mode, tensors, adapter, reply)
 
+    @property
+    def staged(self) -> TransactionHeader | None:
+        """The header of the update being staged (``None`` when nothing is staged)."""
+        return self._header if self._buckets else None
+
+    def release_idle(self, max_idle_s: float) -> bool:
+        """Abandon the staged update when no bucket arrived for ``max_idle_s``; True if one was freed."""
+        if not self._buckets or time.monotonic() - self._last_activity <= max_idle_s:
+            return False
+        self._abandon(f"no bucket or finish for {max_idle_s:.0f}s")
+        return True
+
     def close(self) -> None:
-        """Stop the digest worker without waiting: a digest stuck on a dead sender times out on its own."""
+        """Free any staged update and stop the digest worker without waiting (a digest stuck on a dead
+        sender times out on its own)."""
+        self._abandon("the communicator was closed")
         self._digester.shutdown(wait=False, cancel_futures=True)
+
+    def _abandon(self, why: str) -> None:
+        header = self.staged
+        self._buckets, self._header, self._adapter = [], None, None
+        if header is not None and self._on_abandon is not None:
+            self._on_abandon(header, why)
 
 
 def _landed_checksum(

@@ -9,13 +9,18 @@ Leaves out: what is sent and how an update is acknowledged (``rollmatch.sync.tra
 
 Every wait is bounded: store and group creation, and each broadcast, raise
 :class:`~rollmatch.errors.CollectiveTimeoutError` naming the phase and the group address.
+Network exposure: rank 0 listens on exactly the interface it is given (:func:`bind_listener`; a
+``TCPStore`` left to itself listens on all interfaces), every rank's gloo sockets bind to the
+interface that reaches the group's host, and a waiting rank 0 can be cancelled (``cancel``).
 """
 
 from __future__ import annotations
 
 import datetime as _dt
 import queue
+import socket
 import threading
+import time
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -81,7 +86,9 @@ class _TorchPending:
 class GroupTransport:
     """A process group of ``world_size`` ranks on its own ``TCPStore`` at ``host:port``.
 
-    Rank 0 hosts the store. Construction blocks until every rank joined, at most ``timeout_s``.
+    Rank 0 hosts the store, listening on ``host`` only (or on ``listener``, a socket already bound
+    there by :func:`bind_listener`), and waits for the other ranks at most ``timeout_s``, or until
+    ``cancel`` is set. The other ranks connect to ``host:port``.
     """
 
     def __init__(
@@ -94,6 +101,8 @@ class GroupTransport:
         backend: GroupBackend = "gloo",
         timeout_s: float = 240.0,
         device: torch.device | str = "cpu",
+        listener: socket.socket | None = None,
+        cancel: threading.Event | None = None,
     ):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside a group of {world_size}")
@@ -101,18 +110,40 @@ class GroupTransport:
         self.device = torch.device(device)
         self.timeout = _dt.timedelta(seconds=timeout_s)
         self.where = f"weight-sync group {host}:{port} ({backend}, rank {rank}/{world_size})"
+        self._group: torch_dist.ProcessGroup | None = None
         try:
-            self._store = torch_dist.TCPStore(
-                host, port, world_size, is_master=(rank == 0), timeout=self.timeout, wait_for_workers=True
+            if rank == 0:
+                listener = listener if listener is not None else bind_listener(host, port)
+                self._store = torch_dist.TCPStore(
+                    host,
+                    port,
+                    world_size,
+                    is_master=True,
+                    timeout=self.timeout,
+                    wait_for_workers=False,
+                    master_listen_fd=listener.detach(),  # the store owns (and closes) the socket now
+                )
+                _wait_for_peers(self._store, world_size, timeout_s, cancel, self.where)
+                interface = host
+            else:
+                self._store = torch_dist.TCPStore(
+                    host, port, world_size, is_master=False, timeout=self.timeout
+                )
+                self._store.add(_JOINED_KEY, 1)
+                interface = local_interface_towards(host, port)
+            self._group = _make_group(
+                self._store, rank, world_size, backend, self.timeout, self.device, interface
             )
-            self._group = _make_group(self._store, rank, world_size, backend, self.timeout, self.device)
-        except (RuntimeError, torch_dist.DistError) as exc:
+        except (RuntimeError, OSError, torch_dist.DistError) as exc:
+            self._store = None
             raise CollectiveTimeoutError(
                 f"could not form the {self.where} within {timeout_s:.0f}s: {exc}. Check that the port is "
                 "free on the server host and reachable from the trainer (group_port of the server entry)."
             ) from exc
 
     def broadcast_async(self, tensor: torch.Tensor, src: int) -> PendingTransfer:
+        if self._group is None:
+            raise CollectiveTimeoutError(f"{self.where} is closed")
         opts = torch_dist.BroadcastOptions()
         opts.rootRank = src
         opts.rootTensor = 0
@@ -132,6 +163,53 @@ class GroupTransport:
         self._store = None
 
 
+_JOINED_KEY = "rollmatch/joined"
+_JOIN_POLL_S = 0.05
+
+
+class GroupCancelled(CollectiveTimeoutError):
+    """Rank 0 stopped waiting for its peers because the group was cancelled."""
+
+
+def bind_listener(host: str, port: int) -> socket.socket:
+    """A TCP socket listening on ``host:port`` only (rank 0's store); ``OSError`` names the address."""
+    if host in ("0.0.0.0", "::", ""):
+        raise OSError(
+            f"refusing to listen on all interfaces ({host!r}) for a weight-sync group: name the interface "
+            "the trainer reaches the server at (loopback when both run on one host)"
+        )
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(64)
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port} for the weight-sync group: {exc}") from exc
+    return sock
+
+
+def local_interface_towards(host: str, port: int) -> str:
+    """The local address this machine uses to reach ``host`` (no packet is sent)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, port))
+        return str(probe.getsockname()[0])
+
+
+def _wait_for_peers(
+    store: torch_dist.TCPStore, world_size: int, timeout_s: float, cancel: threading.Event | None, where: str
+) -> None:
+    deadline = time.monotonic() + timeout_s
+    while int(store.add(_JOINED_KEY, 0)) < world_size - 1:
+        if cancel is not None and cancel.is_set():
+            raise GroupCancelled(f"{where}: cancelled while waiting for the trainer to join")
+        if time.monotonic() >= deadline:
+            raise CollectiveTimeoutError(f"{where}: the trainer did not join within {timeout_s:.0f}s")
+        time.sleep(_JOIN_POLL_S)
+
+
 def _make_group(
     store: torch_dist.Store,
     rank: int,
@@ -139,9 +217,13 @@ def _make_group(
     backend: GroupBackend,
     timeout: _dt.timedelta,
     device: torch.device,
+    interface: str,
 ) -> torch_dist.ProcessGroup:
     if backend == "gloo":
-        return torch_dist.ProcessGroupGloo(store, rank, world_size, timeout)
+        options = torch_dist.ProcessGroupGloo._Options()
+        options._timeout = timeout
+        options._devices = [torch_dist.ProcessGroupGloo.create_device(hostname=interface)]
+        return torch_dist.ProcessGroupGloo(store, rank, world_size, options)
     if not torch.cuda.is_available():
         raise RuntimeError("the NCCL weight-sync group needs CUDA; use gloo on CPU-only machines")
     options = torch_dist.ProcessGroupNCCL.Options()

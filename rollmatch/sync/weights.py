@@ -1,11 +1,19 @@
-"""What a weight sync sends: merged or adapter tensors, packed into flat buckets, with a checksum.
+"""What a weight sync sends: merged or adapter tensors, packed into flat buckets.
 
-Owns: :func:`iter_sync_tensors` (the tensors a rollout engine needs, under the names vLLM loads),
-:class:`Bucket` / :func:`flatten_buckets` / :func:`unflatten_bucket` (byte-exact packing of many
-tensors into few flat buffers) and :func:`checksum_tensors` (an exact, device-independent digest
-both sides of a sync compute). Leaves out: moving buckets between processes
+Owns: :func:`iter_sync_tensors` (the tensors a rollout engine needs, under the names vLLM loads)
+and :class:`Bucket` / :func:`flatten_buckets` / :func:`unflatten_bucket` (byte-exact packing of many
+tensors into few flat buffers). Leaves out: the checksum both sides of a sync compute (one scheme,
+per bucket: ``rollmatch.sync.transaction.bucket_checksum``), moving buckets between processes
 (``rollmatch.sync.transport``) and loading them into an engine (``rollmatch.rollout.vllm_engine``,
 ``rollmatch.server``).
+
+Sharded parameters. Under DeepSpeed ZeRO-3 or FSDP2 each rank holds a shard of every parameter. A
+full export then gathers the parameters **per bucket** (:class:`ParameterGather`: ``deepspeed.zero.
+GatheredParameters``, or ``DTensor.full_tensor`` for FSDP2): every rank must run the same gathers in the
+same order, so every rank iterates :class:`SyncTensors` — rank 0 sends what it yields, the others call
+:meth:`SyncTensors.drain` — and a consumer that stops early drains the rest, so no rank is left waiting
+in a gather. Only one bucket of whole parameters exists at a time. Adapter export and LoRA merging are
+not supported on sharded parameters (``config.sharding`` refuses them at load).
 
 Names. ``full`` yields Hugging Face ``state_dict`` names of the unwrapped model
 (``model.visual.*``, ``model.language_model.*``, ``lm_head.weight``); vLLM's Qwen2-VL, Qwen2.5-VL
@@ -18,10 +26,10 @@ what ``peft.get_peft_model_state_dict`` saves.
 
 from __future__ import annotations
 
-import hashlib
-from collections.abc import Iterable, Iterator
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 from torch import nn
@@ -33,9 +41,6 @@ SyncMode = Literal["full", "adapter"]
 
 _PEFT_PREFIX = "base_model.model."
 _BUCKET_ALIGN_BYTES = 16  # every tensor starts 16-byte aligned so any dtype can view its slice
-_FLETCHER_MOD = 65521
-_CHECKSUM_CHUNK = _FLETCHER_MOD * 256  # 32-bit words per reduction chunk (~16.8M): bounded temporaries
-_MERSENNE_31 = (1 << 31) - 1
 
 
 @dataclass(frozen=True)
@@ -72,6 +77,166 @@ def is_peft_model(model: nn.Module) -> bool:
     )
 
 
+class ParameterGather(Protocol):
+    """How a training engine makes its sharded parameters whole; ``gathered`` is a collective."""
+
+    name: str
+
+    def is_sharded(self, param: torch.Tensor) -> bool: ...
+
+    def full_nbytes(self, param: torch.Tensor) -> int: ...
+
+    def gathered(
+        self, params: Sequence[torch.Tensor]
+    ) -> contextlib.AbstractContextManager[list[torch.Tensor]]:
+        """Inside: the whole tensors of ``params`` (in order), valid until the context exits."""
+        ...
+
+
+class Zero3Gather:
+    """DeepSpeed ZeRO-3: ``GatheredParameters`` makes ``param.data`` whole on every rank until it exits.
+
+    ``gathered_parameters`` is DeepSpeed's context manager (injectable where DeepSpeed cannot run).
+    """
+
+    name = "DeepSpeed ZeRO-3"
+
+    def __init__(self, gathered_parameters: Callable[..., Any] | None = None):
+        if gathered_parameters is None:
+            from deepspeed.zero import GatheredParameters
+
+            gathered_parameters = GatheredParameters
+        self._gathered_parameters = gathered_parameters
+
+    def is_sharded(self, param: torch.Tensor) -> bool:
+        return hasattr(param, "ds_id")
+
+    def full_nbytes(self, param: torch.Tensor) -> int:
+        return int(param.ds_numel) * param.element_size()  # type: ignore[attr-defined]
+
+    @contextlib.contextmanager
+    def gathered(self, params: Sequence[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
+        with self._gathered_parameters(list(params), modifier_rank=None):  # read-only: nothing written back
+            yield [param.data for param in params]
+
+
+class DTensorGather:
+    """FSDP2 (``fully_shard``): parameters are ``DTensor`` s; ``full_tensor`` all-gathers one of them."""
+
+    name = "FSDP2"
+
+    def is_sharded(self, param: torch.Tensor) -> bool:
+        from torch.distributed.tensor import DTensor
+
+        return isinstance(param, DTensor)
+
+    def full_nbytes(self, param: torch.Tensor) -> int:
+        return param.numel() * param.element_size()  # a DTensor reports its global shape
+
+    @contextlib.contextmanager
+    def gathered(self, params: Sequence[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
+        with torch.no_grad():
+            yield [param.full_tensor() for param in params]  # type: ignore[attr-defined]
+
+
+def parameter_gather(model: nn.Module) -> ParameterGather | None:
+    """The gather for ``model``'s sharded parameters, or None when every rank holds them whole."""
+    # ZeRO-3 and FSDP2 shard all parameters or none of a module, so the first one tells.
+    param = next(iter(strip_parallel_wrappers(model).parameters()), None)
+    if param is None:
+        return None
+    if hasattr(param, "ds_id"):
+        try:
+            return Zero3Gather()
+        except ImportError as exc:
+            raise SyncError(
+                f"parameters are partitioned by DeepSpeed ZeRO-3 but DeepSpeed does not import: {exc}"
+            ) from exc
+    gather = DTensorGather()
+    return gather if gather.is_sharded(param) else None
+
+
+class SyncTensors:
+    """The ``(name, tensor)`` pairs of one export, as an iterator every rank must exhaust or :meth:`drain`.
+
+    Unsharded models export as :func:`iter_sync_tensors` describes (``drain`` does nothing). Sharded ones
+    (``gather`` given or detected) export their full weights in gather groups of at most ``gather_bytes``
+    of whole parameters; yielded tensors are copies, valid after their group is released.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        mode: SyncMode,
+        *,
+        gather: ParameterGather | None = None,
+        gather_bytes: int = 64 << 20,
+    ):
+        inner = strip_parallel_wrappers(model)
+        self.gather = gather if gather is not None else parameter_gather(inner)
+        self.gathers_run = 0
+        if self.gather is None:
+            self._iterator = _iter_unsharded(inner, mode)
+        elif mode != "full" or is_peft_model(inner):
+            raise SyncError(
+                f"parameters sharded by {self.gather.name} can only be exported whole (full sync, no LoRA): set "
+                "`custom.extra.rollout_matching.vllm.sync.mode: full` and `model.lora.enabled: false`"
+            )
+        else:
+            self._iterator = self._iter_gathered(inner, self.gather, gather_bytes)
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return self._iterator
+
+    def __next__(self) -> tuple[str, torch.Tensor]:
+        return next(self._iterator)
+
+    def drain(self) -> None:
+        """Run every gather not yet run (copying nothing), so this rank leaves no other rank waiting."""
+        if self.gather is None:
+            self._iterator.close()  # type: ignore[attr-defined]
+            return
+        self._keep = False
+        for _ in self._iterator:
+            pass
+
+    def _iter_gathered(
+        self, inner: nn.Module, gather: ParameterGather, gather_bytes: int
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        self._keep = True
+        group: list[tuple[str, torch.Tensor]] = []
+        used = 0
+        seen: set[int] = set()  # tied parameters (lm_head = embeddings): exported once
+        for key, tensor in inner.state_dict(keep_vars=True).items():
+            size = (
+                gather.full_nbytes(tensor)
+                if gather.is_sharded(tensor)
+                else tensor.numel() * tensor.element_size()
+            )
+            if group and used + size > gather_bytes:
+                yield from self._gather_group(group, gather, seen)
+                group, used = [], 0
+            group.append((key, tensor))
+            used += size
+        if group:
+            yield from self._gather_group(group, gather, seen)
+
+    def _gather_group(
+        self, group: list[tuple[str, torch.Tensor]], gather: ParameterGather, seen: set[int]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        params = list({id(t): t for _, t in group if gather.is_sharded(t)}.values())
+        with gather.gathered(params) as whole:
+            self.gathers_run += 1
+            by_id = {id(param): full for param, full in zip(params, whole, strict=True)}
+            for key, tensor in group:
+                name = _full_name(key, "")
+                if name is None or (name.startswith("lm_head.") and id(tensor) in seen):
+                    continue
+                seen.add(id(tensor))
+                if self._keep:
+                    yield name, by_id.get(id(tensor), tensor).detach().clone()
+
+
 def iter_sync_tensors(model: nn.Module, mode: SyncMode) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, tensor)`` pairs a rollout engine needs to serve ``model``'s current weights.
 
@@ -83,8 +248,10 @@ def iter_sync_tensors(model: nn.Module, mode: SyncMode) -> Iterator[tuple[str, t
     ``full`` mode non-adapter tensors are the model's own storage (copy them if you keep them
     across optimizer steps).
     """
-    inner = strip_parallel_wrappers(model)
-    _reject_partitioned_parameters(inner)
+    return iter(SyncTensors(model, mode))
+
+
+def _iter_unsharded(inner: nn.Module, mode: SyncMode) -> Iterator[tuple[str, torch.Tensor]]:
     if mode == "adapter":
         yield from _iter_adapter_tensors(inner)
     elif mode == "full":
@@ -149,24 +316,6 @@ def unflatten_bucket(
         view = flat[meta.offset : end].view(_dtype_from_name(meta.dtype)).view(meta.shape)
         out.append((meta.name, view))
     return out
-
-
-def checksum_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> str:
-    """An exact, order-sensitive digest of names, dtypes, shapes and bytes (sha256 hex, 16 chars).
-
-    Per tensor, the bytes are read as signed 32-bit words ``w_i`` (zero-padded) and reduced on
-    the tensor's device to two integers, ``sum(w_i)`` and the Fletcher-style
-    ``sum(w_i * (i mod 65521 + 1)) mod (2**31 - 1)``, with integer arithmetic only (exact, so the
-    same bytes give the same digest on CPU and GPU, in any reduction order); these and the
-    name/dtype/shape are hashed in order with sha256.
-    """
-    digest = hashlib.sha256()
-    for name, tensor in named:
-        plain, weighted = _word_sums(tensor.detach())
-        digest.update(
-            f"{name}|{_dtype_name(tensor.dtype)}|{tuple(tensor.shape)}|{plain}|{weighted};".encode()
-        )
-    return digest.hexdigest()[:16]
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -258,17 +407,6 @@ def _single_active_adapter(inner: Any) -> str:
     return active[0]
 
 
-def _reject_partitioned_parameters(inner: nn.Module) -> None:
-    # ZeRO-3 partitions all parameters or none, so the first one tells.
-    name, param = next(iter(inner.named_parameters()), ("", None))
-    if param is not None and hasattr(param, "ds_id"):
-        raise SyncError(
-            f"parameter {name!r} is partitioned by DeepSpeed ZeRO-3; exporting it for a rollout engine "
-            "is not supported: use ZeRO stage 2 (`training.deepspeed`), or "
-            "`custom.extra.rollout_matching.rollout_backend: hf`"
-        )
-
-
 def _pack(pending: list[tuple[str, torch.Tensor]]) -> Bucket:
     metas: list[TensorMeta] = []
     offset = 0
@@ -283,25 +421,6 @@ def _pack(pending: list[tuple[str, torch.Tensor]]) -> Bucket:
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous().reshape(-1).view(torch.uint8)
-
-
-def _word_sums(tensor: torch.Tensor) -> tuple[int, int]:
-    raw = _as_bytes(tensor)
-    if raw.numel() % 4:
-        raw = torch.cat([raw, raw.new_zeros(4 - raw.numel() % 4)])
-    words = raw.view(torch.int32)
-    weights = torch.arange(1, _FLETCHER_MOD + 1, device=words.device, dtype=torch.int64)
-    plain, weighted = 0, 0
-    for start in range(0, words.numel(), _CHECKSUM_CHUNK):
-        chunk = words[start : start + _CHECKSUM_CHUNK]
-        if chunk.numel() % _FLETCHER_MOD:
-            chunk = torch.nn.functional.pad(chunk, (0, _FLETCHER_MOD - chunk.numel() % _FLETCHER_MOD))
-        # Chunks start at multiples of the modulus, so word i sits in column i mod 65521; int64
-        # column sums are exact, and the weighted sum is reduced mod 2^31 - 1 so it cannot overflow.
-        columns = chunk.view(-1, _FLETCHER_MOD).sum(0, dtype=torch.int64)
-        plain += int(columns.sum().item())
-        weighted += int(((columns % _MERSENNE_31) * weights).sum().item())
-    return plain, weighted % _MERSENNE_31
 
 
 def _aligned(nbytes: int) -> int:

@@ -3,12 +3,13 @@
 Owns the two ways a sample becomes a teacher-forced segment:
 
 - :class:`GTChannel` (stage-1 ``sft`` and Stage-2 Channel-A): prompt + the GT serialization + EOS.
-- :class:`RolloutChannel` (``rollout_matching_sft`` and Channel-B): rollout (no grad) -> prompt
-  alignment check -> strict parse -> Hungarian match -> ``prefix + FN tail + EOS``.
+- :class:`RolloutChannel` (``rollout_matching_sft`` and Channel-B): rollouts (no grad) in calls of
+  ``decode_batch_size`` samples -> prompt alignment check -> strict parse -> Hungarian match ->
+  ``prefix + FN tail + EOS``.
 
 Both return segments plus metric sums (counts, not means) so callers can aggregate exactly across
-micro-steps and ranks. Leaves out: packing into rows (``training.window``), weight sync scheduling
-and the optimizer step (``training.trainer``).
+micro-steps and ranks. Leaves out: rows (``training.rows``), when weights are synced and which
+records a step uses (``training.step``, ``training.channel_modes``).
 """
 
 from __future__ import annotations
@@ -24,31 +25,32 @@ from rollmatch.config.schema import RollmatchConfig
 from rollmatch.data.prompts import EncodedPrompt, PromptEncoder
 from rollmatch.data.records import Record
 from rollmatch.detection.codec import ObjectCodec
-from rollmatch.detection.matching import hungarian_match
+from rollmatch.detection.scoring import score_response
 from rollmatch.detection.targets import TargetSequence, build_gt_target, build_matched_target
 from rollmatch.packing.segment import Segment, build_segment
 from rollmatch.rollout.alignment import check_prompt_alignment
-from rollmatch.rollout.types import Decoding, Rollout, RolloutBackend
+from rollmatch.rollout.build import decoding_from_config
+from rollmatch.rollout.chunking import step_seed
+from rollmatch.rollout.types import Rollout, RolloutBackend
+from rollmatch.training.schedule import fixed_size_chunks
 
 
 @dataclass
 class ChannelOutput:
-    """Segments of one batch plus additive metric sums (aggregated by ``training.metrics``)."""
+    """Segments of one batch plus additive metric sums (aggregated by ``training.metrics``).
+
+    ``versions``: for rollout segments, the weight version each one's rollout was generated under
+    (as the backend reported it); empty for GT segments.
+    """
 
     segments: list[Segment]
     sums: Counter[str] = field(default_factory=Counter)
+    versions: list[int] = field(default_factory=list)
 
-
-def decoding_from_config(cfg: RollmatchConfig, max_new_tokens: int | None = None) -> Decoding:
-    """The rollout :class:`Decoding` of ``custom.extra.rollout_matching``."""
-    rm = cfg.rollout
-    return Decoding(
-        temperature=rm.decoding.temperature,
-        top_p=rm.decoding.top_p,
-        top_k=rm.decoding.top_k,
-        repetition_penalty=rm.decoding.repetition_penalty,
-        max_new_tokens=max_new_tokens or rm.max_new_tokens,
-    )
+    def extend(self, other: ChannelOutput) -> None:
+        self.segments.extend(other.segments)
+        self.sums.update(other.sums)
+        self.versions.extend(other.versions)
 
 
 class _SegmentFactory:
@@ -97,7 +99,12 @@ class GTChannel(_SegmentFactory):
 
 
 class RolloutChannel(_SegmentFactory):
-    """Rollout-matching: the model's own prefix plus the GT objects it missed."""
+    """Rollout-matching: the model's own prefix plus the GT objects it missed.
+
+    Records are rolled out in contiguous calls of ``decode_batch_size`` samples (``None``: one call),
+    independent of the learner's micro-batch. The call starting at record ``k`` of a step is seeded
+    ``step_seed(training seed, step) + k``, so a step's rollouts do not depend on the decode batch size.
+    """
 
     def __init__(
         self,
@@ -106,12 +113,29 @@ class RolloutChannel(_SegmentFactory):
         codec: ObjectCodec,
         cfg: RollmatchConfig,
         backend: RolloutBackend,
+        *,
+        decode_batch_size: int | None = None,
     ):
         super().__init__(model, encoder, codec, cfg)
         self.backend = backend
         self.decoding = decoding_from_config(cfg)
+        self.decode_batch_size = decode_batch_size
 
-    def produce(self, records: Sequence[Record], global_step: int, seed: int) -> ChannelOutput:
+    def produce(self, records: Sequence[Record], global_step: int) -> ChannelOutput:
+        """Every record of one step, decode batch by decode batch; segments in record order."""
+        out = ChannelOutput(segments=[])
+        size = self.decode_batch_size or max(len(records), 1)
+        for start, end in fixed_size_chunks(len(records), size):
+            out.extend(self.produce_chunk(records[start:end], global_step, start))
+        return out
+
+    def produce_chunk(self, records: Sequence[Record], global_step: int, start: int) -> ChannelOutput:
+        """One rollout call: the chunk of step ``global_step`` that starts at record ``start``."""
+        seed = step_seed(self.cfg.training.seed, global_step) + start
+        return self.roll_out(records, seed=seed, created_step=global_step)
+
+    def roll_out(self, records: Sequence[Record], *, seed: int, created_step: int) -> ChannelOutput:
+        """One backend call for ``records`` (sampling seed ``seed``), then a segment per rollout."""
         encoded = [self.encoder.encode(r) for r in records]
         start = time.perf_counter()
         rollouts = self.backend.generate([e.to_request() for e in encoded], self.decoding, seed)
@@ -122,47 +146,41 @@ class RolloutChannel(_SegmentFactory):
             check_prompt_alignment(rollout, enc.input_ids, self.encoder.tokenizer)
             target, sums = self.rollout_target(record, enc, rollout)
             out.sums.update(sums)
-            out.segments.append(self.segment(enc, target, global_step))
+            out.segments.append(self.segment(enc, target, created_step))
+            out.versions.append(rollout.weight_version)
         return out
 
     def rollout_target(
         self, record: Record, encoded: EncodedPrompt, rollout: Rollout
     ) -> tuple[TargetSequence, Counter[str]]:
         """Parse, match and build ``Y_train`` for one rollout; returns the target and metric sums."""
-        gts = self.encoder.gt_objects(record, encoded)
-        parse = self.codec.parse(
+        scored = score_response(
+            self.codec,
             rollout.response_token_ids,
+            self.encoder.gt_objects(record, encoded),
             extent=self.encoder.frame_extent(encoded),
             hit_max_tokens=rollout.hit_max_tokens,
+            matching=self.cfg.matching,
         )
-        match = hungarian_match(parse.objects, gts, **self.cfg.matching.model_dump())
         target = build_matched_target(
-            parse,
-            gts,
-            match,
+            scored.parse,
+            scored.gt_objects,
+            scored.match,
             codec=self.codec,
             tokenizer=self.encoder.tokenizer,
             eos_token_id=self.encoder.eos_token_id,
             loss=self.cfg.loss,
         )
-        sums: Counter[str] = Counter(
+        sums: Counter[str] = Counter(scored.counts().to_sums())
+        sums.update(
             {
                 "samples": 1,
                 "rollout/count": 1,
                 "rollout/tokens": len(rollout.response_token_ids),
-                "rollout/truncated": int(parse.truncated),
-                "parse/valid": len(parse.objects),
-                "parse/elements": parse.num_complete,
-                "match/tp": len(match.pairs),
-                "match/fp": len(match.fp),
-                "match/fn": len(match.fn),
-                "match/iou_sum": sum(iou for _, _, iou in match.pairs),
                 "target/dropped_elements": target.dropped_elements,
                 # a target longer than the rollout budget teaches answers that can never finish
                 "target/over_max_new_tokens": int(len(target.token_ids) > self.decoding.max_new_tokens),
                 "rollout/weight_version_sum": rollout.weight_version,
             }
         )
-        for reason, count in parse.invalid.items():
-            sums[f"parse/invalid_{reason}"] += count
         return target, sums

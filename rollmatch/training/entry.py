@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForImageTextToText, TrainingArguments, set_seed
+from transformers import TrainingArguments, set_seed
 
-from rollmatch.collectives import build_collectives
+from rollmatch.collectives import build_collectives, exit_hard_on_fatal_distributed_error, init_default_group
+from rollmatch.config.hf_args import eval_strategy, training_arguments_kwargs
 from rollmatch.config.load import load_config
 from rollmatch.config.rules import check_runtime
 from rollmatch.config.schema import RollmatchConfig
@@ -26,18 +27,21 @@ from rollmatch.data.prompts import PromptEncoder
 from rollmatch.data.records import load_records
 from rollmatch.detection.codec import build_codec
 from rollmatch.errors import ConfigError
+from rollmatch.models.pretrained import load_pretrained
 from rollmatch.packing.collate import enable_packed_attention
 from rollmatch.training.metrics import JsonlMetricsCallback, summarize
+from rollmatch.training.periodic_eval import DetectionEval, build_detection_eval
+from rollmatch.training.sizing import check_row_sizing
+from rollmatch.training.step import SyncBeforeRollouts
 from rollmatch.training.trainer import (
     RecordDataset,
     RollmatchTrainer,
     keep_records,
     latest_complete_checkpoint,
 )
-from rollmatch.training.variants import BuildContext, build_variant
+from rollmatch.training.variants import BuildContext, VariantParts, backend_for, build_variant
 
 log = logging.getLogger(__name__)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -51,7 +55,9 @@ class TrainResult:
 
 def train_command(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    result = run_training(load_config(args.config, args.overrides))
+    cfg = load_config(args.config, args.overrides)
+    with exit_hard_on_fatal_distributed_error():  # a hung peer must not hang this rank's teardown
+        result = run_training(cfg)
     print(
         f"trained {result.global_step} steps in {result.seconds:.1f}s; final model: {result.final_model_dir}"
     )
@@ -68,7 +74,8 @@ def run_training(cfg: RollmatchConfig) -> TrainResult:
     if problems:
         raise ConfigError(problems)
     gas = cfg.training.gradient_accumulation(world_size)
-    args = training_arguments(cfg, gas, use_cpu=device_type == "cpu")  # initialises torch.distributed
+    init_default_group(cfg.training.collective_timeout_s)  # before HF, which would ignore the timeout
+    args = training_arguments(cfg, gas, use_cpu=device_type == "cpu")
     set_seed(cfg.training.seed)
     collectives = build_collectives(cfg.training.collective_timeout_s)
 
@@ -76,6 +83,7 @@ def run_training(cfg: RollmatchConfig) -> TrainResult:
     model = load_model(cfg)
     codec = build_codec(cfg.custom.object_format, encoder.tokenizer, [encoder.eos_token_id])
     records = load_records(cfg.data.train_jsonl, max_samples=cfg.data.max_samples)
+    check_row_sizing(cfg, records, encoder, codec)
     holder: dict[str, Any] = {}
     ctx = BuildContext(
         cfg=cfg,
@@ -84,28 +92,34 @@ def run_training(cfg: RollmatchConfig) -> TrainResult:
         codec=codec,
         collectives=collectives,
         gradient_accumulation_steps=gas,
+        train_records=records,
         optimizer_getter=lambda: getattr(holder.get("trainer"), "optimizer", None),
     )
     parts = build_variant(ctx)
-    trainer = RollmatchTrainer(
-        model=model,
-        args=args,
-        train_dataset=RecordDataset(records),
-        data_collator=keep_records,
-        build_window=parts.build_window,
-        before_window=parts.before_window,
-        summarize=summarize,
-        collectives=collectives,
-        callbacks=[JsonlMetricsCallback(os.path.join(cfg.training.output_dir, "metrics.jsonl"))],
-    )
-    holder["trainer"] = trainer
     start = time.perf_counter()
     try:
-        trainer.train(resume_from_checkpoint=resolve_resume(cfg))
+        detection_eval = eval_for_variant(ctx, parts)
+        trainer = RollmatchTrainer(
+            model=model,
+            args=args,
+            train_dataset=RecordDataset(records),
+            eval_dataset=RecordDataset(detection_eval.records) if detection_eval is not None else None,
+            data_collator=keep_records,
+            planner=parts.planner,
+            stateful=parts.stateful,
+            detection_eval=detection_eval,
+            summarize=summarize,
+            collectives=collectives,
+            callbacks=[JsonlMetricsCallback(os.path.join(cfg.training.output_dir, "metrics.jsonl"))],
+        )
+        holder["trainer"] = trainer
+        resume = resolve_resume(cfg)
+        if resume is not None:
+            trainer.load_rank_state(resume)
+        trainer.train(resume_from_checkpoint=resume)
         final_dir = save_final_model(trainer, encoder, cfg)
     finally:
-        for item in parts.closeables:
-            item.close()
+        parts.close()  # async actors stop before the weight-sync groups close
     return TrainResult(
         output_dir=cfg.training.output_dir,
         final_model_dir=final_dir,
@@ -115,36 +129,28 @@ def run_training(cfg: RollmatchConfig) -> TrainResult:
     )
 
 
-def training_arguments(cfg: RollmatchConfig, gas: int, *, use_cpu: bool) -> TrainingArguments:
-    t = cfg.training
-    return TrainingArguments(
-        output_dir=t.output_dir,
-        per_device_train_batch_size=t.per_device_train_batch_size,
-        gradient_accumulation_steps=gas,
-        learning_rate=t.learning_rate,
-        weight_decay=t.weight_decay,
-        warmup_steps=t.warmup_ratio,
-        lr_scheduler_type=t.lr_scheduler_type,
-        max_grad_norm=t.max_grad_norm,
-        num_train_epochs=t.num_train_epochs,
-        max_steps=t.max_steps,
-        logging_steps=t.logging_steps,
-        save_strategy="steps",
-        save_steps=t.save_steps,
-        save_total_limit=t.save_total_limit,
-        report_to=t.report_to or "none",
-        seed=t.seed,
-        gradient_checkpointing=t.gradient_checkpointing,
-        deepspeed=t.deepspeed,
-        dataloader_num_workers=t.dataloader_num_workers,
-        remove_unused_columns=False,
-        bf16=cfg.model.dtype == "bfloat16" and not use_cpu,
-        fp16=cfg.model.dtype == "float16" and not use_cpu,
-        use_cpu=use_cpu,
-        ddp_timeout=int(t.collective_timeout_s),
-        ddp_find_unused_parameters=False,
-        disable_tqdm=False,
+def eval_for_variant(ctx: BuildContext, parts: VariantParts) -> DetectionEval | None:
+    """In-training evaluation on the variant's rollout backend and sync policy (``sft``: built for it)."""
+    if eval_strategy(ctx.cfg) == "no":
+        return None
+    if parts.backend is None:  # sft rolls nothing out while training: evaluation brings its own backend
+        parts.backend = backend_for(ctx)
+    sync = (
+        parts.planner.sync if parts.planner.sync is not None else SyncBeforeRollouts(parts.backend, ctx.model)
     )
+    return build_detection_eval(
+        ctx.cfg,
+        backend=parts.backend,
+        sync=sync,
+        encoder=ctx.encoder,
+        codec=ctx.codec,
+        collectives=ctx.collectives,
+    )
+
+
+def training_arguments(cfg: RollmatchConfig, gas: int, *, use_cpu: bool) -> TrainingArguments:
+    """HF ``TrainingArguments`` from typed keys, trainer-controlled fields and ``training.hf_args``."""
+    return TrainingArguments(**training_arguments_kwargs(cfg, gas, use_cpu=use_cpu))
 
 
 def load_model(cfg: RollmatchConfig) -> torch.nn.Module:
@@ -170,13 +176,6 @@ def load_model(cfg: RollmatchConfig) -> torch.nn.Module:
             use_dora=lora.use_dora,
             target_modules=rf".*language_model.*\.({targets})",
         ),
-    )
-
-
-def load_pretrained(cfg: RollmatchConfig) -> torch.nn.Module:
-    """``model.path`` as saved, in the configured dtype and attention kernel (no adapters added)."""
-    return AutoModelForImageTextToText.from_pretrained(
-        cfg.model.path, dtype=DTYPES[cfg.model.dtype], attn_implementation=cfg.model.attn_implementation
     )
 
 

@@ -2,64 +2,106 @@
 
 Producers (channels, row builder, window) emit *sums* (counts, token totals, seconds), which are
 summed exactly over micro-steps and ranks; only here are they turned into means, rates and F1,
-over all optimizer steps since the last log line.
+over all optimizer steps since the last log line. Parse and matching counts go through the one
+metrics path of ``detection`` (``ScoreCounts.from_sums``), so training, evaluation and the benches
+compute precision / recall / F1 alike (empty case included).
+
+:func:`summarize` runs one function per metric family (:data:`METRIC_FAMILIES`); a new family is a
+new ``(sums, steps) -> {name: value}`` function added to that tuple.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from transformers import TrainerCallback
 
+from rollmatch.detection.scoring import ScoreCounts
 
-def summarize(sums: Mapping[str, float], steps: int) -> dict[str, float]:
+Sums = Mapping[str, float]
+
+
+def summarize(sums: Sums, steps: int) -> dict[str, float]:
     """Metric values of ``steps`` optimizer steps from their aggregated sums."""
     out: dict[str, float] = {}
+    for family in METRIC_FAMILIES:
+        out.update(family(sums, steps))
+    return out
+
+
+def rollout_metrics(sums: Sums, steps: int) -> dict[str, float]:
+    """``rollout/*``, ``parse/*`` and ``match/*``; nothing for steps without rollouts."""
     n = float(sums.get("rollout/count", 0))
-    if n:
-        tokens = float(sums.get("rollout/tokens", 0))
-        seconds = float(sums.get("rollout/seconds", 0.0))
-        out["rollout/count"] = n / steps
-        out["rollout/len_mean"] = tokens / n
-        out["rollout/truncated_frac"] = float(sums.get("rollout/truncated", 0)) / n
-        out["rollout/seconds"] = seconds / steps
-        out["rollout/tokens_per_s"] = tokens / seconds if seconds > 0 else 0.0
-        out["rollout/weight_version"] = float(sums.get("rollout/weight_version_sum", 0)) / n
-        tp, fp, fn = (float(sums.get(f"match/{k}", 0)) for k in ("tp", "fp", "fn"))
-        precision = tp / (tp + fp) if tp + fp else 0.0
-        recall = tp / (tp + fn) if tp + fn else 0.0
-        out["match/precision"] = precision
-        out["match/recall"] = recall
-        out["match/f1"] = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
-        out["match/mean_iou"] = float(sums.get("match/iou_sum", 0.0)) / tp if tp else 0.0
-        out["match/fn"] = fn / steps
-        out["match/fp"] = fp / steps
-        out["parse/valid"] = float(sums.get("parse/valid", 0)) / steps
-        for key, value in sums.items():
-            if key.startswith(("parse/invalid_", "target/")):
-                out[key] = float(value) / steps
+    if not n:
+        return {}
+    tokens = float(sums.get("rollout/tokens", 0))
+    seconds = float(sums.get("rollout/seconds", 0.0))
+    scores = ScoreCounts.from_sums(sums)
+    return {
+        "rollout/count": n / steps,
+        "rollout/len_mean": tokens / n,
+        "rollout/truncated_frac": scores.parsing.truncated_frac,
+        "rollout/seconds": seconds / steps,
+        "rollout/tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
+        "rollout/weight_version": float(sums.get("rollout/weight_version_sum", 0)) / n,
+        **scores.detection.as_metrics("match/", per=steps),
+        **scores.parsing.as_metrics("parse/", per=steps),
+    }
+
+
+def packing_metrics(sums: Sums, steps: int) -> dict[str, float]:
+    """``packing/*`` over the packed rows of the logged steps."""
     rows = float(sums.get("packing/rows", 0))
-    if rows:
-        out["packing/rows"] = rows / steps
-        out["packing/segments_per_row"] = float(sums["packing/segments"]) / rows
-        out["packing/fill_ratio"] = float(sums["packing/tokens"]) / float(sums["packing/capacity"])
+    if not rows:
+        return {}
+    return {
+        "packing/rows": rows / steps,
+        "packing/segments_per_row": float(sums["packing/segments"]) / rows,
+        "packing/fill_ratio": float(sums["packing/tokens"]) / float(sums["packing/capacity"]),
         # mean number of segments left waiting after a row was taken (over rows and ranks)
-        out["packing/carry_depth"] = float(sums.get("packing/carry_depth_sum", 0.0)) / rows
+        "packing/carry_depth": float(sums.get("packing/carry_depth_sum", 0.0)) / rows,
+    }
+
+
+def sample_metrics(sums: Sums, steps: int) -> dict[str, float]:
+    """``samples`` and ``loss/weight`` per step."""
+    out = {"samples": float(sums.get("samples", 0)) / steps}
     if "loss/weight" in sums:
         out["loss/weight"] = float(sums["loss/weight"]) / steps
-    out["samples"] = float(sums.get("samples", 0)) / steps
-    # Stage-2 AB per-channel losses: the mean over the steps that ran that channel, not over all steps.
+    return out
+
+
+def stage2_metrics(sums: Sums, steps: int) -> dict[str, float]:
+    """``stage2_ab/*`` and ``sync/*``: per-channel losses over that channel's steps, the rest per step."""
+    out: dict[str, float] = {}
     for channel in ("a", "b"):
         channel_steps = float(sums.get(f"stage2_ab/steps_{channel}_sum", 0))
         if channel_steps:
             out[f"stage2_ab/loss_{channel}"] = float(sums[f"stage2_ab/loss_{channel}_sum"]) / channel_steps
     for key, value in sums.items():
-        if key.startswith(("stage2_ab/", "sync/")) and not key.endswith("_sum"):
+        if key.startswith(("stage2_ab/", "sync/", "step/")) and not key.endswith("_sum"):
             out[key] = float(value) / steps
     return out
+
+
+def async_metrics(sums: Sums, steps: int) -> dict[str, float]:
+    """``stage2_ab/async/ver_lag_mean``: over the ready packs trained (the other async sums are per step)."""
+    packs = float(sums.get("stage2_ab/async/packs_trained", 0))
+    if not packs:
+        return {}
+    return {"stage2_ab/async/ver_lag_mean": float(sums.get("stage2_ab/async/ver_lag_sum", 0)) / packs}
+
+
+METRIC_FAMILIES: tuple[Callable[[Sums, int], dict[str, float]], ...] = (
+    rollout_metrics,
+    packing_metrics,
+    sample_metrics,
+    stage2_metrics,
+    async_metrics,
+)
 
 
 class JsonlMetricsCallback(TrainerCallback):

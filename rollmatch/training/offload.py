@@ -24,6 +24,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from rollmatch.config.rules import offload_problems
 from rollmatch.config.schema import RollmatchConfig
 from rollmatch.errors import ConfigError, ConfigProblem
 
@@ -76,17 +77,9 @@ def check_offload_is_safe(cfg: RollmatchConfig, *, model: nn.Module, optimizer: 
     DeepSpeed ZeRO keeps parameters as views of flat (stage 3: partitioned) buffers and owns the
     optimizer's buffers; swapping their storage would silently detach them.
     """
-    if cfg.training.deepspeed:
-        raise ConfigError(
-            [
-                ConfigProblem(
-                    "training.deepspeed",
-                    cfg.training.deepspeed,
-                    f"DeepSpeed ZeRO manages (partitioned) parameters and optimizer buffers that rollout "
-                    f"offload cannot move safely: {MITIGATIONS}",
-                )
-            ]
-        )
+    problems = offload_problems(cfg)  # the config rule (config.rules); also for configs built in code
+    if problems:
+        raise ConfigError(problems)
     if _is_deepspeed(model, optimizer):
         raise ConfigError(
             [

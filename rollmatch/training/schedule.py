@@ -3,7 +3,7 @@
 Owns: the deterministic A/B rule of DESIGN §10 — optimizer step ``s`` (0-indexed) runs Channel-B iff
 ``floor((s + 1) * b_ratio) > floor(s * b_ratio)`` — the realized B fraction it implies, and the
 split of a decode batch into contiguous rollout calls. Leaves out: the cross-rank agreement on the
-kind (rank 0 decides and broadcasts, ``training.stage2``) and what each channel does.
+kind (rank 0 decides, every rank agrees: ``training.step``) and what each channel does.
 
 The rule spreads B steps evenly (``b_ratio: 0.25`` -> A, A, A, B, A, A, A, B, ...), depends only on
 the optimizer-step counter (so a resumed run continues exactly where it stopped) and needs no
@@ -59,10 +59,11 @@ def realized_b_ratio(step: int, b_ratio: float) -> float:
     return b_steps_before(step + 1, b_ratio) / (step + 1)
 
 
-def contiguous_chunks(count: int, chunk_size: int) -> list[tuple[int, int]]:
+def fixed_size_chunks(count: int, chunk_size: int) -> list[tuple[int, int]]:
     """``[start, end)`` ranges covering ``range(count)`` in order, each ``chunk_size`` long but the last.
 
-    Used to split one step's rollouts into backend calls of
+    (Not :func:`rollmatch.rollout.chunking.contiguous_chunks`, which takes a number of chunks.) Used
+    to split one step's rollouts into backend calls of
     ``stage2_ab.channel_b.rollout_decode_batch_size`` samples.
     """
     if chunk_size <= 0:

@@ -1,44 +1,54 @@
-"""The thin HF ``Trainer`` subclass: the seam between HF's loop and rollmatch's components.
+"""The thin HF ``Trainer`` subclass: the seam between HF's loop and rollmatch's step planner.
 
 HF owns the loop (accumulation, clipping, optimizer/scheduler, DDP/DeepSpeed, logging, checkpoint
 files). This class only:
 
-- turns each accumulation window of raw records into model-ready micro-batches through a
-  :class:`~rollmatch.training.window.WindowBuilder` (``get_batch_samples``), returning the step's
-  global loss weight as HF's ``num_items_in_batch``;
-- computes the weighted loss ``sum(w * ce) / W_step`` (``compute_loss``), scaled by the world size
-  because DDP averages gradients, so packing, accumulation and world size leave gradients unchanged;
-- merges rollmatch's metric sums into HF's logs, and marks checkpoints complete.
+- hands each optimizer step's raw record batches to the :class:`~rollmatch.training.step.StepPlanner`
+  (``get_batch_samples``) and returns its micro-steps, with the step's global loss weight as HF's
+  ``num_items_in_batch``;
+- trains a micro-step (``training_step``): one forward/backward per row, gradient synchronisation only on
+  the last pass of the optimizer step, loss ``sum(w * ce) / W_step`` (``compute_loss``) scaled by the world
+  size because DDP averages gradients — so packing, accumulation and world size leave gradients unchanged;
+- merges the planner's metric sums into HF's logs (per-rank sums known only after training are reduced
+  across ranks at log time), and saves each rank's carry buffers / record-stream position with every
+  checkpoint (marked complete only after every rank wrote its part);
+- evaluates with rollmatch's detection eval (``evaluate``: ``training.periodic_eval``) when HF's eval
+  strategy says so, logging ``eval/*`` and returning HF-style ``eval_*`` keys so ``metric_for_best_model``,
+  best-checkpoint retention and ``load_best_model_at_end`` work as HF's own (the best model is reloaded the
+  way resume loads weights).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import torch
+from accelerate.utils import DistributedType
 from torch.utils.data import Dataset
 from transformers import Trainer
 
 from rollmatch.collectives import Collectives
 from rollmatch.packing.collate import model_inputs
 from rollmatch.training.losses import weighted_ce_sum
-from rollmatch.training.window import WindowFn
+from rollmatch.training.periodic_eval import DetectionEval, hf_metrics
+from rollmatch.training.step import MicroStep, StepPlan, StepPlanner
 
+log = logging.getLogger(__name__)
 COMPLETE_MARKER = "rollmatch_complete.json"
 # aggregated metric sums, number of optimizer steps -> metric values
 SummaryFn = Callable[[Counter[str], int], dict[str, float]]
 
 
-@runtime_checkable
-class CustomMicroStep(Protocol):
-    """A micro-step that runs its own forward/backward passes (e.g. Stage-2 step mode: zero passes
-    on the first GAS-1 micro-steps, then one pass per packed row). Returns the detached loss to log."""
-
-    def run(self, trainer: RollmatchTrainer, model: torch.nn.Module) -> torch.Tensor: ...
+def rank_state_file(checkpoint_dir: str, rank: int) -> str:
+    """Where rank ``rank`` keeps its rollmatch state (carry buffers, record stream) in a checkpoint."""
+    return os.path.join(checkpoint_dir, f"rollmatch_state_rank{rank}.pt")
 
 
 class RecordDataset(Dataset):
@@ -55,12 +65,12 @@ class RecordDataset(Dataset):
 
 
 def keep_records(batch: list[Any]) -> list[Any]:
-    """Collator: records stay records; encoding happens per window, after rollouts."""
+    """Collator: records stay records; encoding happens per step, after rollouts."""
     return batch
 
 
 class RollmatchTrainer(Trainer):
-    """HF Trainer whose micro-batches come from a window builder (rollouts, targets, packing)."""
+    """HF Trainer whose micro-batches come from a step planner (rollouts, targets, packing)."""
 
     # compute_loss already divides by the step's total weight over all micro-steps.
     loss_is_scaled_for_ga = True
@@ -68,50 +78,65 @@ class RollmatchTrainer(Trainer):
     def __init__(
         self,
         *args: Any,
-        build_window: WindowFn,
+        planner: StepPlanner,
         summarize: SummaryFn,
         collectives: Collectives,
-        before_window: Callable[[int], None] | None = None,
+        stateful: Mapping[str, Any] | None = None,
+        detection_eval: DetectionEval | None = None,
         **kwargs: Any,
     ):
         super().__init__(*args, **kwargs)
-        self.build_window = build_window
+        self.planner = planner
+        self.detection_eval = detection_eval
         self.summarize = summarize
         self.collectives = collectives
-        self.before_window = before_window
-        self._pending_sums: Counter[str] = Counter()
+        self.stateful = dict(stateful or {})
+        self._plan: StepPlan | None = None
+        self._pending_sums: Counter[str] = Counter()  # summed over ranks already
+        self._local_sums: Counter[str] = Counter()  # this rank's, reduced at log time
+        self._gauges: dict[str, float] = {}
         self._pending_steps = 0
 
     # ------------------------------------------------------------------ batches and loss
     def get_batch_samples(
         self, epoch_iterator: Iterator, num_batches: int, device: torch.device
     ) -> tuple[list, torch.Tensor | None]:
-        raw_batches = []
+        windows = []
         for _ in range(num_batches):
             try:
-                raw_batches.append(next(epoch_iterator))
+                windows.append(next(epoch_iterator))
             except StopIteration:
                 break
-        if not raw_batches:
+        if not windows:
             return [], None
         step = self.state.global_step
-        if self.before_window is not None:
-            self.before_window(step)
-        window = self.build_window(raw_batches, step)
-        self._pending_sums.update(window.sums)
+        plan = self.planner.plan(windows, step, final=step + 1 >= self.state.max_steps > 0)
+        self._plan = plan
+        self._pending_sums.update(plan.sums)
+        self._gauges.update(plan.gauges)
         self._pending_steps += 1
-        return window.micro_batches, torch.tensor(window.total_weight, dtype=torch.float64, device=device)
+        return plan.micro_steps, torch.tensor(plan.total_weight, dtype=torch.float64, device=device)
 
     def training_step(
         self, model: torch.nn.Module, inputs: Any, num_items_in_batch: torch.Tensor | int | None = None
     ) -> torch.Tensor:
-        if isinstance(inputs, CustomMicroStep):
-            model.train()
-            return inputs.run(self, model)
-        return super().training_step(model, inputs, num_items_in_batch)
-
-    def floating_point_ops(self, inputs: Any) -> int:
-        return 0 if isinstance(inputs, CustomMicroStep) else super().floating_point_ops(inputs)
+        if not isinstance(inputs, MicroStep):
+            return super().training_step(model, inputs, num_items_in_batch)
+        model.train()
+        loss = torch.zeros((), device=self.args.device)
+        passes = inputs.passes(float(num_items_in_batch) if num_items_in_batch is not None else 0.0)
+        try:
+            for batch, normaliser, accumulate_only in self._sync_points(passes, inputs.index == inputs.count):
+                weight = torch.tensor(normaliser, dtype=torch.float64, device=self.args.device)
+                with self._accumulate_only(model) if accumulate_only else contextlib.nullcontext():
+                    loss = loss + super().training_step(model, batch, weight)
+        finally:
+            close = getattr(passes, "close", None)
+            if close is not None:  # a generator (pipelined rows): stop its rollout thread on failure
+                close()
+        loss = inputs.finish(model, loss)
+        self._record(inputs, loss)
+        return loss
 
     def compute_loss(
         self,
@@ -127,29 +152,174 @@ class RollmatchTrainer(Trainer):
         loss = loss_sum * self.collectives.world_size / num_items_in_batch.to(loss_sum.dtype)
         return (loss, outputs) if return_outputs else loss
 
-    # ------------------------------------------------------------------ logging
-    def add_metric_sums(self, sums: Mapping[str, float]) -> None:
-        """Add metric sums known only while a micro-step runs (e.g. Stage-2 step mode)."""
-        self._pending_sums.update(sums)
+    def floating_point_ops(self, inputs: Any) -> int:
+        return 0 if isinstance(inputs, MicroStep) else super().floating_point_ops(inputs)
 
+    def _sync_points(
+        self, passes: Iterator[tuple[Any, float]], last_micro_step: bool
+    ) -> Iterator[tuple[Any, float, bool]]:
+        """``(batch, normaliser, accumulate_only)``: only the step's very last pass may sync gradients.
+
+        Under DDP or DeepSpeed every backward outside ``accumulate_only`` all-reduces (DeepSpeed also
+        steps), so in the last micro-step all passes but the last accumulate only. A single plain process
+        needs no look-ahead (which would delay a pipelined row until the next one is ready).
+        """
+        if not last_micro_step or self.accelerator.distributed_type == DistributedType.NO:
+            for batch, normaliser in passes:
+                yield batch, normaliser, False
+            return
+        previous: tuple[Any, float] | None = None
+        for item in passes:
+            if previous is not None:
+                yield previous[0], previous[1], True
+            previous = item
+        if previous is not None:
+            yield previous[0], previous[1], False
+
+    @contextlib.contextmanager
+    def _accumulate_only(self, model: torch.nn.Module) -> Iterator[None]:
+        """Accumulate this pass's gradients locally: no all-reduce, no DeepSpeed step yet."""
+        state = self.accelerator.gradient_state
+        was = state.sync_gradients
+        state._set_sync_gradients(False)
+        try:
+            with self.accelerator.no_sync(model):
+                yield
+        finally:
+            state._set_sync_gradients(was)
+
+    def _record(self, micro: MicroStep, loss: torch.Tensor) -> None:
+        log.debug(
+            "stage2_ab step %d micro-step %d/%d ran Channel-%s on rank %d",
+            micro.step,
+            micro.index,
+            micro.count,
+            micro.kind,
+            self.collectives.rank,
+        )
+        local = self._local_sums
+        local.update(micro.local_sums())
+        local[f"stage2_ab/loss_{micro.kind.lower()}_sum"] += float(loss) / self.collectives.world_size
+        if micro.index == micro.count and self._plan is not None:
+            elapsed = time.perf_counter() - self._plan.started_at
+            local["step/seconds"] += elapsed / self.collectives.world_size  # mean over ranks once summed
+            if self._plan.timing_key:
+                local[self._plan.timing_key] += elapsed / self.collectives.world_size
+
+    # ------------------------------------------------------------------ logging
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs and self._pending_steps:
-            logs.update(self.summarize(self._pending_sums, self._pending_steps))
-            self._pending_sums = Counter()
-            self._pending_steps = 0
+            sums = self._pending_sums
+            for rank_sums in self.collectives.all_gather_object(
+                dict(self._local_sums), "metrics at log time"
+            ):
+                sums.update(rank_sums)
+            logs.update(self.summarize(sums, self._pending_steps))
+            logs.update(self._gauges)
+            self._pending_sums, self._local_sums, self._pending_steps = Counter(), Counter(), 0
         super().log(logs, start_time)
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(
+        self,
+        eval_dataset: Any = None,
+        ignore_keys: list[str] | None = None,
+        metric_key_prefix: str = "eval",
+    ) -> dict[str, float]:
+        """Detection eval of the current weights on every rank (rank 0 rolls out); logs ``eval/*``."""
+        if self.detection_eval is None:
+            raise RuntimeError(
+                "evaluation was requested but no detection eval is configured: set training.eval_steps "
+                "(or training.eval_strategy) and data.val_jsonl"
+            )
+        round_ = self.detection_eval.run(self.state.global_step)
+        if round_.sync is not None:  # the push counts towards the next log line's sync/* metrics
+            self._pending_sums.update(
+                {"sync/seconds": round_.sync.seconds, "sync/bytes": round_.sync.num_bytes, "sync/pushes": 1}
+            )
+            self._gauges["sync/version"] = float(round_.sync.version)
+        self.log(dict(round_.metrics))
+        metrics = hf_metrics(round_.metrics, metric_key_prefix)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        return metrics
+
+    def _load_best_model(self) -> None:
+        """``load_best_model_at_end``: the best checkpoint's weights, loaded the way resume loads them."""
+        best = self.state.best_model_checkpoint
+        if (
+            best is None
+            or self.is_deepspeed_enabled
+            or self.is_fsdp_enabled
+            or hasattr(self.model, "peft_config")
+        ):
+            super()._load_best_model()
+            return
+        log.info(
+            "loading the best model (%s = %s) from %s",
+            self.args.metric_for_best_model,
+            self.state.best_metric,
+            best,
+        )
+        self._load_from_checkpoint(best)
 
     # ------------------------------------------------------------------ checkpoints
     def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
         super()._save_checkpoint(model, trial)
+        folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
+        os.makedirs(folder, exist_ok=True)
+        state = {name: part.state_dict() for name, part in self.stateful.items()}
+        tmp = rank_state_file(folder, self.collectives.rank) + ".tmp"
+        torch.save(state, tmp)
+        os.replace(tmp, rank_state_file(folder, self.collectives.rank))
+        self.collectives.barrier(f"checkpoint {self.state.global_step}: every rank saved its state")
         if self.args.should_save:
             # Written last: a checkpoint without it is incomplete and never resumed from.
-            folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
-            marker = {"global_step": self.state.global_step, "weight_version": self.state.global_step}
+            marker = {"global_step": self.state.global_step, "world_size": self.collectives.world_size}
             tmp = os.path.join(folder, COMPLETE_MARKER + ".tmp")
             with open(tmp, "w") as fh:
                 json.dump(marker, fh)
             os.replace(tmp, os.path.join(folder, COMPLETE_MARKER))
+
+    def _load_from_checkpoint(
+        self, resume_from_checkpoint: str, model: torch.nn.Module | None = None
+    ) -> None:
+        """Model weights of a checkpoint, loaded the way ``from_pretrained`` loads them.
+
+        HF's default loads ``model.safetensors`` with a non-strict ``load_state_dict``; Qwen-VL checkpoints
+        are saved under the legacy key names (``model.layers.*``, ``visual.*``) that ``from_pretrained``
+        converts, so that path silently restores nothing and a resumed run trains from the initial weights.
+        Adapters (PEFT) and sharded engines keep HF's own path.
+        """
+        target = model if model is not None else self.model
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled or hasattr(target, "peft_config"):
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+            return
+        from transformers import AutoModelForImageTextToText
+
+        first = next(target.parameters())
+        saved = AutoModelForImageTextToText.from_pretrained(resume_from_checkpoint, dtype=first.dtype)
+        result = target.load_state_dict(saved.state_dict(), strict=False)
+        problems = [*result.missing_keys, *result.unexpected_keys]
+        if problems:
+            raise RuntimeError(
+                f"checkpoint {resume_from_checkpoint} does not match the model ({len(problems)} keys differ, e.g. "
+                f"{problems[:3]}); resume with the model.path and LoRA settings the checkpoint was trained with"
+            )
+        log.info("model weights restored from %s", resume_from_checkpoint)
+
+    def load_rank_state(self, checkpoint_dir: str) -> None:
+        """Restore this rank's carry buffers / record stream from ``checkpoint_dir`` (before ``train``)."""
+        path = rank_state_file(checkpoint_dir, self.collectives.rank)
+        if not os.path.isfile(path):
+            log.warning(
+                "%s has no rollmatch state for rank %d: carry buffers start empty",
+                checkpoint_dir,
+                self.collectives.rank,
+            )
+            return
+        state = torch.load(path, weights_only=True)
+        for name, part in self.stateful.items():
+            part.load_state_dict(state.get(name))
 
 
 def latest_complete_checkpoint(output_dir: str) -> str | None:

@@ -1,32 +1,44 @@
-"""Trainer variants as thin assemblies of components: which channel feeds each optimizer step.
+"""Trainer variants: each one is a :class:`~rollmatch.training.step.StepPlanner` assembled from parts.
 
-- ``sft``: every step trains on the GT serialization (:class:`~rollmatch.training.channels.GTChannel`).
-- ``rollout_matching_sft``: every step trains on the model's own rollouts (``RolloutChannel``).
-- ``stage2_ab_training``: lives in ``rollmatch.training.stage2`` (deterministic A/B schedule).
+- ``sft``: every step Channel-A (teacher forcing on the GT serialization).
+- ``rollout_matching_sft``: every step Channel-B on the window's records (one rollout call per step),
+  weights pushed to the rollout engine before each step that needs them.
+- ``stage2_ab_training``: the ``b_ratio`` schedule; Channel-A, and Channel-B in the configured mode:
+  ``micro`` (the window's records, rolled out in decode batches), ``step`` (a rollout budget per step,
+  ``training.step_mode``) or ``async`` (ready packs from a per-rank actor, ``training.async_mode``).
 
-A variant returns :class:`VariantParts`: the window function the trainer calls once per optimizer
-step, a hook that runs before it (weight sync), and what to close at the end.
+Channel-A and Channel-B each get their own row planner (carry buffer), so no row mixes the two.
+Leaves out: the config rules that refuse impossible combinations (``config.rules``, checked before this
+runs) and the trainer loop (``training.trainer``).
 """
 
 from __future__ import annotations
 
-import importlib
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from rollmatch.collectives import Collectives
+from rollmatch.collectives import Collectives, LocalCollectives
 from rollmatch.config.schema import RollmatchConfig
 from rollmatch.data.prompts import PromptEncoder
+from rollmatch.data.records import Record
 from rollmatch.detection.codec import ObjectCodec
+from rollmatch.errors import ConfigError, ConfigProblem
 from rollmatch.rollout.build import build_backend
-from rollmatch.rollout.chunking import step_seed
-from rollmatch.rollout.types import RolloutBackend
+from rollmatch.rollout.types import Decoding, Rollout, RolloutBackend, RolloutRequest, SyncReport
+from rollmatch.training.actor import RolloutActor
+from rollmatch.training.async_mode import AsyncPacks
+from rollmatch.training.channel_modes import WindowRows
 from rollmatch.training.channels import GTChannel, RolloutChannel
 from rollmatch.training.offload import with_rollout_offload
-from rollmatch.training.window import RowBuilder, WindowBuilder, WindowFn
+from rollmatch.training.ready_packs import ReadyPackQueue, VersionPurePacker
+from rollmatch.training.record_stream import RecordStream
+from rollmatch.training.rows import RowPlanner
+from rollmatch.training.step import ABSchedule, Channel, ConstantSchedule, StepPlanner, SyncBeforeRollouts
+from rollmatch.training.step_mode import StepRecordStream, StepRollouts, rank_share, rollouts_per_step
 
 
 @dataclass
@@ -39,25 +51,108 @@ class BuildContext:
     codec: ObjectCodec
     collectives: Collectives
     gradient_accumulation_steps: int
+    train_records: list[Record] = field(default_factory=list)
     optimizer_getter: Callable[[], Any] = lambda: None
 
 
 @dataclass
 class VariantParts:
-    build_window: WindowFn
-    before_window: Callable[[int], None] | None = None
+    """The planner, the rollout backend (if any), and what the trainer checkpoints per rank."""
+
+    planner: StepPlanner
     backend: RolloutBackend | None = None
-    closeables: list[Any] = field(default_factory=list)
+    stateful: dict[str, Any] = field(default_factory=dict)  # name -> has state_dict / load_state_dict
+
+    def close(self) -> None:
+        """Channels first (async actors stop), then the backend (its weight-sync groups close)."""
+        try:
+            self.planner.close()
+        finally:
+            if self.backend is not None:
+                self.backend.close()
 
 
-def row_builder(ctx: BuildContext) -> RowBuilder:
+def build_variant(ctx: BuildContext) -> VariantParts:
+    return _VARIANTS[ctx.cfg.custom.trainer_variant](ctx)
+
+
+def build_sft(ctx: BuildContext) -> VariantParts:
+    channel_a = gt_rows(ctx)
+    planner = StepPlanner(
+        schedule=ConstantSchedule("A"),
+        channel_a=channel_a,
+        channel_b=None,
+        sync=None,
+        collectives=ctx.collectives,
+        report_ab=False,
+    )
+    return VariantParts(planner=planner, stateful={"channel_a": channel_a})
+
+
+def build_rollout_matching(ctx: BuildContext) -> VariantParts:
+    backend = backend_for(ctx)
+    channel_b = WindowRows(
+        RolloutChannel(ctx.model, ctx.encoder, ctx.codec, ctx.cfg, backend).produce, row_planner(ctx)
+    )
+    planner = StepPlanner(
+        schedule=ConstantSchedule("B"),
+        channel_a=None,
+        channel_b=channel_b,
+        sync=SyncBeforeRollouts(backend, ctx.model),
+        collectives=ctx.collectives,
+        report_ab=False,
+    )
+    return VariantParts(planner=planner, backend=backend, stateful={"channel_b": channel_b})
+
+
+def build_stage2(ctx: BuildContext) -> VariantParts:
+    cfg = ctx.cfg
+    b_ratio = cfg.stage2_ab.schedule.b_ratio
+    if b_ratio is None:  # config.rules reports it at load; a config built in code skips that
+        raise ConfigError(
+            [
+                ConfigProblem(
+                    "stage2_ab.schedule.b_ratio", None, "required by stage2_ab_training: a float in [0, 1]"
+                )
+            ]
+        )
+    channel_a = gt_rows(ctx)
+    backend = backend_for(ctx)
+    mode = cfg.stage2_ab.channel_b.mode
+    channel_b: Channel
+    if mode == "async":
+        channel_b = async_packs(ctx, backend)
+        sync: Any = channel_b
+    else:
+        channel_b = step_rollouts(ctx, backend) if mode == "step" else micro_rollouts(ctx, backend)
+        sync = SyncBeforeRollouts(backend, ctx.model)
+    planner = StepPlanner(
+        schedule=ABSchedule(float(b_ratio)),
+        channel_a=channel_a,
+        channel_b=channel_b,
+        sync=sync,
+        collectives=ctx.collectives,
+        report_ab=True,
+    )
+    stateful = {"channel_a": channel_a}
+    if mode != "step":  # step mode carries nothing between steps
+        stateful["channel_b"] = channel_b
+    return VariantParts(planner=planner, backend=backend, stateful=stateful)
+
+
+# ----------------------------------------------------------------------------------------- parts
+def row_planner(ctx: BuildContext) -> RowPlanner:
     t = ctx.cfg.training
-    return RowBuilder(
+    return RowPlanner(
         packing=t.packing,
         packing_length=t.global_max_length,
         carry_limit=t.carry_buffer_size,
         pad_token_id=ctx.encoder.pad_token_id,
     )
+
+
+def gt_rows(ctx: BuildContext) -> WindowRows:
+    return WindowRows(GTChannel(ctx.model, ctx.encoder, ctx.codec, ctx.cfg).produce, row_planner(ctx))
 
 
 def backend_for(ctx: BuildContext) -> RolloutBackend:
@@ -74,49 +169,118 @@ def backend_for(ctx: BuildContext) -> RolloutBackend:
     return with_rollout_offload(backend, ctx.cfg, model=ctx.model, optimizer_getter=ctx.optimizer_getter)
 
 
-def weight_sync_hook(backend: RolloutBackend, model: torch.nn.Module) -> Callable[[int], None]:
-    """Before each window: push weights if optimizer steps changed them since the last push.
-
-    The weight version is the number of optimizer steps applied, so it survives resume.
-    """
-
-    def sync(global_step: int) -> None:
-        if backend.weight_version != global_step:
-            backend.sync_weights(model, global_step)
-
-    return sync
-
-
-def build_sft(ctx: BuildContext) -> VariantParts:
-    channel = GTChannel(ctx.model, ctx.encoder, ctx.codec, ctx.cfg)
-    windows = WindowBuilder(producer=channel.produce, rows=row_builder(ctx), collectives=ctx.collectives)
-    return VariantParts(build_window=windows.build)
-
-
-def build_rollout_matching(ctx: BuildContext) -> VariantParts:
-    backend = backend_for(ctx)
-    channel = RolloutChannel(ctx.model, ctx.encoder, ctx.codec, ctx.cfg, backend)
-    seed = ctx.cfg.training.seed
-
-    def produce(records: Any, global_step: int) -> Any:
-        return channel.produce(records, global_step, step_seed(seed, global_step))
-
-    windows = WindowBuilder(producer=produce, rows=row_builder(ctx), collectives=ctx.collectives)
-    return VariantParts(
-        build_window=windows.build,
-        before_window=weight_sync_hook(backend, ctx.model),
-        backend=backend,
-        closeables=[backend],
+def rollout_channel(ctx: BuildContext, backend: RolloutBackend) -> RolloutChannel:
+    decode_batch_size = ctx.cfg.stage2_ab.channel_b.rollout_decode_batch_size
+    return RolloutChannel(
+        ctx.model, ctx.encoder, ctx.codec, ctx.cfg, backend, decode_batch_size=decode_batch_size
     )
 
 
-VARIANTS: dict[str, str] = {
-    "sft": "rollmatch.training.variants:build_sft",
-    "rollout_matching_sft": "rollmatch.training.variants:build_rollout_matching",
-    "stage2_ab_training": "rollmatch.training.stage2:build_stage2",
+def micro_rollouts(ctx: BuildContext, backend: RolloutBackend) -> WindowRows:
+    return WindowRows(rollout_channel(ctx, backend).produce, row_planner(ctx))
+
+
+def step_rollouts(ctx: BuildContext, backend: RolloutBackend) -> StepRollouts:
+    """Channel-B step mode: this rank's budget share and its record stream."""
+    cfg, world, rank = ctx.cfg, ctx.collectives.world_size, ctx.collectives.rank
+    t, channel_b = cfg.training, cfg.stage2_ab.channel_b
+    budget = rollouts_per_step(channel_b, t, world, ctx.gradient_accumulation_steps)
+    share = rank_share(budget, rank, world)
+    return StepRollouts(
+        rollouts=rollout_channel(ctx, backend),
+        rows=row_planner(ctx),
+        records=StepRecordStream(ctx.train_records, share=share, seed=t.seed, rank=rank),
+        batch_size=t.per_device_train_batch_size,
+        pipeline=channel_b.enable_pipeline,
+        wait_timeout_s=t.collective_timeout_s,
+    )
+
+
+def async_packs(ctx: BuildContext, backend: RolloutBackend) -> AsyncPacks:
+    """Channel-B async mode: this rank's actor (own record stream and server client) and ready-pack queue."""
+    cfg, rank = ctx.cfg, ctx.collectives.rank
+    t, channel_b = cfg.training, cfg.stage2_ab.channel_b
+    settings = channel_b.async_
+    queue: ReadyPackQueue[Any] = ReadyPackQueue(settings.queue_limit)
+    actor = RolloutActor(
+        rollouts=rollout_channel(ctx, ActorRolloutClient(backend)),
+        stream=RecordStream(ctx.train_records, rank=rank, world_size=ctx.collectives.world_size, seed=t.seed),
+        queue=queue,
+        packer=VersionPurePacker(
+            length=lambda segment: segment.length,
+            capacity=t.global_max_length if t.packing else None,
+            batch_size=None if t.packing else t.per_device_train_batch_size,
+        ),
+        decode_batch_size=channel_b.rollout_decode_batch_size,
+        prefetch_target=settings.prefetch_target_packs,
+        version_window=settings.version_window,
+        training_seed=t.seed,
+        rank=rank,
+    )
+    return AsyncPacks(
+        backend=backend,
+        model=ctx.model,
+        actor=actor,
+        queue=queue,
+        rows=row_planner(ctx),
+        version_window=settings.version_window,
+        sync_every_steps=settings.sync_every_steps,
+        accounting_path=os.path.join(t.output_dir, "async", f"rank{rank}.json"),
+        max_wait_s=settings.max_wait_s,
+    )
+
+
+class ActorRolloutClient:
+    """The actor's own client of the rollout servers: rollouts only, on HTTP sessions of its own.
+
+    It never pushes weights and never closes the servers' weight-sync groups (the learner's backend owns
+    them), so closing it only closes its sessions.
+    """
+
+    name = "vllm_server"
+
+    def __init__(self, backend: RolloutBackend):
+        from rollmatch.rollout.client import ServerBackend, ServerConnection
+
+        if not isinstance(backend, ServerBackend):
+            raise ConfigError(
+                [
+                    ConfigProblem(
+                        "stage2_ab.channel_b.mode",
+                        "async",
+                        "async actors need rollout servers: set custom.extra.rollout_matching.rollout_backend: "
+                        "vllm and custom.extra.rollout_matching.vllm.mode: server",
+                    )
+                ]
+            )
+        connections = [
+            ServerConnection(c.url, c.group_port, timeout_s=c.timeout_s, infer_timeout_s=c.infer_timeout_s)
+            for c in backend.connections
+        ]
+        self._client = ServerBackend(
+            connections,
+            collectives=LocalCollectives(),
+            tokenizer=backend.tokenizer,
+            image_wire=backend.image_wire,
+        )
+
+    @property
+    def weight_version(self) -> int:
+        raise RuntimeError("the actor's client does not track weights: rollouts carry the server's version")
+
+    def generate(self, requests: list[RolloutRequest], decoding: Decoding, seed: int) -> list[Rollout]:
+        return self._client.generate(requests, decoding, seed)
+
+    def sync_weights(self, model: Any, version: int) -> SyncReport:
+        raise RuntimeError("the rollout actor never pushes weights; the learner's rank 0 does")
+
+    def close(self) -> None:
+        for connection in self._client.connections:
+            connection.close()
+
+
+_VARIANTS: dict[str, Callable[[BuildContext], VariantParts]] = {
+    "sft": build_sft,
+    "rollout_matching_sft": build_rollout_matching,
+    "stage2_ab_training": build_stage2,
 }
-
-
-def build_variant(ctx: BuildContext) -> VariantParts:
-    module, func = VARIANTS[ctx.cfg.custom.trainer_variant].split(":")
-    return getattr(importlib.import_module(module), func)(ctx)

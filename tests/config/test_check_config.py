@@ -54,6 +54,27 @@ def test_every_problem_on_stderr_exit_2(write_yaml, capsys: pytest.CaptureFixtur
         assert key in captured.err and fix in captured.err
 
 
+STAGE2 = {"custom": {"trainer_variant": "stage2_ab_training"}}
+
+
+@pytest.mark.parametrize(
+    ("channel_b", "training", "key"),
+    [
+        ({"mode": "step"}, {"deepspeed": "ds.json"}, "training.deepspeed"),
+        ({"mode": "async"}, {}, "stage2_ab.channel_b.mode"),  # async without rollout servers
+        ({"mode": "micro", "rollouts_per_step": 8}, {}, "stage2_ab.channel_b.rollouts_per_step"),
+    ],
+    ids=["step-deepspeed", "async-colocate", "rollouts_per_step-micro"],
+)
+def test_check_config_refuses_what_train_refuses(
+    write_yaml, capsys: pytest.CaptureFixture[str], channel_b: dict, training: dict, key: str
+) -> None:
+    stage2_ab = {"schedule": {"b_ratio": 0.5}, "channel_b": channel_b}
+    path = write_yaml("c.yaml", {**STAGE2, "stage2_ab": stage2_ab, "training": training})
+    assert main(["check-config", str(path)]) == 2
+    assert f"- {key} = " in capsys.readouterr().err
+
+
 def test_deprecation_warning_goes_to_stderr(write_yaml, capsys: pytest.CaptureFixture[str]) -> None:
     path = write_yaml("old.yaml", {"custom": {"extra": {"stage2_ab": {"schedule": {"b_ratio": 0.5}}}}})
     assert main(["check-config", str(path)]) == 0

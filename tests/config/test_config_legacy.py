@@ -7,6 +7,7 @@ import warnings
 import pytest
 
 from rollmatch.config.load import load_config, load_config_dict
+from rollmatch.errors import ConfigError
 
 RM = "custom.extra.rollout_matching"
 
@@ -66,12 +67,14 @@ def test_both_stage2_ab_spellings_is_a_problem(problems_of) -> None:
         "stage2_ab": {"schedule": {"b_ratio": 0.25}},
     }
     problem = problems_of(data).only("custom.extra.stage2_ab")
-    assert problem.value == {"schedule": {"b_ratio": 0.5}}
-    assert "keep only `stage2_ab`" in problem.fix
+    assert "keep only `stage2_ab`" in problem.fix and "<dict>" in problem.fix
 
 
-def test_old_spelling_in_child_merges_onto_new_spelling_in_base(write_yaml) -> None:
-    write_yaml("base.yaml", {"stage2_ab": {"schedule": {"b_ratio": 0.25}, "channel_b": {"mode": "micro"}}})
+def test_both_spellings_in_different_files_fail_naming_both(write_yaml) -> None:
+    # The deprecated spelling in a child would silently override the base's `stage2_ab` on merge.
+    base = write_yaml(
+        "base.yaml", {"stage2_ab": {"schedule": {"b_ratio": 0.25}, "channel_b": {"mode": "micro"}}}
+    )
     child = write_yaml(
         "child.yaml",
         {
@@ -82,10 +85,17 @@ def test_old_spelling_in_child_merges_onto_new_spelling_in_base(write_yaml) -> N
             },
         },
     )
-    with pytest.warns(DeprecationWarning, match="child.yaml"):
-        cfg = load_config(child)
-    assert cfg.stage2_ab.schedule.b_ratio == 0.75
-    assert cfg.stage2_ab.channel_b.mode == "micro"
+    with pytest.raises(ConfigError) as info:
+        load_config(child)
+    (problem,) = [p for p in info.value.problems if p.key == "custom.extra.stage2_ab"]
+    assert f"(deprecated spelling, in {child.resolve()})" in problem.fix
+    assert f"`stage2_ab` (in {base.resolve()})" in problem.fix
+
+
+def test_both_spellings_across_a_file_and_the_overrides_fail(write_yaml) -> None:
+    path = write_yaml("c.yaml", {"stage2_ab": {"schedule": {"b_ratio": 0.25}}})
+    with pytest.raises(ConfigError, match=r"custom\.extra\.stage2_ab.*<overrides>.*c\.yaml"):
+        load_config(path, ["custom.extra.stage2_ab.schedule.b_ratio=0.5"])
 
 
 def test_new_spelling_warns_nothing() -> None:

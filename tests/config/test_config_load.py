@@ -24,8 +24,9 @@ def test_no_file_gives_schema_defaults() -> None:
     assert cfg.training.report_to == ["tensorboard"]
 
 
-def test_empty_yaml_file_gives_defaults(write_yaml) -> None:
-    assert load_config(write_yaml("empty.yaml", "")) == RollmatchConfig()
+def test_empty_yaml_file_is_an_error(write_yaml) -> None:
+    with pytest.raises(ConfigError, match="the file is empty"):  # most likely a wrong or truncated file
+        load_config(write_yaml("empty.yaml", ""))
 
 
 # ------------------------------------------------------------------------------------------ extends

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -77,6 +79,48 @@ def test_async_needs_server_mode_and_full_sync(problems_of, data: dict[str, Any]
     problem = problems_of(data).only("stage2_ab.channel_b.mode")
     assert problem.value == "async"
     assert f"{VLLM}.mode: server" in problem.fix and f"{VLLM}.sync.mode: full" in problem.fix
+
+
+@pytest.mark.parametrize("mode", ["micro", "async"])
+def test_rollouts_per_step_outside_step_mode_is_refused(problems_of, mode: str) -> None:
+    data = {**server_mode(SERVERS), "stage2_ab": {"channel_b": {"mode": mode, "rollouts_per_step": 16}}}
+    problem = problems_of(data).only("stage2_ab.channel_b.rollouts_per_step")
+    assert problem.value == 16 and "only step mode reads it" in problem.fix
+    step = {"stage2_ab": {"channel_b": {"mode": "step", "rollouts_per_step": 16}}}
+    assert load_config_dict(step).stage2_ab.channel_b.rollouts_per_step == 16
+
+
+def deepspeed_file(tmp_path: Path, stage: int) -> str:
+    path = tmp_path / f"ds_zero{stage}.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": stage}}))
+    return str(path)
+
+
+def test_step_mode_with_deepspeed_is_refused(problems_of, tmp_path) -> None:
+    zero2 = deepspeed_file(tmp_path, 2)
+    data = {"stage2_ab": {"channel_b": {"mode": "step"}}, "training": {"deepspeed": zero2}}
+    problem = problems_of(data).only("training.deepspeed")
+    assert "stage2_ab.channel_b.mode: micro" in problem.fix
+    micro = {"stage2_ab": {"channel_b": {"mode": "micro"}}, "training": {"deepspeed": zero2}}
+    assert load_config_dict(micro).training.deepspeed == zero2
+
+
+def test_rollout_offload_with_deepspeed_is_refused(problems_of, tmp_path) -> None:
+    offload = {"enabled": True, "offload_model": True}
+    data = rollout(offload=offload) | {"training": {"deepspeed": deepspeed_file(tmp_path, 2)}}
+    problem = problems_of(data).only("training.deepspeed")
+    assert "offload.enabled: false" in problem.fix and "rollout_backend: hf" in problem.fix
+    # only a colocated engine offloads: with HF rollouts the same keys are fine
+    hf = rollout(rollout_backend="hf", offload=offload) | {
+        "training": {"deepspeed": deepspeed_file(tmp_path, 2)}
+    }
+    assert load_config_dict(hf)
+
+
+def test_min_pixels_above_max_pixels_is_refused_at_load(problems_of) -> None:
+    problem = problems_of({"data": {"min_pixels": 50_000, "max_pixels": 40_000}}).only("data.min_pixels")
+    assert problem.value == 50_000 and "data.max_pixels (= 40000)" in problem.fix
+    assert load_config_dict({"data": {"min_pixels": 40_000, "max_pixels": 40_000}})
 
 
 def test_async_in_server_mode_loads() -> None:
@@ -169,7 +213,7 @@ def test_server_mode_without_servers(problems_of) -> None:
 @pytest.mark.parametrize("timeout", [0, -5.0])
 def test_timeout_must_be_positive(problems_of, timeout: float) -> None:
     problem = problems_of(server_mode({**SERVERS, "timeout_s": timeout})).only(f"{SERVER}.timeout_s")
-    assert problem.value == timeout and "> 0" in problem.fix
+    assert problem.value == timeout and "greater than 0" in problem.fix
 
 
 def test_duplicate_base_url(problems_of) -> None:
@@ -250,7 +294,9 @@ def test_runtime_tensor_parallel_size() -> None:
     )
     (gpu,) = check_runtime(cfg, world_size=1, device_count=2, device_type="cuda")
     assert "tensor_parallel_size <= 2" in gpu.fix
-    assert check_runtime(cfg, world_size=1, device_count=4, device_type="cuda") == []
+    assert check_runtime(cfg, world_size=4, device_count=4, device_type="cuda") == []
+    (world,) = check_runtime(cfg, world_size=2, device_count=4, device_type="cuda")
+    assert "spans 4 learner ranks" in world.fix and "multiple of 4" in world.fix
 
 
 @pytest.mark.parametrize(

@@ -58,14 +58,15 @@ def test_raccoon_counts_match_the_readme(raccoon: list[Record]) -> None:
 
 
 def test_raccoon_boxes_equal_the_independent_csv(raccoon: list[Record], real_data_dir: Path) -> None:
-    """The source's csv holds the same boxes as its xml: every converted box must equal a csv row."""
+    """The source's csv holds the same boxes as its xml (VOC's 1-based pixel indices): every converted
+    box must equal a csv row moved to the 0-based frame."""
     expected: dict[str, list[tuple[float, ...]]] = {}
     sizes: dict[str, tuple[int, int]] = {}
     with (real_data_dir / "raccoon" / "data" / "raccoon_labels.csv").open() as f:
         for row in csv.DictReader(f):
             stem = row["filename"].removesuffix(".jpg")
-            box = tuple(float(row[k]) for k in ("xmin", "ymin", "xmax", "ymax"))
-            expected.setdefault(stem, []).append(box)
+            xmin, ymin, xmax, ymax = (float(row[k]) for k in ("xmin", "ymin", "xmax", "ymax"))
+            expected.setdefault(stem, []).append((xmin - 1, ymin - 1, xmax, ymax))
             sizes[stem] = (int(row["width"]), int(row["height"]))
     for record in raccoon:
         assert sorted(o.bbox for o in record.objects) == sorted(expected[record.id]), record.id
@@ -75,14 +76,14 @@ def test_raccoon_boxes_equal_the_independent_csv(raccoon: list[Record], real_dat
     assert (first.id, first.image_size, first.objects[0].bbox) == (
         "raccoon-1",
         (650, 417),
-        (81, 88, 522, 408),
+        (80, 87, 522, 408),  # the xml says xmin 81, ymin 88 (1-based)
     )
 
 
 def test_raccoon_grayscale_images_convert(raccoon: list[Record]) -> None:
     by_id = {r.id: r for r in raccoon}
     assert by_id["raccoon-150"].image_size == (275, 183)
-    assert by_id["raccoon-150"].objects[0].bbox == (80, 62, 187, 169)
+    assert by_id["raccoon-150"].objects[0].bbox == (79, 61, 187, 169)
 
 
 # --------------------------------------------------------------------------------------- YOLO (real)
@@ -185,6 +186,37 @@ def test_coco_round_trip_on_real_voc_records(
     assert load_records(jsonl) == converted
 
 
+def test_voc_and_coco_annotations_of_the_same_photos_agree(
+    raccoon: list[Record], real_data_dir: Path, tmp_path: Path
+) -> None:
+    """The raccoon boxes annotated both ways: VOC xml, and a COCO json written from the source's
+    csv the way VOC -> COCO converters write it (``x = xmin - 1``, ``w = xmax - xmin + 1``: VOC
+    indices are 1-based and inclusive). Both conversions must give the same records."""
+    root = real_data_dir / "raccoon"
+    images: dict[str, dict[str, int | str]] = {}
+    annotations: list[dict[str, object]] = []
+    with (root / "data" / "raccoon_labels.csv").open() as f:
+        for row in csv.DictReader(f):
+            name, (width, height) = row["filename"], (int(row["width"]), int(row["height"]))
+            image = {"id": len(images) + 1, "file_name": name, "width": width, "height": height}
+            image_id = images.setdefault(name, image)["id"]
+            xmin, ymin, xmax, ymax = (int(row[k]) for k in ("xmin", "ymin", "xmax", "ymax"))
+            w, h = xmax - xmin + 1, ymax - ymin + 1
+            box = {"bbox": [xmin - 1, ymin - 1, w, h], "area": w * h, "iscrowd": 0, "category_id": 1}
+            annotations.append({"id": len(annotations) + 1, "image_id": image_id, **box})
+    coco = {
+        "images": list(images.values()),
+        "annotations": annotations,
+        "categories": [{"id": 1, "name": "raccoon"}],
+    }
+    (tmp_path / "instances.json").write_text(json.dumps(coco))
+    from_json = {r.id: r for r in from_coco(tmp_path / "instances.json", root / "images")}
+    assert len(from_json) == len(raccoon) == 200
+    for record in raccoon:
+        assert sorted(o.bbox for o in from_json[record.id].objects) == sorted(o.bbox for o in record.objects)
+        assert from_json[record.id].image_size == record.image_size
+
+
 def test_coco_round_trip_on_real_yolo_records(
     aquarium: tuple[list[Record], list[str]], tmp_path: Path
 ) -> None:
@@ -233,12 +265,13 @@ def test_voc_box_errors_and_zero_area_drops(tmp_path: Path) -> None:
     make_image(tmp_path / "JPEGImages" / "a.jpg", (40, 30))
     (tmp_path / "Annotations").mkdir()
     xml = tmp_path / "Annotations" / "a.xml"
-    xml.write_text(voc_xml("a.jpg", (40, 30), [("cat", [1, 2, 3, 4]), ("dog", [5, 5, 5, 9])]))
+    boxes = [("cat", [1, 2, 3, 4]), ("dog", [5, 5, 4, 9]), ("bird", [7, 7, 7, 7])]
+    xml.write_text(voc_xml("a.jpg", (40, 30), boxes))
     dropped: list[str] = []
     (record,) = from_voc(tmp_path, dropped=dropped)
-    assert record.objects[0].bbox == (1, 2, 3, 4)
-    assert len(record.objects) == 1
-    assert dropped == [f"{xml}: object 1: dropped zero-area box [5.0, 5.0, 5.0, 9.0] ('dog')"]
+    # 1-based inclusive: xmin == xmax is one pixel column, xmax == xmin - 1 covers none
+    assert [o.bbox for o in record.objects] == [(0, 1, 3, 4), (6, 6, 7, 7)]
+    assert dropped == [f"{xml}: object 1: dropped zero-area box [4.0, 4.0, 4.0, 9.0] ('dog')"]
     xml.write_text(voc_xml("a.jpg", (40, 30), [("cat", [1, 2, 45, 4])]))
     with pytest.raises(DataError, match=r"a\.xml: object 0: box .* outside the 40x30 image"):
         from_voc(tmp_path)

@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import pytest
 from transformers import PreTrainedTokenizerFast
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from rollmatch.detection.codec import QwenJsonCodec, build_codec, decode_with_offsets
 from rollmatch.detection.objects import DetObject, canonical_order
@@ -202,6 +203,9 @@ def test_text_after_eos_is_ignored(codec: QwenJsonCodec) -> None:
         ("[, {", "bad_structure"),
         ('[{"bbox_2d": [1, 2, 3, 4}, "label": "a"}]', "bad_structure"),
         ("[hello]", "bad_structure"),
+        ("[1, 2, 3", "not_object"),
+        ('["red square"]', "not_object"),
+        ("[[10, 20, 300, 400]]", "not_object"),
     ],
 )
 def test_non_json_responses_give_the_bare_prefix(codec: QwenJsonCodec, response: str, reason: str) -> None:
@@ -209,6 +213,7 @@ def test_non_json_responses_give_the_bare_prefix(codec: QwenJsonCodec, response:
     assert parse.prefix_text == "[" and parse.prefix_token_ids == encode(codec.tokenizer, "[")
     assert not parse.has_complete_element and parse.objects == [] and parse.num_complete == 0
     assert parse.invalid == {reason: 1}
+    assert not parse.truncated  # the scan stopped at an error, not at the end of the response
 
 
 def test_structure_error_keeps_the_elements_before_it(codec: QwenJsonCodec) -> None:
@@ -216,6 +221,36 @@ def test_structure_error_keeps_the_elements_before_it(codec: QwenJsonCodec) -> N
     for junk in [", ]", ' {"bbox_2d": [1, 2, 3, 4], "label": "a"}]', ", <|im_start|>"]:
         parse = codec.parse(encode(codec.tokenizer, first + junk), extent=EXTENT, hit_max_tokens=False)
         assert parse.objects == [A] and parse.prefix_text == first and parse.invalid == {"bad_structure": 1}
+        # a list written to its end with an error inside is not truncated (rollout/truncated_frac)
+        assert not parse.truncated
+
+
+def test_non_object_values_are_never_complete_elements(codec: QwenJsonCodec) -> None:
+    # `[1, 2, 3` keeps just `[`: top-level numbers, strings and arrays never enter the prefix.
+    for text in ["[1, 2, 3", "[1, 2, 3]", '["red square", "fish"]', "[[1, 2, 3, 4], "]:
+        parse = codec.parse(encode(codec.tokenizer, text), extent=EXTENT, hit_max_tokens=False)
+        assert parse.prefix_text == "[" and parse.prefix_token_ids == encode(codec.tokenizer, "[")
+        assert parse.num_complete == 0 and parse.invalid == {"not_object": 1} and not parse.truncated
+    # after a complete object, a non-object value stops the scan: the object stays, nothing after it
+    first = '[{"bbox_2d": [10, 20, 300, 400], "label": "red square"}'
+    text = first + ', 42, {"bbox_2d": [500, 20, 700, 90], "label": "blue circle"}]'
+    parse = codec.parse(encode(codec.tokenizer, text), extent=EXTENT, hit_max_tokens=False)
+    assert parse.objects == [A] and parse.prefix_text == first and parse.num_complete == 1
+    assert parse.invalid == {"not_object": 1} and not parse.truncated and not parse.closed
+
+
+def test_a_stray_byte_before_the_cut_token_is_kept_as_produced(codec: QwenJsonCodec) -> None:
+    tokenizer = codec.tokenizer
+    stray = tokenizer.convert_tokens_to_ids(bytes_to_unicode()[0x80])  # a lone continuation byte
+    assert decode(tokenizer, [stray]) == "\ufffd", "test precondition: one token for the invalid byte"
+    close_comma = single_token(tokenizer, '"},')
+    head = encode(tokenizer, '[{"bbox_2d": [10, 20, 300, 400], "label": "red square')
+    ids = [*head, stray, close_comma, *encode(tokenizer, ' {"bbox_2d": [5')]
+    parse = codec.parse(ids, extent=EXTENT, hit_max_tokens=True)
+    assert parse.objects == [DetObject("red square\ufffd", A.bbox)]
+    # the stray byte shares a decode group with `"},`; only `"},` is re-encoded (for its `"}`)
+    assert parse.prefix_token_ids == [*head, stray, *encode(tokenizer, '"}')]
+    assert decode(tokenizer, parse.prefix_token_ids) == parse.prefix_text
 
 
 def test_text_after_the_list_is_counted(codec: QwenJsonCodec) -> None:
@@ -228,7 +263,6 @@ def test_text_after_the_list_is_counted(codec: QwenJsonCodec) -> None:
 
 INVALID_ELEMENTS = {
     "bad_json": ['{"bbox_2d": [1, 2, 3, 4], "label": "a",}', '{"bbox_2d": [1, 2, 3, 4], "label": "a\nb"}'],
-    "not_object": ["[1, 2, 3, 4]", '"red square"', "42"],
     "bad_keys": [
         '{"bbox": [1, 2, 3, 4], "label": "a"}',
         '{"bbox_2d": [1, 2, 3, 4], "label": "a", "score": 0.9}',

@@ -1,13 +1,23 @@
-"""Property tests of the strict parser: arbitrary and mutated token-id sequences never break it."""
+"""Property tests of the strict parser: arbitrary, mutated and model-like token-id sequences.
+
+Besides "never raises" and the ``ParseResult`` invariants, every parse is checked against the
+strict rules of docs/detection.md: the prefix holds only complete objects, only the one token
+holding the cut is re-encoded (every earlier token is kept as produced), and ``truncated`` means
+the response hit ``max_new_tokens`` or ended inside the list, never that it stopped at an error.
+"""
 
 from __future__ import annotations
 
 import json
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from transformers import PreTrainedTokenizerFast
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from rollmatch.detection.codec import ELEMENT_REASONS, LIST_REASONS, QwenJsonCodec, decode_with_offsets
+from rollmatch.detection.json_scan import scan_json_list
 from rollmatch.detection.objects import DetObject
 
 EXTENT = (1000, 1000)
@@ -43,6 +53,30 @@ def check_parse_invariants(codec: QwenJsonCodec, ids: list[int], hit_max_tokens:
         assert 0 <= x1 < x2 <= EXTENT[0] and 0 <= y1 < y2 <= EXTENT[1] and obj.label.strip()
     if hit_max_tokens:
         assert parse.truncated
+    check_strict_rules(codec, response, parse, hit_max_tokens)
+
+
+def check_strict_rules(codec: QwenJsonCodec, response: list[int], parse, hit_max_tokens: bool) -> None:
+    """The strict rules: objects-only prefix, one re-encoded token at most, truncation by cause."""
+    if parse.has_complete_element:
+        # complete only at the closing `}` of a top-level object: the prefix holds nothing else
+        prefix_scan = scan_json_list(parse.prefix_text)
+        assert parse.prefix_text.endswith("}") and len(prefix_scan.elements) == parse.num_complete
+        assert all(parse.prefix_text[start] == "{" for start, _ in prefix_scan.elements)
+        # earlier tokens are never re-tokenized: the ids agree with the response up to the cut
+        # token k, and whatever replaces it decodes to a part of what token k itself decoded to
+        prefix = parse.prefix_token_ids
+        k = next((i for i, (a, b) in enumerate(zip(prefix, response, strict=False)) if a != b), len(prefix))
+        if k < len(prefix):
+            assert k < len(response)
+            assert decode(codec, response[: k + 1]).startswith(parse.prefix_text), (
+                f"tokens before the cut token {k} were re-encoded"
+            )
+    list_stop = {"not_a_list", "not_object", "bad_structure", "text_after_list"} & set(parse.invalid)
+    if parse.closed or list_stop:
+        assert parse.truncated == hit_max_tokens  # a list written to its end (or an error) is not cut off
+    elif decode(codec, response).startswith("["):
+        assert parse.truncated  # ended inside the list
 
 
 @given(data=st.data(), hit_max_tokens=st.booleans())
@@ -103,3 +137,66 @@ def test_serialize_tokenize_parse_round_trip(
         ]
         assert parse.closed and not parse.truncated and parse.invalid == {}
         assert parse.prefix_text == text[:-1]
+
+
+# ------------------------------------------------------------------- model-like sequences (tiny model)
+@pytest.fixture(scope="module")
+def tiny_codec(tiny_tokenizer: PreTrainedTokenizerFast) -> QwenJsonCodec:
+    """The codec over the tokenizer of the tiny Qwen2.5-VL test model (loaded from its directory)."""
+    return QwenJsonCodec(tiny_tokenizer, [tiny_tokenizer.convert_tokens_to_ids(tiny_tokenizer.eos_token)])
+
+
+# Top-level values a model may write instead of an object, and junk between elements.
+NON_OBJECTS = ["42", "-1.5", "true", "null", '"red square"', "[1, 2, 3, 4]", "[]", "{}"]
+JUNK = ["", " ", "\n", "hello", ",", "]", "}", "<|im_start|>"]
+SEPARATORS = [", ", ",", " , ", "]", "]\n", "] done", " ", ""]
+BYTES = bytes_to_unicode()
+
+
+@st.composite
+def model_like_ids(draw: st.DrawFn, tokenizer: PreTrainedTokenizerFast) -> list[int]:
+    """A response as a model may decode it, built piece by piece (each piece encoded on its own, so
+    token boundaries differ from encoding the whole text): an opening ``[``, elements that are
+    objects (some with stray invalid-UTF-8 byte tokens before their closing ``"}``) or other
+    values, separators, junk, an optional EOS, and a cut at any token."""
+
+    def encode(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    ids = encode(draw(st.sampled_from(["[", "[", "[", " [", "```json\n["])))
+    for _ in range(draw(st.integers(0, 4))):
+        if draw(st.booleans()):
+            x1, y1 = draw(st.integers(0, 990)), draw(st.integers(0, 990))
+            box = [x1, y1, draw(st.integers(x1 - 5, 1005)), draw(st.integers(y1 - 5, 1005))]
+            label = draw(st.sampled_from(["red square", "fish", "", " ", "红色 é", 'a \\"b']))
+            body = json.dumps({"bbox_2d": box, "label": label}, ensure_ascii=False)
+            ids += encode(body[:-2])  # everything before the closing `"}`
+            stray = draw(st.lists(st.sampled_from([0x80, 0xBF, 0xE7, 0xC3, 0xFF]), max_size=2))
+            ids += [tokenizer.convert_tokens_to_ids(BYTES[b]) for b in stray]
+            ids += encode('"}' + draw(st.sampled_from(SEPARATORS)))  # `"},` / `"}]` fused tokens
+        else:
+            ids += encode(draw(st.sampled_from(NON_OBJECTS)) + draw(st.sampled_from(SEPARATORS)))
+        ids += encode(draw(st.sampled_from(JUNK))) if draw(st.integers(0, 5)) == 0 else []
+    if draw(st.booleans()):
+        ids.append(tokenizer.convert_tokens_to_ids(tokenizer.eos_token))
+    return ids[: draw(st.integers(0, len(ids)))]
+
+
+@given(data=st.data(), hit_max_tokens=st.booleans())
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_model_like_sequences_of_the_tiny_tokenizer_follow_the_strict_rules(
+    tiny_codec: QwenJsonCodec, data: st.DataObject, hit_max_tokens: bool
+) -> None:
+    ids = data.draw(model_like_ids(tiny_codec.tokenizer), label="ids")
+    check_parse_invariants(tiny_codec, ids, hit_max_tokens)
+
+
+@given(data=st.data(), hit_max_tokens=st.booleans())
+@PROPERTY_SETTINGS
+def test_arbitrary_ids_of_the_tiny_tokenizer_follow_the_strict_rules(
+    tiny_codec: QwenJsonCodec, data: st.DataObject, hit_max_tokens: bool
+) -> None:
+    vocab = len(tiny_codec.tokenizer)
+    prefix = tiny_codec.tokenizer.encode("[", add_special_tokens=False) if data.draw(st.booleans()) else []
+    ids = prefix + data.draw(st.lists(st.integers(0, vocab - 1), max_size=60))
+    check_parse_invariants(tiny_codec, ids, hit_max_tokens)

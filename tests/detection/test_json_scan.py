@@ -33,8 +33,11 @@ def test_char_roles_of_cut_off_and_odd_text() -> None:
         ('[{"a": "}"}, {"b": [1, {"c": 2}]}]', [(1, 11), (13, 33)], True, None),
         ('[{"a": "x\\"}"}', [(1, 14)], False, None),
         ('[{"a": [1, 2', [], False, None),
-        ("[12, 3", [(1, 3)], False, None),
-        ('[1, "s", [2], true]', [(1, 2), (4, 7), (9, 12), (14, 18)], True, None),
+        # only objects are elements: any other top-level value stops the scan, complete or not
+        ("[12, 3", [], False, "not_object"),
+        ('[1, "s", [2], true]', [], False, "not_object"),
+        ('[{"a": 1}, [2], {"b": 3}]', [(1, 9)], False, "not_object"),
+        ('[{"a": 1}, "s"', [(1, 9)], False, "not_object"),
         ("[{}] tail", [(1, 3)], True, "text_after_list"),
         ("[{}, ]", [(1, 3)], False, "bad_structure"),
         ("[{} {}]", [(1, 3)], False, "bad_structure"),
@@ -49,3 +52,20 @@ def test_scan_json_list(text: str, elements: list[tuple[int, int]], closed: bool
     assert scan.elements == elements
     assert scan.closed == closed and scan.stop_reason == stop
     assert scan.started == text.startswith("[")
+
+
+@pytest.mark.parametrize(
+    ("text", "ended_early"),
+    [
+        ('[{"a": 1}', True),  # between elements
+        ('[{"a": 1}, {"b', True),  # inside an element
+        ("[", True),
+        ('[{"a": 1}]', False),  # closed
+        ('[{"a": 1} {"b": 2}]', False),  # stopped at an error: the list was written to its end
+        ('[{"a": 1}, ]', False),
+        ("[1, 2, 3", False),
+        ("no list", False),
+    ],
+)
+def test_ended_early_only_when_the_text_runs_out_inside_the_list(text: str, ended_early: bool) -> None:
+    assert scan_json_list(text).ended_early == ended_early

@@ -55,6 +55,19 @@ def test_iou_threshold_gates_pairs() -> None:
     assert hungarian_match([box("fish", 200, 200, 300, 300)], gt, iou_threshold=0.0).pairs == []
 
 
+def test_iou_threshold_zero_means_any_overlap() -> None:
+    """The edge of ``matching.iou_threshold: 0``: IoU > 0 is required at any threshold, so boxes that
+    only touch (IoU exactly 0) never match, while the smallest overlap does."""
+    gt = [box("fish", 0, 0, 100, 100)]
+    touching = [box("fish", 100, 0, 200, 100)]  # shares the edge x = 100
+    one_pixel = [box("fish", 99, 99, 200, 200)]  # IoU 1 / (10_000 + 10_201 - 1)
+    assert hungarian_match(touching, gt, iou_threshold=0.0).pairs == []
+    assert hungarian_match(touching, gt, iou_threshold=0.0).fp == [0]
+    assert hungarian_match(one_pixel, gt, iou_threshold=0.0).pairs == [(0, 0, pytest.approx(1 / 20_200))]
+    description = MatchingConfig.model_fields["iou_threshold"].description or ""
+    assert "IoU > 0" in description and "only touch never match" in description  # docs/config.md
+
+
 def test_assignment_maximises_total_iou_not_prediction_order() -> None:
     # Greedy in prediction order pairs (0, 0) and (1, 1): total IoU 0.8 + 0.55. The optimum is 0.69 + 1.0.
     gts = [box("a", 0, 0, 100, 100), box("a", 0, 0, 100, 55)]

@@ -27,7 +27,7 @@ def test_detection_counts_accumulate_and_merge() -> None:
     assert counts.f1 == pytest.approx(2 * 2 / (2 * 2 + 1 + 2)) and counts.mean_iou == pytest.approx(0.7)
     total = counts.merge(DetectionCounts(tp=1, fp=0, fn=0, iou_sum=1.0))
     assert (total.tp, total.mean_iou) == (3, pytest.approx(2.4 / 3)) and counts.tp == 2
-    assert DetectionCounts.from_state(total.state()) == total
+    assert DetectionCounts.from_sums(total.to_sums()) == total
     assert counts.as_metrics() == {
         "match/precision": pytest.approx(2 / 3),
         "match/recall": 0.5,

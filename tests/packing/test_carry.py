@@ -1,4 +1,5 @@
-"""Carry buffer: one row per call with the oldest pinned, bounded, errors leave it untouched."""
+"""Carry buffer: a step's rows (packed ahead, bounded wait) and one row per call; oldest pinned; errors
+leave it untouched."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from rollmatch.errors import PackingError
-from rollmatch.packing.carry import CarryBuffer, row_stats
+from rollmatch.packing.carry import RESERVE_ROWS, CarryBuffer, row_stats
 from rollmatch.packing.segment import Segment
 
 
@@ -26,6 +27,31 @@ def test_rows_pin_the_oldest_and_fill_best(text_segment: Callable[..., Segment])
     assert ids(second) == ["b", "e"]  # b (oldest) pinned; 6+4 fills exactly
     assert ids(buffer.drain_rows()[0]) == ["d"]
     assert len(buffer) == 0 and buffer.next_row([]) == []
+
+
+def test_a_step_takes_rows_until_less_than_the_reserve_waits(text_segment: Callable[..., Segment]) -> None:
+    assert RESERVE_ROWS == 3
+    buffer = CarryBuffer(capacity_tokens=10, max_segments=16)
+    # 46 tokens arrive (4.6 rows' worth): rows leave until less than 3 rows' worth (30 tokens) waits.
+    lengths = {"a": 6, "b": 6, "c": 6, "d": 4, "e": 4, "f": 4, "g": 6, "h": 6, "i": 4}
+    rows = buffer.take_rows([text_segment(n, length) for n, length in lengths.items()], min_rows=1)
+    assert [ids(row) for row in rows] == [["a", "d"], ["b", "e"]]  # oldest pinned, exact fills
+    assert buffer.depth_tokens == 26 and ids(list(buffer.waiting)) == ["c", "f", "g", "h", "i"]
+    # A step that brings little still trains its one row, from the oldest waiting segments.
+    assert [ids(row) for row in buffer.take_rows([text_segment("j", 1)], min_rows=1)] == [["c", "f"]]
+    assert [sum(s.length for s in row) for row in buffer.take_rows([], min_rows=0, drain=True)] == [10, 7]
+    assert len(buffer) == 0
+
+
+def test_take_rows_bounds_the_waiting_count_and_drains(text_segment: Callable[..., Segment]) -> None:
+    buffer = CarryBuffer(capacity_tokens=100, max_segments=2)
+    rows = buffer.take_rows([text_segment(f"s{i}", 1) for i in range(5)], min_rows=0)
+    assert len(buffer) <= 2 and sum(len(r) for r in rows) + len(buffer) == 5
+    buffer.take_rows([text_segment("x", 1)], min_rows=0)
+    drained = buffer.take_rows([], min_rows=0, drain=True)
+    assert len(buffer) == 0 and sum(len(r) for r in drained) >= 1
+    with pytest.raises(PackingError, match=r"'huge' has 101 tokens"):
+        buffer.take_rows([text_segment("huge", 101)], min_rows=1)
 
 
 def test_overflow_raises_and_leaves_the_buffer_unchanged(text_segment: Callable[..., Segment]) -> None:

@@ -294,3 +294,14 @@ def test_offload_around_sync_and_generation_restores_training_state(
     )
     assert _responses(rollouts) == _responses(_hf_greedy(model, encoder, requests_))
     _sft_step(model, optimizer, encoder, requests_[1])  # training continues on the restored state
+
+
+def test_engine_start_leaves_the_thread_count_to_the_process(engine: VllmEngine) -> None:
+    # vLLM's CPU worker turns torch.set_num_threads into a no-op; the in-process engine undoes that.
+    engine.start()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)

@@ -6,8 +6,10 @@ import sys
 
 import pytest
 import torch
+from pydantic import ValidationError
 
 from rollmatch.collectives import LocalCollectives
+from rollmatch.config.rules import resolve_sync_mode
 from rollmatch.config.schema import RollmatchConfig
 from rollmatch.errors import BackendError, ConfigError
 from rollmatch.rollout.vllm_colocate import VllmColocateBackend
@@ -15,7 +17,6 @@ from rollmatch.rollout.vllm_engine import VllmEngine, collapse_placeholders
 from rollmatch.rollout.vllm_settings import (
     check_vllm_colocate_config,
     engine_settings_from_config,
-    resolve_sync_mode,
     vllm_colocate_problems,
 )
 
@@ -31,8 +32,8 @@ def _valid() -> RollmatchConfig:
     return cfg
 
 
-def _problems(cfg: RollmatchConfig, *, world_size: int = 1, devices: int = 1) -> dict[str, str]:
-    """Key -> its fixes joined (a key may have several problems)."""
+def _problems(cfg: RollmatchConfig, *, world_size: int = 1, devices: int = 0) -> dict[str, str]:
+    """Key -> its fixes joined (a key may have several problems); ``devices`` GPUs (0: CPU)."""
     out: dict[str, str] = {}
     for p in vllm_colocate_problems(cfg, world_size=world_size, device_count=devices):
         out[p.key] = f"{out.get(p.key, '')} | {p.fix}"
@@ -45,7 +46,10 @@ def test_a_valid_cpu_config_has_no_problems() -> None:
 
 def test_default_tensor_parallel_size_is_too_large_on_cpu() -> None:
     problems = _problems(RollmatchConfig())
-    assert "tensor_parallel_size 1" in problems[f"{KEY}.tensor_parallel_size"]
+    assert "set tensor_parallel_size: 1" in problems[f"{KEY}.tensor_parallel_size"]
+    assert (
+        "tensor_parallel_size <= 2" in _problems(RollmatchConfig(), devices=2)[f"{KEY}.tensor_parallel_size"]
+    )
 
 
 def test_tensor_parallel_groups_must_divide_the_world() -> None:
@@ -58,14 +62,14 @@ def test_tensor_parallel_groups_must_divide_the_world() -> None:
 @pytest.mark.parametrize("value", [0.0, -0.1, 1.5])
 def test_gpu_memory_utilization_outside_unit_interval(value: float) -> None:
     cfg = _valid()
-    cfg.rollout.vllm.gpu_memory_utilization = value
-    assert "(0, 1]" in _problems(cfg)[f"{KEY}.gpu_memory_utilization"]
+    with pytest.raises(ValidationError, match="gpu_memory_utilization"):  # a schema bound
+        cfg.rollout.vllm.gpu_memory_utilization = value
 
 
 def test_max_model_len_below_global_max_length() -> None:
     cfg = _valid()
     cfg.rollout.vllm.max_model_len = 1024
-    assert "global_max_length (2048)" in _problems(cfg)[f"{KEY}.max_model_len"]
+    assert "global_max_length=2048" in _problems(cfg)[f"{KEY}.max_model_len"]
     cfg.rollout.vllm.max_model_len = 2048
     assert _problems(cfg) == {}
 
@@ -77,7 +81,7 @@ def test_adapter_sync_needs_enable_lora_and_a_lora_model() -> None:
     cfg.rollout.vllm.sync.mode = "auto"
     cfg.rollout.vllm.enable_lora = True
     assert resolve_sync_mode(cfg) == "adapter"
-    assert "model.lora.enabled" in _problems(cfg)[f"{KEY}.sync.mode"]
+    assert "model.lora.enabled" in _problems(cfg)[f"{KEY}.enable_lora"]
     cfg.model.lora.enabled = True
     assert _problems(cfg) == {}
     cfg.model.lora.use_dora = True
@@ -98,7 +102,7 @@ def test_sleep_mode_needs_a_gpu_and_level_2_needs_full_sync() -> None:
     cfg.rollout.vllm.enable_lora = True
     cfg.model.lora.enabled = True
     cfg.rollout.vllm.sync.mode = "adapter"
-    fixes = [p.fix for p in vllm_colocate_problems(cfg, world_size=1, device_count=1)]
+    fixes = [p.fix for p in vllm_colocate_problems(cfg, world_size=1, device_count=0)]
     assert any("sleep_level 1" in f for f in fixes) and any("on CPU" in f for f in fixes)
 
 
@@ -112,7 +116,7 @@ def test_missing_vllm_says_how_to_install_or_switch_backend(monkeypatch: pytest.
 
 def test_all_problems_are_reported_at_once() -> None:
     cfg = RollmatchConfig()  # tensor_parallel_size 4 on CPU
-    cfg.rollout.vllm.gpu_memory_utilization = 2.0
+    cfg.rollout.vllm.sleep_level = 1
     cfg.rollout.vllm.max_model_len = 16
     with pytest.raises(ConfigError) as info:
         check_vllm_colocate_config(cfg, world_size=1)
@@ -148,3 +152,12 @@ def test_from_config_validates_then_builds_a_lazy_engine() -> None:
 def test_collapse_placeholders_keeps_one_token_per_image_run() -> None:
     assert collapse_placeholders([1, 9, 9, 9, 2, 9, 9, 3, 9], 9) == [1, 9, 2, 9, 3, 9]
     assert collapse_placeholders([1, 2], 9) == [1, 2]
+
+
+def test_executor_backend_follows_the_process_layout() -> None:
+    from rollmatch.rollout.vllm_engine import executor_backend
+
+    assert executor_backend(1, learner_world_size=1) == "uni"  # one process, one device
+    assert executor_backend(2, learner_world_size=1) == "mp"  # a rollout server sharded over 2 GPUs
+    assert executor_backend(1, learner_world_size=4) == "external_launcher"  # colocated under torchrun
+    assert executor_backend(4, learner_world_size=4) == "external_launcher"

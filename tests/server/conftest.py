@@ -155,3 +155,36 @@ def server_config(tiny_model_dir: Path) -> Callable[..., Any]:
         return RollmatchConfig.model_validate(raw)
 
     return build
+
+
+# ------------------------------------------------------------------------------------ in process
+@pytest.fixture(scope="session")
+def hf_engine(tiny_model_dir: Path) -> Any:
+    """A real HF server engine in this process (shared: tests must not load weights into it)."""
+    from rollmatch.server.engines import HFServerEngine
+
+    return HFServerEngine(str(tiny_model_dir), max_model_len=1024)
+
+
+@pytest.fixture
+def app_client() -> Iterator[Callable[..., Any]]:
+    """``app_client(engine, api_key=None, **limits)``: the real FastAPI app around a fresh
+    ``RolloutServer`` on ``engine``, driven in process (httpx); returns ``(client, server)``."""
+    from fastapi.testclient import TestClient
+
+    from rollmatch.server.app import build_app
+    from rollmatch.server.limits import ServerLimits
+    from rollmatch.server.rollout_server import RolloutServer
+
+    made: list[tuple[Any, Any]] = []
+
+    def make(engine: Any, api_key: str | None = None, **limits: Any) -> tuple[Any, Any]:
+        server = RolloutServer(engine, ServerLimits(**limits))
+        client = TestClient(build_app(server, api_key=api_key), raise_server_exceptions=False)
+        made.append((client, server))
+        return client, server
+
+    yield make
+    for client, server in made:
+        client.close()
+        server.sync.shutdown()

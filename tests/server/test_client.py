@@ -9,8 +9,9 @@ from typing import Any
 import pytest
 
 from rollmatch.collectives import LocalCollectives
+from rollmatch.config.load import load_config_dict
 from rollmatch.errors import BackendError, ConfigError
-from rollmatch.rollout.client import ServerBackend, ServerConnection, resolve_sync_mode
+from rollmatch.rollout.client import ServerBackend, ServerConnection
 from rollmatch.rollout.types import Decoding
 
 DECODING = Decoding(max_new_tokens=4)
@@ -130,14 +131,19 @@ def test_server_of_another_model_is_refused_showing_both_values(
 
 
 def test_adapter_sync_under_several_ranks_fails_fast_with_guidance() -> None:
-    assert resolve_sync_mode("auto", enable_lora=False, world_size=2) == "full"
-    assert resolve_sync_mode("auto", enable_lora=True, world_size=1) == "adapter"
-    for mode, lora in (("adapter", True), ("auto", True)):
+    class TwoRanks(LocalCollectives):
+        world_size = 2
+
+    for mode in ("adapter", "auto"):
+        server = {"servers": [{"base_url": "http://127.0.0.1:1", "group_port": 2}]}
+        vllm = {"mode": "server", "enable_lora": True, "sync": {"mode": mode}, "server": server}
+        lora = {"model": {"lora": {"enabled": True}}}
+        cfg = load_config_dict({**lora, "custom": {"extra": {"rollout_matching": {"vllm": vllm}}}})
         with pytest.raises(
             ConfigError,
-            match=r"vllm.sync.mode = '\w+': .*set `custom.extra.rollout_matching.vllm.sync.mode: full`",
-        ):
-            resolve_sync_mode(mode, enable_lora=lora, world_size=2)
+            match=r"vllm.sync.mode = '\w+': .*set custom.extra.rollout_matching.vllm.sync.mode: full",
+        ):  # the rule of config.rules, before any connection is tried
+            ServerBackend.from_config(cfg, model=None, tokenizer=None, model_dir="m", collectives=TwoRanks())
 
 
 def test_infer_timeout_null_or_non_positive_means_none() -> None:

@@ -11,7 +11,8 @@ from PIL import Image
 
 from rollmatch.errors import SyncError
 from rollmatch.protocol import InferRequest, encode_image
-from rollmatch.server.engines import HFServerEngine, PreparedPrompt
+from rollmatch.server.engines import HFServerEngine, pixel_inputs
+from rollmatch.server.prompts import PreparedPrompt
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +28,7 @@ def test_token_prompts_get_the_trainers_pixels_and_mm_token_types(
             prompt_token_ids=request.prompt_token_ids, images=[encode_image(i) for i in request.images]
         )
         prepared = engine.preparer.prepare(wire, 0)
-        inputs = engine.preparer.pixel_inputs(prepared)
+        inputs = pixel_inputs(engine.preparer, prepared)
         assert inputs.prompt_token_ids == request.prompt_token_ids
         assert inputs.mm_token_type_ids == request.mm_token_type_ids
         assert torch.equal(inputs.image_grid_thw, request.image_grid_thw)
@@ -41,7 +42,7 @@ def test_a_wrong_image_is_caught_before_generation(
     prompt = PreparedPrompt("mixed", raccoon_requests[0].prompt_token_ids, [small])
     expected = r"'mixed': the prompt holds \d+ <\|image_pad\|> tokens but the server's processor makes 4 "
     with pytest.raises(ValueError, match=expected):
-        engine.preparer.pixel_inputs(prompt)
+        pixel_inputs(engine.preparer, prompt)
 
 
 def test_weight_loads_are_validated_before_anything_changes(engine: HFServerEngine) -> None:

@@ -127,9 +127,12 @@ def test_bad_requests_get_one_clear_error(hf_server: Any, raccoon_requests: list
     request = _token_request(raccoon_requests[0])
     no_image = dict(request, images=[])
     reply = _infer(hf_server.url, {"infer_requests": [no_image]})
-    assert reply.status_code == 400 and "1 image placeholder block(s) but the request carries 0" in reply.text
-    reply = _infer(hf_server.url, {"infer_requests": [request], "request_config": {"stop": ["]"]}})
-    assert reply.status_code == 400 and "stop strings are not supported" in reply.text
+    assert (
+        reply.status_code == 400
+        and "1 image placeholder block(s) (1 <|image_pad|> run(s)) but the request carries 0" in reply.text
+    )
+    reply = _infer(hf_server.url, {"infer_requests": [request], "request_config": {"n": 2}})
+    assert reply.status_code == 422 and "request_config.n = 2 is not supported" in reply.text
     reply = _infer(hf_server.url, {"infer_requests": [{"images": []}]})
     assert reply.status_code == 422 and "needs `messages` or `prompt_token_ids`" in reply.text
     assert _infer(hf_server.url, {"infer_requests": []}).json() == []

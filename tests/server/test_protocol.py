@@ -13,7 +13,6 @@ from rollmatch.protocol import (
     InferBody,
     InferRequest,
     RequestConfig,
-    decode_image,
     decoding_from_request_config,
     encode_image,
     fingerprint_mismatches,
@@ -21,7 +20,8 @@ from rollmatch.protocol import (
 )
 from rollmatch.rollout.chunking import chunk_seed, contiguous_chunks, step_seed
 from rollmatch.rollout.types import Decoding
-from rollmatch.server.engines import chat_messages
+from rollmatch.server.media import MediaPolicy, decode_image
+from rollmatch.server.prompts import chat_messages
 
 
 def test_contiguous_chunks_follow_ceil_rule() -> None:
@@ -50,8 +50,9 @@ def test_request_config_round_trips_decoding() -> None:
 def test_request_config_defaults_are_greedy_with_the_room_left() -> None:
     decoding = decoding_from_request_config(RequestConfig(), room=37)
     assert decoding.greedy and decoding.max_new_tokens == 37 and decoding.top_k == -1
-    with pytest.raises(ValueError, match="max_tokens = 50 leaves no room"):
+    with pytest.raises(ValueError, match="max_tokens = 50 does not fit"):
         decoding_from_request_config(RequestConfig(max_tokens=50), room=10)
+    assert decoding_from_request_config(RequestConfig(), room=37, max_tokens_cap=8).max_new_tokens == 8
 
 
 def test_unsupported_swift_options_are_rejected_by_name() -> None:
@@ -76,32 +77,39 @@ def test_images_round_trip_losslessly_from_base64_data_url_and_path(tmp_path: Pa
     gray = Image.new("L", (5, 5), 77)
     path = tmp_path / "gray.png"
     gray.save(path)
-    assert decode_image(str(path)).mode == "RGB"
+    assert decode_image(str(path), MediaPolicy(allowed_root=tmp_path)).mode == "RGB"
+    with pytest.raises(ValueError, match="local paths are refused"):
+        decode_image(str(path))
 
 
 def test_bad_images_fail_with_what_was_received() -> None:
     with pytest.raises(ValueError, match="does not fetch URLs"):
         decode_image("http://example.com/a.jpg")
-    with pytest.raises(ValueError, match="neither a local file on the server nor valid base64"):
+    with pytest.raises(ValueError, match="is not valid base64"):
         decode_image("not an image!")
-    with pytest.raises(ValueError, match="not a decodable image"):
+    with pytest.raises(ValueError, match="not a decodable PNG"):
         decode_image(base64.b64encode(b"plain text").decode())
 
 
 def test_swift_messages_become_chat_template_messages() -> None:
-    messages, inline = chat_messages(
-        [
-            {"role": "system", "content": "You detect."},
-            {"role": "user", "content": "<image>Find <image>all"},
-            {
-                "role": "user",
-                "content": [
-                    {"type": "image_url", "image_url": {"url": "AAA"}},
-                    {"type": "text", "text": "x"},
-                ],
-            },
-        ]
+    request = InferRequest.model_validate(
+        {
+            "messages": [
+                {"role": "system", "content": "You detect."},
+                {"role": "user", "content": "<image>Find <image>all"},
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image_url", "image_url": {"url": "AAA"}},
+                        {"type": "text", "text": "x"},
+                        {"type": "image"},
+                    ],
+                },
+            ],
+            "images": ["I0", "I1", "I2"],
+        }
     )
+    messages, sources = chat_messages(request.messages, request.images, "r")
     assert messages[0]["content"] == [{"type": "text", "text": "You detect."}]
     assert messages[1]["content"] == [
         {"type": "image"},
@@ -109,9 +117,20 @@ def test_swift_messages_become_chat_template_messages() -> None:
         {"type": "image"},
         {"type": "text", "text": "all"},
     ]
-    assert messages[2]["content"][0] == {"type": "image"} and inline == ["AAA"]
-    with pytest.raises(ValueError, match="'audio' is not supported"):
-        chat_messages([{"role": "user", "content": [{"type": "audio", "audio": "x"}]}])
+    assert messages[2]["content"][0] == {"type": "image"}
+    # tags and value-less parts take the request's images in order; inline values stay in place
+    assert [value for _, value in sources] == ["I0", "I1", "AAA", "I2"]
+    with pytest.raises(ValueError, match="2 image slot"):
+        chat_messages(
+            InferRequest.model_validate(
+                {"messages": [{"role": "user", "content": "<image><image>"}]}
+            ).messages,
+            ["I0"],
+        )
+    with pytest.raises(ValidationError, match="audio"):
+        InferRequest.model_validate(
+            {"messages": [{"role": "user", "content": [{"type": "audio", "audio": "x"}]}]}
+        )
 
 
 def test_fingerprint_mismatch_lines_show_both_values() -> None:

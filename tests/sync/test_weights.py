@@ -1,4 +1,4 @@
-"""Weight export for sync: merged/adapter tensors, buckets and checksums on a tiny real Qwen2-VL."""
+"""Weight export for sync: merged/adapter tensors, buckets and their checksum on a tiny real Qwen2-VL."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from transformers import AutoModelForImageTextToText
 
 from rollmatch.errors import SyncError
 from rollmatch.models.tiny import build_tiny_model
+from rollmatch.sync.transaction import bucket_checksum
 from rollmatch.sync.weights import (
-    checksum_tensors,
     flatten_buckets,
     iter_sync_tensors,
     peft_adapter_config,
@@ -122,11 +122,16 @@ def test_adapter_export_rejects_plain_and_dora_models(model_dir: str) -> None:
         list(iter_sync_tensors(_lora(model_dir, use_dora=True), "adapter"))
 
 
-def test_zero3_partitioned_parameters_fail_fast(model_dir: str) -> None:
+def test_sharded_parameters_export_only_whole(model_dir: str) -> None:
+    from rollmatch.sync.weights import SyncTensors, Zero3Gather
+
     model = _load(model_dir)
-    next(iter(model.parameters())).ds_id = 0  # what DeepSpeed ZeRO-3 sets on every parameter
-    with pytest.raises(SyncError, match="ZeRO stage 2"):
+    for param in model.parameters():
+        param.ds_id = 0  # what DeepSpeed ZeRO-3 sets on every parameter
+    with pytest.raises(SyncError, match="DeepSpeed does not import"):
         list(iter_sync_tensors(model, "full"))
+    with pytest.raises(SyncError, match="full sync, no LoRA"):
+        SyncTensors(model, "adapter", gather=Zero3Gather(gathered_parameters=lambda *a, **k: None))
 
 
 def _mixed_tensors() -> list[tuple[str, torch.Tensor]]:
@@ -162,18 +167,19 @@ def test_unflatten_rejects_a_layout_mismatch() -> None:
         unflatten_bucket(bucket.metas, bucket.flat[:16])
 
 
-def test_checksum_is_exact_and_order_sensitive() -> None:
+def test_bucket_checksum_sees_layout_and_bytes() -> None:
+    """The one checksum of a sync (``sync.transaction.bucket_checksum``) on flattened real buckets."""
     tensors = _mixed_tensors()
-    digest = checksum_tensors(tensors)
-    bucket_pairs = [
-        p for b in flatten_buckets(tensors, bucket_bytes=1 << 20) for p in unflatten_bucket(b.metas, b.flat)
-    ]
-    assert checksum_tensors(bucket_pairs) == digest
-    assert checksum_tensors(list(reversed(tensors))) != digest
+
+    def digest(named: list[tuple[str, torch.Tensor]]) -> str:
+        (bucket,) = flatten_buckets(named, bucket_bytes=1 << 20)
+        return bucket_checksum(bucket.metas, bucket.flat)
+
+    reference = digest(tensors)
+    assert digest([(n, t.clone()) for n, t in tensors]) == reference
+    assert digest(list(reversed(tensors))) != reference  # layout: order
     flipped = [(n, t.clone()) for n, t in tensors]
     flipped[4][1].view(torch.int32)[5, 7] ^= 1  # one bit
-    assert checksum_tensors(flipped) != digest
-    swapped = [(n, t.clone()) for n, t in tensors]
-    swapped[3] = ("d", swapped[3][1].flip(0))  # same values, other order: position-weighted sum sees it
-    assert checksum_tensors(swapped) != digest
-    assert checksum_tensors([("x", torch.ones(4))]) != checksum_tensors([("y", torch.ones(4))])
+    assert digest(flipped) != reference
+    renamed = [("x" if n == "a" else n, t) for n, t in tensors]
+    assert digest(renamed) != reference  # layout: names

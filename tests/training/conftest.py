@@ -1,4 +1,4 @@
-"""Fixtures for trainer tests: a small synthetic shapes set and a config factory."""
+"""Fixtures for trainer tests: a small synthetic shapes set, a config factory, a plan runner."""
 
 from __future__ import annotations
 
@@ -46,3 +46,31 @@ def make_config(
         return load_config_dict(deep_merge(base, extra or {}))
 
     return make
+
+
+@pytest.fixture
+def train_plan() -> Callable[[Any, Any], Any]:
+    """``train_plan(model, plan)``: see :func:`run_plan`."""
+    return run_plan
+
+
+def run_plan(model: Any, plan: Any) -> Any:
+    """Forward/backward every pass of a ``StepPlan`` as ``RollmatchTrainer`` does in one process.
+
+    Returns the step's loss ``sum(w * ce) / sum(w)`` (detached); gradients accumulate in ``model``.
+    """
+    import torch
+
+    from rollmatch.packing.collate import model_inputs
+    from rollmatch.training.losses import weighted_ce_sum
+
+    total = torch.zeros(())
+    for micro in plan.micro_steps:
+        loss = torch.zeros(())
+        for batch, normaliser in micro.passes(plan.total_weight):
+            logits = model(**model_inputs(batch)).logits
+            row_loss = weighted_ce_sum(logits, batch["input_ids"], batch["weights"]) / normaliser
+            row_loss.backward()
+            loss = loss + row_loss.detach()
+        total = total + micro.finish(model, loss)
+    return total

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from rollmatch.errors import ConfigError
 from rollmatch.training.schedule import (
     b_steps_before,
-    contiguous_chunks,
+    fixed_size_chunks,
     is_channel_b,
     realized_b_ratio,
     step_kind,
@@ -66,11 +66,11 @@ def test_out_of_range_ratio_names_the_key(bad):
         step_kind(0, bad)
 
 
-def test_contiguous_chunks_cover_in_order():
-    assert contiguous_chunks(5, 2) == [(0, 2), (2, 4), (4, 5)]
-    assert contiguous_chunks(0, 2) == []
+def test_fixed_size_chunks_cover_in_order():
+    assert fixed_size_chunks(5, 2) == [(0, 2), (2, 4), (4, 5)]
+    assert fixed_size_chunks(0, 2) == []
     with pytest.raises(ConfigError, match="rollout_decode_batch_size"):
-        contiguous_chunks(3, 0)
+        fixed_size_chunks(3, 0)
 
 
 @given(st.integers(1, 200), st.integers(1, 8))

@@ -1,10 +1,11 @@
-"""Stage-2 AB parts on a tiny real model, without HF's loop: windows, decode batching, the step-mode
-B loop (sequential and pipelined) and its whole-step loss normalisation."""
+"""Stage-2 AB parts on a tiny real model, without HF's loop: step plans, decode batching, the step-mode
+B channel (sequential and pipelined) and its whole-step loss normalisation."""
 
 from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from collections.abc import Sequence
 from types import SimpleNamespace
 from typing import Any
@@ -16,15 +17,17 @@ from rollmatch.collectives import LocalCollectives
 from rollmatch.data.prompts import PromptEncoder
 from rollmatch.data.records import load_records
 from rollmatch.detection.codec import build_codec
+from rollmatch.errors import BackendError
 from rollmatch.packing.collate import model_inputs, pad_batch
 from rollmatch.rollout.hf import HFBackend
 from rollmatch.rollout.types import Decoding, Rollout, RolloutRequest, SyncReport
-from rollmatch.training import stage2
+from rollmatch.training import variants
 from rollmatch.training.channels import RolloutChannel
 from rollmatch.training.losses import weighted_ce_sum
-from rollmatch.training.stage2 import ChannelMicroStep, DecodeBatchedRollouts, build_stage2
-from rollmatch.training.step_mode import StepLearner
-from rollmatch.training.variants import BuildContext
+from rollmatch.training.rows import RowPlanner
+from rollmatch.training.step import ABSchedule, MicroStep, StepPlanner
+from rollmatch.training.step_mode import StepRecordStream, StepRollouts
+from rollmatch.training.variants import BuildContext, build_stage2
 
 
 class RecordingBackend:
@@ -87,11 +90,11 @@ def hf_backend(model: Any, encoder: PromptEncoder, batch_size: int = 64) -> HFBa
 
 
 @pytest.mark.parametrize(("decode_batch", "calls"), [(2, [2, 2]), (3, [3, 1])])
-def test_b_window_rolls_out_in_decode_batches_and_a_window_never(parts, monkeypatch, decode_batch, calls):
+def test_b_step_rolls_out_in_decode_batches_and_an_a_step_never(parts, monkeypatch, decode_batch, calls):
     parts.cfg.stage2_ab.channel_b.rollout_decode_batch_size = decode_batch
-    # The backend itself batches everything in one generate: the chunking must come from the variant.
+    # The backend itself batches everything in one generate: the chunking must come from the channel.
     backend = RecordingBackend(hf_backend(parts.model, parts.encoder))
-    monkeypatch.setattr(stage2, "backend_for", lambda ctx: backend)
+    monkeypatch.setattr(variants, "backend_for", lambda ctx: backend)
     ctx = BuildContext(
         cfg=parts.cfg,
         model=parts.model,
@@ -100,37 +103,23 @@ def test_b_window_rolls_out_in_decode_batches_and_a_window_never(parts, monkeypa
         collectives=LocalCollectives(),
         gradient_accumulation_steps=4,
     )
-    variant = build_stage2(ctx)
-    raw_batches = [[r] for r in parts.records[:4]]  # learner micro-batch 1, GAS 4
+    planner = build_stage2(ctx).planner
+    windows = [[r] for r in parts.records[:4]]  # learner micro-batch 1, GAS 4
 
-    window_a = variant.build_window(raw_batches, 0)  # b_ratio 0.5: step 0 is A, step 1 is B
+    plan_a = planner.plan(windows, 0)  # b_ratio 0.5: step 0 is A, step 1 is B
     assert backend.calls == []
-    window_b = variant.build_window(raw_batches, 1)
+    plan_b = planner.plan(windows, 1)
     assert [size for size, _, _ in backend.calls] == calls
 
-    for window, kind in ((window_a, "A"), (window_b, "B")):
-        assert len(window.micro_batches) == 4
-        assert all(isinstance(m, ChannelMicroStep) for m in window.micro_batches)
-        assert {m.tally.kind for m in window.micro_batches} == {kind}
-        assert len({id(m.tally) for m in window.micro_batches}) == 1  # one window, one decision
-        assert window.sums["stage2_ab/step_kind_b"] == (kind == "B")
-    assert window_b.sums["stage2_ab/rollouts"] == 4
-    assert window_b.sums["stage2_ab/b_ratio_realized"] == 0.5
-
-
-def row_trainer(model: torch.nn.Module, log: list[tuple[float, float]] | None = None):
-    """Forward/backward of one row divided by the normaliser, as RollmatchTrainer.compute_loss does."""
-
-    def train_row(batch: dict[str, Any], normaliser: float) -> torch.Tensor:
-        start = time.perf_counter()
-        logits = model(**model_inputs(batch)).logits
-        loss = weighted_ce_sum(logits, batch["input_ids"], batch["weights"]) / normaliser
-        loss.backward()
-        if log is not None:
-            log.append((start, time.perf_counter()))
-        return loss.detach()
-
-    return train_row
+    for plan, kind in ((plan_a, "A"), (plan_b, "B")):
+        assert plan.kind == kind
+        assert len(plan.micro_steps) == 4
+        assert all(isinstance(m, MicroStep) and m.kind == kind for m in plan.micro_steps)
+        assert [m.index for m in plan.micro_steps] == [1, 2, 3, 4]
+        assert len(plan.micro_steps[-1].rows) >= 1  # the micro-step that syncs gradients trains a row
+        assert plan.sums["stage2_ab/step_kind_b"] == (kind == "B")
+    assert plan_b.sums["stage2_ab/rollouts"] == 4
+    assert plan_b.sums["stage2_ab/b_ratio_realized"] == 0.5
 
 
 def gradient(model: torch.nn.Module) -> torch.Tensor:
@@ -139,29 +128,42 @@ def gradient(model: torch.nn.Module) -> torch.Tensor:
     return grads
 
 
-def learner(
-    rollouts: DecodeBatchedRollouts, *, packing_length: int, pipeline: bool, packing: bool = True
-) -> StepLearner:
-    return StepLearner(
-        produce_chunk=rollouts.chunk,
-        decode_batch_size=rollouts.decode_batch_size,
-        packing=packing,
-        packing_length=packing_length,
+def step_planner(
+    rollouts: Any, records: list[Any], *, packing_length: int, pipeline: bool, packing: bool = True
+) -> StepPlanner:
+    """A B-only planner whose Channel-B is step mode over ``records`` (budget = all of them)."""
+    channel = StepRollouts(
+        rollouts=rollouts,
+        rows=RowPlanner(packing=packing, packing_length=packing_length, carry_limit=64, pad_token_id=0),
+        records=StepRecordStream(records, share=len(records), seed=0, rank=0),
         batch_size=3,
-        pad_token_id=0,
         pipeline=pipeline,
         wait_timeout_s=120.0,
     )
+    return StepPlanner(
+        schedule=ABSchedule(1.0),
+        channel_a=None,
+        channel_b=channel,
+        sync=None,
+        collectives=LocalCollectives(),
+        report_ab=True,
+    )
+
+
+def all_sums(plan: Any) -> Counter[str]:
+    sums = Counter(plan.sums)
+    for micro in plan.micro_steps:
+        sums.update(micro.local_sums())
+    return sums
 
 
 @pytest.mark.heavy
-def test_step_mode_learns_every_segment_with_whole_step_normalisation(parts, tiny_model_dir):
+def test_step_mode_learns_every_segment_with_whole_step_normalisation(parts, tiny_model_dir, train_plan):
     model, records = parts.model, parts.records[:4]
-    rollouts = DecodeBatchedRollouts(
-        RolloutChannel(model, parts.encoder, parts.codec, parts.cfg, hf_backend(model, parts.encoder)),
-        decode_batch_size=2,
-        training_seed=0,
+    rollouts = RolloutChannel(
+        model, parts.encoder, parts.codec, parts.cfg, hf_backend(model, parts.encoder), decode_batch_size=2
     )
+    windows = [[r] for r in records]
     # Reference: every segment in one padded batch, sum(w * ce) / sum(w).
     segments = rollouts.produce(records, 3).segments
     total_weight = sum(s.weight_sum for s in segments)
@@ -174,89 +176,91 @@ def test_step_mode_learns_every_segment_with_whole_step_normalisation(parts, tin
 
     longest = max(s.length for s in segments)
     packing_length = 2 * longest + 8  # several segments per row, a variable number of rows
-    outcome = learner(rollouts, packing_length=packing_length, pipeline=False).learn(
-        records, 3, row_trainer(model), model
-    )
+    plan = step_planner(rollouts, records, packing_length=packing_length, pipeline=False).plan(windows, 3)
+    loss = train_plan(model, plan)
     assert torch.allclose(gradient(model), reference, rtol=1e-4, atol=1e-7)
-    assert outcome.loss == pytest.approx(float(reference_loss), rel=1e-5)
-    assert outcome.sums["rollout/count"] == 4 and outcome.sums["stage2_ab/rollouts"] == 4
-    assert outcome.sums["packing/segments"] == 4
-    assert 1 < outcome.sums["packing/rows"] < 4
-    assert outcome.sums["loss/weight"] == pytest.approx(total_weight)
+    assert float(loss) == pytest.approx(float(reference_loss), rel=1e-5)
+    sums = all_sums(plan)
+    assert sums["rollout/count"] == 4 and sums["stage2_ab/rollouts"] == 4
+    assert sums["packing/segments"] == 4
+    assert 1 < sums["packing/rows"] < 4
+    assert sums["loss/weight"] == pytest.approx(total_weight)
     # Packing off: padded batches of per_device_train_batch_size (3 here) segments, same gradient.
-    outcome = learner(rollouts, packing_length=packing_length, pipeline=False, packing=False).learn(
-        records, 3, row_trainer(model), model
+    plan = step_planner(rollouts, records, packing_length=packing_length, pipeline=False, packing=False).plan(
+        windows, 3
     )
+    train_plan(model, plan)
     assert torch.allclose(gradient(model), reference, rtol=1e-4, atol=1e-7)
-    assert outcome.sums["stage2_ab/step/forward_passes"] == 2 and "packing/rows" not in outcome.sums
+    sums = all_sums(plan)
+    assert sums["stage2_ab/step/forward_passes"] == 2 and "packing/rows" not in sums
 
     # Pipelined: rollouts from a separate copy of the weights (as on a rollout server) in a thread.
     from transformers import AutoModelForImageTextToText
 
     server_model = AutoModelForImageTextToText.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     backend = RecordingBackend(hf_backend(server_model, parts.encoder))
-    piped = DecodeBatchedRollouts(
-        RolloutChannel(model, parts.encoder, parts.codec, parts.cfg, backend),
-        decode_batch_size=2,
-        training_seed=0,
-    )
+    piped = RolloutChannel(model, parts.encoder, parts.codec, parts.cfg, backend, decode_batch_size=2)
+    plan = step_planner(piped, records, packing_length=longest + 8, pipeline=True).plan(windows, 3)
+    assert [len(m.rows) for m in plan.micro_steps[:-1]] == [0, 0, 0]  # rows arrive in the last one
     train_log: list[tuple[float, float]] = []
-    outcome = learner(piped, packing_length=longest + 8, pipeline=True).learn(
-        records, 3, row_trainer(model, train_log), model
-    )
+    original_passes = plan.micro_steps[-1].passes
+
+    def logged_passes(step_weight: float) -> Any:
+        for item in original_passes(step_weight):
+            start = time.perf_counter()
+            yield item
+            train_log.append((start, time.perf_counter()))
+
+    plan.micro_steps[-1].passes = logged_passes  # type: ignore[method-assign]
+    loss = train_plan(model, plan)
     # Rows were formed while rollouts streamed in, yet the step gradient is the same.
     assert torch.allclose(gradient(model), reference, rtol=1e-4, atol=1e-7)
-    assert outcome.loss == pytest.approx(float(reference_loss), rel=1e-5)
+    assert float(loss) == pytest.approx(float(reference_loss), rel=1e-5)
     assert [size for size, _, _ in backend.calls] == [2, 2]
     later_rollouts = [(start, end) for _, start, end in backend.calls[1:]]
     assert any(g0 < t1 and t0 < g1 for g0, g1 in later_rollouts for t0, t1 in train_log), (
         "no rollout overlapped learning"
     )
-    assert outcome.sums["stage2_ab/step/learner_wait_s"] < outcome.sums["stage2_ab/step/seconds"]
+    sums = all_sums(plan)
+    assert sums["rollout/count"] == 4 and sums["loss/weight"] == pytest.approx(total_weight)
+    assert sums["stage2_ab/step/learner_wait_s"] > 0
 
 
-def test_pipeline_reraises_a_rollout_failure_in_the_learner(parts):
+class ScriptedRollouts:
+    """Fault injection: a rollout channel whose chunks fail or never arrive."""
+
+    def __init__(self, produce_chunk: Any):
+        self.decode_batch_size = 2
+        self.produce_chunk = produce_chunk
+
+
+def test_pipeline_reraises_a_rollout_failure_in_the_learner(parts, train_plan):
     class FailingChunk(RuntimeError):
         pass
 
     def produce_chunk(records: Any, global_step: int, start: int) -> Any:
         raise FailingChunk(f"backend died on chunk starting at {start}")
 
-    failing = StepLearner(
-        produce_chunk=produce_chunk,
-        decode_batch_size=2,
-        packing=True,
-        packing_length=512,
-        batch_size=1,
-        pad_token_id=0,
-        pipeline=True,
-        wait_timeout_s=30.0,
-    )
+    records = parts.records[:4]
+    planner = step_planner(ScriptedRollouts(produce_chunk), records, packing_length=512, pipeline=True)
+    plan = planner.plan([[r] for r in records], 0)
     with pytest.raises(FailingChunk, match="chunk starting at 0"):
-        failing.learn(parts.records[:4], 0, row_trainer(parts.model), parts.model)
+        train_plan(parts.model, plan)
 
 
-def test_pipeline_wait_is_bounded_and_names_the_phase(parts):
+def test_pipeline_wait_is_bounded_and_names_the_phase(parts, train_plan):
     release = threading.Event()
 
     def stalled_chunk(records: Any, global_step: int, start: int) -> Any:
         release.wait(10.0)  # a backend that never answers within the learner's bound
         raise RuntimeError("released")
 
-    stalled = StepLearner(
-        produce_chunk=stalled_chunk,
-        decode_batch_size=2,
-        packing=True,
-        packing_length=512,
-        batch_size=1,
-        pad_token_id=0,
-        pipeline=True,
-        wait_timeout_s=0.5,
-    )
-    from rollmatch.errors import BackendError
-
+    records = parts.records[:4]
+    planner = step_planner(ScriptedRollouts(stalled_chunk), records, packing_length=512, pipeline=True)
+    planner.channel_b.wait_timeout_s = 0.5  # type: ignore[union-attr]
+    plan = planner.plan([[r] for r in records], 7)
     try:
         with pytest.raises(BackendError, match=r"optimizer step 7.*decode batch 1/2"):
-            stalled.learn(parts.records[:4], 7, row_trainer(parts.model), parts.model)
+            train_plan(parts.model, plan)
     finally:
         release.set()

@@ -11,9 +11,8 @@ from rollmatch.config.load import load_config_dict
 from rollmatch.config.rules import check_runtime
 from rollmatch.config.schema import ChannelBConfig, RollmatchConfig, TrainingConfig
 from rollmatch.errors import ConfigError
-from rollmatch.training.stage2 import build_stage2
 from rollmatch.training.step_mode import rollouts_per_step
-from rollmatch.training.variants import BuildContext
+from rollmatch.training.variants import BuildContext, build_stage2
 
 STAGE2 = {
     "custom": {
@@ -119,12 +118,30 @@ def bare_context(cfg: RollmatchConfig) -> BuildContext:
     )
 
 
-def test_variant_refuses_async_mode_it_does_not_provide():
+@pytest.mark.parametrize(
+    "rollouts",
+    [
+        {"rollout_backend": "hf"},
+        {"rollout_backend": "vllm", "vllm": {"mode": "colocate"}},
+    ],
+    ids=["hf", "colocate"],
+)
+def test_async_mode_needs_rollout_servers_at_load_time(rollouts):
+    # check-config and train share this verdict: the config never loads.
+    config = {
+        "custom": {"trainer_variant": "stage2_ab_training", "extra": {"rollout_matching": rollouts}},
+        "stage2_ab": {"schedule": {"b_ratio": 0.5}, "channel_b": {"mode": "async"}},
+    }
+    message = problems_of(config)
+    assert "stage2_ab.channel_b.mode = 'async'" in message and "vllm.mode: server" in message
+
+
+def test_async_mode_with_servers_and_full_sync_loads():
     cfg = load_config_dict(
         {**SERVER, "stage2_ab": {"schedule": {"b_ratio": 0.5}, "channel_b": {"mode": "async"}}}
     )
-    with pytest.raises(ConfigError, match=r"stage2_ab\.channel_b\.mode = 'async'.*micro"):
-        build_stage2(bare_context(cfg))
+    assert cfg.stage2_ab.channel_b.mode == "async"
+    assert check_runtime(cfg, world_size=2, device_count=0, device_type="cpu") == []
 
 
 def test_variant_refuses_a_code_built_config_without_b_ratio():
@@ -147,3 +164,23 @@ def test_variant_refuses_a_code_built_config_without_b_ratio():
 def test_rollouts_per_step_default_is_bs_times_world_times_gas(channel_b, training, world, budget):
     t = TrainingConfig(**training)
     assert rollouts_per_step(ChannelBConfig(**channel_b), t, world, t.gradient_accumulation(world)) == budget
+
+
+def test_async_queue_must_hold_the_packs_the_actor_keeps_ready():
+    channel_b = {"mode": "async", "async": {"queue_limit": 2, "prefetch_target_packs": 4}}
+    message = problems_of({**SERVER, "stage2_ab": {"schedule": {"b_ratio": 0.5}, "channel_b": channel_b}})
+    assert "stage2_ab.channel_b.async.prefetch_target_packs = 4" in message and "queue_limit = 2" in message
+
+
+def test_async_actors_must_keep_a_pack_per_micro_step_ready():
+    cfg = load_config_dict(
+        {
+            **SERVER,
+            "stage2_ab": {"schedule": {"b_ratio": 0.5}, "channel_b": {"mode": "async"}},
+            "training": {"per_device_train_batch_size": 2, "effective_batch_size": 16},
+        }
+    )
+    problems = check_runtime(cfg, world_size=2, device_count=0, device_type="cpu")  # GAS = 16 / (2 * 2) = 4
+    assert [p.key for p in problems] == ["stage2_ab.channel_b.async.prefetch_target_packs"]
+    assert "gradient_accumulation_steps = 4" in problems[0].fix and ">= 4" in problems[0].fix
+    assert check_runtime(cfg, world_size=4, device_count=0, device_type="cpu") == []  # GAS 2 = the default 2

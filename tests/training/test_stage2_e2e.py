@@ -1,5 +1,5 @@
 """Stage-2 AB end to end through HF's loop on a tiny real model: the schedule across a resume, one
-kind per window, and Channel-B step mode (budget, rows, one update, B loop on the last micro-step)."""
+kind per optimizer step, and Channel-B step mode (budget, rows, one update, rollouts before training)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 
-from rollmatch.training import stage2
+from rollmatch.training import variants
 from rollmatch.training.entry import run_training
 from rollmatch.training.schedule import step_kind
-from rollmatch.training.trainer import CustomMicroStep, RollmatchTrainer
-from rollmatch.training.variants import backend_for
+from rollmatch.training.step import MicroStep
+from rollmatch.training.trainer import RollmatchTrainer
 
 FAST_ROLLOUTS = {
     "custom": {"trainer_variant": "stage2_ab_training", "extra": {"rollout_matching": {"max_new_tokens": 8}}}
@@ -67,11 +67,12 @@ def shapes_32(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 class MicroStepCounter:
-    """Counts the trainer's micro-steps and which of them issued rollout calls (and of what size)."""
+    """Counts the trainer's micro-steps, their forward passes, and when rollout calls happened."""
 
     def __init__(self) -> None:
         self.micro_steps = 0
-        self.rollout_calls: list[tuple[int, int]] = []  # (micro-step number, requests)
+        self.passes = 0
+        self.rollout_calls: list[tuple[int, int]] = []  # (micro-steps run before the call, requests)
 
 
 @pytest.mark.heavy
@@ -90,12 +91,15 @@ def test_step_mode_learns_its_budget_on_the_last_micro_step(
     original_step = RollmatchTrainer.training_step
 
     def counting_step(self: RollmatchTrainer, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
-        if isinstance(inputs, CustomMicroStep):
+        if isinstance(inputs, MicroStep):
             counter.micro_steps += 1
+            counter.passes += len(inputs.rows)
         return original_step(self, model, inputs, num_items_in_batch)
 
+    original_backend_for = variants.backend_for
+
     def recording_backend(ctx: Any) -> Any:
-        backend = backend_for(ctx)
+        backend = original_backend_for(ctx)
         generate = backend.generate
 
         def record(requests: Any, decoding: Any, seed: int) -> Any:
@@ -106,7 +110,7 @@ def test_step_mode_learns_its_budget_on_the_last_micro_step(
         return backend
 
     monkeypatch.setattr(RollmatchTrainer, "training_step", counting_step)
-    monkeypatch.setattr(stage2, "backend_for", recording_backend)
+    monkeypatch.setattr(variants, "backend_for", recording_backend)
     cfg = make_config(
         {
             **FAST_ROLLOUTS,
@@ -128,11 +132,13 @@ def test_step_mode_learns_its_budget_on_the_last_micro_step(
     (log,) = step_logs(result)
     assert result.global_step == 1  # exactly one optimizer update
     assert counter.micro_steps == window
-    assert {micro_step for micro_step, _ in counter.rollout_calls} == {window}  # only the last micro-step
+    # The whole budget is rolled out before the step's first forward, then learned in that step.
+    assert {micro_step for micro_step, _ in counter.rollout_calls} == {0}
     assert [size for _, size in counter.rollout_calls] == [decode_batch] * (budget // decode_batch)
     assert log["rollout/count"] == budget == log["stage2_ab/rollouts"]
     assert log["samples"] == budget
     assert 1 <= log["packing/rows"] < budget  # several segments per row
+    assert counter.passes == log["packing/rows"] == log["stage2_ab/step/forward_passes"]
     assert log["packing/segments_per_row"] > 1
     assert log["stage2_ab/micro_steps_b"] == window
     assert log["stage2_ab/loss_b"] == pytest.approx(log["loss"], rel=1e-5)

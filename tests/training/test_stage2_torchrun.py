@@ -28,7 +28,7 @@ cfg = load_config(cfg_path)
 if rank == 1:
     cfg.stage2_ab.schedule.b_ratio = 1.0  # disagrees with rank 0; rank 0's broadcast must win
 handler = logging.FileHandler(os.path.join(log_dir, f"kinds-rank{rank}.log"))
-stage2_log = logging.getLogger("rollmatch.training.stage2")
+stage2_log = logging.getLogger("rollmatch.training.trainer")
 stage2_log.setLevel(logging.DEBUG)
 stage2_log.addHandler(handler)
 run_training(cfg)

@@ -1,0 +1,11 @@
+"""``rollmatch launch``: rollout servers and the torchrun learner on disjoint devices, in one command.
+
+- ``layout``: what the user asked for (:class:`~rollmatch.launch.layout.LaunchRequest`), every reason it
+  cannot run (checked before anything starts) and the derived device layout. Pure.
+- ``plan``: the launch config (servers left to the launcher), ports, hosts and the exact command and
+  environment of every process, rendered for ``--dry-run``. Pure apart from reading the YAML.
+- ``processes``: child processes in their own sessions, their logs and recorded pids, teardown.
+- ``console``: the prefixed, rate-limited merge of the children's logs on the console.
+- ``supervisor``: running a plan: start, wait for ``/health/``, watch, tear down, exit code.
+- ``command``: the CLI entry (``rollmatch launch``).
+"""

@@ -1,0 +1,183 @@
+"""``rollmatch launch``: read the config, refuse what cannot run, print the plan, then run it.
+
+Owns: :func:`launch_command` (top to bottom: request -> config -> checks -> ports and key -> plan ->
+dry run or :func:`~rollmatch.launch.supervisor.run_plan`) and where the API key comes from. Leaves out:
+layout rules (``launch.layout``), commands (``launch.plan``) and processes (``launch.supervisor``).
+
+API key: every launch that starts servers generates a fresh key (``secrets.token_urlsafe``) and hands
+it to every server and the learner in the environment (``ROLLMATCH_API_KEY``), never on a command
+line, never printed. ``--servers-only`` also writes it to ``<output_dir>/launch/api_key`` (mode 0600),
+where a later ``--learner-only`` launch on the same output directory finds it (unless
+``ROLLMATCH_API_KEY`` is set in its environment).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import socket
+from pathlib import Path
+
+from rollmatch.errors import ConfigProblem, LaunchError
+from rollmatch.launch.layout import LaunchRequest, derive_layout, parse_devices, request_problems
+from rollmatch.launch.plan import (
+    API_KEY_ENV,
+    build_plan,
+    free_ports,
+    load_launch_config,
+    ports_needed,
+    render_plan,
+    sequential_ports,
+)
+from rollmatch.launch.processes import survivors
+from rollmatch.launch.supervisor import PIDS_NAME, run_plan
+
+API_KEY_FILE = "api_key"
+
+
+def launch_command(args: argparse.Namespace) -> int:
+    """Build -> check -> plan -> run (or print, with ``--dry-run``); the exit code (see ``launch.supervisor``)."""
+    request = request_from_args(args)
+    launch = load_launch_config(request.config, request.overrides)
+    device_count, visible = (None, None) if request.dry_run or request.cpu else cuda_devices()
+    problems = request_problems(
+        request, launch.cfg, launch.named_servers, device_count=device_count, visible_devices=visible
+    )
+    if problems:
+        raise LaunchError(problems)
+
+    layout = derive_layout(request, launch.cfg)
+    launch_dir = Path(launch.cfg.training.output_dir) / "launch"
+    count = ports_needed(layout)
+    if request.port_base is not None:
+        ports = sequential_ports(request.port_base)(count)
+        _check_port_base(request.port_base, ports, check_free=not request.dry_run)
+    else:
+        ports = free_ports(count)
+    api_key = _learner_only_key(launch_dir) if request.learner_only else secrets.token_urlsafe(32)
+    plan = build_plan(launch, request, layout, ports, api_key=api_key)
+
+    print(render_plan(plan), end="", flush=True)
+    if request.dry_run:
+        print("dry run: nothing started, nothing written")
+        return 0
+    pids_name = "pids-learner.json" if request.learner_only else PIDS_NAME
+    _refuse_running_launch(launch_dir / pids_name)
+    if request.servers_only and api_key is not None:
+        _write_key_file(launch_dir / API_KEY_FILE, api_key)
+    return run_plan(plan, grace_s=request.grace_s, pids_name=pids_name)
+
+
+def request_from_args(args: argparse.Namespace) -> LaunchRequest:
+    """The parsed command line as a :class:`LaunchRequest` (device lists checked here)."""
+    problems: list[ConfigProblem] = []
+    devices = {}
+    for flag in ("server_devices", "learner_devices"):
+        text = getattr(args, flag)
+        try:
+            devices[flag] = parse_devices(text) if text else ()
+        except ValueError as exc:
+            problems.append(ConfigProblem(f"--{flag.replace('_', '-')}", text, str(exc)))
+    if problems:
+        raise LaunchError(problems)
+    return LaunchRequest(
+        config=args.config,
+        overrides=tuple(args.overrides),
+        server_devices=devices["server_devices"],
+        learner_devices=devices["learner_devices"],
+        tensor_parallel_size=args.tensor_parallel_size,
+        cpu=args.cpu,
+        servers=args.servers,
+        learner_procs=args.learner_procs,
+        servers_only=args.servers_only,
+        learner_only=args.learner_only,
+        engine=args.engine,
+        port_base=args.port_base,
+        dry_run=args.dry_run,
+        grace_s=args.grace_s,
+    )
+
+
+def cuda_devices() -> tuple[int, str | None]:
+    """CUDA devices this process sees, and its own ``CUDA_VISIBLE_DEVICES`` (None when unset)."""
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return count, os.environ.get("CUDA_VISIBLE_DEVICES")
+
+
+# ------------------------------------------------------------------------------------ private helpers
+def _check_port_base(base: int, ports: list[int], *, check_free: bool) -> None:
+    if base < 1024 or ports[-1] > 65535:
+        raise LaunchError(
+            [
+                ConfigProblem(
+                    "--port-base",
+                    base,
+                    f"this launch needs ports {ports[0]}-{ports[-1]}; give a base in 1024..{65536 - len(ports)}",
+                )
+            ]
+        )
+    if not check_free:
+        return
+    busy = [port for port in ports if not _port_free(port)]
+    if busy:
+        raise LaunchError(
+            [
+                ConfigProblem(
+                    "--port-base",
+                    base,
+                    f"port(s) {', '.join(map(str, busy))} of {ports[0]}-{ports[-1]} are in use; pick another "
+                    "--port-base, or leave it out to use free ports",
+                )
+            ]
+        )
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
+def _refuse_running_launch(pids_path: Path) -> None:
+    """Two launches on one output directory would overwrite each other's logs, config and pids."""
+    if not pids_path.is_file():
+        return
+    try:
+        record = json.loads(pids_path.read_text())
+        running = survivors(record)
+    except (ValueError, KeyError, TypeError):
+        return  # not a record launch can read: it will be overwritten
+    if running:
+        raise LaunchError(
+            [
+                ConfigProblem(
+                    "training.output_dir",
+                    str(pids_path.parent.parent),
+                    f"a launch (pid {record.get('launcher')}) still runs here ({', '.join(running)}); stop it "
+                    "first, or give this run another training.output_dir",
+                )
+            ]
+        )
+
+
+def _learner_only_key(launch_dir: Path) -> str | None:
+    """``--learner-only``: the environment's key, else the one ``--servers-only`` wrote, else none."""
+    if os.environ.get(API_KEY_ENV):
+        return os.environ[API_KEY_ENV]
+    key_file = launch_dir / API_KEY_FILE
+    return key_file.read_text().strip() if key_file.is_file() else None
+
+
+def _write_key_file(path: Path, key: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(key + "\n")
+    os.chmod(path, 0o600)  # an existing file keeps its mode on O_CREAT

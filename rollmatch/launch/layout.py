@@ -1,0 +1,343 @@
+"""What a launch asks for, every reason it cannot run, and the device layout it gets.
+
+Owns: :class:`LaunchRequest` (the command line as data), :func:`parse_devices`,
+:func:`request_problems` (flags, config and devices checked together, before any process starts) and
+:func:`derive_layout` (devices -> servers of ``tensor_parallel_size`` devices each, learner ranks).
+Leaves out: ports, hosts, commands (``launch.plan``) and processes (``launch.processes``).
+
+The learner's world size goes through the project's runtime rules
+(:func:`rollmatch.config.rules.check_runtime`), the same ones ``rollmatch train`` applies at start-up,
+so a layout the trainer would refuse is refused here first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+from urllib.parse import urlparse
+
+from rollmatch.config.rules import check_runtime
+from rollmatch.config.schema import RollmatchConfig, ServerEndpoint
+from rollmatch.errors import ConfigProblem
+
+VLLM_KEY = "custom.extra.rollout_matching.vllm"
+SERVERS_KEY = f"{VLLM_KEY}.server.servers"
+TP_KEY = f"{VLLM_KEY}.tensor_parallel_size"
+Engine = Literal["vllm", "hf"]
+
+
+@dataclass(frozen=True)
+class LaunchRequest:
+    """The ``rollmatch launch`` command line; checked by :func:`request_problems`."""
+
+    config: str
+    overrides: tuple[str, ...] = ()
+    server_devices: tuple[int, ...] = ()
+    learner_devices: tuple[int, ...] = ()
+    tensor_parallel_size: int | None = None  # None: the config's vllm.tensor_parallel_size
+    cpu: bool = False
+    servers: int | None = None  # --cpu only; default 1
+    learner_procs: int | None = None  # --cpu only; default 1
+    servers_only: bool = False
+    learner_only: bool = False
+    engine: Engine = "vllm"
+    port_base: int | None = None  # None: free ports picked by the OS
+    dry_run: bool = False
+    grace_s: float = 10.0
+
+    @property
+    def starts_servers(self) -> bool:
+        return not self.learner_only
+
+    @property
+    def starts_learner(self) -> bool:
+        return not self.servers_only
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Who runs where. On CPU every device tuple is empty (children get ``CUDA_VISIBLE_DEVICES=''``)."""
+
+    on_cpu: bool
+    server_devices: tuple[tuple[int, ...], ...]  # one entry per server (empty: no servers started)
+    learner_devices: tuple[int, ...]
+    learner_procs: int  # 0: no learner started
+    tensor_parallel_size: int
+
+    @property
+    def num_servers(self) -> int:
+        return len(self.server_devices)
+
+
+def parse_devices(text: str) -> tuple[int, ...]:
+    """``"0,1,2"`` -> ``(0, 1, 2)``: device indices >= 0, each once (``ValueError`` says what is wrong)."""
+    try:
+        devices = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise ValueError("not a comma-separated list of device indices; write e.g. 0,1,2,3") from None
+    if not devices or min(devices) < 0:
+        raise ValueError("give device indices >= 0, e.g. 0,1,2,3")
+    if len(set(devices)) != len(devices):
+        raise ValueError("a device is listed twice; list each device once")
+    return devices
+
+
+def tensor_parallel_size(request: LaunchRequest, cfg: RollmatchConfig) -> int:
+    """``--tensor-parallel-size``, else the config's ``vllm.tensor_parallel_size``; 1 on CPU."""
+    if request.cpu:
+        return 1
+    return request.tensor_parallel_size or cfg.rollout.vllm.tensor_parallel_size
+
+
+def derive_layout(request: LaunchRequest, cfg: RollmatchConfig) -> Layout:
+    """The layout of a request without :func:`request_problems` (servers of TP devices, in order)."""
+    tp = tensor_parallel_size(request, cfg)
+    if request.cpu:
+        servers = (request.servers or 1) if request.starts_servers else 0
+        procs = (request.learner_procs or 1) if request.starts_learner else 0
+        return Layout(True, ((),) * servers, (), procs, tp)
+    groups = (
+        tuple(request.server_devices[i : i + tp] for i in range(0, len(request.server_devices), tp))
+        if request.starts_servers
+        else ()
+    )
+    procs = len(request.learner_devices) if request.starts_learner else 0
+    return Layout(False, groups, request.learner_devices, procs, tp)
+
+
+def request_problems(
+    request: LaunchRequest,
+    cfg: RollmatchConfig,
+    named_servers: list[ServerEndpoint],
+    *,
+    device_count: int | None,
+    visible_devices: str | None = None,
+) -> list[ConfigProblem]:
+    """Every reason the launch cannot run, before anything starts.
+
+    ``named_servers``: the servers the config itself lists (empty when it leaves them to the launcher).
+    ``device_count``: CUDA devices on this machine, or ``None`` to skip the existence check (dry run).
+    ``visible_devices``: the launcher's own ``CUDA_VISIBLE_DEVICES``, if set.
+    """
+    problems = _flag_problems(request, cfg)
+    problems += _config_problems(request, cfg, named_servers)
+    learner_procs = derive_layout(request, cfg).learner_procs
+    if learner_procs and cfg.rollout.vllm.mode == "server":
+        # The rules `rollmatch train` applies at start-up, for the world size this launch gives it.
+        problems += check_runtime(
+            cfg,
+            world_size=learner_procs,
+            device_count=learner_procs,
+            device_type="cpu" if request.cpu else "cuda",
+        )
+    if device_count is not None and not request.cpu:
+        problems += missing_device_problems(request, device_count, visible_devices)
+    return problems
+
+
+def missing_device_problems(
+    request: LaunchRequest, device_count: int, visible_devices: str | None
+) -> list[ConfigProblem]:
+    """Devices named on the command line that this machine (or this shell's CUDA_VISIBLE_DEVICES) lacks."""
+    problems: list[ConfigProblem] = []
+    for flag, devices in (
+        ("--server-devices", request.server_devices),
+        ("--learner-devices", request.learner_devices),
+    ):
+        if visible_devices is not None:
+            allowed = {p.strip() for p in visible_devices.split(",") if p.strip()}
+            missing = [d for d in devices if str(d) not in allowed]
+            where = f"this shell's CUDA_VISIBLE_DEVICES={visible_devices!r}"
+        else:
+            missing = [d for d in devices if d >= device_count]
+            where = f"this machine has {device_count} CUDA device(s)" + (
+                f" (0-{device_count - 1})" if device_count else ""
+            )
+        if missing:
+            problems.append(
+                ConfigProblem(
+                    flag,
+                    _devices_text(devices),
+                    f"device(s) {_devices_text(missing)} do not exist here: {where}; name existing devices, "
+                    "use --cpu, or --dry-run to plan a layout for another machine",
+                )
+            )
+    return problems
+
+
+def server_hosts(named_servers: list[ServerEndpoint], num_servers: int) -> list[str]:
+    """The host each started server binds: 127.0.0.1, or the host(s) the config names."""
+    hosts = [urlparse(e.base_url).hostname or "127.0.0.1" for e in named_servers]
+    if not hosts:
+        return ["127.0.0.1"] * num_servers
+    if len(set(hosts)) == 1:
+        return [hosts[0]] * num_servers
+    return hosts  # one per server; request_problems checked the count
+
+
+# ------------------------------------------------------------------------------------ private helpers
+def _flag_problems(request: LaunchRequest, cfg: RollmatchConfig) -> list[ConfigProblem]:
+    problems: list[ConfigProblem] = []
+    if request.grace_s < 0:
+        problems.append(ConfigProblem("--grace-s", request.grace_s, "give seconds >= 0 (default 10)"))
+    if request.cpu:
+        return problems + _cpu_flag_problems(request)
+    for flag, value in (("--servers", request.servers), ("--learner-procs", request.learner_procs)):
+        if value is not None:
+            problems.append(
+                ConfigProblem(
+                    flag,
+                    value,
+                    "process counts are for --cpu; on GPUs the devices decide: --server-devices 0,1,2,3 "
+                    "--tensor-parallel-size 2 starts 2 servers, --learner-devices 4,5 starts 2 ranks",
+                )
+            )
+    if request.starts_servers and not request.server_devices:
+        problems.append(
+            ConfigProblem(
+                "--server-devices",
+                None,
+                "name the rollout servers' GPUs (e.g. --server-devices 0,1,2,3), or use --cpu or --learner-only",
+            )
+        )
+    if request.starts_learner and not request.learner_devices:
+        problems.append(
+            ConfigProblem(
+                "--learner-devices",
+                None,
+                "name the learner's GPUs (e.g. --learner-devices 4,5), or use --cpu or --servers-only",
+            )
+        )
+    shared = sorted(set(request.server_devices) & set(request.learner_devices))
+    if shared:
+        problems.append(
+            ConfigProblem(
+                "--learner-devices",
+                _devices_text(request.learner_devices),
+                f"device(s) {_devices_text(shared)} are also in --server-devices "
+                f"{_devices_text(request.server_devices)}; give each role its own devices",
+            )
+        )
+    tp = tensor_parallel_size(request, cfg)
+    if request.starts_servers and request.server_devices and len(request.server_devices) % tp:
+        source = "--tensor-parallel-size" if request.tensor_parallel_size else TP_KEY
+        problems.append(
+            ConfigProblem(
+                "--server-devices",
+                _devices_text(request.server_devices),
+                f"{len(request.server_devices)} device(s) do not split into servers of tensor parallel size "
+                f"{tp} ({source}); give a multiple of {tp} devices, or another --tensor-parallel-size",
+            )
+        )
+    return problems
+
+
+def _cpu_flag_problems(request: LaunchRequest) -> list[ConfigProblem]:
+    problems: list[ConfigProblem] = []
+    for flag, devices in (
+        ("--server-devices", request.server_devices),
+        ("--learner-devices", request.learner_devices),
+    ):
+        if devices:
+            problems.append(
+                ConfigProblem(
+                    flag,
+                    _devices_text(devices),
+                    "--cpu runs every process on the CPU; drop the device lists and use --servers N / "
+                    "--learner-procs N",
+                )
+            )
+    if (request.tensor_parallel_size or 1) != 1:
+        problems.append(
+            ConfigProblem(
+                "--tensor-parallel-size",
+                request.tensor_parallel_size,
+                "CPU rollout engines run unsharded: drop --tensor-parallel-size with --cpu",
+            )
+        )
+    return problems
+
+
+def _config_problems(
+    request: LaunchRequest, cfg: RollmatchConfig, named_servers: list[ServerEndpoint]
+) -> list[ConfigProblem]:
+    problems: list[ConfigProblem] = []
+    rm = cfg.rollout
+    if cfg.custom.trainer_variant == "sft":
+        problems.append(
+            ConfigProblem(
+                "custom.trainer_variant",
+                "sft",
+                "stage-1 SFT makes no rollouts, so it needs no rollout servers; run `rollmatch train` "
+                "(under torchrun for several ranks)",
+            )
+        )
+    elif rm.rollout_backend != "vllm" or rm.vllm.mode != "server":
+        problems.append(
+            ConfigProblem(
+                f"{VLLM_KEY}.mode",
+                rm.vllm.mode if rm.rollout_backend == "vllm" else f"rollout_backend={rm.rollout_backend}",
+                f"launch starts rollout servers for server mode: set {VLLM_KEY}.mode: server and "
+                "custom.extra.rollout_matching.rollout_backend: vllm, or run `rollmatch train` for "
+                "colocated / hf rollouts",
+            )
+        )
+    if request.engine == "hf" and request.starts_servers:
+        if tensor_parallel_size(request, cfg) > 1:
+            problems.append(
+                ConfigProblem(
+                    "--engine",
+                    "hf",
+                    "the hf server engine runs unsharded: use --engine vllm, or tensor parallel 1",
+                )
+            )
+        if rm.vllm.enable_lora:
+            problems.append(
+                ConfigProblem(
+                    "--engine",
+                    "hf",
+                    f"the hf server engine cannot serve adapters ({VLLM_KEY}.enable_lora is true): "
+                    f"use --engine vllm, or set {VLLM_KEY}.enable_lora: false",
+                )
+            )
+    problems += _named_server_problems(request, cfg, named_servers)
+    return problems
+
+
+def _named_server_problems(
+    request: LaunchRequest, cfg: RollmatchConfig, named_servers: list[ServerEndpoint]
+) -> list[ConfigProblem]:
+    urls = [e.base_url for e in named_servers]
+    if request.learner_only:
+        if named_servers:
+            return []
+        return [
+            ConfigProblem(
+                SERVERS_KEY,
+                None,
+                "--learner-only starts no servers: list the running ones here (the learner.yaml that "
+                "`rollmatch launch --servers-only` writes under <output_dir>/launch/ does)",
+            )
+        ]
+    problems = [
+        ConfigProblem(SERVERS_KEY, url, "launch starts plain-HTTP servers: name them with http://")
+        for url in urls
+        if not url.startswith("http://")
+    ]
+    hosts = {urlparse(url).hostname for url in urls}
+    wanted = derive_layout(request, cfg).num_servers
+    if len(hosts) > 1 and len(urls) != wanted:
+        problems.append(
+            ConfigProblem(
+                SERVERS_KEY,
+                urls,
+                f"the config names {len(hosts)} hosts for {len(urls)} server(s) but launch starts {wanted}: "
+                "name one host (every server binds it), one entry per started server, or no servers "
+                "(127.0.0.1)",
+            )
+        )
+    return problems
+
+
+def _devices_text(devices: tuple[int, ...] | list[int]) -> str:
+    return ",".join(str(d) for d in devices)

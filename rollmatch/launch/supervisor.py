@@ -1,0 +1,223 @@
+"""Running a launch plan: start the servers, wait for ``/health/``, start the learner, watch, tear down.
+
+Owns: :func:`run_plan` and the exit-code contract of ``rollmatch launch``:
+- the learner's exit code when it exits (0 on success); a learner ended by signal N gives 128 + N;
+- :data:`EXIT_SERVER_FAILED` (3) when a rollout server exits during start-up, is not healthy within
+  ``vllm.server.timeout_s``, or dies while the learner runs (the message names it and shows its log);
+- 128 + N when the launcher itself gets signal N (Ctrl-C: 130, SIGTERM: 143), except ``--servers-only``,
+  for which a signal is the normal way to stop (0).
+Whatever ends the run, every child tree gets SIGTERM, then SIGKILL after the grace period.
+Leaves out: what to start (``launch.plan``) and how children are signalled (``launch.processes``).
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import requests
+
+from rollmatch.config.load import config_to_yaml
+from rollmatch.launch.console import ConsoleMerge
+from rollmatch.launch.plan import API_KEY_ENV, LaunchPlan, ProcessSpec
+from rollmatch.launch.processes import Child, start_child, terminate_all, write_pids
+
+EXIT_SERVER_FAILED = 3
+PIDS_NAME = "pids.json"
+_POLL_S = 0.5
+_PROGRESS_EVERY_S = 10.0
+_PIDS_EVERY_S = 2.0
+_TIMEOUT_KEY = "custom.extra.rollout_matching.vllm.server.timeout_s"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How the run ended: the launcher's exit code and the line that says why."""
+
+    code: int
+    message: str
+
+
+def run_plan(plan: LaunchPlan, *, grace_s: float, pids_name: str = PIDS_NAME) -> int:
+    """Write the learner config, run every process of ``plan``, tear everything down; the exit code."""
+    plan.launch_dir.mkdir(parents=True, exist_ok=True)
+    plan.learner_config_path.write_text(config_to_yaml(plan.learner_config))
+    console = ConsoleMerge()
+    run = _Run(plan, console, plan.launch_dir / pids_name)
+    with _StopSignals() as stop:
+        try:
+            outcome = run.execute(stop)
+        finally:
+            run.teardown(grace_s)
+            console.close()
+    console.say(outcome.message)
+    return outcome.code
+
+
+class _StopSignals:
+    """SIGINT / SIGTERM / SIGHUP only record the signal; the supervisor's loops act on it."""
+
+    _SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self.event = threading.Event()
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> _StopSignals:
+        for sig in self._SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._record)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)  # type: ignore[arg-type]
+
+    def _record(self, signum: int, frame: FrameType | None) -> None:
+        if self.received is None:
+            self.received = signum
+        self.event.set()
+
+
+class _Run:
+    def __init__(self, plan: LaunchPlan, console: ConsoleMerge, pids_path: Path):
+        self.plan = plan
+        self.console = console
+        self.pids_path = pids_path
+        self.children: list[Child] = []
+        self.servers: list[Child] = []
+        self._seen: dict[int, list[dict[str, Any]]] = {}
+        self._pids_written = 0.0
+
+    def execute(self, stop: _StopSignals) -> Outcome:
+        for spec in self.plan.servers:
+            self.servers.append(self._start(spec))
+        failed = self._wait_healthy(stop)
+        if failed is not None:
+            return failed
+        if self.plan.learner is None:
+            self.console.say(
+                f"rollout server(s) ready: {', '.join(s.url or '' for s in self.plan.servers)}; learner config "
+                f"{self.plan.learner_config_path}. Start the learner with `rollmatch launch "
+                f"{self.plan.learner_config_path} --learner-only ...` (API key in {self.plan.launch_dir}/api_key). "
+                "Ctrl-C stops the servers."
+            )
+        learner = self._start(self.plan.learner) if self.plan.learner is not None else None
+        return self._watch(stop, learner)
+
+    def teardown(self, grace_s: float) -> None:
+        if not self.children:
+            return
+        running = [c.spec.name for c in self.children if c.exit_code() is None]
+        if running:
+            self.console.say(f"stopping {', '.join(running)} (SIGTERM, SIGKILL after {grace_s:.0f}s)")
+        self._write_pids()
+        killed = terminate_all(self.children, grace_s)
+        if killed:
+            self.console.say(f"killed after the grace period: {', '.join(killed)}")
+        self._write_pids()
+
+    # ------------------------------------------------------------------------------------ phases
+    def _start(self, spec: ProcessSpec) -> Child:
+        child = start_child(spec)
+        self.children.append(child)
+        self.console.follow(spec.name, spec.log_path)
+        self.console.say(f"started {spec.name} (pid {child.pid}, log {spec.log_path})")
+        self._write_pids()
+        return child
+
+    def _wait_healthy(self, stop: _StopSignals) -> Outcome | None:
+        timeout_s = self.plan.health_timeout_s
+        start = time.monotonic()
+        next_progress = start + _PROGRESS_EVERY_S
+        pending = list(self.servers)
+        session = requests.Session()
+        key = self.plan.servers[0].env.get(API_KEY_ENV) if self.plan.servers else None
+        if key:
+            session.headers["Authorization"] = f"Bearer {key}"
+        while pending:
+            if stop.received is not None:
+                return self._signalled(stop.received)
+            for child in list(pending):
+                if child.exit_code() is not None:
+                    return self._server_failed(child, "during start-up, before /health/ answered")
+                if _healthy(session, child.spec.url or ""):
+                    pending.remove(child)
+                    self.console.say(
+                        f"{child.spec.name} healthy at {child.spec.url} after {time.monotonic() - start:.0f}s"
+                    )
+            now = time.monotonic()
+            if pending and now - start >= timeout_s:
+                names = ", ".join(c.spec.name for c in pending)
+                return Outcome(
+                    EXIT_SERVER_FAILED,
+                    f"{names} not healthy after {timeout_s:.0f}s ({_TIMEOUT_KEY}); raise the timeout for slow "
+                    f"model loads. Last lines of {pending[0].spec.log_path}:\n{pending[0].log_tail()}",
+                )
+            if pending and now >= next_progress:
+                next_progress = now + _PROGRESS_EVERY_S
+                self.console.say(
+                    f"waiting for rollout servers: {len(self.servers) - len(pending)}/{len(self.servers)} healthy "
+                    f"after {now - start:.0f}s (timeout {timeout_s:.0f}s)"
+                )
+            self._refresh_pids()
+            stop.event.wait(_POLL_S)
+        return None
+
+    def _watch(self, stop: _StopSignals, learner: Child | None) -> Outcome:
+        started = time.monotonic()
+        while True:
+            if stop.received is not None:
+                return self._signalled(stop.received)
+            dead = next((s for s in self.servers if s.exit_code() is not None), None)
+            if dead is not None:
+                return self._server_failed(
+                    dead, "while the learner was running" if learner else "after start-up"
+                )
+            if learner is not None and (code := learner.exit_code()) is not None:
+                if code != 0:  # a server crash that made the learner fail is reported as the cause
+                    time.sleep(_POLL_S)
+                    dead = next((s for s in self.servers if s.exit_code() is not None), None)
+                    if dead is not None:
+                        return self._server_failed(dead, "while the learner was running")
+                elapsed = time.monotonic() - started
+                status = "finished" if code == 0 else "failed"
+                return Outcome(
+                    code if code >= 0 else 128 - code,
+                    f"learner {status} with exit code {code} after {elapsed:.0f}s (log {learner.spec.log_path})",
+                )
+            self._refresh_pids()
+            stop.event.wait(_POLL_S)
+
+    # ------------------------------------------------------------------------------------ outcomes
+    def _server_failed(self, child: Child, when: str) -> Outcome:
+        return Outcome(
+            EXIT_SERVER_FAILED,
+            f"rollout server {child.spec.name} (pid {child.pid}, {child.spec.url}) exited with code "
+            f"{child.exit_code()} {when}. Last lines of {child.spec.log_path}:\n{child.log_tail()}",
+        )
+
+    def _signalled(self, signum: int) -> Outcome:
+        name = signal.Signals(signum).name
+        code = 0 if self.plan.learner is None else 128 + signum
+        return Outcome(code, f"received {name}: stopped every process")
+
+    def _refresh_pids(self) -> None:
+        if time.monotonic() - self._pids_written >= _PIDS_EVERY_S:
+            self._write_pids()
+
+    def _write_pids(self) -> None:
+        write_pids(self.pids_path, self.children, self._seen)
+        self._pids_written = time.monotonic()
+
+
+def _healthy(session: requests.Session, url: str) -> bool:
+    try:
+        return session.get(f"{url}/health/", timeout=2.0).status_code == 200
+    except requests.RequestException:
+        return False  # not listening yet

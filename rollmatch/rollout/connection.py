@@ -1,0 +1,191 @@
+"""One rollout server as the trainer sees it: JSON calls over a kept-alive HTTP session.
+
+Owns: :class:`ServerConnection` (reachability, calls with explicit timeouts, the API token and the
+sync lease on every request, ``/health/`` watching of calls without a timeout, errors that name the
+URL and the phase). Leaves out: what is sent (``rollmatch.protocol``), chunking and weight sync
+(``rollout.client``), and how images are encoded (``rollout.image_wire``).
+
+Connections are reused: every call of one ``ServerConnection`` goes through one
+``requests.Session`` (HTTP keep-alive), so a rollout call costs no TCP handshake while the server
+keeps the connection open.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any
+from urllib.parse import urlparse
+
+import requests
+
+from rollmatch.errors import BackendError, SyncError
+from rollmatch.protocol import WireModel
+
+API_KEY_ENV = "ROLLMATCH_API_KEY"  # the same variable `rollmatch serve` reads for --api-key
+LEASE_HEADER = "X-Rollmatch-Sync-Lease"  # server.sync_session.LEASE_HEADER
+_HEALTH_POLL_S = 5.0
+KEY = "custom.extra.rollout_matching.vllm"
+ALTERNATIVES = f"or set `{KEY}.mode: colocate` / `custom.extra.rollout_matching.rollout_backend: hf`"
+_NO_TIMEOUT_GIVEN = -1.0
+
+
+class ServerConnection:
+    """One rollout server: JSON over HTTP with explicit timeouts; implements ``ControlChannel``.
+
+    Every request carries ``Authorization: Bearer $ROLLMATCH_API_KEY`` when that variable is set,
+    and, once ``/init_communicator/`` handed one out, the sync lease. A call made without an HTTP
+    timeout (``/infer/`` with ``infer_timeout_s: null``) is watched: ``/health/`` is polled while it
+    is outstanding, and the call fails naming the URL once the server stops answering for
+    ``timeout_s`` or reports itself unhealthy.
+    """
+
+    def __init__(self, url: str, group_port: int, *, timeout_s: float, infer_timeout_s: float | None):
+        self.url = url.rstrip("/")
+        self.group_port = group_port
+        self.timeout_s = timeout_s
+        self.infer_timeout_s = infer_timeout_s if infer_timeout_s and infer_timeout_s > 0 else None
+        self.host = urlparse(self.url).hostname or "127.0.0.1"
+        self.session = requests.Session()
+        api_key = os.environ.get(API_KEY_ENV)
+        if api_key:
+            self.session.headers["Authorization"] = f"Bearer {api_key}"
+        self.sync_lease: str | None = None
+
+    def wait_healthy(self) -> None:
+        """Poll ``/health/`` until it answers, at most ``timeout_s``."""
+        deadline = time.monotonic() + self.timeout_s
+        last = "no answer"
+        while True:
+            try:
+                reply = self.session.get(f"{self.url}/health/", timeout=min(5.0, self.timeout_s))
+                if reply.status_code == 200:
+                    return
+                last = f"HTTP {reply.status_code}: {reply.text[:200]}"
+            except requests.RequestException as exc:
+                last = f"{type(exc).__name__}: {exc}"
+            if time.monotonic() >= deadline:
+                raise BackendError(
+                    f"rollout server {self.url} is not reachable after {self.timeout_s:.0f}s "
+                    f"({KEY}.server.timeout_s); last error: {last}. Start it with `rollmatch serve --model "
+                    f"<model.path> --port <port>` and check the URL, {ALTERNATIVES}"
+                )
+            time.sleep(0.5)
+
+    def get(self, path: str, phase: str) -> dict[str, Any]:
+        return self._call("GET", path, None, phase, self.timeout_s).json()
+
+    def post(
+        self, path: str, body: WireModel | None, phase: str, timeout_s: float | None = _NO_TIMEOUT_GIVEN
+    ) -> Any:
+        """POST ``body`` as JSON and return the parsed JSON answer (``timeout_s`` ``None``: watched, no timeout)."""
+        payload = None if body is None else encode_body(body)
+        return self.post_bytes(path, payload, phase, timeout_s).json()
+
+    def post_bytes(
+        self, path: str, payload: bytes | None, phase: str, timeout_s: float | None = _NO_TIMEOUT_GIVEN
+    ) -> requests.Response:
+        """POST an already-serialised JSON body; the 200 answer as it came (any other status raises)."""
+        timeout = self.timeout_s if timeout_s == _NO_TIMEOUT_GIVEN else timeout_s
+        if timeout is None:
+            return self._watched_call("POST", path, payload, phase)
+        return self._call("POST", path, payload, phase, timeout)
+
+    def _call(
+        self, method: str, path: str, payload: bytes | None, phase: str, timeout: float | None
+    ) -> requests.Response:
+        headers = {"Content-Type": "application/json"} if payload is not None else {}
+        if self.sync_lease:
+            headers[LEASE_HEADER] = self.sync_lease
+        try:
+            reply = self.session.request(
+                method, f"{self.url}{path}", data=payload, timeout=timeout, headers=headers
+            )
+        except requests.Timeout as exc:
+            raise BackendError(
+                f"rollout server {self.url}: {phase} ({method} {path}) got no answer within {timeout}s"
+            ) from exc
+        except requests.RequestException as exc:
+            raise BackendError(
+                f"rollout server {self.url}: {phase} ({method} {path}) failed: {exc}; is the server still "
+                f"running? {ALTERNATIVES}"
+            ) from exc
+        if reply.status_code != 200:
+            detail = detail_of(reply)
+            error = SyncError if reply.status_code == 409 else BackendError
+            hint = f" (set {API_KEY_ENV} to the server's --api-key)" if reply.status_code == 401 else ""
+            raise error(
+                f"rollout server {self.url}: {phase} ({method} {path}) -> HTTP {reply.status_code}: {detail}{hint}"
+            )
+        return reply
+
+    def _watched_call(self, method: str, path: str, payload: bytes | None, phase: str) -> requests.Response:
+        """A call without an HTTP timeout, run in a daemon thread while ``/health/`` is polled here."""
+        outcome: dict[str, Any] = {}
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                outcome["value"] = self._call(method, path, payload, phase, None)
+            except BaseException as exc:  # handed to the caller's thread below
+                outcome["error"] = exc
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name=f"rollout-call {self.url}", daemon=True).start()
+        probe: requests.Session | None = None  # opened at the first probe: most calls answer before it
+        last_answer, last_problem = time.monotonic(), "no answer yet"
+        poll_s = max(0.2, min(_HEALTH_POLL_S, self.timeout_s / 4))
+        try:
+            while not done.wait(poll_s):
+                if probe is None:
+                    probe = requests.Session()
+                    probe.headers.update(self.session.headers)
+                try:
+                    reply = probe.get(f"{self.url}/health/", timeout=min(_HEALTH_POLL_S, self.timeout_s))
+                except requests.RequestException as exc:
+                    last_problem = f"{type(exc).__name__}: {exc}"
+                else:
+                    if reply.status_code == 200:
+                        last_answer = time.monotonic()
+                        continue
+                    if reply.status_code == 503:  # broken or stalled: it will not answer this call
+                        raise BackendError(
+                            f"rollout server {self.url}: {phase} ({method} {path}) abandoned: the server reports "
+                            f"itself unhealthy: {detail_of(reply)}; restart it"
+                        )
+                    last_problem = f"HTTP {reply.status_code}"
+                if time.monotonic() - last_answer > self.timeout_s:
+                    raise BackendError(
+                        f"rollout server {self.url}: {phase} ({method} {path}) abandoned: GET /health/ got no "
+                        f"answer for {self.timeout_s:.0f}s ({KEY}.server.timeout_s; last: {last_problem}); the "
+                        f"server is frozen or gone. Restart it, {ALTERNATIVES}"
+                    )
+        finally:
+            if probe is not None:
+                probe.close()
+        return self._outcome(outcome)
+
+    @staticmethod
+    def _outcome(outcome: dict[str, Any]) -> requests.Response:
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["value"]
+
+    def close(self) -> None:
+        self.session.close()
+
+
+def encode_body(body: WireModel) -> bytes:
+    """A wire model as the JSON bytes of a request body (``None`` fields left out), written by
+    pydantic's serialiser in one pass (no intermediate dict; wire models hold no NaN / Infinity)."""
+    return body.model_dump_json(exclude_none=True).encode()
+
+
+def detail_of(reply: requests.Response) -> str:
+    """The server's error message (``detail``), or the start of the body when it is not JSON."""
+    try:
+        return str(reply.json().get("detail", reply.text))[:2000]
+    except ValueError:
+        return reply.text[:2000]

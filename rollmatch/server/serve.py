@@ -1,0 +1,148 @@
+"""``rollmatch serve``: the rollout-server process: engine, limits, token, HTTP loop, and a bounded stop.
+
+Owns: :func:`serve_command` (flags -> engine + :class:`~rollmatch.server.limits.ServerLimits` +
+:class:`~rollmatch.server.media.MediaPolicy` + API key -> uvicorn) and the stop guarantee: on
+SIGTERM / SIGINT the HTTP loop drains for at most ``SHUTDOWN_GRACE_S``, the engine is closed in
+a bounded wait, and if anything is still stuck (a generation that never returns), the process
+leaves with ``os._exit`` (exit code ``FORCED_EXIT_CODE``) at most ``HARD_EXIT_AFTER_S`` after the
+signal. Leaves out: routes (``server.app``) and behaviour (``server.rollout_server``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import threading
+import time
+from dataclasses import fields
+from pathlib import Path
+from types import FrameType
+
+import torch
+import uvicorn
+
+from rollmatch.server.app import build_app
+from rollmatch.server.engines import build_engine
+from rollmatch.server.limits import ServerLimits
+from rollmatch.server.media import MediaPolicy
+from rollmatch.server.rollout_server import RolloutServer
+
+log = logging.getLogger(__name__)
+API_KEY_ENV = "ROLLMATCH_API_KEY"
+SHUTDOWN_GRACE_S = 2.0
+HARD_EXIT_AFTER_S = 4.5
+FORCED_EXIT_CODE = 3
+
+
+def serve_command(args: argparse.Namespace) -> int:
+    """``rollmatch serve``: load the engine, then serve until SIGTERM / SIGINT (see the module docstring)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    limits = server_limits(args)
+    media_root = getattr(args, "allowed_local_media_path", None)
+    media = MediaPolicy(
+        allowed_root=Path(media_root) if media_root else None, max_pixels=limits.max_image_pixels
+    )
+    api_key = getattr(args, "api_key", None) or os.environ.get(API_KEY_ENV) or None
+    engine = build_engine(
+        args.engine,
+        args.model,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        tensor_parallel_size=args.tensor_parallel_size,
+        data_parallel_size=args.data_parallel_size,
+        enable_lora=bool(getattr(args, "enable_lora", False)),
+        min_pixels=getattr(args, "min_pixels", None),
+        max_pixels=getattr(args, "max_pixels", None),
+        media=media,
+        max_images=limits.max_images_per_request,
+    )
+    server = RolloutServer(engine, limits)
+    if api_key is None:
+        log.warning(
+            "no API key: every endpoint, weight sync included, is open to anyone who can reach %s:%d; "
+            "start with --api-key KEY or %s=KEY (the trainer reads the same variable)",
+            args.host,
+            args.port,
+            API_KEY_ENV,
+        )
+    log.info(
+        "rollout server (%s engine, %s) on http://%s:%d; engine picked for this machine: device %s, dtype %s, "
+        "max_model_len %d, tensor_parallel_size %d (flags --dtype, --max-model-len, --tensor-parallel-size); "
+        "local media: %s; limits: %s",
+        engine.name,
+        args.model,
+        args.host,
+        args.port,
+        "cuda" if torch.cuda.is_available() else "cpu",
+        args.dtype,
+        args.max_model_len,
+        args.tensor_parallel_size,
+        media.allowed_root or "refused",
+        limits,
+    )
+    config = uvicorn.Config(
+        build_app(server, api_key=api_key),
+        host=args.host,
+        port=args.port,
+        log_level="warning",
+        timeout_graceful_shutdown=int(SHUTDOWN_GRACE_S),
+    )
+    _BoundedStopServer(config).run()
+    return _close_within(server, HARD_EXIT_AFTER_S - SHUTDOWN_GRACE_S - 1.0)
+
+
+def server_limits(args: argparse.Namespace) -> ServerLimits:
+    """The flags given (``None`` = not given) over :class:`ServerLimits`' defaults."""
+    given = {
+        f.name: getattr(args, f.name) for f in fields(ServerLimits) if getattr(args, f.name, None) is not None
+    }
+    return ServerLimits(**given)
+
+
+class _BoundedStopServer(uvicorn.Server):
+    """uvicorn's server whose exit signal also arms a hard exit (a stuck generation cannot block it)."""
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        _arm_hard_exit(HARD_EXIT_AFTER_S, f"signal {sig}")
+        super().handle_exit(sig, frame)
+
+
+def _arm_hard_exit(after_s: float, why: str) -> None:
+    def leave() -> None:
+        log.error("rollout server still running %.1fs after %s (stuck engine?): forcing exit", after_s, why)
+        _flush()
+        os._exit(FORCED_EXIT_CODE)
+
+    timer = threading.Timer(after_s, leave)
+    timer.daemon = True
+    timer.start()
+
+
+def _close_within(server: RolloutServer, seconds: float) -> int:
+    """Close the engine and sync group in a bounded wait; exit hard if a worker thread is stuck."""
+    closer = threading.Thread(target=server.close, name="server-close", daemon=True)
+    closer.start()
+    closer.join(timeout=max(seconds, 0.5))
+    stuck = [
+        t.name
+        for t in threading.enumerate()
+        if t is not threading.main_thread() and not t.daemon and t.is_alive()
+    ]
+    if closer.is_alive() or stuck:
+        log.error(
+            "rollout server: threads still busy at shutdown (%s); leaving without waiting for them",
+            stuck or "close",
+        )
+        _flush()
+        time.sleep(0.05)
+        os._exit(FORCED_EXIT_CODE)
+    return 0
+
+
+def _flush() -> None:
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()

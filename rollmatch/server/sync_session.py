@@ -1,0 +1,230 @@
+"""The server's side of weight sync: one trainer's group, its lease, staged updates and counters.
+
+Owns: :class:`SyncSession`. ``/init_communicator/`` starts forming a group in the background and
+hands out a *sync lease*; every bucket and finish must carry it (``X-Rollmatch-Sync-Lease``), so
+only the trainer that formed the current group can push. A later ``/init_communicator/`` (a
+restarted trainer) cancels a pending init and replaces the group and the lease; the previous holder
+then gets a 409 naming why. ``/close_communicator/`` cancels a pending init too. The group listens
+only on the interface the request names (never on all interfaces), and every wait is bounded:
+the rendezvous by the request's ``timeout_s`` (at most ``MAX_GROUP_TIMEOUT_S``), and an update
+whose sender goes quiet for that long is abandoned: logged, counted, and its buckets freed.
+Leaves out: loading verified weights into the engine (``server.rollout_server``) and HTTP.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+from rollmatch.errors import CollectiveTimeoutError, RollmatchError, SyncError
+from rollmatch.protocol import (
+    FinishUpdateBody,
+    InitCommunicatorBody,
+    TransactionHeader,
+    UpdateAdapterBody,
+    UpdateFlattenedParamsBody,
+)
+from rollmatch.sync.transaction import AdapterPayload, UpdateReceiver, VerifiedUpdate
+from rollmatch.sync.transport import GroupCancelled, GroupTransport, bind_listener
+
+log = logging.getLogger(__name__)
+LEASE_HEADER = "X-Rollmatch-Sync-Lease"
+_REAP_EVERY_S = 1.0
+_CANCEL_JOIN_S = 5.0
+
+
+class SyncSession:
+    """Communicator state of one rollout server (see the module docstring); thread-safe."""
+
+    def __init__(self, receiving_ranks: int, adapter_modes: bool):
+        self.receiving_ranks = receiving_ranks
+        self.adapter_modes = adapter_modes
+        self._lock = threading.Lock()
+        self._generation = 0  # bumped by every init and close; a stale init thread discards its group
+        self._lease: str | None = None
+        self._lease_note = "no init_communicator yet"
+        self._idle_limit_s = 0.0
+        self._transport: GroupTransport | None = None
+        self._receiver: UpdateReceiver | None = None
+        self._init_thread: threading.Thread | None = None
+        self._cancel: threading.Event | None = None
+        self._init_error: str | None = None
+        self.failed_pushes = 0
+        self.abandoned_pushes = 0
+        self._stopped = threading.Event()
+        threading.Thread(target=self._reap_forever, name="sync-reaper", daemon=True).start()
+
+    # ----------------------------------------------------------------------------------- group
+    def init(self, body: InitCommunicatorBody, requester: str) -> str:
+        """Start forming the group (the trainer joins right after this returns); returns the lease."""
+        expected = self.receiving_ranks + 1
+        if body.world_size != expected:
+            raise SyncError(
+                f"init_communicator world_size {body.world_size}: this server has {self.receiving_ranks} "
+                f"receiving rank(s), so the group has {expected} (trainer = last rank)"
+            )
+        self._cancel_pending()
+        with self._lock:
+            self._close_locked("replaced by a new init_communicator")
+            try:
+                listener = bind_listener(body.host, body.port)  # fails here, as a 4xx, not in the thread
+            except OSError as exc:
+                raise SyncError(f"init_communicator: {exc}") from exc
+            self._generation += 1
+            self._lease = secrets.token_hex(16)
+            self._lease_note = f"held by the trainer at {requester} since {time.strftime('%H:%M:%S')}"
+            self._idle_limit_s = body.timeout_s
+            self._init_error = None
+            self._cancel = threading.Event()
+            self._init_thread = threading.Thread(
+                target=self._form_group,
+                args=(body, listener, self._cancel, self._generation),
+                name="sync-init",
+                daemon=True,
+            )
+            self._init_thread.start()
+            return self._lease
+
+    def close(self, lease: str | None) -> None:
+        """Cancel a pending init and drop the group (a lease, when given, must be the current one)."""
+        if lease is not None:
+            self._check_lease(lease)
+        self._cancel_pending()
+        with self._lock:
+            self._generation += 1
+            self._close_locked("the communicator was closed")
+            self._lease, self._lease_note = None, "released by /close_communicator/"
+
+    def _form_group(
+        self, body: InitCommunicatorBody, listener: socket.socket, cancel: threading.Event, generation: int
+    ) -> None:
+        device = "cuda" if body.backend == "nccl" else "cpu"
+        try:
+            transport = GroupTransport(
+                host=body.host,
+                port=body.port,
+                rank=0,
+                world_size=body.world_size,
+                backend=body.backend,
+                timeout_s=body.timeout_s,
+                device=device,
+                listener=listener,
+                cancel=cancel,
+            )
+        except GroupCancelled:
+            log.info("weight-sync group on %s:%d: pending init cancelled", body.host, body.port)
+            return
+        except RollmatchError as exc:
+            with self._lock:
+                if generation == self._generation:
+                    self._init_error = str(exc)
+            log.error("weight-sync group failed: %s", exc)
+            return
+        with self._lock:
+            if generation != self._generation:  # closed or replaced while forming
+                transport.close()
+                return
+            self._transport = transport
+            self._receiver = UpdateReceiver(
+                transport, source_rank=body.world_size - 1, device=device, on_abandon=self._abandoned
+            )
+
+    def _cancel_pending(self) -> None:
+        thread, cancel = self._init_thread, self._cancel
+        if thread is not None and cancel is not None and thread.is_alive():
+            cancel.set()
+            thread.join(timeout=_CANCEL_JOIN_S)  # the waiting loop polls every 50 ms
+
+    def _close_locked(self, why: str) -> None:
+        if self._receiver is not None:
+            self._receiver.close()
+        if self._transport is not None:
+            self._transport.close()
+        self._transport, self._receiver = None, None
+        log.debug("weight-sync group closed: %s", why)
+
+    # --------------------------------------------------------------------------------- updates
+    def receive_bucket(self, body: UpdateFlattenedParamsBody | UpdateAdapterBody, lease: str | None) -> None:
+        if body.transaction is None:
+            raise SyncError(
+                "weight updates need a `transaction` header (version, mode, bucket_index, num_bytes) and end with "
+                "POST /finish_weight_update/; untracked swift-style updates are not accepted"
+            )
+        adapter = None
+        if isinstance(body, UpdateAdapterBody):
+            if not self.adapter_modes:
+                raise SyncError("this engine does not serve adapters; use sync.mode: full")
+            adapter = AdapterPayload(peft_config=body.peft_config, lora_int_id=body.lora_int_id)
+        receiver = self._ready_receiver(lease)
+        with self._lock:
+            receiver.receive_bucket(body.transaction, body.metadatas, adapter)
+
+    def finish(
+        self, body: FinishUpdateBody, lease: str | None, load: Callable[[VerifiedUpdate], None]
+    ) -> str | None:
+        """Verify the staged update and ``load`` it. Returns ``None`` when loaded, or why the update was
+        rejected (counted as a failed push; the server keeps its weights). A request without the lease
+        or without a group raises ``SyncError`` instead (nothing was attempted)."""
+        receiver = self._ready_receiver(lease)
+        with self._lock:
+            try:
+                load(receiver.finish(body))
+            except (SyncError, CollectiveTimeoutError) as exc:
+                self.failed_pushes += 1
+                log.error("weight version %s rejected: %s", body.version, exc)
+                return str(exc)
+        return None
+
+    def _ready_receiver(self, lease: str | None) -> UpdateReceiver:
+        self._check_lease(lease)
+        thread = self._init_thread
+        if thread is not None:
+            thread.join(timeout=30.0)  # the trainer joined already; this is the last handshake step
+        if self._receiver is None:
+            reason = self._init_error or "no communicator: POST /init_communicator/ first"
+            raise SyncError(f"weight update refused: {reason}")
+        return self._receiver
+
+    def _check_lease(self, lease: str | None) -> None:
+        current = self._lease
+        if current is None or lease is None or not secrets.compare_digest(lease, current):
+            given = "no" if lease is None else "another"
+            raise SyncError(
+                f"weight update refused: the request carries {given} sync lease ({LEASE_HEADER}); only the "
+                f"trainer that formed the current group may push (lease {self._lease_note})"
+            )
+
+    # ------------------------------------------------------------------------------ abandoned
+    def _abandoned(self, header: TransactionHeader, why: str) -> None:
+        self.failed_pushes += 1
+        self.abandoned_pushes += 1
+        log.warning(
+            "weight update of version %d (%s) abandoned after bucket %d: %s; its staged buckets were freed "
+            "and the server keeps its current weights",
+            header.version,
+            header.mode,
+            header.bucket_index,
+            why,
+        )
+
+    def _reap_forever(self) -> None:
+        while not self._stopped.wait(_REAP_EVERY_S):
+            with self._lock:
+                if self._receiver is not None:
+                    self._receiver.release_idle(self._idle_limit_s)
+
+    # ---------------------------------------------------------------------------------- facts
+    def describe(self) -> str:
+        if self._receiver is not None:
+            return "ready"
+        if self._init_thread is not None and self._init_thread.is_alive():
+            return "initializing"
+        return f"failed: {self._init_error}" if self._init_error else "none"
+
+    def shutdown(self) -> None:
+        self._stopped.set()
+        self.close(None)

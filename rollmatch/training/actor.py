@@ -1,0 +1,150 @@
+"""The rollout actor of one learner rank: a background thread that keeps the ready-pack queue fed.
+
+Owns :class:`RolloutActor`: read the rank's record stream, roll the records out on the rollout servers
+(a client of its own, never a collective), score them and build segments (``training.channels``), pack
+them version-pure (``training.ready_packs``) and put the packs into the rank's bounded queue. The actor
+paces itself: while ``prefetch_target_packs`` eligible packs wait it sleeps until the learner takes some
+or the version moves on. Leaves out: the learner's decisions (``training.async_mode``) and the record
+stream itself (``training.record_stream``).
+
+Failure and shutdown: any exception in the thread (a dead or frozen server surfaces as a
+:class:`~rollmatch.errors.BackendError` naming its URL, within the client's timeouts) is kept and
+reported to the learner, which fails every rank at its next step. ``stop`` sets a flag, wakes the thread
+and joins it with a bound; a thread still inside an HTTP call is a daemon and is left to die with the
+process (its result is discarded), so shutdown never hangs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from collections import Counter
+from typing import Any
+
+from rollmatch.data.records import Record
+from rollmatch.training.channels import RolloutChannel
+from rollmatch.training.ready_packs import ReadyPackQueue, SegmentOrigin, VersionPurePacker
+from rollmatch.training.record_stream import RecordStream
+
+log = logging.getLogger(__name__)
+_SEED_SPACE = 1 << 31
+_IDLE_WAIT_S = 0.5  # pacing: how long the actor sleeps before re-checking when enough packs wait
+
+
+def actor_seed(training_seed: int, rank: int, stream_position: int) -> int:
+    """The sampling seed of an actor rollout call whose first record sits at ``stream_position``."""
+    digest = hashlib.sha256(f"rollmatch-actor:{training_seed}:{rank}:{stream_position}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") % _SEED_SPACE
+
+
+class RolloutActor:
+    """Background producer of version-tagged ready packs for one learner rank."""
+
+    def __init__(
+        self,
+        *,
+        rollouts: RolloutChannel,
+        stream: RecordStream[Record],
+        queue: ReadyPackQueue[Any],
+        packer: VersionPurePacker[Any],
+        decode_batch_size: int,
+        prefetch_target: int,
+        version_window: int,
+        training_seed: int,
+        rank: int,
+    ):
+        self.rollouts = rollouts
+        self.stream = stream
+        self.queue = queue
+        self.packer = packer
+        self.decode_batch_size = decode_batch_size
+        self.prefetch_target = prefetch_target
+        self.version_window = version_window
+        self.training_seed = training_seed
+        self.rank = rank
+        self.current_version = 0
+        self.failure: str | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._sums_lock = threading.Lock()
+        self._sums: Counter[str] = Counter()  # rollout/match/parse sums since the learner last took them
+        self.rollouts_total = 0
+        self.busy_seconds = 0.0
+
+    @property
+    def started(self) -> bool:
+        return self._thread is not None
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(
+            target=self._run, name=f"rollmatch-actor-rank{self.rank}", daemon=True
+        )
+        self._thread.start()
+        log.info("rollout actor of rank %d started (weight version %d)", self.rank, self.current_version)
+
+    def set_current_version(self, version: int) -> None:
+        """The learner's weight version (pacing counts only packs eligible under it)."""
+        self.current_version = version
+        self.queue.notify()
+
+    def take_sums(self) -> Counter[str]:
+        """Rollout metric sums of everything rolled out since the previous call."""
+        with self._sums_lock:
+            sums, self._sums = self._sums, Counter()
+        return sums
+
+    def stop(self, timeout_s: float) -> bool:
+        """Stop and join the thread (at most ``timeout_s``); returns False if it is still stuck in a call."""
+        self._stop.set()
+        self.queue.notify()
+        thread = self._thread
+        if thread is None:
+            return True
+        thread.join(timeout=timeout_s)
+        if thread.is_alive():
+            log.warning(
+                "rollout actor of rank %d did not stop within %.0fs (still inside a rollout call); leaving it "
+                "to exit with the process",
+                self.rank,
+                timeout_s,
+            )
+            return False
+        return True
+
+    # --------------------------------------------------------------------------------- the thread
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                if self.queue.eligible(self.current_version, self.version_window) >= self.prefetch_target:
+                    self.queue.wait_for_change(_IDLE_WAIT_S)
+                    continue
+                self._produce_one_batch()
+        except BaseException as exc:  # reported to every rank by the learner at its next step
+            self.failure = f"{type(exc).__name__}: {exc}"
+            log.error("rollout actor of rank %d failed: %s", self.rank, self.failure)
+
+    def _produce_one_batch(self) -> None:
+        taken = self.stream.take(self.decode_batch_size)
+        positions = [position for position, _ in taken]
+        records = [record for _, record in taken]
+        start = time.perf_counter()
+        out = self.rollouts.roll_out(
+            records,
+            seed=actor_seed(self.training_seed, self.rank, positions[0]),
+            created_step=self.current_version,
+        )
+        self.busy_seconds += time.perf_counter() - start
+        if self._stop.is_set():
+            return  # shutting down: the learner no longer takes packs
+        for segment, version, position, record in zip(
+            out.segments, out.versions, positions, records, strict=True
+        ):
+            for pack in self.packer.add(segment, SegmentOrigin(record.id, position), version):
+                self.queue.put(pack)
+        self.rollouts_total += len(records)
+        with self._sums_lock:
+            self._sums.update(out.sums)

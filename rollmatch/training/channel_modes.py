@@ -1,0 +1,58 @@
+"""The row sources of an optimizer step that work from the step's own records.
+
+Owns :class:`WindowRows`: Channel-A (and ``sft``) — GT targets of the window's records — and
+Channel-B ``micro`` (and ``rollout_matching_sft``) — rollouts of the window's records — are the same
+strategy with a different segment producer and their own :class:`~rollmatch.training.rows.RowPlanner`
+(so their rows, and carry buffers, never mix). The other Channel-B modes live in
+``training.step_mode`` (a rollout budget per step) and ``training.async_mode`` (ready packs from an
+actor). Leaves out: the step's decisions (``training.step``).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from rollmatch.data.records import Record
+from rollmatch.training.channels import ChannelOutput
+from rollmatch.training.rows import RowPlanner
+from rollmatch.training.step import ChannelBatch, ChannelStatus, GaugeKind, Windows
+
+# records of the whole window, optimizer step -> segments (in record order) + metric sums
+Producer = Callable[[Sequence[Record], int], ChannelOutput]
+
+
+class WindowRows:
+    """Segments of the window's records -> this channel's rows (one producer call per step)."""
+
+    def __init__(self, producer: Producer, rows: RowPlanner):
+        self.producer = producer
+        self.rows = rows
+
+    def status(self, global_step: int, micro_steps: int, *, wants_b: bool) -> ChannelStatus:
+        return ChannelStatus()  # the window's own records always feed the step
+
+    def take(self, windows: Windows, global_step: int, *, final: bool) -> ChannelBatch:
+        # One producer call for the whole window: rollouts batch across micro-steps (weights do not
+        # change inside an optimizer step, so this equals per-micro-step rollouts).
+        produced = self.producer([r for window in windows for r in window], global_step)
+        micro_batches, start = [], 0
+        for window in windows:
+            micro_batches.append(produced.segments[start : start + len(window)])
+            start += len(window)
+        rows = self.rows.rows(micro_batches, drain=final)
+        self.rows.count(rows, produced.sums)
+        return ChannelBatch(rows=rows, batch=self.rows.batch, sums=produced.sums)
+
+    def step_metrics(self, global_step: int) -> tuple[Counter[str], dict[str, tuple[GaugeKind, float]]]:
+        return Counter(), {}
+
+    def close(self) -> None:
+        return None
+
+    def state_dict(self) -> dict[str, Any] | None:
+        return self.rows.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        self.rows.load_state_dict(state)

@@ -1,0 +1,151 @@
+"""Detection evaluation during training (``training.eval_steps`` / ``training.eval_strategy``).
+
+Owns :class:`DetectionEval`, which HF's loop calls through ``RollmatchTrainer.evaluate`` whenever its eval
+strategy says so:
+
+1. **weights** — every rank joins the variant's sync policy for the current step (the same push a
+   Channel-B step would make; a collective, and under ZeRO-3 / FSDP a gather every rank takes part in),
+   so the rollout engine serves the weights being evaluated (async mode: the version its policy pushes);
+2. **evaluate** — rank 0 alone rolls out the validation records (``data.val_jsonl``, the first
+   ``eval.max_samples``) with the run's rollout backend and scores them with ``rollmatch.evaluation``
+   (the scoring of ``rollmatch eval``), writing ``<output_dir>/eval/step-N.predictions.jsonl``; the other
+   ranks wait in a broadcast bounded by ``training.collective_timeout_s``;
+3. **agree** — every rank receives the metrics (or rank 0's error, raised everywhere), so HF's
+   best-checkpoint bookkeeping (``metric_for_best_model``) is identical on every rank.
+
+Leaves out: the scoring itself (``rollmatch.evaluation``) and when to evaluate, which checkpoint is best
+and reloading it (HF's loop, ``training.trainer``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from rollmatch.collectives import Collectives
+from rollmatch.config.hf_args import eval_strategy
+from rollmatch.config.schema import RollmatchConfig
+from rollmatch.data.prompts import PromptEncoder
+from rollmatch.data.records import Record, load_records
+from rollmatch.detection.codec import ObjectCodec
+from rollmatch.errors import BackendError
+from rollmatch.evaluation import EvalResult, evaluate
+from rollmatch.rollout.build import decoding_from_config
+from rollmatch.rollout.types import RolloutBackend, SyncReport
+from rollmatch.training.step import SyncPolicy
+
+log = logging.getLogger(__name__)
+PREFIX = "eval/"
+
+
+@dataclass
+class EvalRound:
+    """One evaluation as every rank sees it: the metrics to log and the weight push it needed (if any)."""
+
+    metrics: dict[str, float]
+    sync: SyncReport | None
+
+
+class DetectionEval:
+    """Evaluates the model being trained on the validation records (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        cfg: RollmatchConfig,
+        backend: RolloutBackend,
+        sync: SyncPolicy,
+        encoder: PromptEncoder,
+        codec: ObjectCodec,
+        records: Sequence[Record],
+        collectives: Collectives,
+    ):
+        self.cfg = cfg
+        self.backend = backend
+        self.sync = sync
+        self.encoder = encoder
+        self.codec = codec
+        self.records = list(records)
+        self.collectives = collectives
+
+    def run(self, global_step: int) -> EvalRound:
+        """Evaluate the weights after ``global_step`` optimizer steps; every rank returns the same metrics."""
+        report = self.sync.before_step(global_step, "B")
+        outcome: dict[str, float] | str | None = None
+        failure: Exception | None = None
+        if self.collectives.is_main:
+            try:
+                outcome = self._evaluate(global_step)
+            except Exception as exc:  # told to every rank below, then raised here unchanged
+                failure, outcome = exc, f"{type(exc).__name__}: {exc}"
+        outcome = self.collectives.broadcast_object(outcome, f"evaluation at step {global_step}")
+        if failure is not None:
+            raise failure
+        if isinstance(outcome, str) or outcome is None:
+            raise BackendError(f"rank 0's evaluation at optimizer step {global_step} failed: {outcome}")
+        return EvalRound(metrics=outcome, sync=report)
+
+    def _evaluate(self, global_step: int) -> dict[str, float]:
+        out_dir = os.path.join(self.cfg.training.output_dir, "eval")
+        result = evaluate(
+            self.backend,
+            self.encoder,
+            self.codec,
+            self.records,
+            decoding=decoding_from_config(self.cfg, self.cfg.eval.max_new_tokens),
+            matching=self.cfg.matching,
+            batch_size=self.cfg.eval.batch_size,
+            predictions_path=os.path.join(out_dir, f"step-{global_step}.predictions.jsonl"),
+            seed=self.cfg.training.seed,
+            progress=False,
+        )
+        metrics = eval_metrics(result, weight_version=self.backend.weight_version)
+        log.info("evaluation at step %d: %s", global_step, {k: round(v, 4) for k, v in metrics.items()})
+        return metrics
+
+
+def eval_metrics(result: EvalResult, *, weight_version: int) -> dict[str, float]:
+    """The logged ``eval/*`` metrics of one evaluation (names in docs/metrics.md)."""
+    metrics = {
+        f"{PREFIX}{name}": float(getattr(result, name))
+        for name in ("precision", "recall", "f1", "mean_iou", "map", "map_50", "map_75", "truncated_frac")
+    }
+    metrics[f"{PREFIX}samples"] = float(result.num_samples)
+    metrics[f"{PREFIX}seconds"] = float(result.seconds)
+    metrics[f"{PREFIX}weight_version"] = float(weight_version)
+    for reason, count in result.invalid.items():
+        metrics[f"{PREFIX}invalid_{reason}"] = float(count)
+    return metrics
+
+
+def build_detection_eval(
+    cfg: RollmatchConfig,
+    *,
+    backend: RolloutBackend,
+    sync: SyncPolicy,
+    encoder: PromptEncoder,
+    codec: ObjectCodec,
+    collectives: Collectives,
+) -> DetectionEval | None:
+    """The in-training evaluation of ``cfg`` (None when ``training.eval_strategy`` resolves to ``no``)."""
+    if eval_strategy(cfg) == "no":
+        return None
+    assert cfg.data.val_jsonl is not None  # config.hf_args.eval_problems refuses evaluation without it
+    records = load_records(cfg.data.val_jsonl, max_samples=cfg.eval.max_samples)
+    return DetectionEval(
+        cfg=cfg,
+        backend=backend,
+        sync=sync,
+        encoder=encoder,
+        codec=codec,
+        records=records,
+        collectives=collectives,
+    )
+
+
+def hf_metrics(metrics: dict[str, Any], prefix: str = "eval") -> dict[str, float]:
+    """``eval/f1`` -> ``eval_f1``: the keys HF's ``evaluate()`` returns (``metric_for_best_model`` reads them)."""
+    return {f"{prefix}_{name.removeprefix(PREFIX)}": float(value) for name, value in metrics.items()}

@@ -1,0 +1,166 @@
+"""``rollmatch launch --cpu`` with real processes: rollout server(s), a 2-rank torchrun learner, the
+health wait, teardown on every ending, and no orphan left (checked against the recorded pids).
+
+The end-to-end test runs per (server engine, Channel-B mode) entry of :data:`RUNS`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+
+from rollmatch.launch.processes import survivors
+
+RUNS = [("hf", "micro"), ("vllm", "micro"), ("hf", "async")]
+RUN_TIMEOUT_S = 420
+CPU_2_RANKS = ("--cpu", "--servers", "1", "--learner-procs", "2")
+
+
+@pytest.mark.heavy
+@pytest.mark.timeout(RUN_TIMEOUT_S + 60)
+@pytest.mark.parametrize(("engine", "channel_b_mode"), RUNS)
+def test_cpu_launch_trains_end_to_end(
+    engine: str, channel_b_mode: str, launch_config: Callable[..., Path], start_launch: Callable[..., Any]
+) -> None:
+    if engine == "vllm":
+        pytest.importorskip("vllm")
+    # A pixel budget below the model's own changes the image-token count: the server must apply it too.
+    config = launch_config(
+        data={"max_pixels": 6272},
+        stage2_ab={"schedule": {"b_ratio": 0.5}, "channel_b": {"mode": channel_b_mode}},
+    )
+    run = start_launch(config, *CPU_2_RANKS, "--engine", engine)
+    code = run.wait(RUN_TIMEOUT_S)
+    output = run.output()
+    assert code == 0, output[-6000:]
+    assert output.count("trained 2 steps") == 2, output[-6000:]  # both learner ranks
+    assert "[launch] server-0 healthy at http://127.0.0.1:" in output
+    assert "learner finished with exit code 0" in output.splitlines()[-1]
+
+    out = run.launch_dir.parent
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    if channel_b_mode == "micro":
+        rollout_step = next(h for h in steps if h.get("stage2_ab/step_kind_b") == 1)  # step 2 is Channel-B
+        assert rollout_step["rollout/count"] == 2  # one rollout per rank, from the launched server
+        assert rollout_step["rollout/weight_version"] == 1  # rank 0 pushed its weights before step 2
+    else:  # async: the actors rolled out from the launched server; every pack is accounted for
+        assert [h["stage2_ab/async/ver"] for h in steps if "loss" in h] == [0, 1]
+        for rank in (0, 1):
+            accounting = json.loads((out / "async" / f"rank{rank}.json").read_text())
+            assert accounting["balance"] == 0 and accounting["actor_failure"] is None
+    learner_cfg = (run.launch_dir / "learner.yaml").read_text()
+    assert "base_url: http://127.0.0.1:" in learner_cfg and "max_pixels: 6272" in learner_cfg
+    assert f"rollout server ({engine} engine" in (run.launch_dir / "server-0.log").read_text()
+    pids = run.pids()
+    assert [p["name"] for p in pids["processes"]] == ["server-0", "learner-0"]
+    assert len(pids["processes"][1]["descendants"]) >= 2  # torchrun's two workers were recorded
+    assert survivors(pids) == []
+    assert "ROLLMATCH_API_KEY=" not in output.replace("ROLLMATCH_API_KEY='<redacted>'", "")
+
+
+@pytest.mark.heavy
+@pytest.mark.timeout(RUN_TIMEOUT_S)
+def test_a_server_killed_mid_run_stops_the_launch_with_its_name_and_leaves_no_process(
+    launch_config: Callable[..., Path], start_launch: Callable[..., Any]
+) -> None:
+    config = launch_config(stage2_ab={"schedule": {"b_ratio": 1.0}}, training={"max_steps": 100000})
+    run = start_launch(config, "--cpu", "--learner-procs", "1", "--engine", "hf", "--grace-s", "5")
+    learner_log = run.launch_dir / "learner-0.log"
+    run.wait_for(lambda: learner_log.exists() and "'loss'" in learner_log.read_text(), 300, "a trained step")
+
+    pids = run.pids()
+    server, learner = pids["processes"]
+    key = _environ(server["pid"])["ROLLMATCH_API_KEY"]
+    assert len(key) >= 32 and _environ(learner["pid"])["ROLLMATCH_API_KEY"] == key  # one fresh key, shared
+    for record in [server, learner, *learner["descendants"]]:
+        assert key not in _cmdline(record["pid"])  # never on a command line ...
+    os.kill(server["pid"], signal.SIGKILL)
+    code = run.wait(60)
+    output = run.output()
+    assert code == 3, output[-4000:]
+    assert (
+        "rollout server server-0" in output and "exited with code -9 while the learner was running" in output
+    )
+    assert key not in output  # ... never printed
+    assert survivors(run.pids()) == [], run.pids()
+
+
+@pytest.mark.heavy
+def test_a_server_that_dies_during_start_up_fails_the_launch_with_its_log(
+    tmp_path: Path, config_writer: Callable[..., Path], start_launch: Callable[..., Any]
+) -> None:
+    config = config_writer(
+        tmp_path / "launch.yaml", model=str(tmp_path), train_jsonl="/t.jsonl", output_dir=tmp_path / "out"
+    )
+    run = start_launch(config, *CPU_2_RANKS, "--engine", "hf")
+    code = run.wait(120)
+    output = run.output()
+    assert code == 3, output
+    assert "rollout server server-0" in output and "during start-up, before /health/ answered" in output
+    assert "is not a model directory" in output.split("Last lines of")[-1]  # the log tail names the cause
+    assert not (run.launch_dir / "learner-0.log").exists()  # the learner never started
+    assert survivors(run.pids()) == []
+
+
+@pytest.mark.heavy
+def test_sigterm_while_waiting_for_the_servers_stops_everything(
+    launch_config: Callable[..., Path], start_launch: Callable[..., Any]
+) -> None:
+    run = start_launch(launch_config(), *CPU_2_RANKS, "--engine", "hf")
+    run.wait_for(lambda: "started server-0" in run.output(), 120, "a started server")
+    run.process.send_signal(signal.SIGTERM)
+    code = run.wait(60)
+    assert code == 128 + signal.SIGTERM, run.output()
+    assert "received SIGTERM: stopped every process" in run.output()
+    assert not (run.launch_dir / "learner-0.log").exists()
+    assert survivors(run.pids()) == []
+
+
+@pytest.mark.heavy
+def test_servers_only_keeps_serving_until_ctrl_c_and_leaves_the_key_for_the_learner(
+    launch_config: Callable[..., Path], start_launch: Callable[..., Any]
+) -> None:
+    run = start_launch(launch_config(), "--cpu", "--servers-only", "--engine", "hf")
+    run.wait_for(lambda: "rollout server(s) ready" in run.output(), 240, "ready servers")
+    key_file = run.launch_dir / "api_key"
+    assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
+    learner_cfg = (run.launch_dir / "learner.yaml").read_text()
+    url = learner_cfg.split("base_url: ")[1].split()[0]
+    assert requests.get(f"{url}/health/", timeout=10).status_code == 200
+    assert key_file.read_text().strip() not in run.output()
+    run.process.send_signal(signal.SIGINT)
+    assert run.wait(60) == 0, run.output()
+    assert survivors(run.pids()) == []
+
+
+@pytest.mark.heavy
+def test_learner_only_returns_the_learners_exit_code(
+    launch_config: Callable[..., Path], start_launch: Callable[..., Any], free_port: Callable[[], int]
+) -> None:
+    nobody = [{"base_url": f"http://127.0.0.1:{free_port()}", "group_port": free_port()}]
+    server = {"servers": nobody, "timeout_s": 3}
+    config = launch_config(custom={"extra": {"rollout_matching": {"vllm": {"server": server}}}})
+    run = start_launch(config, "--cpu", "--learner-only", "--learner-procs", "1")
+    code = run.wait(240)
+    output = run.output()
+    assert code == 1, output[-4000:]  # torchrun's code for a failed worker
+    assert "learner failed with exit code 1" in output.splitlines()[-1]
+    assert "is not reachable after 3s" in (run.launch_dir / "learner-0.log").read_text()
+    assert survivors(run.pids("pids-learner.json")) == []
+
+
+def _environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(item.decode(errors="replace").partition("=")[::2] for item in raw if b"=" in item)
+
+
+def _cmdline(pid: int) -> str:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")

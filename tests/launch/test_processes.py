@@ -1,0 +1,72 @@
+"""Children in their own sessions, recorded pids, and teardown of whole trees (real processes)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from rollmatch.launch.plan import ProcessSpec
+from rollmatch.launch.processes import process_alive, start_child, terminate_all, write_pids
+
+# Like torchrun: ignores SIGTERM itself and starts a worker in a session of its own (which ignores it too).
+STUBBORN_TREE = """
+import signal, subprocess, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+worker = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('worker up', flush=True); time.sleep(600)"
+subprocess.Popen([sys.executable, "-c", worker], start_new_session=True)
+time.sleep(600)
+"""
+
+
+def _spec(tmp_path: Path, name: str, script: str) -> ProcessSpec:
+    return ProcessSpec(
+        "server",
+        int(name[-1]),
+        (sys.executable, "-c", script),
+        {"X_LAUNCH_TEST": "1"},
+        tmp_path / f"{name}.log",
+    )
+
+
+def _wait_for_text(path: Path, text: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while text not in (path.read_text() if path.exists() else ""):
+        assert time.monotonic() < deadline, f"{text!r} not in {path}"
+        time.sleep(0.1)
+
+
+def test_a_tree_that_ignores_sigterm_is_killed_after_the_grace_period_and_recorded(tmp_path: Path) -> None:
+    child = start_child(_spec(tmp_path, "server-0", STUBBORN_TREE))
+    _wait_for_text(child.spec.log_path, "worker up")
+    seen: dict[int, list[dict]] = {}
+    pids_path = tmp_path / "pids.json"
+    write_pids(pids_path, [child], seen)
+    record = json.loads(pids_path.read_text())["processes"][0]
+    assert record["name"] == "server-0" and record["pgid"] == child.pid
+    [worker] = record["descendants"]
+    assert worker["pgid"] == worker["pid"] != child.pid  # the worker leads a session of its own
+
+    start = time.monotonic()
+    killed = terminate_all([child], grace_s=1.0)
+    assert killed == ["server-0"]
+    assert time.monotonic() - start < 10.0
+    assert child.exit_code() is not None and child.exit_code() < 0
+    assert not process_alive(worker["pid"], worker["create_time"])
+    assert not process_alive(record["pid"], record["create_time"])
+
+
+def test_a_child_that_honours_sigterm_stops_within_the_grace_period(tmp_path: Path) -> None:
+    child = start_child(_spec(tmp_path, "server-1", "import time; print('up', flush=True); time.sleep(600)"))
+    _wait_for_text(child.spec.log_path, "up")
+    assert terminate_all([child], grace_s=20.0) == []
+    assert child.exit_code() == -15
+
+
+def test_children_get_the_plan_environment_and_their_own_session(tmp_path: Path) -> None:
+    script = "import os; print(os.environ['X_LAUNCH_TEST'], os.getsid(0) == os.getpid(), flush=True)"
+    child = start_child(_spec(tmp_path, "server-2", script))
+    assert child.process.wait(timeout=30) == 0
+    assert child.spec.log_path.read_text().strip() == "1 True"
+    assert "1 True" in child.log_tail()

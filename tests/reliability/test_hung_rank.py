@@ -1,0 +1,79 @@
+"""A 2-rank torchrun (gloo) job where rank 1 hangs inside a step: the whole job exits non-zero in time.
+
+Rank 0 hits the collective timeout (the gradient all-reduce of the next step), logs the fatal error
+and leaves with a hard exit at most ``FATAL_EXIT_GRACE_S`` later; torchrun then stops rank 1. Before
+the fix the default group ignored ``collective_timeout_s`` (30-minute waits) and a timed-out rank
+could hang in process-group teardown.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rollmatch.collectives import FATAL_EXIT_GRACE_S
+
+pytestmark = pytest.mark.heavy
+REPO = Path(__file__).resolve().parents[2]
+COLLECTIVE_TIMEOUT_S = 15
+START_UP_S = 120  # two ranks loading torch, transformers and the model on a loaded 2-core machine
+
+
+def test_a_hung_rank_takes_the_whole_job_down_within_timeout_plus_grace(
+    tiny_model_dir: Path, tmp_path: Path, free_port: Callable[[], int]
+) -> None:
+    from rollmatch.data.shapes import generate_shapes
+
+    data = generate_shapes(tmp_path / "shapes", n_train=8, n_val=1, size=112, seed=0)
+    config = {
+        "model": {"path": str(tiny_model_dir)},
+        "data": {"train_jsonl": str(data["train"]), "val_jsonl": None},
+        "custom": {"trainer_variant": "sft"},
+        "training": {
+            "output_dir": str(tmp_path / "out"),
+            "per_device_train_batch_size": 1,
+            "max_steps": 6,
+            "report_to": [],
+            "save_steps": 1000,
+            "packing": True,
+            "global_max_length": 1024,
+            "collective_timeout_s": COLLECTIVE_TIMEOUT_S,
+        },
+    }
+    config_path = tmp_path / "hang.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        str(REPO / "tests/reliability/hang_one_rank.py"),
+        "train",
+        str(config_path),
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), ROLLMATCH_TEST_HANG_AFTER="3")
+    budget = START_UP_S + COLLECTIVE_TIMEOUT_S + FATAL_EXIT_GRACE_S + 30
+    started = time.monotonic()
+    run = subprocess.run(command, capture_output=True, text=True, timeout=budget, env=env)
+    elapsed = time.monotonic() - started
+    output = run.stdout + run.stderr
+    assert "rank 1: hanging in forward call 3" in output, output[-4000:]
+    assert run.returncode != 0, output[-4000:]
+    assert "rank 0: fatal distributed error" in output and "Timed out" in output, output[-4000:]
+    hang_to_exit = output.split("rank 1: hanging")[1]
+    assert "exitcode" in hang_to_exit
+    print(
+        f"hung-rank job exited with {run.returncode} after {elapsed:.0f}s (timeout {COLLECTIVE_TIMEOUT_S}s)"
+    )

@@ -1,0 +1,297 @@
+"""Hypothesis strategies for rollout-server request bodies (shared by the in-process and real-server fuzz).
+
+Bodies are JSON *text* (NaN / Infinity literals included, as Python's json writes them): valid
+bodies with one or more fields replaced by hostile values, plus arbitrary JSON. Images are tiny
+real PNGs, garbage, or a cheap header-level bomb, so accepted bodies stay fast to generate.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+from typing import Any
+
+from hypothesis import strategies as st
+from PIL import Image
+
+
+def _png(size: tuple[int, int], mode: str = "RGB") -> str:
+    buffer = io.BytesIO()
+    Image.new(mode, size).save(buffer, format="PNG")
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+SMALL_PNG = _png((28, 28))
+WIDE_PNG = _png((60, 20))
+BOMB_PNG = _png((6000, 6000), mode="1")  # 36 M pixels in a few KB
+IMAGES = st.sampled_from(
+    [
+        SMALL_PNG,
+        WIDE_PNG,
+        BOMB_PNG,
+        f"data:image/png;base64,{SMALL_PNG}",
+        "",
+        "not base64!",
+        "AAAA",
+        "http://127.0.0.1:1/x.png",
+        "/etc/passwd",
+        "file:///etc/hostname",
+        base64.b64encode(b"GIF89a").decode(),
+    ]
+)
+
+# Cheap to draw (sampled values, few nested strategies): CI sends >= 2,000 bodies in well under a minute.
+_HOSTILE = [
+    None,
+    True,
+    False,
+    0,
+    -1,
+    1,
+    7,
+    2**31,
+    2**63 - 1,
+    2**63,
+    2**64,
+    -(2**63) - 1,
+    10**30,
+    -(10**30),
+    0.5,
+    -0.0,
+    1e-300,
+    1e300,
+    5e-324,
+    float("nan"),
+    float("inf"),
+    float("-inf"),
+    "",
+    "x",
+    "<image>",
+    "\u0000",
+    "1",
+    "NaN",
+    "💥" * 3,
+    [],
+    [1, 2],
+    [-1],
+    [2**64],
+    {},
+    {"a": 1},
+]
+NASTY = st.one_of(
+    st.sampled_from(_HOSTILE),
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=6),
+)
+
+CONFIG_KEYS = [
+    "max_tokens",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "num_beams",
+    "stop",
+    "seed",
+    "stream",
+    "logprobs",
+    "top_logprobs",
+    "prompt_logprobs",
+    "n",
+    "best_of",
+    "presence_penalty",
+    "frequency_penalty",
+    "length_penalty",
+    "return_details",
+    "structured_outputs_regex",
+    "bogus",
+]
+REQUEST_KEYS = [
+    "messages",
+    "images",
+    "prompt_token_ids",
+    "sample_id",
+    "audios",
+    "videos",
+    "tools",
+    "objects",
+    "data_dict",
+    "uuid",
+    "chat_template_kwargs",
+    "add_eos",
+    "bogus",
+]
+
+
+@st.composite
+def token_ids(draw: Any) -> list[int]:
+    """Prompt ids around the tiny model's special tokens (vision start 1157, image pad 1160, ...)."""
+    specials = st.sampled_from([1149, 1150, 1157, 1158, 1159, 1160, 1161, 1148, 1161, 1162, 1215, 1216])
+    return draw(
+        st.lists(st.one_of(st.integers(min_value=0, max_value=1100), specials), min_size=1, max_size=40)
+    )
+
+
+@st.composite
+def messages(draw: Any) -> Any:
+    content = st.one_of(
+        st.text(max_size=30),
+        st.sampled_from(["<image>find", "<image><image>two", "find"]),
+        st.lists(
+            st.one_of(
+                st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=10)}),
+                st.fixed_dictionaries({"type": st.just("image"), "image": IMAGES}),
+                st.fixed_dictionaries(
+                    {"type": st.just("image_url"), "image_url": st.fixed_dictionaries({"url": IMAGES})}
+                ),
+                st.fixed_dictionaries({"type": st.just("image")}),
+                st.fixed_dictionaries({"type": st.sampled_from(["audio", "video", 3])}),
+            ),
+            max_size=2,
+        ),
+        NASTY,
+    )
+    role = st.one_of(st.sampled_from(["user", "system", "assistant", "tool", "robot"]), NASTY)
+    message = st.one_of(st.fixed_dictionaries({"role": role, "content": content}), NASTY)
+    return draw(st.one_of(st.lists(message, max_size=2), NASTY))
+
+
+@st.composite
+def infer_request(draw: Any) -> Any:
+    request: dict[str, Any] = draw(
+        st.one_of(
+            st.fixed_dictionaries({"messages": messages(), "images": st.lists(IMAGES, max_size=3)}),
+            st.fixed_dictionaries({"prompt_token_ids": token_ids(), "images": st.lists(IMAGES, max_size=2)}),
+        )
+    )
+    for key in draw(st.lists(st.sampled_from(REQUEST_KEYS), max_size=2)):
+        request[key] = draw(NASTY)
+    return draw(st.one_of(st.just(request), st.just(request), NASTY))
+
+
+@st.composite
+def request_config(draw: Any) -> Any:
+    config: dict[str, Any] = {
+        "max_tokens": draw(st.integers(min_value=1, max_value=6)),
+        "return_details": True,
+    }
+    sampling = draw(st.booleans())
+    if sampling:
+        config.update(temperature=draw(st.floats(0.01, 2.0)), seed=draw(st.integers(0, 2**63 - 1)))
+    for key in draw(st.lists(st.sampled_from(CONFIG_KEYS), max_size=3)):
+        config[key] = draw(NASTY)
+    return draw(st.one_of(st.just(config), st.just(config), st.none(), NASTY))
+
+
+@st.composite
+def infer_bodies(draw: Any) -> str:
+    """JSON text of a ``POST /infer/`` body (mostly near-valid, sometimes anything)."""
+    body: Any = {
+        "infer_requests": draw(st.lists(infer_request(), max_size=2)),
+        "request_config": draw(request_config()),
+    }
+    if draw(st.integers(0, 9)) == 0:
+        body = draw(json_values())
+    return json.dumps(body)
+
+
+@st.composite
+def sync_bodies(draw: Any) -> tuple[str, str, dict[str, str]]:
+    """``(path, JSON text, headers)`` for the weight-sync endpoints."""
+    meta = st.fixed_dictionaries(
+        {
+            "name": st.text(max_size=8),
+            "shape": st.lists(NASTY, max_size=3),
+            "dtype": st.sampled_from(["float32", "torch.bfloat16", "bogus", ""]),
+            "start_idx": NASTY,
+            "end_idx": NASTY,
+            "numel": NASTY,
+        }
+    )
+    header = st.fixed_dictionaries(
+        {
+            "version": NASTY,
+            "mode": st.sampled_from(["full", "adapter", "x"]),
+            "bucket_index": NASTY,
+            "num_bytes": NASTY,
+        }
+    )
+    path, body = draw(
+        st.one_of(
+            st.tuples(
+                st.just("/init_communicator/"),
+                st.fixed_dictionaries(
+                    {
+                        "host": st.sampled_from(
+                            ["127.0.0.1", "0.0.0.0", "::", "no-such-host.invalid", "", "10.255.255.1"]
+                        ),
+                        "port": st.one_of(st.integers(0, 70000), NASTY),
+                        "world_size": st.one_of(st.integers(0, 3), NASTY),
+                        "timeout_s": st.one_of(st.floats(0.1, 2.0), NASTY),
+                        "backend": st.sampled_from(["gloo", "nccl", "mpi"]),
+                    }
+                ),
+            ),
+            st.tuples(
+                st.just("/update_flattened_params/"),
+                st.fixed_dictionaries(
+                    {"metadatas": st.lists(meta, max_size=2), "transaction": st.one_of(header, NASTY)}
+                ),
+            ),
+            st.tuples(
+                st.just("/update_adapter_flattened_param/"),
+                st.fixed_dictionaries(
+                    {
+                        "lora_int_id": NASTY,
+                        "peft_config": NASTY,
+                        "metadatas": st.lists(meta, max_size=1),
+                        "transaction": header,
+                    }
+                ),
+            ),
+            st.tuples(
+                st.just("/finish_weight_update/"),
+                st.fixed_dictionaries(
+                    {
+                        "version": NASTY,
+                        "mode": st.sampled_from(["full", "adapter"]),
+                        "bucket_checksums": st.lists(st.text(max_size=4), max_size=2),
+                        "checksum": NASTY,
+                    }
+                ),
+            ),
+            st.tuples(
+                st.sampled_from(["/close_communicator/", "/reset_prefix_cache/", "/get_engine_type/"]), NASTY
+            ),
+            st.tuples(
+                st.sampled_from(
+                    ["/init_communicator/", "/finish_weight_update/", "/update_flattened_params/"]
+                ),
+                json_values(),
+            ),
+        )
+    )
+    headers = draw(
+        st.sampled_from([{}, {"X-Rollmatch-Sync-Lease": "0" * 32}, {"X-Rollmatch-Sync-Lease": ""}])
+    )
+    return path, json.dumps(body), headers
+
+
+def json_values() -> st.SearchStrategy[Any]:
+    scalars = st.one_of(
+        st.none(),
+        st.booleans(),
+        st.integers(),
+        st.floats(allow_nan=True, allow_infinity=True),
+        st.text(max_size=8),
+    )
+    return st.recursive(
+        scalars,
+        lambda inner: st.one_of(
+            st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=6), inner, max_size=3)
+        ),
+        max_leaves=12,
+    )

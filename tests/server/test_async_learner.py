@@ -1,0 +1,232 @@
+"""The async actor-learner end to end: a real ``rollmatch serve`` process and a real 2-rank torchrun
+learner (gloo) on 127.0.0.1, ``channel_b.mode: async`` with ``b_ratio: 1.0``.
+
+- B steps actually run, every rank's accounting balances (each pack produced was trained or counted as
+  dropped), and the run exits 0 in bounded time;
+- fault: the server is killed mid-run; every learner rank exits non-zero within the configured
+  timeouts, with a message naming the server.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+pytestmark = pytest.mark.heavy
+RUN_TIMEOUT_S = 420
+SERVER_TIMEOUT_S = 20.0
+COLLECTIVE_TIMEOUT_S = 40.0
+
+
+def async_config(
+    tiny_model_dir: Path,
+    data: dict[str, Path],
+    out: Path,
+    url: str,
+    group_port: int,
+    max_steps: int,
+    max_wait_s: float = 0.0,
+) -> dict[str, Any]:
+    return {
+        "model": {"path": str(tiny_model_dir)},
+        "data": {"train_jsonl": str(data["train"]), "val_jsonl": None},
+        "custom": {
+            "trainer_variant": "stage2_ab_training",
+            "extra": {
+                "rollout_matching": {
+                    "rollout_backend": "vllm",
+                    "max_new_tokens": 12,
+                    "vllm": {
+                        "mode": "server",
+                        "sync": {"mode": "full"},
+                        "server": {
+                            "servers": [{"base_url": url, "group_port": group_port}],
+                            "timeout_s": SERVER_TIMEOUT_S,
+                        },
+                    },
+                }
+            },
+        },
+        "stage2_ab": {
+            "schedule": {"b_ratio": 1.0},
+            "channel_b": {
+                "mode": "async",
+                "rollout_decode_batch_size": 2,
+                "async": {
+                    "queue_limit": 4,
+                    "prefetch_target_packs": 2,
+                    "version_window": 2,
+                    "sync_every_steps": 1,
+                    "max_wait_s": max_wait_s,
+                },
+            },
+        },
+        "training": {
+            "output_dir": str(out),
+            "per_device_train_batch_size": 1,
+            "max_steps": max_steps,
+            "learning_rate": 1e-3,
+            "report_to": [],
+            "save_steps": 1000,
+            "packing": True,
+            "global_max_length": 320,
+            "collective_timeout_s": COLLECTIVE_TIMEOUT_S,
+        },
+    }
+
+
+def torchrun(config_path: Path, log_dir: Path, port: int) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(port),
+        "--log-dir",
+        str(log_dir),
+        "--redirects",
+        "3",
+        "-m",
+        "rollmatch.cli",
+        "train",
+        str(config_path),
+    ]
+
+
+def rank_logs(log_dir: Path) -> dict[int, str]:
+    """``{rank: stdout + stderr}`` from torchrun's ``--log-dir`` layout (<run>/attempt_0/<rank>/...)."""
+    logs: dict[int, str] = {}
+    for path in sorted(log_dir.rglob("*.log")):
+        rank = int(path.parent.name)
+        logs[rank] = logs.get(rank, "") + path.read_text(errors="replace")
+    return logs
+
+
+@pytest.fixture
+def shapes(tmp_path: Path) -> dict[str, Path]:
+    from rollmatch.data.shapes import generate_shapes
+
+    return generate_shapes(tmp_path / "shapes", n_train=24, n_val=1, size=112, seed=3)
+
+
+# hf: the spec's gate (no waiting: steps without packs run A). vllm: B steps wait for their packs
+# (async.max_wait_s), so every step is B and fewer steps suffice.
+@pytest.mark.parametrize(("engine", "steps", "max_wait_s"), [("hf", 14, 0.0), ("vllm", 5, 120.0)])
+def test_async_learner_runs_b_steps_and_accounts_for_every_pack(
+    engine: str,
+    steps: int,
+    max_wait_s: float,
+    hf_sync_server: Any,
+    start_server: Callable[..., Any],
+    tiny_model_dir: Path,
+    shapes: dict[str, Path],
+    tmp_path: Path,
+    free_port: Callable[[], int],
+) -> None:
+    if engine == "vllm":
+        pytest.importorskip("vllm")
+        server = start_server(tiny_model_dir, "--engine", "vllm")
+    else:
+        server = hf_sync_server
+    out = tmp_path / "out"
+    config = async_config(
+        tiny_model_dir, shapes, out, server.url, free_port(), max_steps=steps, max_wait_s=max_wait_s
+    )
+    config_path = tmp_path / "async.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    started = time.monotonic()
+    run = subprocess.run(
+        torchrun(config_path, tmp_path / "logs", free_port()),
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+        env=env,
+    )
+    logs = rank_logs(tmp_path / "logs")
+    assert run.returncode == 0, (run.stderr[-3000:], {r: text[-3000:] for r, text in logs.items()})
+    assert time.monotonic() - started < RUN_TIMEOUT_S
+
+    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    logged = [h for h in logged if "loss" in h]
+    assert len(logged) == steps
+    b_steps = [h for h in logged if h["stage2_ab/step_kind_b"] == 1.0]
+    assert b_steps, "no Channel-B step ran: the actors never fed the learner"
+    if max_wait_s:
+        assert len(b_steps) == steps  # every step waited for its packs
+    assert all(h["stage2_ab/micro_steps_b"] == 2 for h in b_steps)  # one pack per micro-step, 2 ranks
+    skipped = [h for h in logged if h["stage2_ab/async/b_step_skipped_due_to_queue"]]
+    assert len(skipped) + len(b_steps) == steps  # b_ratio 1.0: every step wanted B
+    assert all(h["stage2_ab/async/ver_lag_max"] <= 2 for h in b_steps)  # version_window 2
+    assert [h["stage2_ab/async/ver"] for h in logged] == list(range(steps))  # one sync per step
+
+    accounting = [json.loads((out / "async" / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    for rank_counts in accounting:
+        assert rank_counts["balance"] == 0, rank_counts
+        assert rank_counts["produced"] == (
+            rank_counts["trained"]
+            + rank_counts["dropped_stale"]
+            + rank_counts["dropped_oldest"]
+            + rank_counts["discarded_at_exit"]
+        )
+        assert rank_counts["trained"] == len(b_steps)  # GAS 1: one pack per B step on every rank
+        assert rank_counts["actor_failure"] is None
+    last = logged[-1]
+    assert last["stage2_ab/async/packs_trained_total"] == 2 * len(b_steps)
+    assert last["stage2_ab/async/packs_produced_total"] <= sum(c["produced"] for c in accounting)
+
+
+def test_killing_the_server_fails_every_learner_rank_naming_it(
+    start_server: Callable[..., Any],
+    tiny_model_dir: Path,
+    shapes: dict[str, Path],
+    tmp_path: Path,
+    free_port: Callable[[], int],
+) -> None:
+    server = start_server(tiny_model_dir, "--engine", "hf")
+    out = tmp_path / "out"
+    config = async_config(tiny_model_dir, shapes, out, server.url, free_port(), max_steps=500)
+    config_path = tmp_path / "async.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    learner = subprocess.Popen(
+        torchrun(config_path, tmp_path / "logs", free_port()),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
+    try:
+        metrics = out / "metrics.jsonl"
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+            assert learner.poll() is None, "the learner stopped before the fault was injected"
+            assert time.monotonic() < deadline, "the learner never logged 3 steps"
+            time.sleep(0.2)
+        server.process.send_signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+        learner.wait(timeout=SERVER_TIMEOUT_S + COLLECTIVE_TIMEOUT_S + 60)
+        elapsed = time.monotonic() - killed_at
+    finally:
+        if learner.poll() is None:
+            learner.kill()
+            learner.wait(timeout=30)
+    assert learner.returncode != 0
+    assert elapsed < SERVER_TIMEOUT_S + COLLECTIVE_TIMEOUT_S + 30, elapsed
+    logs = rank_logs(tmp_path / "logs")
+    assert sorted(logs) == [0, 1]
+    for rank, text in logs.items():
+        assert server.url in text, (rank, text[-3000:])

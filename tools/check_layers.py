@@ -1,0 +1,102 @@
+"""Import-layer check of the ``rollmatch`` package (run by ``make lint`` and tests/test_layers.py).
+
+Every top-level part of the package (``rollmatch/<name>.py`` or ``rollmatch/<name>/``) sits in one
+layer; a module may import from its own layer and the layers below it, never from above. Every
+``import`` counts: module level, inside functions (lazy imports) and under ``TYPE_CHECKING``, since
+each one is a dependency a reader has to follow. Shared pieces move below their users instead of
+being imported upwards.
+
+Usage: ``python tools/check_layers.py [PACKAGE_DIR]`` (default: ``rollmatch`` beside this folder);
+prints one line per violation and exits 1, or exits 0 silently.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+# Lowest first. A new top-level module must be placed here deliberately.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("errors",),
+    ("config", "collectives"),
+    ("__init__", "models", "detection", "packing"),  # __init__: the package root applies models.compat
+    ("data",),
+    ("protocol", "rollout", "sync"),
+    ("server",),
+    ("viz",),  # pictures of records and predictions, drawn by eval and the demo
+    ("evaluation",),  # below training, so training may evaluate (never the other way round)
+    ("training",),
+    ("demo", "launch", "cli", "api"),  # entry points
+)
+LAYER_OF = {part: index for index, parts in enumerate(LAYERS) for part in parts}
+
+
+@dataclass(frozen=True)
+class Violation:
+    path: Path
+    line: int
+    importer: str
+    imported: str
+
+    def __str__(self) -> str:
+        if self.importer not in LAYER_OF:
+            return (
+                f"{self.path}: rollmatch.{self.importer} is in no layer; add it to LAYERS in "
+                "tools/check_layers.py"
+            )
+        below = ", ".join(part for parts in LAYERS[: LAYER_OF[self.importer] + 1] for part in parts)
+        return (
+            f"{self.path}:{self.line}: {self.importer} (layer {LAYER_OF[self.importer]}) imports "
+            f"rollmatch.{self.imported} (layer {LAYER_OF.get(self.imported, '?')}); it may import only "
+            f"from: {below}. Move the shared piece below both users."
+        )
+
+
+def check_package(package_dir: Path) -> list[Violation]:
+    """Every import in ``package_dir`` that reaches a higher layer (or a part in no layer)."""
+    violations: list[Violation] = []
+    for path in sorted(package_dir.rglob("*.py")):
+        importer = _top_part(path.relative_to(package_dir))
+        if importer not in LAYER_OF:
+            violations.append(Violation(path, 1, importer, importer))
+            continue
+        for line, module in _rollmatch_imports(path):
+            imported = module.split(".")[1] if "." in module else "__init__"
+            if LAYER_OF.get(imported, len(LAYERS)) > LAYER_OF[importer]:
+                violations.append(Violation(path, line, importer, imported))
+    return violations
+
+
+def _top_part(relative: Path) -> str:
+    """``errors.py`` -> errors, ``config/load.py`` -> config, the package's ``__init__.py`` -> __init__."""
+    return "__init__" if relative == Path("__init__.py") else relative.parts[0].removesuffix(".py")
+
+
+def _rollmatch_imports(path: Path) -> list[tuple[int, str]]:
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            modules = [node.module]
+            if node.module == "rollmatch":  # `from rollmatch import x`: x is the part imported
+                modules = [f"rollmatch.{alias.name}" for alias in node.names]
+        elif isinstance(node, ast.Import):
+            modules = [alias.name for alias in node.names]
+        else:
+            continue
+        found.extend((node.lineno, m) for m in modules if m == "rollmatch" or m.startswith("rollmatch."))
+    return found
+
+
+def main(argv: list[str]) -> int:
+    package_dir = Path(argv[0]) if argv else Path(__file__).resolve().parents[1] / "rollmatch"
+    violations = check_package(package_dir)
+    for violation in violations:
+        print(violation)
+    return 1 if violations else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
