@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import requests
 import torch
-from conftest import REPO, free_tcp_port, launch_server  # tests/server/conftest.py
+from server_processes import REPO, free_tcp_port, launch_server
 from transformers import AutoModelForImageTextToText
 
 from rollmatch.collectives import LocalCollectives

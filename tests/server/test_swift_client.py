@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import RACCOON, REPO  # tests/server/conftest.py
+from server_processes import RACCOON, REPO
 
 pytestmark = pytest.mark.heavy
 SWIFT_PYTHON = REPO / ".venv-swift" / "bin" / "python"

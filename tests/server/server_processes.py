@@ -1,0 +1,83 @@
+"""Real ``rollmatch serve`` processes on free 127.0.0.1 ports, for the server tests and their fixtures.
+
+A module of its own (not ``conftest``) so tests import it by a name no other test folder shares.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import requests
+
+REPO = Path(__file__).resolve().parents[2]
+RACCOON = REPO.parent / "shared" / "data" / "raccoon" / "images"
+START_TIMEOUT_S = 240.0
+
+
+def free_tcp_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class ServerProcess:
+    url: str
+    port: int
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    def log_tail(self, chars: int = 3000) -> str:
+        return self.log_path.read_text(errors="replace")[-chars:]
+
+    def get(self, path: str) -> Any:
+        reply = requests.get(f"{self.url}{path}", timeout=30)
+        reply.raise_for_status()
+        return reply.json()
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=20)
+
+
+def launch_server(model_dir: Path, port: int, log_path: Path, *extra: str) -> ServerProcess:
+    """Start ``rollmatch serve`` and wait until ``/health/`` answers (or fail with the server log)."""
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
+    command = [
+        sys.executable,
+        "-m",
+        "rollmatch.cli",
+        "serve",
+        "--model",
+        str(model_dir),
+        "--port",
+        str(port),
+        *extra,
+    ]
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
+    server = ServerProcess(f"http://127.0.0.1:{port}", port, process, log_path)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"rollout server exited with {process.returncode}:\n{server.log_tail()}")
+        try:
+            if requests.get(f"{server.url}/health/", timeout=2).status_code == 200:
+                return server
+        except requests.RequestException:
+            pass  # not listening yet
+        time.sleep(0.5)
+    server.stop()
+    raise RuntimeError(f"rollout server not healthy after {START_TIMEOUT_S}s:\n{server.log_tail()}")
