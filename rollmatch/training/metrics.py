@@ -22,6 +22,8 @@ from transformers import TrainerCallback
 from rollmatch.detection.scoring import ScoreCounts
 
 Sums = Mapping[str, float]
+# Counts of the rollout-matching targets built from the rollouts (training.channels), per step.
+TARGET_SUMS = ("target/dropped_elements", "target/over_max_new_tokens")
 
 
 def summarize(sums: Sums, steps: int) -> dict[str, float]:
@@ -33,7 +35,7 @@ def summarize(sums: Sums, steps: int) -> dict[str, float]:
 
 
 def rollout_metrics(sums: Sums, steps: int) -> dict[str, float]:
-    """``rollout/*``, ``parse/*`` and ``match/*``; nothing for steps without rollouts."""
+    """``rollout/*``, ``parse/*``, ``match/*`` and ``target/*``; nothing for steps without rollouts."""
     n = float(sums.get("rollout/count", 0))
     if not n:
         return {}
@@ -49,6 +51,7 @@ def rollout_metrics(sums: Sums, steps: int) -> dict[str, float]:
         "rollout/weight_version": float(sums.get("rollout/weight_version_sum", 0)) / n,
         **scores.detection.as_metrics("match/", per=steps),
         **scores.parsing.as_metrics("parse/", per=steps),
+        **{name: float(sums.get(name, 0)) / steps for name in TARGET_SUMS},
     }
 
 
