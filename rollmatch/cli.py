@@ -100,7 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-samples", type=int, default=None, help="evaluate the first N records (eval.max_samples)"
     )
     p.add_argument(
-        "--pictures", type=int, default=0, help="draw the first N images into <predictions dir>/pictures"
+        "--pictures",
+        type=_non_negative_int,
+        default=0,
+        help="draw the first N images into <predictions dir>/pictures",
     )
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides")
 
@@ -108,8 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", required=True, help="JSONL records the predictions were made on")
     p.add_argument("--predictions", required=True, help="predictions JSONL written by `rollmatch eval`")
     p.add_argument("--out", required=True, help="output folder for <id>.png and grid.png")
-    p.add_argument("--grid", type=int, default=16, help="images in grid.png")
-    p.add_argument("--max-images", type=int, default=None, help="draw only the first N images")
+    p.add_argument("--grid", type=_positive_int, default=16, help="images in grid.png")
+    p.add_argument("--max-images", type=_positive_int, default=None, help="draw only the first N images")
 
     p = sub.add_parser("serve", help="Run a rollout server (swift-compatible HTTP API + weight sync).")
     p.add_argument("--model", required=True)
@@ -181,6 +184,13 @@ def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text} is not a positive integer")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a non-negative integer")
     return value
 
 

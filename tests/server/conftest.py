@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -116,3 +117,56 @@ def app_client() -> Iterator[Callable[..., Any]]:
     for client, server in made:
         client.close()
         server.sync.shutdown()
+
+
+@dataclass
+class TrainerSide:
+    """What a trainer holds in a server test: its model, a ``ServerBackend`` pushing that model to
+    one server, and HF generate on the same model (the reference the server must agree with)."""
+
+    model: Any
+    backend: Any  # rollmatch.rollout.client.ServerBackend
+    reference: Any  # rollmatch.rollout.hf.HFBackend
+
+
+@pytest.fixture
+def trainer_side(
+    server_config: Callable[..., Any],
+    tiny_model_dir: Path,
+    prompt_encoder: Any,
+    free_port: Callable[[], int],
+) -> Iterator[Callable[..., TrainerSide]]:
+    """``trainer_side(url, **server_keys)``: a fresh tiny model and a ``ServerBackend`` to the server
+    at ``url`` (on a free group port; closed at teardown), plus HF generate on the same model."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from rollmatch.collectives import LocalCollectives
+    from rollmatch.rollout.client import ServerBackend
+    from rollmatch.rollout.hf import HFBackend
+
+    opened: list[Any] = []
+
+    def make(url: str, **server_keys: Any) -> TrainerSide:
+        model = AutoModelForImageTextToText.from_pretrained(
+            tiny_model_dir, dtype=torch.float32, attn_implementation="sdpa"
+        )
+        backend = ServerBackend.from_config(
+            server_config(servers=[{"base_url": url, "group_port": free_port()}], **server_keys),
+            model=model,
+            tokenizer=prompt_encoder.tokenizer,
+            model_dir=str(tiny_model_dir),
+            collectives=LocalCollectives(),
+        )
+        opened.append(backend)
+        reference = HFBackend(
+            model,
+            prompt_encoder.tokenizer,
+            eos_token_id=prompt_encoder.eos_token_id,
+            pad_token_id=prompt_encoder.pad_token_id,
+        )
+        return TrainerSide(model, backend, reference)
+
+    yield make
+    for backend in opened:
+        backend.close()

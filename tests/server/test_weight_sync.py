@@ -51,30 +51,13 @@ def _ids(rollouts: list[Any]) -> list[list[int]]:
 @pytest.mark.heavy
 def test_sync_after_training_makes_server_greedy_equal_trainer_greedy(
     hf_sync_server: Any,
-    server_config: Callable[..., Any],
-    tiny_model_dir: Path,
+    trainer_side: Callable[..., Any],
     raccoon_requests: list[Any],
     prompt_encoder: Any,
-    free_port: Callable[[], int],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    model = AutoModelForImageTextToText.from_pretrained(
-        tiny_model_dir, dtype=torch.float32, attn_implementation="sdpa"
-    )
-    cfg = server_config(servers=[{"base_url": hf_sync_server.url, "group_port": free_port()}])
-    backend = ServerBackend.from_config(
-        cfg,
-        model=model,
-        tokenizer=prompt_encoder.tokenizer,
-        model_dir=str(tiny_model_dir),
-        collectives=LocalCollectives(),
-    )
-    trainer = HFBackend(
-        model,
-        prompt_encoder.tokenizer,
-        eos_token_id=prompt_encoder.eos_token_id,
-        pad_token_id=prompt_encoder.pad_token_id,
-    )
+    side = trainer_side(hf_sync_server.url)
+    model, backend, trainer = side.model, side.backend, side.reference
     requests = raccoon_requests[:2]
     before = hf_sync_server.get("/stats/")
     start_version = before["weight_version"]
@@ -117,7 +100,6 @@ def test_sync_after_training_makes_server_greedy_equal_trainer_greedy(
     backend.sync_weights(model, start_version + 2)  # the group is re-formed; the push goes through
     assert hf_sync_server.get("/info/")["weight_version"] == start_version + 2
     assert _ids(backend.generate(requests, DECODING, seed=0)) == _ids(trainer.generate(requests, DECODING, 0))
-    backend.close()
 
 
 def _lora_config(tiny_model_dir: Path, url: str, group_port: int, fallback: bool) -> Any:
@@ -178,4 +160,3 @@ def test_adapter_sync_falls_back_to_full_once_or_fails_fast(
     )
     requests = raccoon_requests[:2]
     assert _ids(backend.generate(requests, DECODING, seed=0)) == _ids(trainer.generate(requests, DECODING, 0))
-    backend.close()
