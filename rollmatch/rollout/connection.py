@@ -186,6 +186,7 @@ def encode_body(body: WireModel) -> bytes:
 def detail_of(reply: requests.Response) -> str:
     """The server's error message (``detail``), or the start of the body when it is not JSON."""
     try:
-        return str(reply.json().get("detail", reply.text))[:2000]
+        body = reply.json()
     except ValueError:
         return reply.text[:2000]
+    return str(body.get("detail", reply.text) if isinstance(body, dict) else reply.text)[:2000]

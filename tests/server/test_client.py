@@ -151,3 +151,21 @@ def test_infer_timeout_null_or_non_positive_means_none() -> None:
         assert (
             ServerConnection("http://h:1", 2, timeout_s=1, infer_timeout_s=value).infer_timeout_s == expected
         )
+
+
+def test_an_error_reply_is_reported_by_its_detail_or_its_body() -> None:
+    import requests
+
+    from rollmatch.rollout.connection import detail_of
+
+    def reply(body: bytes) -> requests.Response:
+        response = requests.Response()
+        response.status_code, response._content = 422, body
+        return response
+
+    assert (
+        detail_of(reply(b'{"detail": "request_config.seed: out of range"}'))
+        == "request_config.seed: out of range"
+    )
+    assert detail_of(reply(b"[1, 2]")) == "[1, 2]"  # JSON, but not an object: the body as it came
+    assert detail_of(reply(b"<html>502 Bad Gateway</html>")) == "<html>502 Bad Gateway</html>"
