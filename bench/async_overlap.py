@@ -4,7 +4,11 @@ Starts ``rollmatch serve --engine hf`` (its own process) on a tiny Qwen2.5-VL, t
 ``stage2_ab_training`` with ``b_ratio: 1.0`` and ``vllm.mode: server`` twice in this process: once with
 ``channel_b.mode: micro`` (each step rolls out, then learns: ``T_rollout + T_learn`` per step) and once
 with ``channel_b.mode: async`` (an actor thread rolls out while the learner trains). Both runs have the
-same micro-batches, decode batch, rollout length and model.
+same accumulation steps, decode batch, rollout length, row length and model. The micro run takes
+``--batch`` records per micro-batch (default 2) so that both runs train about as many samples per
+packed row and per step: async packs fill rows from a continuous stream, so with one record per
+micro-batch it would train twice the samples per step and the comparison would measure packing, not
+overlap.
 
 From the micro run: ``T_rollout`` (rollout seconds per step) and ``T_learn`` (the rest of the step:
 targets, packing, weight sync, forward/backward), and the ideal overlap bound
@@ -65,6 +69,7 @@ def train(
                                     {"base_url": f"http://127.0.0.1:{port}", "group_port": free_port()}
                                 ],
                                 "timeout_s": 120.0,
+                                "image_wire": args.image_wire,
                             },
                         },
                     }
@@ -85,7 +90,7 @@ def train(
             },
             "training": {
                 "output_dir": str(root / f"train_{mode}"),
-                "per_device_train_batch_size": 1,
+                "per_device_train_batch_size": args.batch,
                 "gradient_accumulation_steps": args.gas,
                 "max_steps": args.steps,
                 "packing": True,
@@ -113,6 +118,7 @@ def micro_summary(steps: list[dict[str, Any]]) -> dict[str, float]:
         "t_learn": step_s - rollout_s,
         "b_samples_per_step": samples,
         "b_samples_per_s": samples / step_s,
+        "segments_per_row": statistics.mean(h["packing/segments_per_row"] for h in measured),
     }
 
 
@@ -127,6 +133,8 @@ def async_summary(steps: list[dict[str, Any]]) -> dict[str, float]:
         "b_steps": len(b_steps),
         "measured_steps": len(measured),
         "b_samples_per_s": b_samples / seconds,
+        "b_samples_per_b_step": b_samples / max(1, len(b_steps)),
+        "segments_per_row": statistics.mean(h["packing/segments_per_row"] for h in b_steps),
         "packs_produced_total": last["stage2_ab/async/packs_produced_total"],
         "packs_trained_total": last["stage2_ab/async/packs_trained_total"],
         "drop_stale_total": last["stage2_ab/async/drop_stale_total"],
@@ -137,13 +145,26 @@ def async_summary(steps: list[dict[str, Any]]) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=16)
-    parser.add_argument("--gas", type=int, default=4, help="micro-batches (of 1 record) per optimizer step")
+    parser.add_argument("--gas", type=int, default=4, help="micro-batches per optimizer step")
+    parser.add_argument(
+        "--batch",
+        type=int,
+        default=2,
+        help="records per micro-batch in the micro run (async packs fill rows instead); 2 makes both runs "
+        "train about as many samples per packed row",
+    )
     parser.add_argument("--decode-batch", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("--row-tokens", type=int, default=512)
     parser.add_argument("--version-window", type=int, default=2)
     parser.add_argument(
         "--sync-every", type=int, default=1, help="async: optimizer steps between weight syncs"
+    )
+    parser.add_argument(
+        "--image-wire",
+        choices=["png", "resized_bmp"],
+        default="png",
+        help="vllm.server.image_wire of both runs",
     )
     parser.add_argument("--text-hidden", type=int, default=256)
     parser.add_argument("--text-layers", type=int, default=4)
@@ -181,11 +202,13 @@ def main() -> None:
             "steps": args.steps,
             "warmup_steps": WARMUP_STEPS,
             "gradient_accumulation_steps": args.gas,
+            "micro_run_batch": args.batch,
             "rollout_decode_batch_size": args.decode_batch,
             "max_new_tokens": args.max_new_tokens,
             "global_max_length": args.row_tokens,
             "version_window": args.version_window,
             "sync_every_steps": args.sync_every,
+            "image_wire": args.image_wire,
             "threads": "learner 1, server 1",
             "cpu_count": os.cpu_count(),
             "load_average_1min_after": os.getloadavg()[0],
