@@ -113,6 +113,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output folder for <id>.png and grid.png")
     p.add_argument("--grid", type=_positive_int, default=16, help="images in grid.png")
     p.add_argument("--max-images", type=_positive_int, default=None, help="draw only the first N images")
+    p.add_argument(
+        "--iou-threshold",
+        type=_unit_interval,
+        default=0.5,
+        help="matching.iou_threshold the predictions were scored with",
+    )
+    p.add_argument(
+        "--label-mode",
+        choices=["ignore", "require"],
+        default="ignore",
+        help="matching.label_mode the predictions were scored with",
+    )
 
     p = sub.add_parser("serve", help="Run a rollout server (swift-compatible HTTP API + weight sync).")
     p.add_argument("--model", required=True)
@@ -191,6 +203,13 @@ def _non_negative_int(text: str) -> int:
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"{text} is not a non-negative integer")
+    return value
+
+
+def _unit_interval(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{text} is not in [0, 1]")
     return value
 
 

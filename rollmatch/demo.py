@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from rollmatch.config.load import deep_merge, load_config_dict
-from rollmatch.config.schema import DataConfig, RollmatchConfig
+from rollmatch.config.schema import DataConfig, MatchingConfig, RollmatchConfig
 from rollmatch.data.records import Record, load_records
 from rollmatch.data.shapes import ShapesDifficulty
 from rollmatch.errors import DataError
@@ -130,7 +130,7 @@ def run_demo(
     summary = {"seconds_total": round(time.perf_counter() - start, 1), "phases": phases}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     plot_summary(summary, out / "summary.png")
-    plot_pictures(val, out, out / "pictures.png")
+    plot_pictures(val, out, out / "pictures.png", matching=sft_cfg.matching)
     return summary
 
 
@@ -291,7 +291,7 @@ def plot_summary(summary: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def plot_pictures(val: list[Any], out: Path, path: Path) -> None:
+def plot_pictures(val: list[Any], out: Path, path: Path, *, matching: MatchingConfig) -> None:
     """The first val images with their boxes before training and after each phase, one row each."""
     from rollmatch.data.records import load_image
     from rollmatch.viz import compose_grid, draw_detections, read_predictions
@@ -304,7 +304,9 @@ def plot_pictures(val: list[Any], out: Path, path: Path) -> None:
     ):
         predicted = read_predictions(out / f"eval_{name}.jsonl")
         pictures = [
-            draw_detections(load_image(r.images[0]), r.objects, predicted[r.id], record_id=r.id)
+            draw_detections(
+                load_image(r.images[0]), r.objects, predicted[r.id], record_id=r.id, matching=matching
+            )
             for r in val[:PICTURE_COUNT]
         ]
         rows.append((title, pictures))

@@ -165,7 +165,12 @@ def eval_command(args: argparse.Namespace) -> int:
 
         pictures_dir = Path(predictions_path).parent / "pictures"
         render_pictures(
-            records, predictions_path, pictures_dir, grid_size=args.pictures, max_images=args.pictures
+            records,
+            predictions_path,
+            pictures_dir,
+            grid_size=args.pictures,
+            max_images=args.pictures,
+            matching=cfg.matching,
         )
         print(f"pictures of the first {min(args.pictures, len(records))} images: {pictures_dir}")
     return 0

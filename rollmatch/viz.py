@@ -5,9 +5,10 @@ truth dashed, every box with its label), :func:`render_pictures` (records + a pr
 -> one PNG per image and ``grid.png``), :func:`compose_grid` (titled rows of pictures, e.g. a
 before/after comparison) and the ``rollmatch viz`` command.
 Leaves out: rolling out and scoring (``rollmatch.evaluation`` writes the predictions JSONL read
-here). Matching is redone here the way the evaluation scores (Hungarian, IoU >= 0.5, geometry
-only), on boxes in pixels of the original image; the evaluation matches the same boxes in its
-integer coordinate frame, so a pair within rounding of IoU 0.5 can be drawn differently.
+here). Matching is redone here with the evaluation's ``matching.*`` settings (Hungarian; by default
+IoU >= 0.5, geometry only), on boxes in pixels of the original image; the evaluation matches the same
+boxes in its integer coordinate frame, so a pair within rounding of the IoU threshold can be drawn
+differently.
 
 Colours: matched prediction :data:`MATCHED` (green), false positive :data:`FALSE_POSITIVE` (red),
 missed ground truth :data:`MISSED` (yellow, dashed), matched ground truth :data:`MATCHED_GT`
@@ -24,6 +25,7 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw, ImageFont
 
+from rollmatch.config.schema import MatchingConfig
 from rollmatch.data.records import Record, RecordObject, load_image, load_records
 from rollmatch.detection.matching import hungarian_match
 from rollmatch.detection.objects import DetObject
@@ -38,7 +40,6 @@ HALO: RGB = (0, 0, 0)
 BOX_WIDTH = 2
 DASH, GAP = 6, 4  # dashed edge: pixels drawn, pixels skipped
 TILE = 320  # side of one picture in a grid
-IOU_THRESHOLD = 0.5  # the evaluation's
 
 
 @dataclass(frozen=True)
@@ -63,11 +64,12 @@ def draw_detections(
     *,
     record_id: str = "",
     longest_side: int = 448,
+    matching: MatchingConfig | None = None,
 ) -> Picture:
     """Draw ``ground_truth`` and ``predictions`` (pixel boxes of ``image``) on a resized copy.
 
     The copy's longest side is ``longest_side`` (boxes are scaled with it), so small images get
-    readable labels.
+    readable labels. ``matching``: the evaluation's settings (default: IoU >= 0.5, geometry only).
     """
     scale = longest_side / max(image.size)
     canvas = image.convert("RGB").resize(
@@ -75,7 +77,9 @@ def draw_detections(
     )
     draw = ImageDraw.Draw(canvas)
     font = ImageFont.load_default(size=max(10, longest_side // 36))
-    match = hungarian_match(_as_objects(predictions), _as_objects(ground_truth), iou_threshold=IOU_THRESHOLD)
+    match = hungarian_match(
+        _as_objects(predictions), _as_objects(ground_truth), **(matching or MatchingConfig()).model_dump()
+    )
     matched_gt = {g for _, g, _ in match.pairs}
     labelled: list[tuple[tuple[float, ...], str, RGB]] = []
     for index, obj in enumerate(ground_truth):
@@ -108,6 +112,7 @@ def render_pictures(
     *,
     grid_size: int = 16,
     max_images: int | None = None,
+    matching: MatchingConfig | None = None,
 ) -> list[Path]:
     """One ``<id>.png`` per record with a prediction line (data order) and ``grid.png`` of the first
     ``grid_size``; returns the written paths (grid last). ``max_images`` draws only the first N.
@@ -127,7 +132,11 @@ def render_pictures(
     pictures: list[Picture] = []
     for record in chosen:
         picture = draw_detections(
-            load_image(record.images[0]), record.objects, predicted[record.id], record_id=record.id
+            load_image(record.images[0]),
+            record.objects,
+            predicted[record.id],
+            record_id=record.id,
+            matching=matching,
         )
         path = out / f"{_file_stem(record.id)}.png"
         picture.image.save(path)
@@ -195,8 +204,14 @@ def compose_grid(
 
 def viz_command(args: argparse.Namespace) -> int:
     """``rollmatch viz --data val.jsonl --predictions preds.jsonl --out DIR [--grid N]``."""
+    matching = MatchingConfig(iou_threshold=args.iou_threshold, label_mode=args.label_mode)
     paths = render_pictures(
-        load_records(args.data), args.predictions, args.out, grid_size=args.grid, max_images=args.max_images
+        load_records(args.data),
+        args.predictions,
+        args.out,
+        grid_size=args.grid,
+        max_images=args.max_images,
+        matching=matching,
     )
     print(
         f"wrote {len(paths) - 1 if paths else 0} pictures and {paths[-1] if paths else 'no grid'} to {args.out}"
