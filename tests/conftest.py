@@ -10,12 +10,12 @@
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from local_ports import free_tcp_port
 
 import rollmatch  # noqa: F401  (applies the environment workarounds before transformers loads)
 
@@ -72,13 +72,7 @@ def loaded_tiny(tiny_model_dir: Path) -> tuple[Any, Any]:
     return model.eval(), AutoProcessor.from_pretrained(tiny_model_dir)
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.fixture
 def free_port() -> Callable[[], int]:
     """Call it for each port needed: ``port = free_port()``."""
-    return _free_port
+    return free_tcp_port

@@ -1,7 +1,8 @@
 """The launch plan: the exact command, environment and log file of every process, and the learner's config.
 
 Owns: :func:`load_launch_config` (the ``train`` YAML, whose server list may be left to the launcher),
-port sources (:func:`free_ports`, :func:`sequential_ports`), :class:`ProcessSpec`, :class:`LaunchPlan`,
+port sources (:func:`free_ports`, :func:`sequential_ports`), :func:`torchrun_command` (the
+learner's command line; tests start 2-rank runs with it too), :class:`ProcessSpec`, :class:`LaunchPlan`,
 :func:`build_plan` and :func:`render_plan` (what ``--dry-run`` prints). Leaves out: checking the request
 (``launch.layout``) and running anything (``launch.supervisor``).
 
@@ -96,6 +97,26 @@ def load_launch_config(path: str, overrides: Sequence[str] = ()) -> LaunchConfig
     return LaunchConfig(cfg, resolve_servers(cfg.rollout.vllm.server))
 
 
+def torchrun_command(
+    nproc: int, master_port: int, *args: str, python: str = sys.executable
+) -> tuple[str, ...]:
+    """``python -m torch.distributed.run`` with ``nproc`` processes on this machine and the rendezvous on
+    127.0.0.1:``master_port``; ``args``: further torchrun options, then the program (a script and its
+    arguments, or ``-m module ...``)."""
+    return (
+        python,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(nproc),
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(master_port),
+        *args,
+    )
+
+
 def free_ports(count: int) -> list[int]:
     """``count`` distinct TCP ports free on every interface right now (held together while picked)."""
     sockets = []
@@ -160,20 +181,8 @@ def build_plan(
             if layout.on_cpu
             else {"CUDA_VISIBLE_DEVICES": _csv(layout.learner_devices), **common}
         )
-        command = (
-            python,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            str(layout.learner_procs),
-            "--master_addr",
-            "127.0.0.1",
-            "--master_port",
-            str(ports[-1]),
-            "-m",
-            "rollmatch.cli",
-            "train",
-            str(learner_path),
+        command = torchrun_command(
+            layout.learner_procs, ports[-1], "-m", "rollmatch.cli", "train", str(learner_path), python=python
         )
         learner = ProcessSpec("learner", 0, command, env, launch_dir / "learner-0.log")
     return LaunchPlan(

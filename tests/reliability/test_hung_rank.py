@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -19,6 +18,7 @@ import pytest
 import yaml
 
 from rollmatch.collectives import FATAL_EXIT_GRACE_S
+from rollmatch.launch.plan import torchrun_command
 
 pytestmark = pytest.mark.heavy
 REPO = Path(__file__).resolve().parents[2]
@@ -49,20 +49,9 @@ def test_a_hung_rank_takes_the_whole_job_down_within_timeout_plus_grace(
     }
     config_path = tmp_path / "hang.yaml"
     config_path.write_text(yaml.safe_dump(config))
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_addr",
-        "127.0.0.1",
-        "--master_port",
-        str(free_port()),
-        str(REPO / "tests/reliability/hang_one_rank.py"),
-        "train",
-        str(config_path),
-    ]
+    command = torchrun_command(
+        2, free_port(), str(REPO / "tests/reliability/hang_one_rank.py"), "train", str(config_path)
+    )
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), ROLLMATCH_TEST_HANG_AFTER="3")
     budget = START_UP_S + COLLECTIVE_TIMEOUT_S + FATAL_EXIT_GRACE_S + 30
     started = time.monotonic()

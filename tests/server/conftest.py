@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from server_processes import RACCOON, ServerProcess, free_tcp_port, launch_server
+from local_ports import free_tcp_port
+from server_processes import RACCOON, ServerProcess, launch_server
 
 
 @pytest.fixture(scope="session")

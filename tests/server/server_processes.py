@@ -6,7 +6,6 @@ A module of its own (not ``conftest``) so tests import it by a name no other tes
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -19,12 +18,6 @@ import requests
 REPO = Path(__file__).resolve().parents[2]
 RACCOON = REPO.parent / "shared" / "data" / "raccoon" / "images"
 START_TIMEOUT_S = 240.0
-
-
-def free_tcp_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass

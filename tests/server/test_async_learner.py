@@ -13,7 +13,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -21,6 +20,8 @@ from typing import Any
 
 import pytest
 import yaml
+
+from rollmatch.launch.plan import torchrun_command
 
 pytestmark = pytest.mark.heavy
 RUN_TIMEOUT_S = 420
@@ -85,17 +86,10 @@ def async_config(
     }
 
 
-def torchrun(config_path: Path, log_dir: Path, port: int) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_addr",
-        "127.0.0.1",
-        "--master_port",
-        str(port),
+def torchrun(config_path: Path, log_dir: Path, port: int) -> tuple[str, ...]:
+    return torchrun_command(
+        2,
+        port,
         "--log-dir",
         str(log_dir),
         "--redirects",
@@ -104,7 +98,7 @@ def torchrun(config_path: Path, log_dir: Path, port: int) -> list[str]:
         "rollmatch.cli",
         "train",
         str(config_path),
-    ]
+    )
 
 
 def rank_logs(log_dir: Path) -> dict[int, str]:

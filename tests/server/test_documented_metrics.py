@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 from pathlib import Path
 from typing import Any
 
 import pytest
+from local_ports import free_tcp_port
 
 from rollmatch.config.load import deep_merge, load_config_dict
 from rollmatch.training.entry import run_training
@@ -69,12 +69,6 @@ def documented_rows() -> list[tuple[list[str], str, str]]:
                 expanded += [match.group(1) + part for part in match.group(2).split(",")] if match else [name]
             rows.append((expanded, cells[-1], doc.name))
     return rows
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def is_logged(name: str, keys: set[str]) -> bool:
@@ -158,7 +152,7 @@ def logged_keys(
     from rollmatch.data.shapes import generate_shapes
 
     data = generate_shapes(tmp_path_factory.mktemp("shapes"), n_train=4, n_val=2, size=112, seed=0)
-    variants = dict(VARIANTS, **{"async": async_variant(hf_sync_server.url, _free_port())})
+    variants = dict(VARIANTS, **{"async": async_variant(hf_sync_server.url, free_tcp_port())})
     keys: dict[str, set[str]] = {}
     for name, extra in variants.items():
         out = tmp_path_factory.mktemp(f"metrics-{name}")

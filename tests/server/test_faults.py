@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 import requests
 import torch
-from server_processes import REPO, free_tcp_port, launch_server
+from local_ports import free_tcp_port
+from server_processes import REPO, launch_server
 from transformers import AutoModelForImageTextToText
 
 from rollmatch.collectives import LocalCollectives

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from local_ports import free_tcp_port
+
+from rollmatch.launch.plan import torchrun_command
 
 pytestmark = pytest.mark.heavy
 
@@ -119,32 +121,11 @@ def run_probe(tmp_path: Path, model_dir: Path, mode: str, *extra: str) -> list[d
     probe.write_text(PROBE)
     out = tmp_path / mode
     out.mkdir()
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(_free_port()),
-        str(probe),
-        str(model_dir),
-        mode,
-        str(out),
-        *extra,
-    ]
+    command = torchrun_command(2, free_tcp_port(), str(probe), str(model_dir), mode, str(out), *extra)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-4000:]
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @pytest.mark.parametrize("mode", ["fsdp2", "zero3"])
@@ -161,7 +142,7 @@ def test_export_gathers_sharded_parameters_on_every_rank(
 def test_fsdp2_learner_pushes_gathered_weights_to_a_server(
     tmp_path: Path, tiny_model_dir: Path, hf_sync_server: Any
 ) -> None:
-    rank0, rank1 = run_probe(tmp_path, tiny_model_dir, "fsdp2", hf_sync_server.url, str(_free_port()))
+    rank0, rank1 = run_probe(tmp_path, tiny_model_dir, "fsdp2", hf_sync_server.url, str(free_tcp_port()))
     assert rank0["version"] == rank1["version"] == 7  # both ranks learn the outcome
     assert rank0["bytes"] > 0
     assert hf_sync_server.get("/info/")["weight_version"] == 7  # the server verified and serves it

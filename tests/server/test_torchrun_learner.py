@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+
+from rollmatch.launch.plan import torchrun_command
 
 pytestmark = pytest.mark.heavy
 MAX_STEPS = 3  # versions 1 and 2 are pushed before steps 1 and 2
@@ -63,21 +64,7 @@ def test_two_rank_learner_pushes_once_per_sync_and_finishes(
     config_path.write_text(yaml.safe_dump(config))
     before = hf_sync_server.get("/stats/")
 
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_addr",
-        "127.0.0.1",
-        "--master_port",
-        str(free_port()),
-        "-m",
-        "rollmatch.cli",
-        "train",
-        str(config_path),
-    ]
+    command = torchrun_command(2, free_port(), "-m", "rollmatch.cli", "train", str(config_path))
     env = dict(os.environ, OMP_NUM_THREADS="1")
     run = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=env)
     output = run.stdout + run.stderr

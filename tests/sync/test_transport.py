@@ -2,22 +2,16 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections.abc import Callable
 
 import pytest
 import torch
+from local_ports import free_tcp_port
 
 from rollmatch.errors import CollectiveTimeoutError
 from rollmatch.sync.transport import GroupTransport, LocalTransport, default_backend
-
-
-def _port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _in_thread(fn: Callable[[], None]) -> tuple[threading.Thread, list[BaseException]]:
@@ -35,7 +29,7 @@ def _in_thread(fn: Callable[[], None]) -> tuple[threading.Thread, list[BaseExcep
 
 
 def test_gloo_group_broadcasts_from_the_last_rank_and_reforms_on_the_same_port() -> None:
-    port = _port()
+    port = free_tcp_port()
     payload = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8)
     for round_ in range(2):  # the second round reuses the port after close()
         received = torch.zeros_like(payload)
@@ -56,7 +50,7 @@ def test_gloo_group_broadcasts_from_the_last_rank_and_reforms_on_the_same_port()
 
 
 def test_group_rendezvous_times_out_naming_the_address() -> None:
-    port = _port()
+    port = free_tcp_port()
     start = time.monotonic()
     with pytest.raises(CollectiveTimeoutError, match=rf"127.0.0.1:{port} \(gloo, rank 1/2\) within 1s"):
         GroupTransport(host="127.0.0.1", port=port, rank=1, world_size=2, timeout_s=1)
@@ -64,7 +58,7 @@ def test_group_rendezvous_times_out_naming_the_address() -> None:
 
 
 def test_a_broadcast_nobody_sends_times_out_naming_the_phase() -> None:
-    port = _port()
+    port = free_tcp_port()
     joined = threading.Event()
     release = threading.Event()
 

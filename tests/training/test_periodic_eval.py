@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +14,7 @@ import torch
 from transformers import AutoModelForImageTextToText
 
 from rollmatch.config.load import config_to_yaml
+from rollmatch.launch.plan import torchrun_command
 from rollmatch.training.entry import run_training
 
 EVAL_METRICS = ("eval/f1", "eval/precision", "eval/recall", "eval/map", "eval/truncated_frac", "eval/samples")
@@ -89,17 +89,7 @@ def test_two_ranks_evaluate_consistently(make_config, tmp_path: Path, free_port)
     cfg_path.write_text(config_to_yaml(cfg))
     probe = tmp_path / "probe.py"
     probe.write_text(PROBE)
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(free_port()),
-        str(probe),
-        str(cfg_path),
-    ]
+    command = torchrun_command(2, free_port(), str(probe), str(cfg_path))
     env = dict(os.environ, OMP_NUM_THREADS="1")
     done = subprocess.run(command, capture_output=True, text=True, timeout=400, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

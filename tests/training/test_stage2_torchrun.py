@@ -10,12 +10,12 @@ import json
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from rollmatch.config.load import config_to_yaml
+from rollmatch.launch.plan import torchrun_command
 
 PROBE = """
 import logging, os, sys
@@ -52,20 +52,7 @@ def test_every_rank_runs_rank_zeros_kind_for_the_whole_window(make_config, tmp_p
     cfg_path.write_text(config_to_yaml(cfg))
     probe = tmp_path / "probe.py"
     probe.write_text(PROBE)
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_addr",
-        "127.0.0.1",
-        "--master_port",
-        str(free_port()),
-        str(probe),
-        str(cfg_path),
-        str(tmp_path),
-    ]
+    command = torchrun_command(2, free_port(), str(probe), str(cfg_path), str(tmp_path))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=280)
     assert done.returncode == 0, done.stderr[-4000:]
