@@ -44,7 +44,7 @@ from rollmatch.models.tiny import TinySize, build_tiny_model
 from rollmatch.training.entry import run_training
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from step_pipeline import free_port, start_server  # bench scripts share the server helper
+from server_process import free_port, start_server  # bench scripts share the server helper
 
 WARMUP_STEPS = 2
 

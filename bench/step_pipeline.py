@@ -16,16 +16,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-import requests
 import torch
 
 import rollmatch  # noqa: F401  (environment workarounds)
@@ -34,40 +30,13 @@ from rollmatch.data.shapes import generate_shapes
 from rollmatch.models.tiny import build_tiny_model
 from rollmatch.training.entry import run_training
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from server_process import free_port, start_server  # bench scripts share the server helper
+
 ROLLOUTS_PER_STEP = 16
 DECODE_BATCH = 2
 MAX_NEW_TOKENS = 16
 STEPS = 8  # the first is a warm-up
-SERVER_START_TIMEOUT_S = 180.0
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def start_server(model_dir: Path, port: int, log_path: Path) -> subprocess.Popen[bytes]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    command = [sys.executable, "-m", "rollmatch.cli", "serve", "--engine", "hf"]
-    command += ["--model", str(model_dir), "--port", str(port)]
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-    deadline = time.monotonic() + SERVER_START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(
-                f"rollout server exited with {process.returncode}:\n{log_path.read_text()[-3000:]}"
-            )
-        try:
-            if requests.get(f"http://127.0.0.1:{port}/health/", timeout=2).status_code == 200:
-                return process
-        except requests.RequestException:
-            time.sleep(0.5)  # not listening yet
-    process.kill()
-    raise RuntimeError(
-        f"rollout server not healthy after {SERVER_START_TIMEOUT_S}s:\n{log_path.read_text()[-3000:]}"
-    )
 
 
 def train(root: Path, model_dir: Path, train_jsonl: Path, port: int, pipeline: bool) -> list[dict[str, Any]]:

@@ -35,7 +35,6 @@ import functools
 import json
 import multiprocessing as mp
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -45,7 +44,6 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-import requests
 import torch
 from transformers import AutoModelForImageTextToText
 
@@ -55,15 +53,12 @@ from rollmatch.sync.transaction import UpdateReceiver, push_update
 from rollmatch.sync.transport import GroupTransport
 from rollmatch.sync.weights import flatten_buckets
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from server_process import free_port, start_server  # bench scripts share the server helper
+
 IMAGE_WIRES = ("png", "resized_bmp")
 RACCOON = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "raccoon" / "images"
 MB = 1 << 20
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 # ------------------------------------------------------------------------- 1. transaction vs raw
@@ -121,7 +116,7 @@ def bench_transaction(payload_mb: int, bucket_mb: int, repeats: int) -> dict[str
     named = _synthetic_weights(payload_mb)
     sizes = [b.num_bytes for b in flatten_buckets(named, bucket_mb * MB)]
     total_mb = sum(sizes) / MB
-    port = _free_port()
+    port = free_port()
     parent, child = mp.get_context("spawn").Pipe()
     process = mp.get_context("spawn").Process(target=_receiver_main, args=(port, child), daemon=True)
     process.start()
@@ -163,33 +158,14 @@ def bench_transaction(payload_mb: int, bucket_mb: int, repeats: int) -> dict[str
 
 # ------------------------------------------------------------------------------ 2-3. real server
 def _start_server(model_dir: Path, engine: str, threads: int | None) -> tuple[subprocess.Popen[bytes], str]:
-    port = _free_port()
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
+    port = free_port()
+    env = dict(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
-    command = [
-        sys.executable,
-        "-m",
-        "rollmatch.cli",
-        "serve",
-        "--model",
-        str(model_dir),
-        "--engine",
-        engine,
-        "--port",
-        str(port),
-    ]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        try:
-            if requests.get(f"{url}/health/", timeout=2).status_code == 200:
-                return process, url
-        except requests.RequestException:
-            time.sleep(0.5)
-    process.kill()
-    raise RuntimeError(f"rollout server ({engine}) did not start within 300s")
+    log_path = model_dir.parent / "server.log"
+    return start_server(
+        model_dir, port, log_path, engine=engine, env=env, timeout_s=300
+    ), f"http://127.0.0.1:{port}"
 
 
 def bench_server(args: argparse.Namespace) -> dict[str, Any]:
@@ -244,7 +220,7 @@ def bench_server(args: argparse.Namespace) -> dict[str, Any]:
 def _server_config(model_dir: Path, url: str, wire: str) -> Any:
     from rollmatch.config.schema import RollmatchConfig
 
-    server: dict[str, Any] = {"servers": [{"base_url": url, "group_port": _free_port()}]}
+    server: dict[str, Any] = {"servers": [{"base_url": url, "group_port": free_port()}]}
     if wire != "png":
         server["image_wire"] = wire
     return RollmatchConfig.model_validate(
