@@ -137,6 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--enable-lora", action="store_true", help="vLLM engine: accept adapter weight syncs")
     p.add_argument(
+        "--max-num-seqs", type=int, default=None, help="vLLM engine: sequences per batch (default: vLLM's)"
+    )
+    p.add_argument(
         "--min-pixels", type=int, default=None, help="image processor min_pixels (data.min_pixels)"
     )
     p.add_argument(
@@ -151,7 +154,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-images-per-request", type=int, default=None, help="images per prompt (413)")
     p.add_argument("--max-tokens", type=int, default=None, help="new tokens per response (422 above)")
     p.add_argument(
-        "--engine-stall-timeout-s", type=float, default=None, help="no decoding progress this long: unhealthy"
+        "--engine-stall-timeout-s", type=float, default=None, help="engine operation without progress: 503"
+    )
+    # Concurrency and admission (docs/server.md, "Concurrency model").
+    p.add_argument(
+        "--update-mode",
+        choices=["drain", "abort", "keep"],
+        default=None,
+        help="in-flight calls at a weight update",
+    )
+    p.add_argument(
+        "--drain-timeout-s", type=float, default=None, help="drain mode: abort and re-run after this"
+    )
+    p.add_argument(
+        "--max-queued-prompts", type=int, default=None, help="prompts queued or running (429 above)"
+    )
+    p.add_argument(
+        "--max-queued-prompt-tokens", type=int, default=None, help="their prompt tokens (429 above)"
+    )
+    p.add_argument(
+        "--request-read-timeout-s", type=float, default=None, help="a request must arrive within this"
+    )
+    p.add_argument(
+        "--keep-alive-timeout-s", type=float, default=None, help="idle kept-alive connections closed"
+    )
+    p.add_argument(
+        "--max-connections", type=int, default=None, help="open connections (oldest idle one closed)"
     )
     _add_launch_parser(sub)
     return parser

@@ -4,9 +4,10 @@
 - :class:`LaunchError`: ``rollmatch launch`` refuses a layout (devices, process counts, ports) before
   starting anything; every problem is listed with the flag or key, value and fix.
 - :class:`DataError`: a record or dataset file is wrong; names file:line and the field.
-- :class:`BackendError`: a rollout backend / server / engine is dead or misbehaves. Nothing in
-  rollmatch retries a failed call (a stalled rollout server fails the step with its URL), so there
-  is no separate retryable class; add one together with the first caller that retries.
+- :class:`BackendError`: a rollout backend / server / engine is dead or misbehaves; a stalled rollout
+  server fails the step with its URL.
+- :class:`ServerBusy`: the one retryable fault: a rollout server's admission queue is full (HTTP 429
+  with ``Retry-After``); the client waits and retries within its timeout.
 - :class:`PromptAlignmentError`, :class:`PackingError`, :class:`SyncError`,
   :class:`CollectiveTimeoutError`: contract violations of one subsystem, each naming what to change.
 """
@@ -70,6 +71,14 @@ class DataError(RollmatchError):
 
 class BackendError(RollmatchError):
     """A rollout backend, engine or server is unusable; the message names it and suggests a fix."""
+
+
+class ServerBusy(BackendError):
+    """A rollout server refused a call for now (its queue is full); retry after ``retry_after_s``."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0):
+        super().__init__(message)
+        self.retry_after_s = float(retry_after_s)
 
 
 class PromptAlignmentError(RollmatchError):

@@ -260,7 +260,8 @@ class RolloutOutput(BaseModel):
     rollout_infos: dict[str, Any] = Field(default_factory=dict)
     rollout_logprobs: list[list[float]] = Field(default_factory=list)
     prompt_logprobs: None = None
-    weight_version: int
+    weight_version: int  # the oldest weight version that produced this output
+    weight_version_last: int | None = None  # the newest; differs only under `serve --update-mode keep`
     sample_id: str | None = None
 
 
@@ -472,6 +473,23 @@ class ServerInfo(BaseModel):
     sync_modes: list[str]
 
 
+class ServerHealth(BaseModel):
+    """``GET /health/`` (200 when ``status`` is ``ok``, else 503): engine state and queue depth.
+
+    ``engine`` is ``idle``, ``generating``, ``updating`` (a weight load or cache reset pending or
+    running), ``stalled`` or ``stopped``; ``operation`` the engine operation under way, if any."""
+
+    status: Literal["ok", "stalled", "broken"]
+    engine: str
+    operation: str | None = None
+    weight_version: int
+    queued_calls: int
+    running_calls: int
+    outstanding_prompts: int
+    pending_operations: int
+    detail: str | None = None
+
+
 class ServerStats(BaseModel):
     """``GET /stats/``: counters for monitoring and tests."""
 
@@ -482,6 +500,9 @@ class ServerStats(BaseModel):
     infer_requests: int
     infer_calls: int
     rejected_requests: int = 0  # 4xx answers of /infer/
+    busy_refusals: int = 0  # calls refused with 429 (queue full) or 503 (engine stalled)
+    rerun_calls: int = 0  # calls aborted by a weight update and run again under the new weights
+    update_mode: str = "drain"
     communicator: str
 
 

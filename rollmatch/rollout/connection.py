@@ -1,8 +1,9 @@
 """One rollout server as the trainer sees it: JSON calls over a kept-alive HTTP session.
 
 Owns: :class:`ServerConnection` (reachability, calls with explicit timeouts, the API token and the
-sync lease on every request, ``/health/`` watching of calls without a timeout, errors that name the
-URL and the phase). Leaves out: what is sent (``rollmatch.protocol``), chunking and weight sync
+sync lease on every request, ``/health/`` watching of calls without a timeout, 429 backoff within
+the call's time, one resend of a call whose connection closed before any answer, errors that name
+the URL and the phase). Leaves out: what is sent (``rollmatch.protocol``), chunking and weight sync
 (``rollout.client``), and how images are encoded (``rollout.image_wire``).
 
 Connections are reused: every call of one ``ServerConnection`` goes through one
@@ -15,12 +16,13 @@ from __future__ import annotations
 import os
 import threading
 import time
+from http.client import RemoteDisconnected
 from typing import Any
 from urllib.parse import urlparse
 
 import requests
 
-from rollmatch.errors import BackendError, SyncError
+from rollmatch.errors import BackendError, ServerBusy, SyncError
 from rollmatch.protocol import WireModel
 
 API_KEY_ENV = "ROLLMATCH_API_KEY"  # the same variable `rollmatch serve` reads for --api-key
@@ -29,6 +31,7 @@ _HEALTH_POLL_S = 5.0
 KEY = "custom.extra.rollout_matching.vllm"
 ALTERNATIVES = f"or set `{KEY}.mode: colocate` / `custom.extra.rollout_matching.rollout_backend: hf`"
 _NO_TIMEOUT_GIVEN = -1.0
+_FIRST_BUSY_WAIT_S, _MAX_BUSY_WAIT_S = 0.25, 10.0  # 429 backoff
 
 
 class ServerConnection:
@@ -95,22 +98,48 @@ class ServerConnection:
     def _call(
         self, method: str, path: str, payload: bytes | None, phase: str, timeout: float | None
     ) -> requests.Response:
+        """One call; a 429 (server full) is retried after its ``Retry-After`` with backoff while the
+        call's time (``timeout``, else ``timeout_s``) lasts, and a connection closed before any byte
+        of the answer (the server closed an idle kept-alive connection as it was reused) once."""
         headers = {"Content-Type": "application/json"} if payload is not None else {}
         if self.sync_lease:
             headers[LEASE_HEADER] = self.sync_lease
-        try:
-            reply = self.session.request(
-                method, f"{self.url}{path}", data=payload, timeout=timeout, headers=headers
-            )
-        except requests.Timeout as exc:
-            raise BackendError(
-                f"rollout server {self.url}: {phase} ({method} {path}) got no answer within {timeout}s"
-            ) from exc
-        except requests.RequestException as exc:
-            raise BackendError(
-                f"rollout server {self.url}: {phase} ({method} {path}) failed: {exc}; is the server still "
-                f"running? {ALTERNATIVES}"
-            ) from exc
+        deadline = time.monotonic() + (timeout if timeout is not None else self.timeout_s)
+        busy_wait_s, reconnected = _FIRST_BUSY_WAIT_S, False
+        while True:
+            try:
+                reply = self.session.request(
+                    method, f"{self.url}{path}", data=payload, timeout=timeout, headers=headers
+                )
+            except requests.Timeout as exc:
+                raise BackendError(
+                    f"rollout server {self.url}: {phase} ({method} {path}) got no answer within {timeout}s"
+                ) from exc
+            except requests.ConnectionError as exc:
+                if not reconnected and closed_before_answer(exc):
+                    reconnected = True
+                    continue
+                raise BackendError(
+                    f"rollout server {self.url}: {phase} ({method} {path}) failed: {exc}; is the server still "
+                    f"running? {ALTERNATIVES}"
+                ) from exc
+            except requests.RequestException as exc:
+                raise BackendError(
+                    f"rollout server {self.url}: {phase} ({method} {path}) failed: {exc}; is the server still "
+                    f"running? {ALTERNATIVES}"
+                ) from exc
+            if reply.status_code != 429:
+                break
+            wait_s = max(busy_wait_s, retry_after_s(reply))
+            if time.monotonic() + wait_s > deadline:
+                raise ServerBusy(
+                    f"rollout server {self.url}: {phase} ({method} {path}) -> HTTP 429 until the call's time ran "
+                    f"out: {detail_of(reply)}. Add servers, send fewer rollouts at once, or raise the server's "
+                    "--max-queued-prompts",
+                    retry_after_s=wait_s,
+                )
+            time.sleep(wait_s)
+            busy_wait_s = min(busy_wait_s * 2, _MAX_BUSY_WAIT_S)
         if reply.status_code != 200:
             detail = detail_of(reply)
             error = SyncError if reply.status_code == 409 else BackendError
@@ -175,6 +204,26 @@ class ServerConnection:
 
     def close(self) -> None:
         self.session.close()
+
+
+def closed_before_answer(exc: requests.ConnectionError) -> bool:
+    """The server closed the connection before any byte of its answer (safe to send again)."""
+    cause: BaseException | None = exc
+    while cause is not None:
+        if isinstance(cause, RemoteDisconnected | ConnectionResetError | BrokenPipeError):
+            return True
+        nested = [a for a in getattr(cause, "args", ()) if isinstance(a, BaseException)]
+        cause = nested[0] if nested else cause.__cause__ or cause.__context__
+    return False
+
+
+def retry_after_s(reply: requests.Response) -> float:
+    """A 429's ``Retry-After`` in seconds (HTTP dates are not sent by rollmatch servers: 1 s then)."""
+    value = reply.headers.get("Retry-After", "")
+    try:
+        return min(max(float(value), 0.0), _MAX_BUSY_WAIT_S)
+    except ValueError:
+        return 1.0
 
 
 def encode_body(body: WireModel) -> bytes:

@@ -67,6 +67,13 @@ class HFBackend:
         return None
 
     def generate(self, requests: Sequence[RolloutRequest], decoding: Decoding, seed: int) -> list[Rollout]:
+        return self.generate_seeded(requests, decoding, [seed + i for i in range(len(requests))])
+
+    def generate_seeded(
+        self, requests: Sequence[RolloutRequest], decoding: Decoding, seeds: Sequence[int]
+    ) -> list[Rollout]:
+        """:meth:`generate` with request ``i`` sampling from ``seeds[i]`` (the rollout server batches
+        requests of several calls, each call with its own seeds)."""
         start = time.perf_counter()
         model = strip_parallel_wrappers(self.model)
         was_training = model.training
@@ -77,14 +84,19 @@ class HFBackend:
             with torch.no_grad(), torch.random.fork_rng(devices=[]):
                 for offset in range(0, len(requests), self.batch_size):
                     chunk = requests[offset : offset + self.batch_size]
-                    rollouts.extend(self._generate_batch(model, chunk, decoding, seed + offset))
+                    chunk_seeds = seeds[offset : offset + self.batch_size]
+                    rollouts.extend(self._generate_batch(model, chunk, decoding, chunk_seeds))
         finally:
             model.train(was_training)
         self.last_seconds = time.perf_counter() - start
         return rollouts
 
     def _generate_batch(
-        self, model: torch.nn.Module, requests: Sequence[RolloutRequest], decoding: Decoding, seed: int
+        self,
+        model: torch.nn.Module,
+        requests: Sequence[RolloutRequest],
+        decoding: Decoding,
+        seeds: Sequence[int],
     ) -> list[Rollout]:
         device = next(model.parameters()).device
         inputs = left_padded_inputs(requests, self.pad_token_id, device)
@@ -92,7 +104,6 @@ class HFBackend:
         # row's token from that row's generator and hands generate a one-hot row to take greedily.
         processors = LogitsProcessorList()
         if not decoding.greedy:
-            seeds = [seed + i for i in range(len(requests))]
             processors.append(PerRequestSampler(decoding, seeds, device))
         output = model.generate(
             **inputs,
@@ -116,7 +127,7 @@ class HFBackend:
                     text=self.tokenizer.decode(response, skip_special_tokens=False),
                     finish_reason=finish,
                     weight_version=self._version,
-                    provenance=RolloutProvenance(backend=self.name, seed=seed + i, decoding=decoding),
+                    provenance=RolloutProvenance(backend=self.name, seed=int(seeds[i]), decoding=decoding),
                 )
             )
         return results

@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import gc
 import json
+import logging
 import os
 import sys
 import tempfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -66,6 +68,7 @@ class VllmEngine:
         self._lora_request: Any = None
         self._adapter_dir: tempfile.TemporaryDirectory[str] | None = None
         self._asleep = False
+        self._stepped: dict[str, RolloutRequest] = {}  # requests added through add_request, by id
         self.image_token_id = -1
         self.stop_token_ids: list[int] = []
 
@@ -114,36 +117,61 @@ class VllmEngine:
         """Roll out ``requests`` from their prompt ids and images; request ``i`` samples with ``seed + i``."""
         self.start()
         self.wake_up()
-        from vllm import SamplingParams
-
         prompts = [self._token_prompt(r) for r in requests]
         params = [
-            SamplingParams(
-                temperature=decoding.temperature,
-                top_p=decoding.top_p,
-                top_k=decoding.top_k,
-                repetition_penalty=decoding.repetition_penalty,
-                max_tokens=decoding.max_new_tokens,
-                stop_token_ids=self.stop_token_ids,
-                seed=None if seed is None else seed + i,
-                detokenize=False,
-            )
-            for i in range(len(requests))
+            self._sampling_params(decoding, None if seed is None else seed + i) for i in range(len(requests))
         ]
         outputs = self._llm.generate(prompts, params, use_tqdm=False, lora_request=self._lora_request)
         return [self._output(request, out) for request, out in zip(requests, outputs, strict=True)]
 
-    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Load full weights (HF names) in place, then reset every cache; returns the bytes loaded."""
+    # Step-level use (the rollout server's engine thread): every prompt is its own engine request, so
+    # requests added between steps join the running batch (vLLM's continuous batching).
+    def add_request(
+        self, request_id: str, request: RolloutRequest, decoding: Decoding, seed: int | None
+    ) -> None:
+        """Queue one request in the engine; it runs from the next :meth:`step` on."""
+        self.start()
+        self.wake_up()
+        prompt = self._token_prompt(request)
+        self._llm.llm_engine.add_request(
+            request_id, prompt, self._sampling_params(decoding, seed), lora_request=self._lora_request
+        )
+        self._stepped[request_id] = request
+
+    def step(self) -> list[tuple[str, VllmOutput]]:
+        """One engine step over every queued request; returns the requests that finished in it."""
+        finished = []
+        for out in self._llm.llm_engine.step():
+            if out.finished and out.request_id in self._stepped:
+                request = self._stepped.pop(out.request_id)
+                finished.append((out.request_id, self._output(request, out)))
+        return finished
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        """Drop requests added with :meth:`add_request` (finished or unknown ids are ignored)."""
+        known = [i for i in request_ids if self._stepped.pop(i, None) is not None]
+        if known and self._llm is not None:
+            self._llm.llm_engine.abort_request(known, internal=False)
+
+    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]], *, reset_caches: bool = True) -> int:
+        """Load full weights (HF names) in place, then (unless the caller does it later, once no
+        request runs) reset every cache; returns the bytes loaded."""
         self.start()
         self.wake_up()
         counter = _ByteCounter(named)
-        self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(counter)})
-        self.reset_caches()
+        with _computed_state_reload_note():
+            self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(counter)})
+        if reset_caches:
+            self.reset_caches()
         return counter.num_bytes
 
     def load_adapter(
-        self, named: Iterable[tuple[str, torch.Tensor]], peft_config: dict[str, Any], lora_int_id: int
+        self,
+        named: Iterable[tuple[str, torch.Tensor]],
+        peft_config: dict[str, Any],
+        lora_int_id: int,
+        *,
+        reset_caches: bool = True,
     ) -> int:
         """Serve a LoRA adapter (PEFT checkpoint names) from now on; loaded eagerly so failures show
         here, not at the next generation. Returns the bytes loaded."""
@@ -166,7 +194,8 @@ class VllmEngine:
         previous, self._lora_request = self._lora_request, request
         if previous is not None and previous.lora_int_id != request.lora_int_id:
             self._llm.llm_engine.remove_lora(previous.lora_int_id)
-        self.reset_caches()
+        if reset_caches:
+            self.reset_caches()
         return sum(t.numel() * t.element_size() for t in tensors.values())
 
     def drop_adapter(self) -> None:
@@ -193,6 +222,7 @@ class VllmEngine:
         if self._llm is None:
             return 0
         engine = self._llm.llm_engine
+        self._stepped.clear()
         unfinished = list(engine.output_processor.request_states)
         if unfinished:
             engine.abort_request(unfinished, internal=True)
@@ -279,6 +309,22 @@ class VllmEngine:
             kwargs.update(enable_lora=True, max_lora_rank=s.max_lora_rank, max_loras=1)
         return kwargs
 
+    def _sampling_params(self, decoding: Decoding, seed: int | None) -> Any:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return SamplingParams(
+            temperature=decoding.temperature,
+            top_p=decoding.top_p,
+            top_k=decoding.top_k,
+            repetition_penalty=decoding.repetition_penalty,
+            max_tokens=decoding.max_new_tokens,
+            stop_token_ids=self.stop_token_ids,
+            seed=seed,
+            detokenize=False,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+
     def _token_prompt(self, request: RolloutRequest) -> dict[str, Any]:
         ids = collapse_placeholders(request.prompt_token_ids, self.image_token_id)
         runs = ids.count(self.image_token_id)
@@ -328,6 +374,47 @@ def collapse_placeholders(token_ids: Sequence[int], placeholder_id: int) -> list
             continue
         out.append(int(token))
     return out
+
+
+# Layers whose state vLLM computes from the config instead of loading it: rotary embeddings (a
+# cos/sin cache) and the fused image-input normalisation (mean / std constants).
+_COMPUTED_STATE_LAYERS = ("RotaryEmbedding", "FusedMMInputNorm")
+
+
+class _ComputedStateReloadNote(logging.Filter):
+    """vLLM's layerwise reload warns "<Layer>: Failed to load weights" at every reload for layers
+    that hold computed state and no checkpoint weights (``_COMPUTED_STATE_LAYERS``). vLLM puts their
+    tensors back unchanged, so the warning is harmless: it is replaced by one line saying so, once
+    per process. A warning for any other layer still shows."""
+
+    explained = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if not message.endswith("Failed to load weights"):
+            return True
+        if not any(layer in message for layer in _COMPUTED_STATE_LAYERS):
+            return True
+        if not _ComputedStateReloadNote.explained:
+            _ComputedStateReloadNote.explained = True
+            logging.getLogger(__name__).info(
+                "weight reload: vLLM's %s layers hold state computed from the config (cos/sin caches, image "
+                "normalisation constants), not weights; its 'Failed to load weights' lines for them are "
+                "harmless (the state is kept) and are not shown",
+                " / ".join(_COMPUTED_STATE_LAYERS),
+            )
+        return False
+
+
+@contextmanager
+def _computed_state_reload_note() -> Iterator[None]:
+    reload_log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    note = _ComputedStateReloadNote()
+    reload_log.addFilter(note)
+    try:
+        yield
+    finally:
+        reload_log.removeFilter(note)
 
 
 class _ByteCounter:

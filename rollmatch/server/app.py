@@ -13,11 +13,14 @@ Endpoints: ``GET /health/`` (503 when a weight load failed half-way or the engin
 ``/init_communicator/`` (returns the sync lease), ``/update_flattened_params/``,
 ``/update_adapter_flattened_param/``, ``/finish_weight_update/`` (these need the lease in
 ``X-Rollmatch-Sync-Lease``), ``/reset_prefix_cache/``, ``/close_communicator/``.
-Synchronous handlers run in the thread pool, so health probes answer during generation. ``/infer/``
-reads its body itself and does all its work in one worker-thread hop (parse and validate the JSON
-exactly as a declared body would be, generate, serialise the reply); its answer carries the
-phase times in a ``Server-Timing`` header (``receive``, ``parse``, ``prepare``, ``decode``,
-``engine``, ``outputs``, ``respond``).
+``/health/``, ``/info/`` and ``/stats/`` are ``async`` routes that read lock-free state on the event
+loop: they never wait for the engine or for a worker thread. ``/infer/`` reads its body itself,
+parses and prepares it in one worker-thread hop (the JSON validated exactly as a declared body
+would be), then waits for the engine thread on the event loop (no thread held while it queues:
+any number of calls can wait), and serialises the reply in a second hop. A full server answers
+429 with ``Retry-After``. The answer carries the weight version (``X-Weight-Version``, the oldest
+when ``keep`` mode mixed two) and the phase times in a ``Server-Timing`` header (``receive``,
+``parse``, ``prepare``, ``decode``, ``engine``, ``outputs``, ``respond``).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
-from rollmatch.errors import BackendError, RollmatchError, SyncError
+from rollmatch.errors import BackendError, RollmatchError, ServerBusy, SyncError
 from rollmatch.protocol import (
     INFER_REPLY,
     SERVER_TIMING_HEADER,
@@ -39,6 +42,7 @@ from rollmatch.protocol import (
     FinishUpdateReply,
     InferBody,
     InitCommunicatorBody,
+    ServerHealth,
     ServerInfo,
     ServerStats,
     UpdateAdapterBody,
@@ -47,7 +51,8 @@ from rollmatch.protocol import (
 )
 from rollmatch.server.gate import RequestGate
 from rollmatch.server.limits import RequestTooLarge
-from rollmatch.server.rollout_server import RolloutServer
+from rollmatch.server.rollout_server import PreparedCall, RolloutServer
+from rollmatch.server.scheduler import CallTicket
 from rollmatch.server.sync_session import LEASE_HEADER
 from rollmatch.server.timing import PhaseTimes
 
@@ -66,15 +71,14 @@ def build_app(server: RolloutServer, *, api_key: str | None = None) -> FastAPI:
         try:
             return fn(*args)
         except (ValueError, RollmatchError) as exc:
-            raise HTTPException(status_code=_status(exc), detail=str(exc)) from exc
+            raise _http_error(exc) from exc
 
     @app.get("/health/")
-    def health(response: Response) -> dict[str, str]:
-        reason = server.unhealthy()
-        if reason is not None:
+    async def health(response: Response) -> ServerHealth:
+        report = server.health()
+        if report.status != "ok":
             response.status_code = 503
-            return {"status": "stalled" if server.broken is None else "broken", "detail": reason}
-        return {"status": "ok"}
+        return report
 
     @app.get("/get_world_size/")
     def get_world_size() -> dict[str, int]:
@@ -90,11 +94,11 @@ def build_app(server: RolloutServer, *, api_key: str | None = None) -> FastAPI:
         }
 
     @app.get("/info/")
-    def info() -> ServerInfo:
+    async def info() -> ServerInfo:
         return server.info()
 
     @app.get("/stats/")
-    def stats() -> ServerStats:
+    async def stats() -> ServerStats:
         return server.stats()
 
     @app.post("/infer/")
@@ -104,16 +108,31 @@ def build_app(server: RolloutServer, *, api_key: str | None = None) -> FastAPI:
             raw = await request.body()
         content_type = request.headers.get("content-type")
 
-        def answer() -> bytes:  # one worker-thread hop: parse, generate, serialise
+        def prepare() -> PreparedCall:  # worker-thread hop 1: parse and prepare (images decoded)
             with times.phase("parse"):
                 body = parse_json_body(InferBody, raw, content_type)
-            outputs = call(server.infer, body, times)
+            with times.phase("prepare"):
+                return call(server.prepare, body, times)
+
+        def respond(prepared: PreparedCall, ticket: CallTicket | None) -> bytes:  # hop 2
+            with times.phase("outputs"):
+                outputs = call(server.outputs, prepared, ticket)
             with times.phase("respond"):
                 return INFER_REPLY.dump_json(outputs)
 
-        payload = await run_in_threadpool(answer)
+        with server.scheduler.arrival():  # a batching engine waits for calls being prepared
+            prepared = await run_in_threadpool(prepare)
+            ticket = call(server.submit, prepared)
+        with times.phase("engine"):
+            if ticket is not None:
+                try:
+                    await server.scheduler.wait_async(ticket)
+                except (ValueError, RollmatchError) as exc:
+                    raise _http_error(exc) from exc
+        payload = await run_in_threadpool(respond, prepared, ticket)
+        version = ticket.versions[0] if ticket is not None else server.weight_version
         headers = {
-            "X-Weight-Version": str(server.weight_version),
+            "X-Weight-Version": str(version),
             SERVER_TIMING_HEADER: format_server_timing(times.seconds),
         }
         return Response(payload, media_type="application/json", headers=headers)
@@ -179,10 +198,21 @@ def parse_json_body(model: type[ModelT], raw: bytes, content_type: str | None) -
         raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in errors]) from None
 
 
+def _http_error(exc: Exception) -> HTTPException:
+    """The answer to an error: its status (see :func:`_status`), with ``Retry-After`` on a 429."""
+    if isinstance(exc, ServerBusy):
+        retry = {"Retry-After": str(max(1, round(exc.retry_after_s)))}
+        return HTTPException(status_code=429, detail=str(exc), headers=retry)
+    return HTTPException(status_code=_status(exc), detail=str(exc))
+
+
 def _status(exc: Exception) -> int:
-    """413/422: over a cap; 409: weight-sync state; 503: the server cannot serve; 400: the request is wrong."""
+    """413/422: over a cap; 409: weight-sync state; 429: the server is full for now; 503: the server
+    cannot serve; 400: the request is wrong."""
     if isinstance(exc, RequestTooLarge):
         return exc.status
+    if isinstance(exc, ServerBusy):
+        return 429
     if isinstance(exc, SyncError):
         return 409
     return 503 if isinstance(exc, BackendError) else 400

@@ -8,13 +8,14 @@ Owns: the :class:`ServerEngine` protocol, :class:`HFServerEngine` (wraps
 Leaves out: request preparation (``server.prompts``), HTTP and weight-version bookkeeping
 (``server.rollout_server``).
 
-Engines are not thread-safe; the server serialises ``generate`` and weight loads.
+Engines are step-level and not thread-safe: one engine thread (``server.scheduler``) adds requests,
+steps, aborts and loads weights. ``generate_all`` runs a batch to completion for in-process callers.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -55,11 +56,18 @@ class ServerEngine(Protocol):
     sync_modes: list[str]
     fingerprint: dict[str, str]
     preparer: PromptPreparer
+    join_window_s: float  # from idle, the most the engine thread waits for calls still being prepared
 
-    def generate(
-        self, prompts: list[PreparedPrompt], decoding: Decoding, seed: int | None
-    ) -> list[EngineOutput]:
-        """Roll out every prompt; request ``j`` samples with seed ``seed + j`` where it can."""
+    def add(self, request_id: str, prompt: PreparedPrompt, decoding: Decoding, seed: int | None) -> None:
+        """Queue one request (sampling from its own ``seed``); a bad prompt raises here, adding nothing."""
+        ...
+
+    def step(self) -> list[tuple[str, EngineOutput]]:
+        """Advance every queued request; returns ``(request_id, output)`` of those that finished."""
+        ...
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        """Drop queued or running requests (unknown ids are ignored)."""
         ...
 
     def observe_progress(self, callback: Callable[[], None]) -> None:
@@ -67,29 +75,50 @@ class ServerEngine(Protocol):
         ...
 
     def recover(self) -> None:
-        """Leave the engine clean after a failed ``generate`` (no request left queued, caches reset)."""
+        """Leave the engine clean after a failed ``step`` (no request left queued, caches reset)."""
         ...
 
     def load_weights(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
-        """Load full (merged) weights; validate everything before changing anything."""
+        """Load full (merged) weights; validate everything before changing anything. Caches are
+        reset by the caller (:meth:`reset_caches`) once no request runs."""
         ...
 
     def load_adapter(self, tensors: list[tuple[str, torch.Tensor]], adapter: AdapterPayload) -> None:
         """Serve a LoRA adapter from now on (``adapter`` in ``sync_modes`` only)."""
         ...
 
-    def reset_caches(self) -> None: ...
+    def reset_caches(self) -> None:
+        """Forget everything computed with older weights (called with no request running)."""
+        ...
 
     def close(self) -> None: ...
 
 
+def generate_all(
+    engine: ServerEngine, prompts: list[PreparedPrompt], decoding: Decoding, seed: int | None
+) -> list[EngineOutput]:
+    """Run ``prompts`` to completion on an otherwise idle engine (prompt ``j`` seeded ``seed + j``)."""
+    ids = [f"all.{j}" for j in range(len(prompts))]
+    for j, (request_id, prompt) in enumerate(zip(ids, prompts, strict=True)):
+        engine.add(request_id, prompt, decoding, None if seed is None else seed + j)
+    done: dict[str, EngineOutput] = {}
+    while len(done) < len(ids):
+        done.update(engine.step())
+    return [done[i] for i in ids]
+
+
 # ---------------------------------------------------------------------------------------- engines
 class HFServerEngine:
-    """HF ``generate`` on a model loaded from the directory (any machine; the reference engine)."""
+    """HF ``generate`` on a model loaded from the directory (any machine; the reference engine).
+
+    A step runs every queued request to completion as one batch (``batch_size`` rows per forward),
+    one group per decoding setting; requests queued while it runs wait for the next step.
+    """
 
     name = "hf"
     world_size = 1
     sync_modes = ["full"]  # noqa: RUF012  (read-only class constant)
+    join_window_s = 0.25  # the most an idle engine waits for calls still being prepared
 
     def __init__(
         self,
@@ -126,16 +155,30 @@ class HFServerEngine:
         )
         self._params = dict(self.model.state_dict())
         self._progress_hook: torch.utils.hooks.RemovableHandle | None = None
+        self._queued: dict[str, tuple[RolloutRequest, Decoding, int]] = {}
 
-    def generate(
-        self, prompts: list[PreparedPrompt], decoding: Decoding, seed: int | None
-    ) -> list[EngineOutput]:
-        requests = [pixel_inputs(self.preparer, p) for p in prompts]
-        base_seed = int(seed) if seed is not None else int(time.time_ns() % (1 << 31))
-        rollouts = self._backend.generate(requests, decoding, base_seed)
-        return [
-            EngineOutput(r.prompt_token_ids, r.response_token_ids, r.text, r.finish_reason) for r in rollouts
-        ]
+    def add(self, request_id: str, prompt: PreparedPrompt, decoding: Decoding, seed: int | None) -> None:
+        request = pixel_inputs(self.preparer, prompt)  # the processor runs here: a bad image fails its call
+        self._queued[request_id] = (request, decoding, int(seed) if seed is not None else _fresh_seed())
+
+    def step(self) -> list[tuple[str, EngineOutput]]:
+        queued, self._queued = self._queued, {}
+        groups: dict[Decoding, list[str]] = {}
+        for request_id, (_, decoding, _) in queued.items():
+            groups.setdefault(decoding, []).append(request_id)
+        finished: list[tuple[str, EngineOutput]] = []
+        for decoding, ids in groups.items():
+            requests = [queued[i][0] for i in ids]
+            rollouts = self._backend.generate_seeded(requests, decoding, [queued[i][2] for i in ids])
+            finished.extend(
+                (i, EngineOutput(r.prompt_token_ids, r.response_token_ids, r.text, r.finish_reason))
+                for i, r in zip(ids, rollouts, strict=True)
+            )
+        return finished
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        for request_id in request_ids:
+            self._queued.pop(request_id, None)
 
     def observe_progress(self, callback: Callable[[], None]) -> None:
         if self._progress_hook is not None:  # one observer: a newer server replaces an older one
@@ -143,7 +186,7 @@ class HFServerEngine:
         self._progress_hook = self.model.register_forward_hook(lambda *_: callback())
 
     def recover(self) -> None:
-        return None  # HF generate keeps no state across calls
+        self._queued.clear()  # HF generate keeps no other state across steps
 
     @torch.no_grad()
     def load_weights(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
@@ -191,6 +234,10 @@ def pixel_inputs(preparer: PromptPreparer, prompt: PreparedPrompt) -> RolloutReq
     return request
 
 
+def _fresh_seed() -> int:
+    return int(time.time_ns() % (1 << 31))
+
+
 def _text_vocab_size(config: object) -> int | None:
     text = getattr(config, "text_config", None) or config
     size = getattr(text, "vocab_size", None)
@@ -202,6 +249,7 @@ class VllmServerEngine:
 
     name = "vllm"
     world_size = 1  # the server process receives weights and hands them to its engine
+    join_window_s = 0.0  # a request added mid-generation joins at the next engine step
 
     def __init__(
         self,
@@ -211,6 +259,7 @@ class VllmServerEngine:
         max_model_len: int = 4096,
         tensor_parallel_size: int = 1,
         enable_lora: bool = False,
+        max_num_seqs: int | None = None,
         pixel_bounds: PixelBounds = (None, None),
         media: MediaPolicy | None = None,
         max_images: int = 8,
@@ -237,6 +286,7 @@ class VllmServerEngine:
             max_model_len=self.max_model_len,
             tensor_parallel_size=tensor_parallel_size,
             enable_lora=enable_lora,
+            max_num_seqs=max_num_seqs,
             enforce_eager=on_cpu,
             max_images_per_prompt=max_images,
             # vLLM resizes images itself: the same bounds give the trainer's image-token counts.
@@ -246,15 +296,20 @@ class VllmServerEngine:
         )
         self._engine.start()  # start now: a healthy server is a ready server
 
-    def generate(
-        self, prompts: list[PreparedPrompt], decoding: Decoding, seed: int | None
-    ) -> list[EngineOutput]:
-        requests = [
-            RolloutRequest(sample_id=p.sample_id, prompt_token_ids=p.prompt_token_ids, images=p.images)
-            for p in prompts
+    def add(self, request_id: str, prompt: PreparedPrompt, decoding: Decoding, seed: int | None) -> None:
+        request = RolloutRequest(
+            sample_id=prompt.sample_id, prompt_token_ids=prompt.prompt_token_ids, images=prompt.images
+        )
+        self._engine.add_request(request_id, request, decoding, seed)
+
+    def step(self) -> list[tuple[str, EngineOutput]]:
+        return [
+            (i, EngineOutput(o.prompt_token_ids, o.token_ids, o.text, o.finish_reason))
+            for i, o in self._engine.step()
         ]
-        outputs = self._engine.generate(requests, decoding, seed)
-        return [EngineOutput(o.prompt_token_ids, o.token_ids, o.text, o.finish_reason) for o in outputs]
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        self._engine.abort(request_ids)
 
     def observe_progress(self, callback: Callable[[], None]) -> None:
         self._engine.observe_forward(callback)
@@ -265,10 +320,10 @@ class VllmServerEngine:
     def load_weights(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
         check_weight_shapes(tensors, self._shapes, self.model_dir)
         self._engine.drop_adapter()  # merged weights already contain the adapter
-        self._engine.load_weights(tensors)
+        self._engine.load_weights(tensors, reset_caches=False)
 
     def load_adapter(self, tensors: list[tuple[str, torch.Tensor]], adapter: AdapterPayload) -> None:
-        self._engine.load_adapter(tensors, adapter.peft_config, adapter.lora_int_id)
+        self._engine.load_adapter(tensors, adapter.peft_config, adapter.lora_int_id, reset_caches=False)
 
     def reset_caches(self) -> None:
         self._engine.reset_caches()
@@ -313,6 +368,7 @@ def build_engine(
     tensor_parallel_size: int = 1,
     data_parallel_size: int = 1,
     enable_lora: bool = False,
+    max_num_seqs: int | None = None,
     min_pixels: int | None = None,
     max_pixels: int | None = None,
     media: MediaPolicy | None = None,
@@ -329,9 +385,10 @@ def build_engine(
             "per data-parallel replica and list them all under custom.extra.rollout_matching.vllm.server.servers"
         )
     if engine == "hf":
-        if tensor_parallel_size != 1 or enable_lora:
+        if tensor_parallel_size != 1 or enable_lora or max_num_seqs is not None:
             raise BackendError(
-                "--engine hf supports neither --tensor-parallel-size > 1 nor --enable-lora; use --engine vllm"
+                "--engine hf supports none of --tensor-parallel-size > 1, --enable-lora, --max-num-seqs; "
+                "use --engine vllm"
             )
         return HFServerEngine(
             model_dir,
@@ -354,6 +411,7 @@ def build_engine(
         max_model_len=max_model_len,
         tensor_parallel_size=tensor_parallel_size,
         enable_lora=enable_lora,
+        max_num_seqs=max_num_seqs,
         pixel_bounds=(min_pixels, max_pixels),
         media=media,
         max_images=max_images,

@@ -31,8 +31,20 @@ class ServerLimits:
     - ``max_images_per_request`` (``--max-images-per-request``): images of one prompt (413);
     - ``max_tokens`` (``--max-tokens``): new tokens of one response; ``max_tokens: null`` gets
       ``min(room, cap)``, a larger explicit value a 422;
-    - ``engine_stall_timeout_s`` (``--engine-stall-timeout-s``): a generation that makes no
-      progress (no decoding step) for this long makes ``/health/`` answer 503.
+    - ``engine_stall_timeout_s`` (``--engine-stall-timeout-s``): an engine operation (generation,
+      weight load, cache reset) that makes no progress for this long makes ``/health/`` answer 503
+      naming it, and calls waiting for the engine fail with a 503;
+    - ``max_queued_prompts`` / ``max_queued_prompt_tokens`` (``--max-queued-prompts``,
+      ``--max-queued-prompt-tokens``): prompts (and their tokens) queued or running on the engine;
+      a call over either is a 429 with ``Retry-After`` (the client waits and retries);
+    - ``update_mode`` (``--update-mode``): ``drain`` | ``abort`` | ``keep``, what a weight update
+      does to in-flight calls (``server.scheduler``); ``drain_timeout_s`` (``--drain-timeout-s``):
+      how long ``drain`` lets them finish before aborting and re-running them;
+    - ``request_read_timeout_s`` (``--request-read-timeout-s``): a request's head and body must
+      arrive within this time of its first byte (or of the connection), else the connection is
+      closed; ``keep_alive_timeout_s`` (``--keep-alive-timeout-s``): an idle kept-alive connection
+      is closed after this; ``max_connections`` (``--max-connections``): open connections and
+      requests at once (503 beyond).
     """
 
     max_body_bytes: int = 64 << 20
@@ -41,10 +53,36 @@ class ServerLimits:
     max_images_per_request: int = 8
     max_tokens: int = 4096
     engine_stall_timeout_s: float = 120.0
+    max_queued_prompts: int = 4096
+    max_queued_prompt_tokens: int = 1 << 23
+    update_mode: str = "drain"
+    drain_timeout_s: float = 60.0
+    request_read_timeout_s: float = 30.0
+    keep_alive_timeout_s: float = 15.0
+    max_connections: int = 512
 
     def __post_init__(self) -> None:
-        for name in ("max_body_bytes", "max_image_pixels", "max_requests_per_call", "max_images_per_request"):
+        positive = (
+            "max_body_bytes",
+            "max_image_pixels",
+            "max_requests_per_call",
+            "max_images_per_request",
+            "max_tokens",
+            "engine_stall_timeout_s",
+            "max_queued_prompts",
+            "max_queued_prompt_tokens",
+            "drain_timeout_s",
+            "request_read_timeout_s",
+            "keep_alive_timeout_s",
+            "max_connections",
+        )
+        for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
-        if self.max_tokens <= 0 or self.engine_stall_timeout_s <= 0:
-            raise ValueError("--max-tokens and --engine-stall-timeout-s must be > 0")
+        if self.update_mode not in ("drain", "abort", "keep"):
+            raise ValueError(f"--update-mode must be drain, abort or keep, got {self.update_mode!r}")
+        if self.max_queued_prompts < self.max_requests_per_call:
+            raise ValueError(
+                f"--max-queued-prompts {self.max_queued_prompts} is below --max-requests-per-call "
+                f"{self.max_requests_per_call}: a full call could never be admitted; raise it"
+            )

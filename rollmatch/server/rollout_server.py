@@ -1,18 +1,24 @@
 """The rollout server's behaviour, HTTP-free: inference, weight loads, health, counters.
 
-Owns: :class:`RolloutServer`: the weight version, the engine behind its :class:`EngineGuard`
-(generation and weight loads never interleave; a stalled generation makes the server unhealthy),
-request checks against the server's caps (:class:`~rollmatch.server.limits.ServerLimits`), stop
-strings, and the recovery of the engine after any failed generation (no request left queued, caches
-reset), so one bad request never wedges the engine for the next. Leaves out: HTTP
-(``server.app``), request preparation (``server.prompts``) and the weight-sync group
-(``server.sync_session``).
+Owns: :class:`RolloutServer`: request checks against the server's caps
+(:class:`~rollmatch.server.limits.ServerLimits`), stop strings, the weight version, health, and the
+glue between calls and weight syncs and the :class:`~rollmatch.server.scheduler.EngineScheduler`
+that runs them on the engine (continuous batching across calls, fair weight updates, a watchdog on
+every engine operation). A failed generation leaves the engine clean for the next request.
+Leaves out: HTTP (``server.app``), request preparation (``server.prompts``), the engine thread
+(``server.scheduler``) and the weight-sync group (``server.sync_session``).
+
+A call goes through three steps, so the HTTP layer can wait for the engine without holding a
+thread: :meth:`RolloutServer.prepare` (caps, ids, images: a worker thread), :meth:`RolloutServer.submit`
+(admission: 429 when the server holds too much), then :meth:`RolloutServer.outputs` once the ticket
+is done. :meth:`RolloutServer.infer` does all three for in-process callers.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import dataclass
 
 from rollmatch.errors import BackendError, SyncError
 from rollmatch.protocol import (
@@ -26,6 +32,7 @@ from rollmatch.protocol import (
     InitCommunicatorBody,
     RequestConfig,
     RolloutOutput,
+    ServerHealth,
     ServerInfo,
     ServerStats,
     UpdateAdapterBody,
@@ -33,15 +40,26 @@ from rollmatch.protocol import (
     Usage,
     decoding_from_request_config,
 )
+from rollmatch.rollout.types import Decoding
 from rollmatch.server.engines import EngineOutput, ServerEngine
 from rollmatch.server.limits import RequestTooLarge, ServerLimits
 from rollmatch.server.prompts import PreparedPrompt, trim_at_stop_strings
+from rollmatch.server.scheduler import CallTicket, EngineScheduler
 from rollmatch.server.sync_session import SyncSession
 from rollmatch.server.timing import PhaseTimes
-from rollmatch.server.watchdog import GENERATION, EngineGuard
+from rollmatch.server.watchdog import CACHE_RESET, WEIGHT_LOAD, EngineWatch
 from rollmatch.sync.transaction import VerifiedUpdate
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class PreparedCall:
+    """One ``/infer/`` call checked and ready for the engine."""
+
+    config: RequestConfig
+    prompts: list[PreparedPrompt]
+    decoding: Decoding | None  # None: nothing to generate (no prompts)
 
 
 class RolloutServer:
@@ -50,65 +68,115 @@ class RolloutServer:
     def __init__(self, engine: ServerEngine, limits: ServerLimits | None = None):
         self.engine = engine
         self.limits = limits or ServerLimits()
-        self.weight_version = 0
-        self.guard = EngineGuard(self.limits.engine_stall_timeout_s)
-        engine.observe_progress(self.guard.progress)
+        self.watch = EngineWatch(self.limits.engine_stall_timeout_s)
+        engine.observe_progress(self.watch.progress)
+        self.scheduler = EngineScheduler(
+            engine,
+            self.watch,
+            update_mode=self.limits.update_mode,
+            drain_timeout_s=self.limits.drain_timeout_s,
+            max_queued_prompts=self.limits.max_queued_prompts,
+            max_queued_prompt_tokens=self.limits.max_queued_prompt_tokens,
+            on_failure=_engine_failure,
+        )
         self.sync = SyncSession(engine.world_size, "adapter" in engine.sync_modes)
         self._counter_lock = threading.Lock()
         self.pushes_by_version: dict[int, int] = {}
         self.infer_requests = 0
         self.infer_calls = 0
         self.rejected_requests = 0
+        self.busy_refusals = 0
         self.broken: str | None = None  # set when a weight load failed half-way: never serve mixed weights
+
+    @property
+    def weight_version(self) -> int:
+        return self.scheduler.version
 
     def unhealthy(self) -> str | None:
         """Why the server cannot serve (a half-applied load, a stalled engine), or ``None``."""
         if self.broken is not None:
             return self.broken
-        stalled = self.guard.stalled()
+        stalled = self.watch.stalled()
         return f"the rollout engine is stalled: {stalled}" if stalled else None
+
+    def health(self) -> ServerHealth:
+        """``/health/``: lock-free, never waits for the engine."""
+        reason = self.unhealthy()
+        status = "ok" if reason is None else ("broken" if self.broken is not None else "stalled")
+        return ServerHealth(
+            status=status,
+            engine=self.scheduler.state,
+            operation=self.watch.current,
+            weight_version=self.weight_version,
+            detail=reason,
+            **self.scheduler.depth(),
+        )
 
     # ------------------------------------------------------------------------------- inference
     def infer(self, body: InferBody, times: PhaseTimes | None = None) -> list[RolloutOutput]:
-        """Roll out every request of ``body``; ``times`` (optional) gets the phases ``prepare`` (caps,
-        id checks; ``decode`` for the images inside it), ``engine`` (with any wait for the engine
-        lock) and ``outputs``."""
+        """Roll out every request of ``body`` (blocking); ``times`` (optional) gets the phases
+        ``prepare`` (caps, id checks; ``decode`` for the images inside it), ``engine`` (queueing and
+        generation) and ``outputs``."""
         times = times if times is not None else PhaseTimes()
+        with self.scheduler.arrival():
+            with times.phase("prepare"):
+                call = self.prepare(body, times)
+            ticket = self.submit(call)
+        with times.phase("engine"):
+            if ticket is not None:
+                self.scheduler.wait(ticket)
+        with times.phase("outputs"):
+            return self.outputs(call, ticket)
+
+    def prepare(self, body: InferBody, times: PhaseTimes | None = None) -> PreparedCall:
+        """Caps, cross-field checks and the prepared prompts (images decoded): a ``ValueError`` (4xx)
+        names what is wrong; nothing reaches the engine."""
         if self.broken is not None:
             raise BackendError(f"this rollout server stopped serving: {self.broken}; restart it")
         try:
-            with times.phase("prepare"):
-                config, prompts = self._checked(body, times)
+            config, prompts = self._checked(body, times if times is not None else PhaseTimes())
+            if not prompts:
+                return PreparedCall(config, prompts, None)
+            longest = max(len(p.prompt_token_ids) for p in prompts)
+            if longest >= self.engine.max_model_len:
+                raise ValueError(
+                    f"prompt too long: a prompt of {longest} tokens leaves no room for new tokens within the "
+                    f"server's max_model_len of {self.engine.max_model_len}; shorten it or serve with a larger "
+                    "--max-model-len"
+                )
+            decoding = decoding_from_request_config(
+                config, self.engine.max_model_len - longest, self.limits.max_tokens
+            )
         except ValueError:
             self._count(rejected=1)
             raise
-        if not prompts:
+        return PreparedCall(config, prompts, decoding)
+
+    def submit(self, call: PreparedCall) -> CallTicket | None:
+        """Queue a prepared call on the engine (``None``: nothing to generate)."""
+        if call.decoding is None:
+            return None
+        try:
+            return self.scheduler.submit(call.prompts, call.decoding, call.config.seed)
+        except BackendError:
+            self._count(busy=1)
+            raise
+
+    def outputs(self, call: PreparedCall, ticket: CallTicket | None) -> list[RolloutOutput]:
+        """The reply items of a done call; raises the call's error (mapped to a 4xx / 503)."""
+        if ticket is None:
             return []
-        longest = max(len(p.prompt_token_ids) for p in prompts)
-        if longest >= self.engine.max_model_len:
-            self._count(rejected=1)
-            raise ValueError(
-                f"prompt too long: a prompt of {longest} tokens leaves no room for new tokens within the server's "
-                f"max_model_len of {self.engine.max_model_len}; shorten it or serve with a larger --max-model-len"
-            )
-        decoding = decoding_from_request_config(
-            config, self.engine.max_model_len - longest, self.limits.max_tokens
-        )
-        with times.phase("engine"), self.guard.hold(GENERATION):
-            version = self.weight_version
-            try:
-                outputs = self.engine.generate(prompts, decoding, config.seed)
-            except Exception as exc:  # any failure: leave the engine clean for the next request, then report
-                self.engine.recover()
-                raise _engine_failure(exc) from exc
-        self._count(calls=1, requests=len(prompts))
-        with times.phase("outputs"):
-            if config.stop:
-                outputs = [self._apply_stops(out, config.stop) for out in outputs]
-            return [
-                _rollout_output(self.engine.model_dir, p, out, version, config.return_details)
-                for p, out in zip(prompts, outputs, strict=True)
-            ]
+        if ticket.error is not None:
+            raise ticket.error
+        engine_outputs = [o for o in ticket.outputs if o is not None]
+        self._count(calls=1, requests=len(engine_outputs))
+        if call.config.stop:
+            engine_outputs = [self._apply_stops(out, call.config.stop) for out in engine_outputs]
+        first, last = ticket.versions
+        return [
+            _rollout_output(self.engine.model_dir, p, out, (first, last), call.config.return_details)
+            for p, out in zip(call.prompts, engine_outputs, strict=True)
+        ]
 
     def _checked(self, body: InferBody, times: PhaseTimes) -> tuple[RequestConfig, list[PreparedPrompt]]:
         """Caps and cross-field checks the wire models cannot know; then the prepared prompts."""
@@ -148,14 +216,18 @@ class RolloutServer:
         return EngineOutput(out.prompt_token_ids, trimmed[0], trimmed[1], "stop")
 
     def reset_prefix_cache(self) -> None:
-        with self.guard.hold("cache reset"):
-            self.engine.reset_caches()
+        """Reset every engine cache once in-flight calls finished (new calls wait behind it)."""
+        self.scheduler.run_operation(CACHE_RESET, self._reset_caches, is_load=False)
 
-    def _count(self, *, calls: int = 0, requests: int = 0, rejected: int = 0) -> None:
+    def _reset_caches(self) -> None:
+        self.engine.reset_caches()
+
+    def _count(self, *, calls: int = 0, requests: int = 0, rejected: int = 0, busy: int = 0) -> None:
         with self._counter_lock:
             self.infer_calls += calls
             self.infer_requests += requests
             self.rejected_requests += rejected
+            self.busy_refusals += busy
 
     # ---------------------------------------------------------------------------- weight sync
     def init_communicator(self, body: InitCommunicatorBody, requester: str = "?") -> str:
@@ -172,8 +244,8 @@ class RolloutServer:
         replies: list[FinishUpdateReply] = []
 
         def load(update: VerifiedUpdate) -> None:
-            with self.guard.hold("weight load"):
-                self._load(update)
+            # On the engine thread, fair against new calls (in-flight calls per the update mode).
+            self.scheduler.run_operation(WEIGHT_LOAD, lambda: self._load(update), is_load=True)
             replies.append(update.reply)
 
         rejected = self.sync.finish(body, lease, load)
@@ -192,8 +264,9 @@ class RolloutServer:
             self.pushes_by_version[reply.version] = self.pushes_by_version.get(reply.version, 0) + 1
         return reply
 
-    def _load(self, update: VerifiedUpdate) -> None:
-        """Engines validate names and shapes before changing anything (a ``SyncError`` is clean)."""
+    def _load(self, update: VerifiedUpdate) -> int:
+        """Engines validate names and shapes before changing anything (a ``SyncError`` is clean);
+        returns the new version (the scheduler resets the caches)."""
         if update.adapter is not None:
             try:
                 self.engine.load_adapter(update.tensors, update.adapter)
@@ -209,8 +282,7 @@ class RolloutServer:
                     f"loading weight version {update.version} failed half-way ({type(exc).__name__}: {exc})"
                 )
                 raise BackendError(self.broken) from exc
-        self.engine.reset_caches()
-        self.weight_version = update.version
+        return update.version
 
     def close_communicator(self, lease: str | None = None) -> None:
         self.sync.close(lease)
@@ -238,10 +310,14 @@ class RolloutServer:
             infer_requests=self.infer_requests,
             infer_calls=self.infer_calls,
             rejected_requests=self.rejected_requests,
+            busy_refusals=self.busy_refusals,
+            rerun_calls=self.scheduler.rerun_calls,
+            update_mode=self.scheduler.update_mode,
             communicator=self.sync.describe(),
         )
 
     def close(self) -> None:
+        self.scheduler.close()
         self.sync.shutdown()
         self.engine.close()
 
@@ -261,8 +337,11 @@ def _engine_failure(exc: Exception) -> Exception:
 
 
 def _rollout_output(
-    model: str, prompt: PreparedPrompt, out: EngineOutput, version: int, details: bool
+    model: str, prompt: PreparedPrompt, out: EngineOutput, versions: tuple[int, int], details: bool
 ) -> RolloutOutput:
+    """One reply item; ``weight_version`` is the oldest version that produced it (what freshness
+    gates use), ``weight_version_last`` the newest (they differ only in the ``keep`` update mode)."""
+    first, last = versions
     return RolloutOutput(
         response=ChatCompletionResponse(
             model=model,
@@ -282,7 +361,8 @@ def _rollout_output(
             prompt_token_ids=out.prompt_token_ids if details else None,
         ),
         response_token_ids=[out.token_ids] if details else [],
-        rollout_infos={"weight_version": version},
-        weight_version=version,
+        rollout_infos={"weight_version": first, "weight_version_last": last},
+        weight_version=first,
+        weight_version_last=last,
         sample_id=prompt.sample_id,
     )

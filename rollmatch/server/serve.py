@@ -24,6 +24,7 @@ import torch
 import uvicorn
 
 from rollmatch.server.app import build_app
+from rollmatch.server.connections import guarded_h11_protocol, raise_open_file_limit
 from rollmatch.server.engines import build_engine
 from rollmatch.server.limits import ServerLimits
 from rollmatch.server.media import MediaPolicy
@@ -53,6 +54,7 @@ def serve_command(args: argparse.Namespace) -> int:
         tensor_parallel_size=args.tensor_parallel_size,
         data_parallel_size=args.data_parallel_size,
         enable_lora=bool(getattr(args, "enable_lora", False)),
+        max_num_seqs=getattr(args, "max_num_seqs", None),
         min_pixels=getattr(args, "min_pixels", None),
         max_pixels=getattr(args, "max_pixels", None),
         media=media,
@@ -82,11 +84,14 @@ def serve_command(args: argparse.Namespace) -> int:
         media.allowed_root or "refused",
         limits,
     )
+    raise_open_file_limit()  # every connection is a file descriptor
     config = uvicorn.Config(
         build_app(server, api_key=api_key),
         host=args.host,
         port=args.port,
         log_level="warning",
+        http=guarded_h11_protocol(limits.request_read_timeout_s, limits.max_connections),
+        timeout_keep_alive=max(1, round(limits.keep_alive_timeout_s)),
         timeout_graceful_shutdown=int(SHUTDOWN_GRACE_S),
     )
     _BoundedStopServer(config).run()

@@ -1,68 +1,63 @@
-"""The engine lock with a watchdog: who holds the engine, since when, and when it last made progress.
+"""The engine watchdog: what the engine thread is doing, since when, and when it last made progress.
 
-Owns: :class:`EngineGuard`. Generation and weight loads take the engine one at a time through
-:meth:`EngineGuard.hold`; engines call :meth:`EngineGuard.progress` on every decoding step (a vLLM
-engine step, an HF forward). A generation that makes no progress for ``stall_timeout_s`` is a
-*stalled* engine: ``/health/`` answers 503 naming it, and requests waiting for the engine give up
-with a 503 instead of queueing behind it forever. Leaves out: what the engines do, and HTTP.
+Owns: :class:`EngineWatch`. The engine thread (``server.scheduler``) wraps every engine operation
+(generation steps, weight loads, cache resets) in :meth:`EngineWatch.operation`; engines call
+:meth:`EngineWatch.progress` on every model forward. An operation that makes no progress for
+``stall_timeout_s`` is a *stalled* engine: ``/health/`` answers 503 naming the operation, and calls
+waiting for the engine fail with a 503 instead of waiting forever. Reads are lock-free (plain
+attribute reads), so health probes never wait for the engine. Leaves out: what the operations do,
+and HTTP.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from rollmatch.errors import BackendError
-
 GENERATION = "generation"
-_POLL_S = 0.5
+WEIGHT_LOAD = "weight load"
+CACHE_RESET = "cache reset"
 
 
-class EngineGuard:
-    """Serialises engine use; reports a stalled generation (see the module docstring)."""
+class EngineWatch:
+    """Current engine operation and its liveness (see the module docstring)."""
 
     def __init__(self, stall_timeout_s: float):
         self.stall_timeout_s = float(stall_timeout_s)
-        self._lock = threading.Lock()
-        self._holder: str | None = None
-        self._held_since = 0.0
+        self._operation: str | None = None
+        self._since = 0.0
         self._last_progress = time.monotonic()
 
     def progress(self) -> None:
-        """Called by the engine on every decoding step (cheap: one clock read)."""
+        """Called by the engine on every model forward (cheap: one clock read)."""
         self._last_progress = time.monotonic()
 
     @contextmanager
-    def hold(self, what: str) -> Iterator[None]:
-        """Take the engine for ``what``; waits while it is busy, fails fast once it is stalled."""
-        while not self._lock.acquire(timeout=_POLL_S):
-            stalled = self.stalled()
-            if stalled is not None:
-                raise BackendError(f"the rollout engine is stalled ({stalled}); restart the server")
-        self._holder, self._held_since = what, time.monotonic()
-        self._last_progress = self._held_since
+    def operation(self, what: str) -> Iterator[None]:
+        """Mark the block as the engine doing ``what`` (only the engine thread calls this)."""
+        self._since = self._last_progress = time.monotonic()
+        self._operation = what
         try:
             yield
         finally:
-            self._holder = None
-            self._lock.release()
+            self._operation = None
+
+    @property
+    def current(self) -> str | None:
+        """The operation under way, or ``None`` while the engine thread is between operations."""
+        return self._operation
 
     def stalled(self) -> str | None:
         """Why the engine counts as stalled, or ``None`` while it is idle or making progress."""
-        holder = self._holder
-        if holder != GENERATION:
-            return None  # weight loads make no decoding steps; their waits are bounded elsewhere
-        quiet = time.monotonic() - max(self._last_progress, self._held_since)
+        operation = self._operation
+        if operation is None:
+            return None
+        now = time.monotonic()
+        quiet = now - max(self._last_progress, self._since)
         if quiet <= self.stall_timeout_s:
             return None
-        held = time.monotonic() - self._held_since
         return (
-            f"{holder} made no progress for {quiet:.0f}s (held the engine for {held:.0f}s; limit "
-            f"--engine-stall-timeout-s {self.stall_timeout_s:.0f})"
+            f"{operation} made no progress for {quiet:.0f}s (running for {now - self._since:.0f}s; limit "
+            f"--engine-stall-timeout-s {self.stall_timeout_s:g})"
         )
-
-    @property
-    def busy_with(self) -> str | None:
-        return self._holder

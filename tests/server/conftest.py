@@ -117,6 +117,7 @@ def app_client() -> Iterator[Callable[..., Any]]:
     yield make
     for client, server in made:
         client.close()
+        server.scheduler.close()
         server.sync.shutdown()
 
 

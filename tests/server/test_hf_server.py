@@ -31,7 +31,8 @@ def test_health_world_size_and_info(
     hf_server: Any, loaded_tiny: tuple[Any, Any], tiny_model_dir: Path
 ) -> None:
     model, processor = loaded_tiny
-    assert hf_server.get("/health/") == {"status": "ok"}
+    health = hf_server.get("/health/")
+    assert health["status"] == "ok" and health["engine"] == "idle", health
     assert hf_server.get("/get_world_size/") == {"world_size": 1}
     info = hf_server.get("/info/")
     assert info["engine"] == "hf" and info["model_dir"] == str(tiny_model_dir)

@@ -60,3 +60,39 @@ def test_vllm_server_rolls_out_resized_bmp_images_like_the_trainer(
     served = backend.generate(raccoon_requests, DECODING, seed=0)
     assert [r.prompt_token_ids for r in served] == [q.prompt_token_ids for q in raccoon_requests]
     assert [r.response_token_ids for r in served] == [r.response_token_ids for r in reference]
+
+
+def test_vllm_calls_from_several_clients_share_the_engine_and_keep_their_seeded_outputs(
+    vllm_server: Any, trainer_side: Callable[..., Any], raccoon_requests: list[Any]
+) -> None:
+    """Every prompt is its own engine request with its own seed: a call's sampled outputs do not
+    depend on which other calls run beside it."""
+    import concurrent.futures
+
+    import requests
+    from load_clients import infer_payload, post_infer
+
+    side = trainer_side(vllm_server.url)
+    sampled = Decoding(temperature=1.0, top_p=0.95, max_new_tokens=16)
+    payload = infer_payload(side, raccoon_requests, sampled)
+    _, _, alone = post_infer(requests.Session(), vllm_server.url, payload)
+    others = infer_payload(side, raccoon_requests[::-1], Decoding(max_new_tokens=24))
+    with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
+        background = [pool.submit(post_infer, requests.Session(), vllm_server.url, others) for _ in range(3)]
+        together = pool.submit(post_infer, requests.Session(), vllm_server.url, payload).result()
+        assert all(f.result()[0] == 200 for f in background)
+    assert together[0] == 200 and together[2] == alone
+
+
+def test_vllm_weight_pushes_under_load_are_fair_and_every_answer_has_the_right_version(
+    vllm_server: Any, trainer_side: Callable[..., Any], raccoon_requests: list[Any]
+) -> None:
+    from load_clients import check_load_result, pushes_under_load
+
+    side = trainer_side(vllm_server.url)
+    result = pushes_under_load(vllm_server.url, side, raccoon_requests, Decoding(max_new_tokens=24))
+    check_load_result(result)
+    print(
+        f"vllm: {len(result.answers)} answers, pushes {[round(s, 2) for s in result.push_seconds]} s, "
+        f"one idle call {result.idle_call_seconds:.2f} s"
+    )

@@ -231,19 +231,24 @@ def test_a_stalled_generation_makes_health_503_and_later_calls_fail_fast(
 ) -> None:
     client, _server = app_client(hf_engine, engine_stall_timeout_s=1.0, max_tokens=2)
     release = threading.Event()
-    monkeypatch.setattr(hf_engine, "generate", lambda *a, **k: release.wait(30) and [])  # a wedged engine
-    stuck = threading.Thread(target=lambda: _post(client, {"infer_requests": [_chat()]}), daemon=True)
+    monkeypatch.setattr(hf_engine, "step", lambda: release.wait(30) and [])  # a wedged engine
+    waiting: list[Any] = []
+    stuck = threading.Thread(
+        target=lambda: waiting.append(_post(client, {"infer_requests": [_chat()]})), daemon=True
+    )
     stuck.start()
     deadline = time.monotonic() + 10
     while client.get("/health/").status_code == 200 and time.monotonic() < deadline:
         time.sleep(0.2)
     health = client.get("/health/")
-    assert health.status_code == 503 and "no progress" in health.json()["detail"]
+    assert health.status_code == 503 and "generation made no progress" in health.json()["detail"]
+    assert health.json()["engine"] == "stalled"
+    stuck.join(timeout=5)  # the call that was waiting fails too, within the bound
+    assert waiting and waiting[0].status_code == 503 and "stalled" in waiting[0].text
     started = time.monotonic()
     reply = _post(client, {"infer_requests": [_chat()]})
     assert reply.status_code == 503 and "stalled" in reply.text and time.monotonic() - started < 5
     release.set()
-    stuck.join(timeout=10)
     monkeypatch.undo()
     assert client.get("/health/").status_code == 200
     assert _post(client, {"infer_requests": [_chat()]}).status_code == 200

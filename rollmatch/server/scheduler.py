@@ -1,0 +1,431 @@
+"""The rollout server's engine thread: continuous batching across calls, fair weight updates.
+
+Owns: :class:`EngineScheduler` (one thread owns the engine), :class:`CallTicket` (one ``/infer/``
+call in flight), :class:`ServingState` and the update modes. Leaves out: request checks and
+preparation (``server.rollout_server``), what an engine is (``server.engines``) and HTTP.
+
+How calls share the engine: a call is *submitted* (admission: bounded prompts and prompt tokens
+outstanding, else :class:`~rollmatch.errors.ServerBusy`, a 429), then *admitted* by the engine
+thread, which adds every prompt as its own engine request with its own decoding and seed
+(``seed + j`` for prompt ``j``). The vLLM engine schedules all admitted requests together
+(continuous batching: a call arriving mid-generation joins at the next engine step); the HF engine
+runs everything admitted as one batch per step, calls arriving while a batch runs join the next
+one, and from idle it waits (at most ``join_window_s``) for calls still being prepared. A call's outputs do not depend on what else runs, because seeds are per request.
+
+Exclusive operations (weight loads, cache resets) are queued like calls but go first: once one is
+pending, no new call is admitted (fair against new calls; an update cannot starve). A weight load
+then follows the update mode:
+
+- ``drain`` (default): in-flight calls finish under the old weights, at most ``drain_timeout_s``;
+  calls still running then are aborted and re-run whole under the new weights;
+- ``abort``: in-flight calls are aborted at once and re-run whole under the new weights;
+- ``keep``: in-flight sequences continue under the new weights with their KV cache kept; their
+  outputs report the first and the last version that produced them (``CallTicket.versions``); new
+  calls are admitted once those finish and the caches are reset, so they see only new weights.
+
+Every other call reports one version: all its outputs come from the weights it was admitted
+under (a re-run call is admitted again). A cache reset always drains (engines refuse it mid-run).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+from rollmatch.errors import BackendError, ServerBusy
+from rollmatch.rollout.types import Decoding
+from rollmatch.server.limits import RequestTooLarge
+from rollmatch.server.watchdog import CACHE_RESET, GENERATION, EngineWatch
+
+if TYPE_CHECKING:
+    from rollmatch.server.engines import EngineOutput, ServerEngine
+    from rollmatch.server.prompts import PreparedPrompt
+
+log = logging.getLogger(__name__)
+UpdateMode = Literal["drain", "abort", "keep"]
+UPDATE_MODES: tuple[UpdateMode, ...] = ("drain", "abort", "keep")
+ServingState = Literal["idle", "generating", "updating", "stalled", "stopped"]
+_POLL_S = 0.25
+
+
+@dataclass
+class CallTicket:
+    """One submitted call: its prompts, where it stands, and (once done) its outputs or error."""
+
+    call_id: int
+    prompts: list[PreparedPrompt]
+    decoding: Decoding
+    seed: int | None
+    prompt_tokens: int
+    outputs: list[EngineOutput | None] = field(default_factory=list)
+    first_version: int = -1
+    last_version: int = -1
+    attempts: int = 0  # admissions: a call aborted by a weight update is admitted again
+    error: BaseException | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+    _callbacks: list[Callable[[], None]] = field(default_factory=list)
+
+    @property
+    def versions(self) -> tuple[int, int]:
+        """(first, last) weight version that produced the outputs; equal except in ``keep`` mode."""
+        return self.first_version, self.last_version
+
+    def request_id(self, index: int) -> str:
+        return f"c{self.call_id}.{self.attempts}.{index}"
+
+    def on_done(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` (from the engine thread) once the call is done; at once if it is."""
+        self._callbacks.append(callback)
+        if self.done.is_set():
+            callback()
+
+    def forget(self, callback: Callable[[], None]) -> None:
+        """Drop a callback registered with :meth:`on_done` (its waiter gave up)."""
+        if callback in self._callbacks:
+            self._callbacks.remove(callback)
+
+    def _finish(self, error: BaseException | None = None) -> None:
+        self.error = error
+        self.done.set()
+        for callback in list(self._callbacks):
+            callback()
+
+
+@dataclass
+class _Operation:
+    """An exclusive engine operation; ``fn`` returns the new weight version (a load) or ``None``."""
+
+    what: str
+    fn: Callable[[], int | None]
+    is_load: bool
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+
+
+class EngineScheduler:
+    """The one thread that drives the engine (see the module docstring); every method is thread-safe."""
+
+    def __init__(
+        self,
+        engine: ServerEngine,
+        watch: EngineWatch,
+        *,
+        update_mode: UpdateMode = "drain",
+        drain_timeout_s: float = 60.0,
+        max_queued_prompts: int = 4096,
+        max_queued_prompt_tokens: int = 1 << 22,
+        on_failure: Callable[[BaseException], BaseException] = lambda exc: exc,
+    ):
+        if update_mode not in UPDATE_MODES:
+            raise ValueError(f"--update-mode {update_mode!r}: choose one of {', '.join(UPDATE_MODES)}")
+        self.engine, self.watch = engine, watch
+        self.update_mode, self.drain_timeout_s = update_mode, float(drain_timeout_s)
+        self.max_queued_prompts, self.max_queued_prompt_tokens = max_queued_prompts, max_queued_prompt_tokens
+        self._on_failure = on_failure
+        self.version = 0
+        self._cond = threading.Condition()
+        self._pending: deque[CallTicket] = deque()
+        self._operations: deque[_Operation] = deque()
+        self._running: dict[str, tuple[CallTicket, int]] = {}  # engine request id -> (call, prompt index)
+        self._running_calls: dict[int, CallTicket] = {}
+        self._outstanding_prompts = 0
+        self._outstanding_tokens = 0
+        self._caches_stale = False  # ``keep`` mode: reset once the kept sequences finish
+        self._drain_since: float | None = None
+        self._ids = itertools.count()
+        self._arriving = 0  # calls being prepared (see :meth:`arrival`)
+        self._stopping = False
+        self._closed_reason: str | None = None
+        self.rerun_calls = 0
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._thread.start()
+
+    # ----------------------------------------------------------------------------------- calls
+    def submit(self, prompts: list[PreparedPrompt], decoding: Decoding, seed: int | None) -> CallTicket:
+        """Queue a call; :class:`ServerBusy` when the server holds too much already."""
+        tokens = sum(len(p.prompt_token_ids) for p in prompts)
+        if len(prompts) > self.max_queued_prompts or tokens > self.max_queued_prompt_tokens:
+            raise RequestTooLarge(
+                "infer_requests",
+                f"this call alone holds {len(prompts)} prompts / {tokens} prompt tokens, over what the server "
+                f"queues ({self.max_queued_prompts} / {self.max_queued_prompt_tokens}: --max-queued-prompts, "
+                "--max-queued-prompt-tokens); split the call",
+            )
+        with self._cond:
+            self._refuse_if_unusable()
+            if (
+                self._outstanding_prompts + len(prompts) > self.max_queued_prompts
+                or self._outstanding_tokens + tokens > self.max_queued_prompt_tokens
+            ):
+                raise ServerBusy(
+                    f"the server holds {self._outstanding_prompts} prompts / {self._outstanding_tokens} prompt "
+                    f"tokens already (limits --max-queued-prompts {self.max_queued_prompts}, "
+                    f"--max-queued-prompt-tokens {self.max_queued_prompt_tokens}); retry later or add servers",
+                    retry_after_s=1.0,
+                )
+            ticket = CallTicket(next(self._ids), list(prompts), decoding, seed, tokens)
+            ticket.outputs = [None] * len(prompts)
+            self._outstanding_prompts += len(prompts)
+            self._outstanding_tokens += tokens
+            self._pending.append(ticket)
+            self._cond.notify_all()
+        return ticket
+
+    @contextmanager
+    def arrival(self) -> Iterator[None]:
+        """Wrap a call's preparation and :meth:`submit`: an engine that batches whole calls (``hf``)
+        starting from idle waits for calls being prepared, so calls sent together run together."""
+        with self._cond:
+            self._arriving += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._arriving -= 1
+                self._cond.notify_all()
+
+    def wait(self, ticket: CallTicket) -> list[EngineOutput]:
+        """Block until ``ticket`` is done; fails once the engine is stalled (never waits forever)."""
+        while not ticket.done.wait(_POLL_S):
+            self._fail_if_stalled()
+        return self._result(ticket)
+
+    async def wait_async(self, ticket: CallTicket) -> list[EngineOutput]:
+        """:meth:`wait` for the event loop: no thread is held while the call waits."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+
+        def wake() -> None:
+            try:
+                loop.call_soon_threadsafe(lambda: done.done() or done.set_result(None))
+            except RuntimeError:  # the waiter's loop is closed (its client left): nobody to wake
+                return
+
+        ticket.on_done(wake)
+        try:
+            while True:
+                try:
+                    await asyncio.wait_for(asyncio.shield(done), _POLL_S)
+                    return self._result(ticket)
+                except TimeoutError:
+                    self._fail_if_stalled()
+        finally:
+            ticket.forget(wake)
+
+    # ------------------------------------------------------------------------------ operations
+    def run_operation(self, what: str, fn: Callable[[], int | None], *, is_load: bool) -> None:
+        """Run ``fn`` on the engine thread with no generation running (see the update modes);
+        a load's ``fn`` returns the new weight version. Blocks until done; raises what ``fn`` raised."""
+        operation = _Operation(what, fn, is_load)
+        with self._cond:
+            self._refuse_if_unusable()
+            self._operations.append(operation)
+            self._cond.notify_all()
+        while not operation.done.wait(_POLL_S):
+            self._fail_if_stalled()
+        if operation.error is not None:
+            raise operation.error
+
+    # ----------------------------------------------------------------------------------- state
+    @property
+    def state(self) -> ServingState:
+        if self._closed_reason is not None:
+            return "stopped"
+        if self.watch.stalled() is not None:
+            return "stalled"
+        if self._operations or self.watch.current not in (None, GENERATION):
+            return "updating"
+        return "generating" if self._running_calls else "idle"
+
+    def depth(self) -> dict[str, int]:
+        """Queue depth, lock-free (a snapshot for health and stats)."""
+        return {
+            "queued_calls": len(self._pending),
+            "running_calls": len(self._running_calls),
+            "outstanding_prompts": self._outstanding_prompts,
+            "pending_operations": len(self._operations),
+        }
+
+    def close(self, timeout_s: float = 2.0) -> None:
+        """Stop the thread; every call not yet done fails with a 503."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        self._thread.join(timeout=timeout_s)
+        self._fail_everything(BackendError("the rollout server is shutting down; nothing was generated"))
+
+    # ----------------------------------------------------------------------------- the thread
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._stopping or self._pending or self._operations or self._running):
+                    self._cond.wait(1.0)
+                if self._stopping:
+                    return
+                operation = self._operations[0] if self._operations else None
+            try:
+                if operation is not None:
+                    self._serve_operation(operation)
+                elif self._caches_stale and not self._running:
+                    self._reset_caches()
+                else:
+                    if not self._caches_stale:
+                        self._admit_pending()
+                    if self._running:
+                        self._step()
+            except BaseException as exc:  # the engine thread must never die silently
+                log.exception("rollout engine thread: unexpected failure")
+                self._fail_everything(BackendError(f"the rollout engine thread failed: {exc}"))
+
+    def _serve_operation(self, operation: _Operation) -> None:
+        if self._running and not self._ready_for(operation):
+            self._step()  # drain: in-flight calls finish under the current weights
+            return
+        self._drain_since = None
+        keep = operation.is_load and self._running
+        try:
+            with self.watch.operation(operation.what):
+                version = operation.fn()
+            if version is not None:
+                self.version = version
+            if operation.is_load:
+                self._caches_stale = True
+                if not keep:
+                    self._reset_caches()
+        except BaseException as exc:
+            operation.error = exc
+        with self._cond:
+            self._operations.popleft()
+        operation.done.set()
+
+    def _ready_for(self, operation: _Operation) -> bool:
+        """May ``operation`` run now, with calls in flight? Aborts them when the mode says so."""
+        if operation.is_load and self.update_mode == "keep":
+            return True
+        if operation.is_load and self.update_mode == "abort":
+            self._abort_running("the abort update mode")
+            return True
+        now = time.monotonic()
+        self._drain_since = self._drain_since or now
+        if now - self._drain_since < self.drain_timeout_s:
+            return False
+        self._abort_running(f"the drain timeout ({self.drain_timeout_s:g}s, --drain-timeout-s)")
+        return True
+
+    def _abort_running(self, why: str) -> None:
+        calls = list(self._running_calls.values())
+        self.engine.abort(list(self._running))
+        self._running.clear()
+        self._running_calls.clear()
+        for ticket in calls:
+            ticket.outputs = [None] * len(ticket.prompts)
+            ticket.attempts += 1
+        self.rerun_calls += len(calls)
+        with self._cond:
+            self._pending.extendleft(reversed(calls))  # first in line once generation resumes
+        log.info("%d call(s) aborted by %s; they run again under the new weights", len(calls), why)
+
+    def _reset_caches(self) -> None:
+        with self.watch.operation(CACHE_RESET):
+            self.engine.reset_caches()
+        self._caches_stale = False
+
+    def _admit_pending(self) -> None:
+        window = self.engine.join_window_s
+        with self._cond:
+            if window > 0 and not self._running:  # from idle: calls sent together start as one batch
+                deadline = time.monotonic() + window
+                while self._arriving > 0 and (left := deadline - time.monotonic()) > 0:
+                    self._cond.wait(left)
+            admitted = list(self._pending)
+            self._pending.clear()
+        for ticket in admitted:
+            self._admit(ticket)
+
+    def _admit(self, ticket: CallTicket) -> None:
+        ticket.first_version = self.version
+        added: list[str] = []
+        try:
+            for index, prompt in enumerate(ticket.prompts):
+                request_id = ticket.request_id(index)
+                seed = None if ticket.seed is None else ticket.seed + index
+                self.engine.add(request_id, prompt, ticket.decoding, seed)
+                added.append(request_id)
+                self._running[request_id] = (ticket, index)
+        except Exception as exc:  # this call's values: only this call fails
+            for request_id in added:
+                self._running.pop(request_id, None)
+            self.engine.abort(added)
+            self._done(ticket, self._on_failure(exc))
+            return
+        self._running_calls[ticket.call_id] = ticket
+
+    def _step(self) -> None:
+        try:
+            with self.watch.operation(GENERATION):
+                finished = self.engine.step()
+        except Exception as exc:  # the engine failed mid-step: every running call fails, the engine recovers
+            calls = list(self._running_calls.values())
+            self._running.clear()
+            self._running_calls.clear()
+            self.engine.recover()
+            error = self._on_failure(exc)
+            for ticket in calls:
+                self._done(ticket, error)
+            return
+        for request_id, output in finished:
+            entry = self._running.pop(request_id, None)
+            if entry is None:
+                continue  # a request aborted in the same step
+            ticket, index = entry
+            ticket.outputs[index] = output
+            if all(o is not None for o in ticket.outputs):
+                ticket.last_version = self.version
+                self._running_calls.pop(ticket.call_id, None)
+                self._done(ticket, None)
+
+    def _done(self, ticket: CallTicket, error: BaseException | None) -> None:
+        with self._cond:
+            self._outstanding_prompts -= len(ticket.prompts)
+            self._outstanding_tokens -= ticket.prompt_tokens
+        ticket._finish(error)
+
+    def _fail_everything(self, error: BaseException) -> None:
+        with self._cond:
+            calls = list(self._pending) + list(self._running_calls.values())
+            operations = list(self._operations)
+            self._pending.clear()
+            self._operations.clear()
+            self._running.clear()
+            self._running_calls.clear()
+            self._closed_reason = self._closed_reason or str(error)
+        for ticket in calls:
+            if not ticket.done.is_set():
+                self._done(ticket, error)
+        for operation in operations:
+            operation.error = error
+            operation.done.set()
+
+    # ---------------------------------------------------------------------------------- checks
+    def _result(self, ticket: CallTicket) -> list[EngineOutput]:
+        if ticket.error is not None:
+            raise ticket.error
+        return [o for o in ticket.outputs if o is not None]
+
+    def _refuse_if_unusable(self) -> None:
+        if self._closed_reason is not None:
+            raise BackendError(f"the rollout engine stopped: {self._closed_reason}")
+        self._fail_if_stalled()
+
+    def _fail_if_stalled(self) -> None:
+        stalled = self.watch.stalled()
+        if stalled is not None:
+            raise BackendError(f"the rollout engine is stalled ({stalled}); restart the server")

@@ -1,0 +1,88 @@
+"""The client's two retries, against small real HTTP servers on 127.0.0.1 that inject the fault: a
+429 is waited out within the call's time (``Retry-After``), and a connection closed before any
+byte of the answer is sent again once."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+
+from rollmatch.errors import BackendError, ServerBusy
+from rollmatch.rollout.connection import ServerConnection
+
+Script = Callable[[int], str]  # call number -> "close" | "busy" | "ok"
+
+
+@pytest.fixture
+def scripted_server() -> Iterator[Callable[[Script], tuple[str, list[float]]]]:
+    servers: list[ThreadingHTTPServer] = []
+
+    def start(script: Script) -> tuple[str, list[float]]:
+        seen: list[float] = []
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                seen.append(time.monotonic())
+                action = script(len(seen))
+                if action == "close":  # the idle keep-alive race: closed before any byte of the answer
+                    self.close_connection = True
+                    self.connection.close()
+                    return
+                status, body = (429, {"detail": "queue full"}) if action == "busy" else (200, {"ok": True})
+                payload = json.dumps(body).encode()
+                self.send_response(status)
+                if status == 429:
+                    self.send_header("Retry-After", "1")
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+            def log_message(self, *_: object) -> None:
+                return None
+
+        server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+        return f"http://127.0.0.1:{server.server_address[1]}", seen
+
+    yield start
+    for server in servers:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_connection_closed_before_the_answer_is_sent_again_once(
+    scripted_server: Callable[..., Any],
+) -> None:
+    url, seen = scripted_server(lambda n: "close" if n == 1 else "ok")
+    conn = ServerConnection(url, 0, timeout_s=5, infer_timeout_s=None)
+    assert conn.post_bytes("/infer/", b"{}", "rollout", timeout_s=5).json() == {"ok": True}
+    assert len(seen) == 2
+
+    url, seen = scripted_server(lambda n: "close")
+    conn = ServerConnection(url, 0, timeout_s=5, infer_timeout_s=None)
+    with pytest.raises(BackendError, match=r"rollout \(POST /infer/\) failed"):
+        conn.post_bytes("/infer/", b"{}", "rollout", timeout_s=5)
+    assert len(seen) == 2  # one resend, no more
+
+
+def test_a_busy_server_is_waited_out_within_the_calls_time(scripted_server: Callable[..., Any]) -> None:
+    url, seen = scripted_server(lambda n: "busy" if n <= 2 else "ok")
+    conn = ServerConnection(url, 0, timeout_s=10, infer_timeout_s=None)
+    assert conn.post_bytes("/infer/", b"{}", "rollout", timeout_s=10).json() == {"ok": True}
+    assert len(seen) == 3 and seen[1] - seen[0] >= 0.9  # Retry-After honoured
+
+    url, seen = scripted_server(lambda n: "busy")
+    conn = ServerConnection(url, 0, timeout_s=3, infer_timeout_s=None)
+    started = time.monotonic()
+    with pytest.raises(ServerBusy, match="HTTP 429 until the call's time ran out"):
+        conn.post_bytes("/infer/", b"{}", "rollout", timeout_s=3)
+    assert time.monotonic() - started < 3.5 and len(seen) >= 2

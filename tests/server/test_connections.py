@@ -1,0 +1,89 @@
+"""Connection hygiene of a real ``rollmatch serve`` process: slow or stalled senders are cut off at the
+read deadline, idle half-sent connections cannot crowd out a fresh ``/health/``."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+
+READ_TIMEOUT_S = 1.5
+
+
+@pytest.fixture(scope="module")
+def strict_server(start_server: Callable[..., Any], tiny_model_dir: Path) -> Any:
+    return start_server(
+        tiny_model_dir,
+        "--engine",
+        "hf",
+        "--request-read-timeout-s",
+        str(READ_TIMEOUT_S),
+        "--keep-alive-timeout-s",
+        "1",
+        "--max-connections",
+        "32",
+    )
+
+
+def _connect(server: Any) -> socket.socket:
+    host, port = server.url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=10)
+    return sock
+
+
+def _closed_within(sock: socket.socket, seconds: float, trickle: bytes = b"") -> float:
+    """Send ``trickle`` a byte at a time (0.3 s apart) until the server closes; seconds it took."""
+    started = time.monotonic()
+    sock.settimeout(0.3)
+    position = 0
+    while time.monotonic() - started < seconds:
+        try:
+            if sock.recv(65536) == b"":
+                return time.monotonic() - started
+        except TimeoutError:
+            pass
+        except ConnectionResetError:
+            return time.monotonic() - started
+        if position < len(trickle):
+            try:
+                sock.sendall(trickle[position : position + 1])
+            except (BrokenPipeError, ConnectionResetError):
+                return time.monotonic() - started
+            position += 1
+    raise AssertionError(f"the server kept the connection open for {seconds}s")
+
+
+def test_a_slow_header_and_a_stalled_body_are_cut_off_at_the_read_deadline(strict_server: Any) -> None:
+    slow = _connect(strict_server)
+    header = b"GET /health/ HTTP/1.1\r\nHost: x\r\nX-Padding: " + b"a" * 200 + b"\r\n\r\n"
+    took = _closed_within(slow, READ_TIMEOUT_S + 3, trickle=header)
+    assert took < READ_TIMEOUT_S + 1.0, took
+
+    stalled = _connect(strict_server)
+    stalled.sendall(
+        b"POST /infer/ HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 40000000\r\n\r\n" + b" " * (1 << 20)
+    )
+    took = _closed_within(stalled, READ_TIMEOUT_S + 3)
+    assert took < READ_TIMEOUT_S + 1.0, took
+    assert requests.get(f"{strict_server.url}/health/", timeout=5).status_code == 200
+
+
+def test_idle_half_sent_connections_cannot_crowd_out_a_fresh_health_probe(strict_server: Any) -> None:
+    crowd = []
+    for _ in range(100):  # three times --max-connections, each with half a request head
+        sock = _connect(strict_server)
+        sock.sendall(b"POST /infer/ HTTP/1.1\r\nHost: x\r\n")
+        crowd.append(sock)
+    try:
+        started = time.monotonic()
+        reply = requests.get(f"{strict_server.url}/health/", timeout=5)
+        assert reply.status_code == 200 and time.monotonic() - started < 1.0
+    finally:
+        for sock in crowd:
+            sock.close()
