@@ -17,7 +17,13 @@ fraction of the sequential step. The ratio that matters is ``fraction_of_ideal``
 of rollout-matched training (Channel-B samples trained per second, async over micro) divided by the
 ideal speed-up ``1 / bound``. 1.0 = perfect overlap.
 
-Prints ONE JSON object. Run: ``.venv/bin/python bench/async_overlap.py [--steps 16] [--text-hidden 256]``
+Staleness (async run): ``stale_dropped_fraction`` is the fraction of rollouts the learner dropped as
+stale (older than ``version_window`` when consumed), ``ver_lag_mean`` / ``ver_lag_max`` the version lag
+of the packs it trained. ``--compare-admission`` repeats the async run with admission-time staleness
+control off (``async.admission_control: false``), under ``async_without_admission_control``.
+
+Prints ONE JSON object. Run: ``.venv/bin/python bench/async_overlap.py [--steps 16] [--text-hidden 256]
+[--sync-every 1 --version-window 1 --compare-admission]``
 (a few minutes on 2 CPU cores). On a machine this small the server and the learner share two cores, so
 they slow each other down while overlapped; the JSON records the load average.
 """
@@ -50,7 +56,13 @@ WARMUP_STEPS = 2
 
 
 def train(
-    root: Path, args: argparse.Namespace, model_dir: Path, train_jsonl: Path, port: int, mode: str
+    root: Path,
+    args: argparse.Namespace,
+    model_dir: Path,
+    train_jsonl: Path,
+    port: int,
+    mode: str,
+    admission: bool = True,
 ) -> tuple[list[dict[str, Any]], float]:
     cfg = load_config_dict(
         {
@@ -85,11 +97,13 @@ def train(
                         "prefetch_target_packs": 2 * args.gas,
                         "version_window": args.version_window,
                         "sync_every_steps": args.sync_every,
+                        "admission_control": admission,
+                        "max_wait_s": args.max_wait_s,
                     },
                 },
             },
             "training": {
-                "output_dir": str(root / f"train_{mode}"),
+                "output_dir": str(root / f"train_{mode}_{'admission' if admission else 'no_admission'}"),
                 "per_device_train_batch_size": args.batch,
                 "gradient_accumulation_steps": args.gas,
                 "max_steps": args.steps,
@@ -128,7 +142,19 @@ def async_summary(steps: list[dict[str, Any]]) -> dict[str, float]:
     b_steps = [h for h in measured if h["stage2_ab/step_kind_b"] == 1.0]
     b_samples = sum(h["samples"] for h in b_steps)
     last = steps[-1]
+    trained = [h for h in steps if h.get("stage2_ab/async/packs_trained")]
+    packs_trained = sum(h["stage2_ab/async/packs_trained"] for h in trained)
+    lag_sum = sum(h["stage2_ab/async/ver_lag_mean"] * h["stage2_ab/async/packs_trained"] for h in trained)
+    rollouts = last["stage2_ab/async/rollouts_total"]
     return {
+        "stale_dropped_fraction": last["stage2_ab/async/rollouts_dropped_stale_total"] / max(rollouts, 1.0),
+        "ver_lag_mean": lag_sum / max(packs_trained, 1.0),
+        "ver_lag_max": max(
+            (h["stage2_ab/async/ver_lag_max"] for h in steps if "stage2_ab/async/ver_lag_max" in h),
+            default=0.0,
+        ),
+        "admission_wait_s_total": last["stage2_ab/async/admission_wait_s_total"],
+        "rollouts_total": rollouts,
         "step_seconds": seconds / len(measured),
         "b_steps": len(b_steps),
         "measured_steps": len(measured),
@@ -166,6 +192,17 @@ def main() -> None:
         default="png",
         help="vllm.server.image_wire of both runs",
     )
+    parser.add_argument(
+        "--max-wait-s",
+        type=float,
+        default=0.0,
+        help="async.max_wait_s: how long a B step waits for its packs",
+    )
+    parser.add_argument(
+        "--compare-admission",
+        action="store_true",
+        help="also run async with admission control off (async.admission_control: false)",
+    )
     parser.add_argument("--text-hidden", type=int, default=256)
     parser.add_argument("--text-layers", type=int, default=4)
     args = parser.parse_args()
@@ -182,6 +219,10 @@ def main() -> None:
         try:
             micro_steps, micro_wall = train(root, args, model_dir, data["train"], port, "micro")
             async_steps, async_wall = train(root, args, model_dir, data["train"], port, "async")
+            if args.compare_admission:
+                unadmitted, unadmitted_wall = train(
+                    root, args, model_dir, data["train"], port, "async", admission=False
+                )
         finally:
             server.terminate()
             server.wait(timeout=30)
@@ -194,6 +235,7 @@ def main() -> None:
         "ideal_async_over_micro": 1.0 / bound,
         "ideal_overlap_bound": bound,
         "fraction_of_ideal": speedup * bound,
+        "stale_dropped_fraction": overlapped["stale_dropped_fraction"],
         "async_over_micro_steps_per_s": micro["step_seconds"] / overlapped["step_seconds"],
         "micro": {**micro, "wall_seconds": micro_wall},
         "async": {**overlapped, "wall_seconds": async_wall},
@@ -208,12 +250,20 @@ def main() -> None:
             "global_max_length": args.row_tokens,
             "version_window": args.version_window,
             "sync_every_steps": args.sync_every,
+            "max_wait_s": args.max_wait_s,
             "image_wire": args.image_wire,
             "threads": "learner 1, server 1",
             "cpu_count": os.cpu_count(),
             "load_average_1min_after": os.getloadavg()[0],
         },
     }
+    if args.compare_admission:
+        off = async_summary(unadmitted)
+        result["async_without_admission_control"] = {
+            **off,
+            "wall_seconds": unadmitted_wall,
+            "fraction_of_ideal": off["b_samples_per_s"] / micro["b_samples_per_s"] * bound,
+        }
     print(json.dumps(result, indent=2))
 
 

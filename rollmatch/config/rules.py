@@ -274,6 +274,23 @@ def _rule_async_queue(cfg: RollmatchConfig) -> list[ConfigProblem]:
     ]
 
 
+def _rule_async_wait(cfg: RollmatchConfig) -> list[ConfigProblem]:
+    """`stage2_ab.channel_b.async.max_wait_s` < `training.collective_timeout_s` (a rank waiting for packs must not outlast the others' collective wait)."""
+    settings = cfg.stage2_ab.channel_b.async_
+    timeout = cfg.training.collective_timeout_s
+    if cfg.stage2_ab.channel_b.mode != "async" or settings.max_wait_s < timeout:
+        return []
+    return [
+        ConfigProblem(
+            f"{_CHANNEL_B}.async.max_wait_s",
+            settings.max_wait_s,
+            f"not below training.collective_timeout_s = {timeout:g}: while one rank waits for its ready packs the "
+            "others wait in the step's collective and would time out first; lower max_wait_s (leave room for "
+            "the step itself) or raise training.collective_timeout_s",
+        )
+    ]
+
+
 def _rule_step_mode(cfg: RollmatchConfig) -> list[ConfigProblem]:
     """`stage2_ab.channel_b.rollouts_per_step` is read only by `channel_b.mode: step`; step mode refuses `training.deepspeed`."""
     channel_b = cfg.stage2_ab.channel_b
@@ -353,6 +370,7 @@ STATIC_RULES: tuple[Rule, ...] = (
     _rule_pipeline,
     _rule_async,
     _rule_async_queue,
+    _rule_async_wait,
     _rule_step_mode,
     _rule_offload,
     _rule_pixels,

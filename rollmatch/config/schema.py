@@ -232,6 +232,10 @@ class AsyncConfig(Section):
         le=3600.0,
         description="A step that wants B waits up to this long for its ready packs before running Channel-A instead (0: no wait).",
     )
+    admission_control: bool = Field(
+        True,
+        description="The actor does not start rollouts whose packs would be stale (beyond version_window) by the step that consumes them; the consume-time gate stays as the safety net.",
+    )
 
 
 class ChannelBConfig(Section):

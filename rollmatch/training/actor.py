@@ -4,7 +4,8 @@ Owns :class:`RolloutActor`: read the rank's record stream, roll the records out 
 (a client of its own, never a collective), score them and build segments (``training.channels``), pack
 them version-pure (``training.ready_packs``) and put the packs into the rank's bounded queue. The actor
 paces itself: while ``prefetch_target_packs`` eligible packs wait it sleeps until the learner takes some
-or the version moves on. Leaves out: the learner's decisions (``training.async_mode``) and the record
+or the version moves on; with admission control it also does not start a batch whose packs would be
+stale by the step that consumes them (``ready_packs.admits_rollouts``). Leaves out: the learner's decisions (``training.async_mode``) and the record
 stream itself (``training.record_stream``).
 
 Failure and shutdown: any exception in the thread (a dead or frozen server surfaces as a
@@ -21,16 +22,26 @@ import logging
 import threading
 import time
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 
 from rollmatch.data.records import Record
 from rollmatch.training.channels import RolloutChannel
-from rollmatch.training.ready_packs import ReadyPackQueue, SegmentOrigin, VersionPurePacker
+from rollmatch.training.ready_packs import ReadyPackQueue, SegmentOrigin, VersionPurePacker, admits_rollouts
 from rollmatch.training.record_stream import RecordStream
 
 log = logging.getLogger(__name__)
 _SEED_SPACE = 1 << 31
 _IDLE_WAIT_S = 0.5  # pacing: how long the actor sleeps before re-checking when enough packs wait
+
+
+@dataclass(frozen=True)
+class AdmissionSettings:
+    """Admission-time staleness control (``stage2_ab.channel_b.async.admission_control``): what the
+    actor needs to project when a pack started now would be consumed."""
+
+    sync_every_steps: int
+    packs_per_step: float  # gradient accumulation steps x b_ratio
 
 
 def actor_seed(training_seed: int, rank: int, stream_position: int) -> int:
@@ -54,6 +65,7 @@ class RolloutActor:
         version_window: int,
         training_seed: int,
         rank: int,
+        admission: AdmissionSettings | None = None,
     ):
         self.rollouts = rollouts
         self.stream = stream
@@ -64,13 +76,17 @@ class RolloutActor:
         self.version_window = version_window
         self.training_seed = training_seed
         self.rank = rank
+        self.admission = admission
         self.current_version = 0
+        self.next_step = 0
+        self.admission_wait_s = 0.0  # time the actor held back a batch whose packs would arrive stale
         self.failure: str | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._sums_lock = threading.Lock()
         self._sums: Counter[str] = Counter()  # rollout/match/parse sums since the learner last took them
-        self.rollouts_total = 0
+        self.rollouts_total = 0  # every rollout returned by the servers
+        self.discarded_after_stop = 0  # of those, returned after the stop flag: never packed
         self.busy_seconds = 0.0
 
     @property
@@ -86,9 +102,12 @@ class RolloutActor:
         self._thread.start()
         log.info("rollout actor of rank %d started (weight version %d)", self.rank, self.current_version)
 
-    def set_current_version(self, version: int) -> None:
-        """The learner's weight version (pacing counts only packs eligible under it)."""
+    def set_current_version(self, version: int, next_step: int | None = None) -> None:
+        """The version the servers hold and the next optimizer step that takes packs (pacing counts
+        only packs eligible under the version; admission control projects from the step)."""
         self.current_version = version
+        if next_step is not None:
+            self.next_step = next_step
         self.queue.notify()
 
     def take_sums(self) -> Counter[str]:
@@ -119,13 +138,43 @@ class RolloutActor:
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
-                if self.queue.eligible(self.current_version, self.version_window) >= self.prefetch_target:
+                held = self.queue.eligible(self._next_version(), self.version_window)
+                if held >= self.prefetch_target:
                     self.queue.wait_for_change(_IDLE_WAIT_S)
+                    continue
+                if not self._admitted(held):
+                    started = time.perf_counter()
+                    self.queue.wait_for_change(_IDLE_WAIT_S)
+                    self.admission_wait_s += time.perf_counter() - started
                     continue
                 self._produce_one_batch()
         except BaseException as exc:  # reported to every rank by the learner at its next step
             self.failure = f"{type(exc).__name__}: {exc}"
             log.error("rollout actor of rank %d failed: %s", self.rank, self.failure)
+
+    def _next_version(self) -> int:
+        """The version the next step that takes packs will judge them by: with admission control the
+        projection from that step (packs about to expire do not count as held), else the current one."""
+        if self.admission is None:
+            return self.current_version
+        return max(self.current_version, self.next_step // self.admission.sync_every_steps)
+
+    def _admitted(self, held: int) -> bool:
+        if self.admission is None:
+            return True
+        # The packs one batch makes, from what earlier batches made (rows hold several rollouts).
+        per_rollout = self.queue.counts.produced / max(self.rollouts_total - self.discarded_after_stop, 1)
+        return admits_rollouts(
+            held=held,
+            batch_packs=max(1, round(self.decode_batch_size * min(per_rollout, 1.0)))
+            if self.rollouts_total
+            else 1,
+            current_version=self.current_version,
+            next_step=self.next_step,
+            version_window=self.version_window,
+            sync_every_steps=self.admission.sync_every_steps,
+            packs_per_step=self.admission.packs_per_step,
+        )
 
     def _produce_one_batch(self) -> None:
         taken = self.stream.take(self.decode_batch_size)
@@ -138,13 +187,14 @@ class RolloutActor:
             created_step=self.current_version,
         )
         self.busy_seconds += time.perf_counter() - start
-        if self._stop.is_set():
-            return  # shutting down: the learner no longer takes packs
+        self.rollouts_total += len(records)
+        if self._stop.is_set():  # shutting down: the learner no longer takes packs
+            self.discarded_after_stop += len(records)
+            return
         for segment, version, position, record in zip(
             out.segments, out.versions, positions, records, strict=True
         ):
             for pack in self.packer.add(segment, SegmentOrigin(record.id, position), version):
                 self.queue.put(pack)
-        self.rollouts_total += len(records)
         with self._sums_lock:
             self._sums.update(out.sums)

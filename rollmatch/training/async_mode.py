@@ -3,14 +3,18 @@
 Owns :class:`AsyncPacks`, which is both the Channel-B strategy and the weight-sync policy of an async
 run (they share one notion of the weight version):
 
-- **versions**: ``ver = global_step // sync_every_steps``, so rank 0's sync counter is known to every rank
-  at every optimizer-step start without a message, and a resumed run continues it. Before step ``s`` the
-  servers are pushed ``ver(s)`` whenever it changed (and once at the start of every run, before the
-  actors start, so no rollout comes from weights the learner no longer has).
-- **status**: stale packs (``ver_pack < ver - version_window``) are dropped and counted; the rank waits up
-  to ``max_wait_s`` for one eligible pack per micro-step, then reports how many it holds. The planner runs
-  B only if every rank holds one per micro-step.
-- **take**: a B step pops exactly one pack per micro-step (one packed row each: DDP lock-step).
+- **versions**: step ``s`` trains weights ``v(s) = s // sync_every_steps`` (a resumed run continues the
+  numbering). First in every step (before the kind vote), the servers are pushed ``v(s)`` whenever they
+  hold another version (and once at the start of every run, before the actors start, so no rollout
+  comes from weights the learner no longer has). ``ver`` is then the version of the last completed
+  push, as rank 0 broadcast it with the push's outcome: the version the servers hold now.
+- **status**: stale packs (``ver_pack < ver - version_window``) are dropped and counted; a step that
+  wants B waits up to ``max_wait_s`` for one eligible pack per micro-step and *reserves* what it has
+  (the actor can no longer evict them), then reports how many. The planner runs B only if every rank
+  holds one per micro-step; otherwise the reserved packs go back to the queue at the next step.
+  ``version_window: 0`` is on-policy: B trains only on rollouts of the weights it is about to update.
+- **take**: a B step pops its reserved packs, exactly one per micro-step (one packed row each: DDP
+  lock-step); it cannot fail, since the vote counted reserved packs only.
 
 Every step it also reports the queue (depth per rank, cumulative produced / trained / dropped counts) and
 the actor's rollout metrics. Leaves out: the actor thread (``training.actor``), the queue and packs
@@ -45,6 +49,8 @@ _WAIT_SLICE_S = 0.5
 class AsyncPacks:
     """Ready packs of this rank's actor, consumed at optimizer-step boundaries (see the module docstring)."""
 
+    needs_kind = False  # pushes follow the step, not its kind: they run before the kind vote
+
     def __init__(
         self,
         *,
@@ -67,31 +73,39 @@ class AsyncPacks:
         self.sync_every_steps = sync_every_steps
         self.accounting_path = accounting_path
         self.max_wait_s = max_wait_s
-        self._first_push: SyncReport | None = None
         self._last_report = (time.perf_counter(), 0)  # (time, actor rollouts) at the previous step
         self._closed = False
 
     def version_of(self, global_step: int) -> int:
+        """The weight version step ``global_step`` trains (and, once pushed, the servers hold)."""
         return global_step // self.sync_every_steps
 
+    @property
+    def ver(self) -> int:
+        """The version the servers hold: that of the last completed push (every rank knows it)."""
+        return self.backend.weight_version
+
     # ------------------------------------------------------------------------------ sync policy
-    def before_step(self, global_step: int, kind: StepKind) -> SyncReport | None:
-        """Push ``ver(global_step)`` if the servers hold another version (the run's first push is in ``status``)."""
-        report, self._first_push = self._first_push, None
-        if self.backend.weight_version != self.version_of(global_step):
-            report = self.backend.sync_weights(self.model, self.version_of(global_step))
+    def before_step(self, global_step: int, kind: StepKind | None) -> SyncReport | None:
+        """Push ``v(global_step)`` if the servers hold another version; the run's first step always
+        pushes (a server may hold this version number with another run's weights), then starts the actor."""
+        version = self.version_of(global_step)
+        report = None
+        if not self.actor.started or self.backend.weight_version != version:
+            report = self.backend.sync_weights(self.model, version)
+        self.actor.set_current_version(self.ver, global_step)
+        self.actor.start()
         return report
 
     # ---------------------------------------------------------------------------------- channel
     def status(self, global_step: int, micro_steps: int, *, wants_b: bool) -> ChannelStatus:
-        """This rank's eligible packs (after dropping stale ones); a step that wants B waits up to
-        ``max_wait_s`` for enough."""
-        self._start(global_step)
-        version = self.version_of(global_step)
-        self.actor.set_current_version(version)
+        """This rank's eligible packs under ``ver`` (stale ones dropped); a step that wants B waits up to
+        ``max_wait_s`` for enough and reserves them."""
+        self.queue.unreserve()  # packs a previous vote reserved for a step that ran Channel-A
+        version = self.ver
         self.queue.drop_stale(version, self.version_window)
         deadline = time.monotonic() + (self.max_wait_s if wants_b else 0.0)
-        while len(self.queue) < micro_steps and self.actor.failure is None:
+        while self.queue.eligible(version, self.version_window) < micro_steps and self.actor.failure is None:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
@@ -99,21 +113,13 @@ class AsyncPacks:
             self.queue.drop_stale(version, self.version_window)
         if self.actor.failure is not None:
             return ChannelStatus(failure=f"rollout actor: {self.actor.failure}")
-        return ChannelStatus(ready=len(self.queue))
-
-    def _start(self, global_step: int) -> None:
-        """First step of the run (all ranks): push this run's weights, then start the actor."""
-        if self.actor.started:
-            return
-        version = self.version_of(global_step)
-        # Always push: a server may hold this version number with another run's weights.
-        self._first_push = self.backend.sync_weights(self.model, version)
-        self.actor.set_current_version(version)
-        self.actor.start()
+        if not wants_b:
+            return ChannelStatus(ready=self.queue.eligible(version, self.version_window))
+        return ChannelStatus(ready=self.queue.reserve(micro_steps, version, self.version_window))
 
     def take(self, windows: Windows, global_step: int, *, final: bool) -> ChannelBatch:
-        version = self.version_of(global_step)
-        packs = self.queue.take_eligible(len(windows), version, self.version_window)
+        version = self.ver
+        packs = self.queue.take_reserved(len(windows))
         rows = [pack.segments for pack in packs]
         lags = [version - pack.version for pack in packs]
         sums: Counter[str] = Counter()
@@ -128,6 +134,7 @@ class AsyncPacks:
 
     def step_metrics(self, global_step: int) -> tuple[Counter[str], dict[str, tuple[GaugeKind, float]]]:
         """Every step, A or B: the actor's rollout metrics since the last step and the queue's state."""
+        self.actor.set_current_version(self.ver, global_step + 1)  # this step took its packs (or ran A)
         dropped = self.queue.take_dropped_origins()
         self.actor.stream.ledger.mark_done([o.stream_position for o in dropped])
         sums = self.actor.take_sums()
@@ -138,13 +145,16 @@ class AsyncPacks:
         self._last_report = (now, rollouts)
         counts = self.queue.counts
         gauges: dict[str, tuple[GaugeKind, float]] = {
-            f"{_PREFIX}/ver": ("first", float(self.version_of(global_step))),
+            f"{_PREFIX}/ver": ("first", float(self.ver)),
             f"{_PREFIX}/queue_depth": ("spread", float(len(self.queue))),
             f"{_PREFIX}/rollouts_per_s": ("sum", (rollouts - before) / max(now - then, 1e-9)),
             f"{_PREFIX}/packs_produced_total": ("sum", float(counts.produced)),
             f"{_PREFIX}/packs_trained_total": ("sum", float(counts.trained)),
             f"{_PREFIX}/drop_stale_total": ("sum", float(counts.dropped_stale)),
             f"{_PREFIX}/drop_oldest_total": ("sum", float(counts.dropped_oldest)),
+            f"{_PREFIX}/rollouts_total": ("sum", float(rollouts)),
+            f"{_PREFIX}/rollouts_dropped_stale_total": ("sum", float(counts.rollouts["dropped_stale"])),
+            f"{_PREFIX}/admission_wait_s_total": ("sum", self.actor.admission_wait_s),
         }
         return sums, gauges
 
@@ -157,17 +167,32 @@ class AsyncPacks:
         self.actor.rollouts.backend.close()
         left = self.queue.discard_all()
         counts = self.queue.counts
+        actor = self.actor
+        rollouts = counts.rollouts
+        # Rollouts never packed: still in the packer, or returned after the stop flag.
+        unpacked = actor.packer.waiting + actor.discarded_after_stop
+        discarded = rollouts["discarded"] + unpacked
         accounting = {
-            "rank": self.actor.rank,
+            "rank": actor.rank,
             "produced": counts.produced,
             "trained": counts.trained,
             "dropped_stale": counts.dropped_stale,
             "dropped_oldest": counts.dropped_oldest,
             "discarded_at_exit": counts.discarded,
             "balance": counts.balance(len(self.queue)),
-            "rollouts": self.actor.rollouts_total,
-            "actor_busy_seconds": round(self.actor.busy_seconds, 3),
-            "actor_failure": self.actor.failure,
+            "rollouts": {
+                "rolled_out": actor.rollouts_total,
+                "trained": rollouts["trained"],
+                "dropped_stale": rollouts["dropped_stale"],
+                "dropped_oldest": rollouts["dropped_oldest"],
+                "discarded_at_exit": discarded,
+                "balance": actor.rollouts_total
+                - (rollouts["trained"] + rollouts["dropped_stale"] + rollouts["dropped_oldest"] + discarded),
+                "stale_dropped_fraction": round(rollouts["dropped_stale"] / max(actor.rollouts_total, 1), 4),
+            },
+            "admission_wait_s": round(actor.admission_wait_s, 3),
+            "actor_busy_seconds": round(actor.busy_seconds, 3),
+            "actor_failure": actor.failure,
         }
         log.info(
             "async actor-learner on rank %d stopped: %s (%d packs left in the queue)",

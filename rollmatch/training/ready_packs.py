@@ -8,22 +8,25 @@ Owns (pure, thread-safe where it says so, no torch.distributed, no HTTP):
   versions — when a newer version arrives, segments of older versions are flushed into their own packs;
 - :class:`ReadyPackQueue`: the per-rank FIFO between the actor thread and the learner: bounded by
   ``queue_limit`` (drop-oldest), stale packs (``ver < current - version_window``) dropped at
-  consumption, and counters that account for every pack produced.
+  consumption, packs *reserved* for a step once its vote counted them (the actor's drop-oldest can no
+  longer evict them, so the step's ``take`` cannot fail), and counters that account for every pack
+  produced.
 
 Leaves out: where segments come from (``training.actor``) and the step decisions
 (``training.step`` / ``training.async_mode``).
 
 Accounting invariant (checked by tests and logged at shutdown):
-``produced == trained + dropped_stale + dropped_oldest + discarded + len(queue)``.
+``produced == trained + dropped_stale + dropped_oldest + discarded + len(queue)`` (reserved packs
+count in ``len(queue)``).
 """
 
 from __future__ import annotations
 
 import threading
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Generic, TypeVar
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
 
 from rollmatch.packing.binpack import select_row
 
@@ -54,13 +57,19 @@ class ReadyPack(Generic[S]):
 
 @dataclass
 class QueueCounts:
-    """Cumulative counters of one rank's queue (every pack produced ends in exactly one of them)."""
+    """Cumulative counters of one rank's queue (every pack produced ends in exactly one of them), in
+    packs and, ``rollouts``, in the rollouts (segments) those packs hold."""
 
     produced: int = 0
     trained: int = 0
     dropped_stale: int = 0
     dropped_oldest: int = 0
     discarded: int = 0  # still queued when the actor-learner shut down
+    rollouts: Counter[str] = field(default_factory=Counter)  # the same outcomes, counted in rollouts
+
+    def add(self, outcome: str, packs: list[ReadyPack[Any]]) -> None:
+        setattr(self, outcome, getattr(self, outcome) + len(packs))
+        self.rollouts[outcome] += sum(len(p.origins) for p in packs)
 
     def balance(self, depth: int) -> int:
         """``produced - (trained + dropped + discarded + depth)``: 0 when every pack is accounted for."""
@@ -72,6 +81,32 @@ class QueueCounts:
 def is_eligible(pack_version: int, current_version: int, version_window: int) -> bool:
     """The freshness rule: a pack is trainable iff ``pack_version >= current_version - version_window``."""
     return pack_version >= current_version - version_window
+
+
+def admits_rollouts(
+    *,
+    held: int,
+    batch_packs: int = 1,
+    current_version: int,
+    next_step: int,
+    version_window: int,
+    sync_every_steps: int,
+    packs_per_step: float,
+) -> bool:
+    """Admission-time staleness control: may the actor start a rollout batch now?
+
+    Its packs carry at least ``current_version`` (what the servers hold now) and are consumed after
+    the ``held`` packs ahead of them that step ``next_step`` will still find eligible, ``packs_per_step``
+    a step (gradient accumulation x ``b_ratio``), starting with optimizer step ``next_step`` (the next
+    one to take packs). The batch's last pack (it makes about ``batch_packs``) is consumed by step
+    ``next_step + (held + batch_packs - 1) // packs_per_step``, whose version is that step
+    ``// sync_every_steps``. Start only if its packs would still be within ``version_window`` then,
+    i.e. would not be generated only to be dropped as stale.
+    """
+    last = held + max(batch_packs, 1) - 1
+    steps_ahead = int(last // max(packs_per_step, 1e-9))
+    consumed_under = (next_step + steps_ahead) // sync_every_steps
+    return consumed_under - current_version <= version_window
 
 
 class VersionPurePacker(Generic[S]):
@@ -150,9 +185,10 @@ class VersionPurePacker(Generic[S]):
 class ReadyPackQueue(Generic[S]):
     """The per-rank FIFO of ready packs between the actor (producer) and the learner (consumer).
 
-    Thread-safe. ``put`` drops the oldest pack when ``limit`` packs are queued; ``take_eligible``
-    first drops stale packs, then pops the oldest eligible ones. A condition variable lets the actor
-    wait until the learner consumed something (pacing) without polling.
+    Thread-safe. ``put`` drops the oldest pack when ``limit`` packs are queued. ``reserve`` drops stale
+    packs, then sets the oldest eligible ones aside for the coming step (``put`` never evicts them; ``take_reserved`` pops them, and
+    ``unreserve`` puts them back in front when the step ran Channel-A). A condition variable lets the
+    actor wait until the learner consumed something (pacing) without polling.
     """
 
     def __init__(self, limit: int):
@@ -161,6 +197,7 @@ class ReadyPackQueue(Generic[S]):
         self.limit = limit
         self.counts = QueueCounts()
         self._packs: deque[ReadyPack[S]] = deque()
+        self._reserved: list[ReadyPack[S]] = []
         self._lock = threading.Lock()
         self.changed = threading.Condition(self._lock)
         self.dropped_origins: list[
@@ -168,17 +205,18 @@ class ReadyPackQueue(Generic[S]):
         ] = []  # records whose packs were dropped (resume bookkeeping)
 
     def __len__(self) -> int:
+        """Packs held: queued and reserved."""
         with self._lock:
-            return len(self._packs)
+            return len(self._packs) + len(self._reserved)
 
     def put(self, pack: ReadyPack[S]) -> None:
         with self._lock:
             pack.seq = self.counts.produced
-            self.counts.produced += 1
+            self.counts.add("produced", [pack])
             self._packs.append(pack)
             while len(self._packs) > self.limit:
                 oldest = self._packs.popleft()
-                self.counts.dropped_oldest += 1
+                self.counts.add("dropped_oldest", [oldest])
                 self.dropped_origins.extend(oldest.origins)
             self.changed.notify_all()
 
@@ -188,21 +226,39 @@ class ReadyPackQueue(Generic[S]):
             return self._drop_stale_locked(current_version, version_window)
 
     def eligible(self, current_version: int, version_window: int) -> int:
-        """How many queued packs are fresh enough for ``current_version``."""
+        """How many held packs (queued or reserved) are fresh enough for ``current_version``."""
         with self._lock:
-            return sum(is_eligible(p.version, current_version, version_window) for p in self._packs)
+            held = [*self._reserved, *self._packs]
+            return sum(is_eligible(p.version, current_version, version_window) for p in held)
 
-    def take_eligible(self, count: int, current_version: int, version_window: int) -> list[ReadyPack[S]]:
-        """Drop stale packs, then pop the ``count`` oldest eligible ones (raises if fewer are queued)."""
+    def reserve(self, count: int, current_version: int, version_window: int) -> int:
+        """Drop stale packs, then set up to ``count`` oldest eligible ones aside for the coming step;
+        returns how many are reserved."""
         with self._lock:
             self._drop_stale_locked(current_version, version_window)
-            if len(self._packs) < count:
+            while len(self._reserved) < count and self._packs:
+                self._reserved.append(self._packs.popleft())
+            return len(self._reserved)
+
+    def unreserve(self) -> None:
+        """Put reserved packs back at the front, oldest first (their step ran Channel-A)."""
+        with self._lock:
+            self._packs.extendleft(reversed(self._reserved))
+            self._reserved.clear()
+            while len(self._packs) > self.limit:  # the actor filled the queue meanwhile
+                oldest = self._packs.popleft()
+                self.counts.add("dropped_oldest", [oldest])
+                self.dropped_origins.extend(oldest.origins)
+
+    def take_reserved(self, count: int) -> list[ReadyPack[S]]:
+        """Pop ``count`` reserved packs for the step whose vote counted them."""
+        with self._lock:
+            if len(self._reserved) < count:
                 raise RuntimeError(
-                    f"ready-pack queue holds {len(self._packs)} eligible packs, {count} were promised by the "
-                    "step's feasibility check (only the learner thread may consume)"
+                    f"{len(self._reserved)} packs are reserved, the step takes {count}: reserve before the vote"
                 )
-            taken = [self._packs.popleft() for _ in range(count)]
-            self.counts.trained += count
+            taken, self._reserved = self._reserved[:count], self._reserved[count:]
+            self.counts.add("trained", taken)
             self.changed.notify_all()
             return taken
 
@@ -213,9 +269,10 @@ class ReadyPackQueue(Generic[S]):
     def discard_all(self) -> int:
         """Shutdown: count every queued pack as discarded and empty the queue; returns how many."""
         with self._lock:
-            count = len(self._packs)
-            self.counts.discarded += count
+            count = len(self._packs) + len(self._reserved)
+            self.counts.add("discarded", [*self._packs, *self._reserved])
             self._packs.clear()
+            self._reserved.clear()
             self.changed.notify_all()
             return count
 
@@ -237,12 +294,12 @@ class ReadyPackQueue(Generic[S]):
 
     def _drop_stale_locked(self, current_version: int, version_window: int) -> int:
         fresh = [p for p in self._packs if is_eligible(p.version, current_version, version_window)]
-        dropped = len(self._packs) - len(fresh)
+        stale = [p for p in self._packs if not is_eligible(p.version, current_version, version_window)]
+        dropped = len(stale)
         if dropped:
-            for pack in self._packs:
-                if not is_eligible(pack.version, current_version, version_window):
-                    self.dropped_origins.extend(pack.origins)
+            for pack in stale:
+                self.dropped_origins.extend(pack.origins)
             self._packs = deque(fresh)
-            self.counts.dropped_stale += dropped
+            self.counts.add("dropped_stale", stale)
             self.changed.notify_all()
         return dropped

@@ -2,17 +2,22 @@
 
 Owns :class:`StepPlanner` — the whole life of a step except the forward/backward passes themselves:
 
-1. **kind** — Channel-A (GT teacher forcing) or Channel-B (rollout matching): rank 0's schedule decides
+1. **sync** (a policy whose pushes depend only on the step, async) — push first, so everything after
+   judges freshness against the version the servers now hold;
+2. **kind** — Channel-A (GT teacher forcing) or Channel-B (rollout matching): rank 0's schedule decides
    what the step wants; every rank reports whether its Channel-B source can feed the step (async: eligible
-   ready packs); one gather, so every rank runs the same kind (a B step some rank cannot feed runs A);
-2. **sync** — the rollout engine gets the weights this step's rollouts need (the sync policy decides);
+   ready packs, reserved for the step) or why it failed; one gather, so every rank runs the same kind (a
+   B step some rank cannot feed runs A) and a rank's failure stops every rank here;
+   then **sync** (a policy whose pushes depend on the kind): the engine gets the weights this step's
+   rollouts need;
 3. **segments** — the channel turns the step into segments: Channel-A encodes GT targets; Channel-B
    rolls out in decode batches, scores (strict parse + Hungarian match) and builds ``prefix + missed GT +
    EOS`` targets — or takes ready packs (async);
 4. **rows** — segments -> rows (the channel's own carry buffer; packed or padded);
-5. **lock-step** — one gather of every rank's row count, loss weight and metric sums: the step's exact
-   normaliser ``sum(w)``, and the same number of rows per micro-step on every rank (a rank with fewer
-   rows runs zero-weight padding rows);
+5. **lock-step** — one gather of every rank's row count, loss weight, metric sums and failure (a rank
+   whose channel failed in step 3 or 4 tells every rank here, and they all raise together instead of
+   waiting out the collective timeout): the step's exact normaliser ``sum(w)``, and the same number of
+   rows per micro-step on every rank (a rank with fewer rows runs zero-weight padding rows);
 6. **train** — the trainer runs each :class:`MicroStep` (one forward/backward per row).
 
 Leaves out: what each channel does inside (``training.channel_modes``, ``training.step_mode``,
@@ -83,9 +88,15 @@ class Channel(Protocol):
 
 
 class SyncPolicy(Protocol):
-    """When the rollout engine gets new weights, and which version they carry."""
+    """When the rollout engine gets new weights, and which version they carry.
 
-    def before_step(self, global_step: int, kind: StepKind) -> SyncReport | None: ...
+    ``needs_kind``: True when a push depends on the step's kind (it runs after the kind vote); False when
+    it depends only on the step (it runs before the vote, and ``before_step`` gets ``kind=None``).
+    """
+
+    needs_kind: bool
+
+    def before_step(self, global_step: int, kind: StepKind | None) -> SyncReport | None: ...
 
 
 class Schedule(Protocol):
@@ -161,19 +172,27 @@ class StepPlanner:
     def plan(self, windows: Windows, global_step: int, *, final: bool = False) -> StepPlan:
         """Everything before the forward/backward passes of optimizer step ``global_step``."""
         started = time.perf_counter()
+        report = None
+        if self.sync is not None and not self.sync.needs_kind:
+            report = self.sync.before_step(global_step, None)
         kind, skipped = self.agree_kind(global_step, len(windows))
-        report = self.sync.before_step(global_step, kind) if self.sync is not None else None
+        if self.sync is not None and self.sync.needs_kind:
+            report = self.sync.before_step(global_step, kind)
         channel = self.channel_b if kind == "B" else self.channel_a
         if channel is None:
             raise RuntimeError(
                 f"optimizer step {global_step} is Channel-{kind}, which this trainer has not built"
             )
-        batch = channel.take(windows, global_step, final=final)
-        if self.channel_b is not None:
-            sums, gauges = self.channel_b.step_metrics(global_step)
-            batch.sums.update(sums)
-            batch.gauges.update(gauges)
-        plan = self._lock_step(kind, batch, windows, global_step)
+        failure: BaseException | None = None
+        try:
+            batch = channel.take(windows, global_step, final=final)
+            if self.channel_b is not None:
+                sums, gauges = self.channel_b.step_metrics(global_step)
+                batch.sums.update(sums)
+                batch.gauges.update(gauges)
+        except Exception as exc:  # told to every rank in the lock-step gather below, then raised here
+            failure, batch = exc, ChannelBatch(rows=[], batch=_no_rows)
+        plan = self._lock_step(kind, batch, windows, global_step, failure)
         plan.timing_key, plan.started_at = batch.timing_key, started
         if report is not None:
             plan.sums.update(
@@ -216,14 +235,29 @@ class StepPlanner:
                 channel.close()
 
     # ------------------------------------------------------------------------------- internals
-    def _lock_step(self, kind: StepKind, batch: ChannelBatch, windows: Windows, global_step: int) -> StepPlan:
+    def _lock_step(
+        self,
+        kind: StepKind,
+        batch: ChannelBatch,
+        windows: Windows,
+        global_step: int,
+        failure: BaseException | None = None,
+    ) -> StepPlan:
         count = len(windows)
         local = Counter(batch.sums)
         local["loss/weight"] += sum(s.weight_sum for row in batch.rows for s in row)
+        why = None if failure is None else f"{type(failure).__name__}: {failure}"
         gathered = self.collectives.all_gather_object(
-            {"sums": dict(local), "rows": len(batch.rows), "gauges": batch.gauges},
+            {"sums": dict(local), "rows": len(batch.rows), "gauges": batch.gauges, "failure": why},
             f"step {global_step}: loss weights and metric sums",
         )
+        failed = [f"rank {rank}: {view['failure']}" for rank, view in enumerate(gathered) if view["failure"]]
+        if failure is not None:
+            raise failure
+        if failed:
+            raise BackendError(
+                f"optimizer step {global_step} (Channel-{kind}) failed on another rank: {'; '.join(failed)}"
+            )
         sums: Counter[str] = Counter()
         for rank_view in gathered:
             sums.update(rank_view["sums"])
@@ -285,6 +319,10 @@ def combine_gauges(per_rank: Sequence[dict[str, tuple[GaugeKind, float]]]) -> di
     return out
 
 
+def _no_rows(row: Row) -> MicroBatch:
+    raise RuntimeError("a failed channel has no rows to batch")
+
+
 def _first_segment(rows: list[Row], global_step: int) -> Any:
     for row in rows:
         if row:
@@ -325,11 +363,13 @@ class SyncBeforeRollouts:
     The weight version is the number of optimizer steps applied, so it survives resume.
     """
 
+    needs_kind = True
+
     def __init__(self, backend: RolloutBackend, model: torch.nn.Module):
         self.backend = backend
         self.model = model
 
-    def before_step(self, global_step: int, kind: StepKind) -> SyncReport | None:
+    def before_step(self, global_step: int, kind: StepKind | None) -> SyncReport | None:
         if kind != "B" or self.backend.weight_version == global_step:
             return None  # A steps never roll out, so they never need fresh weights
         return self.backend.sync_weights(self.model, global_step)

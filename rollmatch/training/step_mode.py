@@ -3,9 +3,11 @@
 Owns :class:`StepRollouts` (the Channel-B strategy): which records a step rolls out
 (:class:`StepRecordStream`: the window's records, cut to or topped up to this rank's share of
 ``stage2_ab.channel_b.rollouts_per_step``), its rollouts in decode batches, and every segment they
-give trained in the same step — as many rows as the segments need, spread over the step's micro-steps,
-nothing carried to the next step. With ``enable_pipeline`` the rollouts stream in on a thread while the
-last micro-step trains the rows that are already full (:class:`PipelinedStep`).
+give trained in the same step, nothing carried to the next step. As the spec says for gradient
+accumulation, Channel-B runs on the step's **final micro-step** only: the earlier micro-steps buffer
+(no pass), and the last one rolls out the whole budget and learns it to completion, as many rows as
+the segments need (:class:`DeferredStep`). With ``enable_pipeline`` the rollouts of that last
+micro-step stream in on a thread while the rows that are already full train (:class:`PipelinedStep`).
 Leaves out: the A/B decision and lock-step rows (``training.step``), how records become segments
 (``training.channels``) and the optimizer update (HF's loop, once per step).
 
@@ -15,7 +17,8 @@ optimizer step, so resume replays it); when it is smaller, the window's first re
 others are skipped this epoch.
 
 Normalisation: without the pipeline all segments exist before the first row, so each row's loss is
-``sum(w * ce) / W_step`` exactly as every other step. With the pipeline rows are trained while rollouts
+``sum(w * ce) / W_step`` exactly as every other step (step mode runs in one process, so the rank's
+weight is the step's). With the pipeline rows are trained while rollouts
 still arrive: each row is divided by a provisional normaliser (the weight seen when the first row trained)
 and the gradients are rescaled by ``provisional / W_step`` once the step ends.
 """
@@ -111,23 +114,47 @@ class StepRollouts:
 
     def take(self, windows: Windows, global_step: int, *, final: bool) -> ChannelBatch:
         records = self.records.select([r for window in windows for r in window], global_step)
-        if self.pipeline:
-            lazy = PipelinedStep(self, records, step=global_step, index=len(windows), count=len(windows))
-            return ChannelBatch(rows=[], batch=self.rows.batch, lazy=lazy, timing_key=STEP_SECONDS)
-        wait_start = time.perf_counter()
-        produced = self.rollouts.produce(records, global_step)
-        sums = produced.sums
-        sums["stage2_ab/step/learner_wait_s"] += time.perf_counter() - wait_start
-        rows = self.rows.all_rows(produced.segments, self.batch_size)
-        sums["stage2_ab/step/forward_passes"] += len(rows)
-        self.rows.count(rows, sums)
-        return ChannelBatch(rows=rows, batch=self.rows.batch, sums=sums, timing_key=STEP_SECONDS)
+        last = PipelinedStep if self.pipeline else DeferredStep
+        lazy = last(self, records, step=global_step, index=len(windows), count=len(windows))
+        return ChannelBatch(rows=[], batch=self.rows.batch, lazy=lazy, timing_key=STEP_SECONDS)
 
     def step_metrics(self, global_step: int) -> tuple[Counter[str], dict[str, tuple[GaugeKind, float]]]:
         return Counter(), {}
 
     def close(self) -> None:
         return None
+
+
+class DeferredStep(MicroStep):
+    """The last micro-step of a step-mode step: rolls out the whole budget, then trains every row."""
+
+    def __init__(self, owner: StepRollouts, records: Sequence[Record], *, step: int, index: int, count: int):
+        super().__init__([], kind="B", step=step, index=index, count=count)
+        self.owner = owner
+        self.records = list(records)
+        self.total_weight = 0.0
+        self.sums: Counter[str] = Counter({"stage2_ab/rollouts": len(records)})
+
+    def passes(self, step_weight: float) -> Iterator[tuple[MicroBatch, float]]:
+        owner = self.owner
+        wait_start = time.perf_counter()
+        produced = owner.rollouts.produce(self.records, self.step)
+        self.sums.update(produced.sums)
+        self.sums["stage2_ab/step/learner_wait_s"] += time.perf_counter() - wait_start
+        self.total_weight = sum(s.weight_sum for s in produced.segments)
+        _require_weight(self.total_weight, self.step)
+        rows = owner.rows.all_rows(produced.segments, owner.batch_size)
+        self.sums["stage2_ab/step/forward_passes"] += len(rows)
+        owner.rows.count(rows, self.sums)
+        for row in rows:
+            yield owner.rows.batch(row), self.total_weight
+
+    def finish(self, model: torch.nn.Module, loss: torch.Tensor) -> torch.Tensor:
+        self.sums["loss/weight"] += self.total_weight
+        return loss
+
+    def local_sums(self) -> Counter[str]:
+        return self.sums
 
 
 class PipelinedStep(MicroStep):

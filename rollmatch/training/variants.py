@@ -29,7 +29,7 @@ from rollmatch.detection.codec import ObjectCodec
 from rollmatch.errors import ConfigError, ConfigProblem
 from rollmatch.rollout.build import build_backend
 from rollmatch.rollout.types import Decoding, Rollout, RolloutBackend, RolloutRequest, SyncReport
-from rollmatch.training.actor import RolloutActor
+from rollmatch.training.actor import AdmissionSettings, RolloutActor
 from rollmatch.training.async_mode import AsyncPacks
 from rollmatch.training.channel_modes import WindowRows
 from rollmatch.training.channels import GTChannel, RolloutChannel
@@ -216,6 +216,12 @@ def async_packs(ctx: BuildContext, backend: RolloutBackend) -> AsyncPacks:
         version_window=settings.version_window,
         training_seed=t.seed,
         rank=rank,
+        admission=AdmissionSettings(
+            sync_every_steps=settings.sync_every_steps,
+            packs_per_step=ctx.gradient_accumulation_steps * float(cfg.stage2_ab.schedule.b_ratio or 0.0),
+        )
+        if settings.admission_control
+        else None,
     )
     return AsyncPacks(
         backend=backend,

@@ -128,6 +128,19 @@ def test_async_in_server_mode_loads() -> None:
     assert cfg.stage2_ab.channel_b.async_.queue_limit == 8
 
 
+@pytest.mark.parametrize("wait", [30.0, 45.0])
+def test_async_max_wait_must_stay_below_the_collective_timeout(problems_of, wait: float) -> None:
+    data = {
+        **server_mode(SERVERS),
+        "stage2_ab": {"channel_b": {"mode": "async", "async": {"max_wait_s": wait}}},
+        "training": {"collective_timeout_s": 30.0},
+    }
+    problem = problems_of(data).only("stage2_ab.channel_b.async.max_wait_s")
+    assert problem.value == wait and "training.collective_timeout_s = 30" in problem.fix
+    data["stage2_ab"]["channel_b"]["async"]["max_wait_s"] = 29.0
+    assert load_config_dict(data).stage2_ab.channel_b.async_.max_wait_s == 29.0
+
+
 # ------------------------------------------------------------------------------------ lora / sync
 def test_adapter_sync_needs_enable_lora(problems_of) -> None:
     problem = problems_of(rollout(vllm={"sync": {"mode": "adapter"}})).only(f"{VLLM}.sync.mode")

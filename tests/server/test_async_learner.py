@@ -37,6 +37,7 @@ def async_config(
     group_port: int,
     max_steps: int,
     max_wait_s: float = 0.0,
+    gradient_accumulation_steps: int = 1,
 ) -> dict[str, Any]:
     return {
         "model": {"path": str(tiny_model_dir)},
@@ -75,6 +76,7 @@ def async_config(
         "training": {
             "output_dir": str(out),
             "per_device_train_batch_size": 1,
+            "gradient_accumulation_steps": gradient_accumulation_steps,
             "max_steps": max_steps,
             "learning_rate": 1e-3,
             "report_to": [],
@@ -117,13 +119,14 @@ def shapes(tmp_path: Path) -> dict[str, Path]:
     return generate_shapes(tmp_path / "shapes", n_train=24, n_val=1, size=112, seed=3)
 
 
-# hf: the spec's gate (no waiting: steps without packs run A). vllm: B steps wait for their packs
-# (async.max_wait_s), so every step is B and fewer steps suffice.
-@pytest.mark.parametrize(("engine", "steps", "max_wait_s"), [("hf", 14, 0.0), ("vllm", 5, 120.0)])
+# hf: the spec's gate (no waiting: steps without packs run A). vllm: 2 micro-steps per step, and B
+# steps wait for their packs (async.max_wait_s), so every step is B and fewer steps suffice.
+@pytest.mark.parametrize(("engine", "steps", "max_wait_s", "gas"), [("hf", 14, 0.0, 1), ("vllm", 4, 30.0, 2)])
 def test_async_learner_runs_b_steps_and_accounts_for_every_pack(
     engine: str,
     steps: int,
     max_wait_s: float,
+    gas: int,
     hf_sync_server: Any,
     start_server: Callable[..., Any],
     tiny_model_dir: Path,
@@ -138,7 +141,14 @@ def test_async_learner_runs_b_steps_and_accounts_for_every_pack(
         server = hf_sync_server
     out = tmp_path / "out"
     config = async_config(
-        tiny_model_dir, shapes, out, server.url, free_port(), max_steps=steps, max_wait_s=max_wait_s
+        tiny_model_dir,
+        shapes,
+        out,
+        server.url,
+        free_port(),
+        max_steps=steps,
+        max_wait_s=max_wait_s,
+        gradient_accumulation_steps=gas,
     )
     config_path = tmp_path / "async.yaml"
     config_path.write_text(yaml.safe_dump(config))
@@ -162,7 +172,7 @@ def test_async_learner_runs_b_steps_and_accounts_for_every_pack(
     assert b_steps, "no Channel-B step ran: the actors never fed the learner"
     if max_wait_s:
         assert len(b_steps) == steps  # every step waited for its packs
-    assert all(h["stage2_ab/micro_steps_b"] == 2 for h in b_steps)  # one pack per micro-step, 2 ranks
+    assert all(h["stage2_ab/micro_steps_b"] == 2 * gas for h in b_steps)  # one pack per micro-step, 2 ranks
     skipped = [h for h in logged if h["stage2_ab/async/b_step_skipped_due_to_queue"]]
     assert len(skipped) + len(b_steps) == steps  # b_ratio 1.0: every step wanted B
     assert all(h["stage2_ab/async/ver_lag_max"] <= 2 for h in b_steps)  # version_window 2
@@ -177,11 +187,24 @@ def test_async_learner_runs_b_steps_and_accounts_for_every_pack(
             + rank_counts["dropped_oldest"]
             + rank_counts["discarded_at_exit"]
         )
-        assert rank_counts["trained"] == len(b_steps)  # GAS 1: one pack per B step on every rank
+        assert rank_counts["trained"] == gas * len(b_steps)  # one pack per micro-step on every rank
         assert rank_counts["actor_failure"] is None
+        assert_rollouts_balance(rank_counts)
     last = logged[-1]
-    assert last["stage2_ab/async/packs_trained_total"] == 2 * len(b_steps)
+    assert last["stage2_ab/async/packs_trained_total"] == 2 * gas * len(b_steps)
     assert last["stage2_ab/async/packs_produced_total"] <= sum(c["produced"] for c in accounting)
+
+
+def assert_rollouts_balance(rank_counts: dict[str, Any]) -> None:
+    """Every rollout a rank's actor got back was trained, dropped (stale, oldest) or discarded at exit."""
+    rollouts = rank_counts["rollouts"]
+    assert rollouts["balance"] == 0, rollouts
+    assert rollouts["rolled_out"] == (
+        rollouts["trained"]
+        + rollouts["dropped_stale"]
+        + rollouts["dropped_oldest"]
+        + rollouts["discarded_at_exit"]
+    )
 
 
 def test_killing_the_server_fails_every_learner_rank_naming_it(
@@ -224,3 +247,5 @@ def test_killing_the_server_fails_every_learner_rank_naming_it(
     assert sorted(logs) == [0, 1]
     for rank, text in logs.items():
         assert server.url in text, (rank, text[-3000:])
+    for path in sorted((out / "async").glob("rank*.json")):  # written by the ranks that got to close
+        assert_rollouts_balance(json.loads(path.read_text()))

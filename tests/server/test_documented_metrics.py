@@ -134,7 +134,7 @@ def async_variant(url: str, group_port: int) -> dict[str, Any]:
                     "prefetch_target_packs": 2,
                     "version_window": 4,
                     "sync_every_steps": 4,
-                    "max_wait_s": 60.0,  # the B step waits for its packs: deterministic
+                    "max_wait_s": 50.0,  # the B step waits for its packs: deterministic
                 },
             },
         },

@@ -54,16 +54,27 @@ def rows(tiny: SimpleNamespace) -> RowPlanner:
 
 
 def async_channel(
-    tiny: SimpleNamespace, rollouts: Any = None, *, window: int = 1, limit: int = 8, max_wait_s: float = 0.0
+    tiny: SimpleNamespace,
+    rollouts: Any = None,
+    *,
+    window: int = 1,
+    limit: int = 8,
+    max_wait_s: float = 0.0,
+    in_process_actor: bool = False,
 ) -> AsyncPacks:
     """Async Channel-B over an in-process HF backend. Without ``rollouts`` the actor stays idle (prefetch
-    target 0: it never rolls out), so the test alone fills the queue."""
+    target 0: it never rolls out), so the test alone fills the queue; ``in_process_actor``: the actor rolls
+    out on that same backend (its rollouts carry the version the learner last pushed to it)."""
     backend = HFBackend(
         tiny.model,
         tiny.encoder.tokenizer,
         eos_token_id=tiny.encoder.eos_token_id,
         pad_token_id=tiny.encoder.pad_token_id,
     )
+    if in_process_actor:
+        rollouts = RolloutChannel(
+            tiny.model, tiny.encoder, tiny.codec, tiny.cfg, backend, decode_batch_size=2
+        )
     queue: ReadyPackQueue[Any] = ReadyPackQueue(limit)
     actor = RolloutActor(
         rollouts=rollouts,
@@ -160,6 +171,73 @@ def test_a_b_step_waits_up_to_max_wait_s_for_its_packs(tiny) -> None:
     assert plan.kind == "B" and 0.25 < time.monotonic() - started < 25
     assert plan.gauges["sync/version"] == 0  # the run's first push happened before the actor started
     assert channel.actor.started
+
+
+def test_version_window_zero_is_on_policy_and_trains_every_b_step(tiny) -> None:
+    """Push first, then judge freshness against the version the servers now hold: with window 0 every
+    B step waits for rollouts of the weights it is about to update, and gets them."""
+    channel = async_channel(tiny, window=0, max_wait_s=60.0, in_process_actor=True)
+    steps = planner(tiny, channel)
+    for step in range(3):
+        plan = steps.plan([tiny.records[:1]], step)
+        assert plan.kind == "B", f"step {step} ran A: {dict(plan.sums)}"
+        assert plan.gauges["stage2_ab/async/ver"] == step
+        assert (
+            plan.gauges["stage2_ab/async/ver_lag_max"] == 0 and plan.sums["stage2_ab/async/ver_lag_sum"] == 0
+        )
+    assert plan.sums["stage2_ab/async/b_step_skipped_due_to_queue"] == 0
+
+
+def test_a_one_rank_failure_in_take_reaches_the_other_rank_in_the_same_step(tiny) -> None:
+    """The rank whose channel failed still joins the step's gather; both raise there, at once."""
+    import concurrent.futures
+
+    from rollmatch.collectives import LocalCollectives
+
+    class TwoRanks(LocalCollectives):  # rank 0 and rank 1 of one gather, in one process
+        def __init__(self, rank: int, board: dict[int, Any], barrier: threading.Barrier):
+            super().__init__()
+            self.rank, self.board, self.barrier = rank, board, barrier
+            self.world_size = 2
+
+        @property
+        def is_main(self) -> bool:
+            return self.rank == 0
+
+        def all_gather_object(self, value: Any, phase: str) -> list[Any]:
+            self.board[self.rank] = value
+            self.barrier.wait(timeout=20)
+            values = [self.board[0], self.board[1]]
+            self.barrier.wait(timeout=20)
+            return values
+
+    board: dict[int, Any] = {}
+    barrier = threading.Barrier(2)
+
+    def plan_on(rank: int) -> str:
+        channel_a = WindowRows(GTChannel(tiny.model, tiny.encoder, tiny.codec, tiny.cfg).produce, rows(tiny))
+        if rank == 1:  # this rank's channel fails while building its rows
+            channel_a.take = lambda *a, **k: (_ for _ in ()).throw(ValueError("a broken record"))
+        steps = StepPlanner(
+            schedule=ABSchedule(0.0),
+            channel_a=channel_a,
+            channel_b=None,
+            sync=None,
+            collectives=TwoRanks(rank, board, barrier),
+            report_ab=False,
+        )
+        try:
+            steps.plan([tiny.records[:1]], 0)
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return "no error"
+
+    started = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        outcomes = list(pool.map(plan_on, [0, 1]))
+    assert outcomes[1] == "ValueError: a broken record"
+    assert outcomes[0].startswith("BackendError") and "rank 1: ValueError: a broken record" in outcomes[0]
+    assert time.monotonic() - started < 15
 
 
 def test_a_step_the_schedule_wants_on_channel_a_never_waits(tiny) -> None:

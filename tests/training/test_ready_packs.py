@@ -17,6 +17,7 @@ from rollmatch.training.ready_packs import (
     ReadyPackQueue,
     SegmentOrigin,
     VersionPurePacker,
+    admits_rollouts,
     is_eligible,
 )
 
@@ -97,39 +98,69 @@ def test_stale_pack_under_version_window_one_is_dropped_counted_and_never_traine
     queue.put(pack(2, 5))
     assert not is_eligible(0, 2, 1) and is_eligible(1, 2, 1)
     assert queue.eligible(2, 1) == 2
-    taken = queue.take_eligible(2, current_version=2, version_window=1)
+    assert queue.reserve(2, current_version=2, version_window=1) == 2
+    taken = queue.take_reserved(2)
     assert [q.version for q in taken] == [1, 2]  # the stale one was dropped, not trained
     assert queue.counts.dropped_stale == 1 and queue.counts.trained == 2
     assert queue.counts.balance(len(queue)) == 0
-    with pytest.raises(RuntimeError, match="eligible packs"):
-        queue.take_eligible(1, current_version=2, version_window=1)
+    with pytest.raises(RuntimeError, match="reserve before the vote"):
+        queue.take_reserved(1)
 
 
-@settings(max_examples=100, deadline=None)
+def test_reserved_packs_survive_a_stale_pack_put_into_a_full_queue_before_take() -> None:
+    """The race of a step's vote and its take: the actor fills the queue in between."""
+    queue: ReadyPackQueue[int] = ReadyPackQueue(limit=2)
+    queue.put(pack(3, 0))
+    queue.put(pack(3, 1))
+    assert queue.reserve(2, current_version=3, version_window=0) == 2  # the vote counted these two
+    for position in (2, 3, 4):  # late rollouts of an older version arrive and overflow the queue
+        queue.put(pack(2, position))
+    taken = queue.take_reserved(2)  # no error: the reserved packs were never evicted
+    assert [p.origins[0].stream_position for p in taken] == [0, 1]
+    assert queue.counts.dropped_oldest == 1 and queue.counts.balance(len(queue)) == 0
+
+
+def test_packs_reserved_for_a_step_that_ran_a_go_back_in_front() -> None:
+    queue: ReadyPackQueue[int] = ReadyPackQueue(limit=2)
+    queue.put(pack(1, 0))
+    assert queue.reserve(2, current_version=1, version_window=0) == 1  # too few: the step runs A
+    queue.put(pack(1, 1))
+    queue.put(pack(1, 2))
+    queue.unreserve()  # the next step: the reserved pack is the oldest again; the limit still holds
+    assert [p.origins[0].stream_position for p in queue.take_reserved(0)] == []
+    assert queue.reserve(2, 1, 0) == 2 and [p.origins[0].stream_position for p in queue.take_reserved(2)] == [
+        1,
+        2,
+    ]
+    assert queue.counts.dropped_oldest == 1 and queue.counts.balance(len(queue)) == 0
+
+
+@settings(max_examples=200, deadline=None)
 @given(
     st.lists(
         st.one_of(
-            st.tuples(st.just("put"), st.integers(0, 6)),
-            st.tuples(st.just("take"), st.integers(0, 6)),
-            st.tuples(st.just("stale"), st.integers(0, 6)),
+            st.tuples(st.just("put"), st.integers(0, 3)),  # a pack made this many versions ago
+            st.tuples(st.just("step"), st.integers(0, 2)),  # reserve for a step of this many micro-steps
+            st.tuples(st.just("sync"), st.integers(1, 2)),  # the servers move on by this many versions
         ),
-        max_size=50,
+        max_size=60,
     ),
     st.integers(1, 4),
     st.integers(0, 2),
 )
-def test_every_pack_produced_is_trained_or_counted_as_dropped(ops, limit, window) -> None:
+def test_every_pack_is_accounted_for_and_no_trained_pack_lags_beyond_the_window(ops, limit, window) -> None:
     queue: ReadyPackQueue[int] = ReadyPackQueue(limit=limit)
-    for op, version in ops:
+    version = 0
+    for op, value in ops:
         if op == "put":
-            queue.put(pack(version, 1))
-        elif op == "stale":
-            queue.drop_stale(version, window)
+            queue.put(pack(max(version - value, 0), 1))
+        elif op == "sync":
+            version += value
         else:
-            queue.drop_stale(version, window)
-            if len(queue):
-                queue.take_eligible(1, version, window)
-        assert len(queue) <= limit
+            queue.unreserve()
+            if queue.reserve(value, version, window) >= value:
+                for taken in queue.take_reserved(value):
+                    assert version - taken.version <= window
         assert queue.counts.balance(len(queue)) == 0
     queue.discard_all()
     assert len(queue) == 0 and queue.counts.balance(0) == 0
@@ -146,8 +177,41 @@ def test_a_waiting_producer_wakes_when_the_learner_takes() -> None:
 
     thread = threading.Thread(target=producer)
     thread.start()
-    queue.take_eligible(1, 0, 0)
+    queue.reserve(1, 0, 0)
+    queue.take_reserved(1)
     thread.join(timeout=10.0)
     assert woke.is_set()
     with pytest.raises(ValueError, match="queue_limit"):
         ReadyPackQueue(limit=0)
+
+
+def test_admission_starts_only_rollouts_whose_packs_will_still_be_eligible() -> None:
+    def admits(
+        held: int, version: int, next_step: int, window: int, every: int = 1, per_step: float = 2
+    ) -> bool:
+        return admits_rollouts(
+            held=held,
+            current_version=version,
+            next_step=next_step,
+            version_window=window,
+            sync_every_steps=every,
+            packs_per_step=per_step,
+        )
+
+    # On-policy (window 0, a push every step): at step 5's start (servers at v5) roll out for step 5;
+    # once step 5 took its packs, anything started before the push of v6 would arrive stale.
+    assert admits(held=0, version=5, next_step=5, window=0) and admits(
+        held=1, version=5, next_step=5, window=0
+    )
+    assert not admits(held=2, version=5, next_step=5, window=0)
+    assert not admits(held=0, version=5, next_step=6, window=0)
+    # Window 1: keep one step's packs ahead while the learner trains, never two.
+    assert admits(held=0, version=5, next_step=6, window=1) and admits(
+        held=1, version=5, next_step=6, window=1
+    )
+    assert not admits(held=2, version=5, next_step=6, window=1)
+    # A push every 4 steps: packs stay eligible across the steps that share a version.
+    assert admits(held=4, version=1, next_step=5, window=0, every=4)
+    assert not admits(held=6, version=1, next_step=5, window=0, every=4)
+    # b_ratio 0.5 with GAS 2: one pack a step on average, so fewer packs are worth holding.
+    assert not admits(held=2, version=5, next_step=6, window=1, per_step=1)

@@ -226,6 +226,28 @@ def test_step_mode_learns_every_segment_with_whole_step_normalisation(parts, tin
     assert sums["stage2_ab/step/learner_wait_s"] > 0
 
 
+def test_step_mode_rolls_out_only_on_the_final_micro_step(parts) -> None:
+    """The spec's scenario (bs 1, GAS 8): seven micro-steps buffer, the eighth rolls out and learns to
+    completion: no rollout starts before the seventh micro-step's passes are done."""
+    model, records = parts.model, parts.records[:8]
+    backend = RecordingBackend(hf_backend(model, parts.encoder))
+    rollouts = RolloutChannel(model, parts.encoder, parts.codec, parts.cfg, backend, decode_batch_size=4)
+    plan = step_planner(rollouts, records, packing_length=4096, pipeline=False).plan(
+        [[r] for r in records], 3
+    )
+    assert len(plan.micro_steps) == 8 and backend.calls == []  # planning rolled nothing out
+    ends = []
+    for micro in plan.micro_steps[:-1]:
+        assert list(micro.passes(1.0)) == []  # buffering micro-steps: no pass
+        ends.append(time.perf_counter())
+    assert backend.calls == []
+    rows = list(plan.micro_steps[-1].passes(1.0))
+    assert rows and [size for size, _, _ in backend.calls] == [4, 4]
+    assert min(start for _, start, _ in backend.calls) > ends[-1]  # after the seventh micro-step ended
+    sums = all_sums(plan)
+    assert sums["rollout/count"] == 8 and sums["stage2_ab/step/forward_passes"] == len(rows)
+
+
 class ScriptedRollouts:
     """Fault injection: a rollout channel whose chunks fail or never arrive."""
 
