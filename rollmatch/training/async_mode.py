@@ -129,7 +129,11 @@ class AsyncPacks:
         self.rows.count(rows, sums)
         self.actor.stream.ledger.mark_done([o.stream_position for pack in packs for o in pack.origins])
         return ChannelBatch(
-            rows=rows, batch=self.rows.batch, sums=sums, gauges={f"{_PREFIX}/ver_lag_max": ("max", max(lags))}
+            rows=rows,
+            batch=self.rows.batch,
+            sums=sums,
+            gauges={f"{_PREFIX}/ver_lag_max": ("max", max(lags))},
+            trained=self.queue.mark_trained,  # a pack counts as trained after its backward pass
         )
 
     def step_metrics(self, global_step: int) -> tuple[Counter[str], dict[str, tuple[GaugeKind, float]]]:

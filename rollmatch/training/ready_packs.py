@@ -64,7 +64,7 @@ class QueueCounts:
     trained: int = 0
     dropped_stale: int = 0
     dropped_oldest: int = 0
-    discarded: int = 0  # still queued when the actor-learner shut down
+    discarded: int = 0  # still queued (or taken but not trained) when the actor-learner shut down
     rollouts: Counter[str] = field(default_factory=Counter)  # the same outcomes, counted in rollouts
 
     def add(self, outcome: str, packs: list[ReadyPack[Any]]) -> None:
@@ -72,7 +72,8 @@ class QueueCounts:
         self.rollouts[outcome] += sum(len(p.origins) for p in packs)
 
     def balance(self, depth: int) -> int:
-        """``produced - (trained + dropped + discarded + depth)``: 0 when every pack is accounted for."""
+        """``produced - (trained + dropped + discarded + depth)``: 0 when every pack is accounted for
+        (``depth``: packs held, queued, reserved or in training)."""
         return self.produced - (
             self.trained + self.dropped_stale + self.dropped_oldest + self.discarded + depth
         )
@@ -198,6 +199,7 @@ class ReadyPackQueue(Generic[S]):
         self.counts = QueueCounts()
         self._packs: deque[ReadyPack[S]] = deque()
         self._reserved: list[ReadyPack[S]] = []
+        self._training: deque[ReadyPack[S]] = deque()  # taken by a step, not yet through its backward
         self._lock = threading.Lock()
         self.changed = threading.Condition(self._lock)
         self.dropped_origins: list[
@@ -205,9 +207,9 @@ class ReadyPackQueue(Generic[S]):
         ] = []  # records whose packs were dropped (resume bookkeeping)
 
     def __len__(self) -> int:
-        """Packs held: queued and reserved."""
+        """Packs held: queued, reserved, and taken but not yet trained."""
         with self._lock:
-            return len(self._packs) + len(self._reserved)
+            return len(self._packs) + len(self._reserved) + len(self._training)
 
     def put(self, pack: ReadyPack[S]) -> None:
         with self._lock:
@@ -251,16 +253,23 @@ class ReadyPackQueue(Generic[S]):
                 self.dropped_origins.extend(oldest.origins)
 
     def take_reserved(self, count: int) -> list[ReadyPack[S]]:
-        """Pop ``count`` reserved packs for the step whose vote counted them."""
+        """Pop ``count`` reserved packs for the step whose vote counted them; they count as trained
+        once :meth:`mark_trained` says their backward pass is done."""
         with self._lock:
             if len(self._reserved) < count:
                 raise RuntimeError(
                     f"{len(self._reserved)} packs are reserved, the step takes {count}: reserve before the vote"
                 )
             taken, self._reserved = self._reserved[:count], self._reserved[count:]
-            self.counts.add("trained", taken)
+            self._training.extend(taken)
             self.changed.notify_all()
             return taken
+
+    def mark_trained(self, count: int) -> None:
+        """The oldest ``count`` taken packs went through their forward/backward."""
+        with self._lock:
+            done = [self._training.popleft() for _ in range(min(count, len(self._training)))]
+            self.counts.add("trained", done)
 
     def versions(self) -> list[int]:
         with self._lock:
@@ -269,10 +278,12 @@ class ReadyPackQueue(Generic[S]):
     def discard_all(self) -> int:
         """Shutdown: count every queued pack as discarded and empty the queue; returns how many."""
         with self._lock:
-            count = len(self._packs) + len(self._reserved)
-            self.counts.add("discarded", [*self._packs, *self._reserved])
+            left = [*self._packs, *self._reserved, *self._training]
+            self.counts.add("discarded", left)
+            count = len(left)
             self._packs.clear()
             self._reserved.clear()
+            self._training.clear()
             self.changed.notify_all()
             return count
 

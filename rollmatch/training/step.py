@@ -31,6 +31,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Literal, Protocol
 
 import torch
@@ -68,6 +69,9 @@ class ChannelBatch:
     gauges: dict[str, tuple[GaugeKind, float]] = field(default_factory=dict)
     lazy: MicroStep | None = None  # rows produced while training (step-mode pipeline): the last micro-step
     timing_key: str | None = None  # log the step's wall time (plan start -> last pass) under this sum
+    trained: Callable[[int], None] | None = (
+        None  # told, after each micro-step's backward, how many rows it trained
+    )
 
 
 class Channel(Protocol):
@@ -116,18 +120,31 @@ class MicroStep:
     micro-steps and ranks). ``finish`` runs after the last pass and returns the micro-step's loss.
     """
 
-    def __init__(self, rows: list[MicroBatch], *, kind: StepKind, step: int, index: int, count: int):
+    def __init__(
+        self,
+        rows: list[MicroBatch],
+        *,
+        kind: StepKind,
+        step: int,
+        index: int,
+        count: int,
+        trained: Callable[[], None] | None = None,
+    ):
         self.rows = rows
         self.kind = kind
         self.step = step
         self.index = index  # 1-based position in the optimizer step
         self.count = count
+        self._trained = trained  # the channel's bookkeeping once this micro-step's backward is done
 
     def passes(self, step_weight: float) -> Iterator[tuple[MicroBatch, float]]:
         for row in self.rows:
             yield row, step_weight
 
     def finish(self, model: torch.nn.Module, loss: torch.Tensor) -> torch.Tensor:
+        """Called after the micro-step's last backward pass."""
+        if self._trained is not None:
+            self._trained()
         return loss
 
     def local_sums(self) -> Counter[str]:
@@ -278,12 +295,21 @@ class StepPlanner:
         rows = list(batch.rows)
         if len(rows) < num_rows:  # keep DDP in lock-step: the same number of passes on every rank
             rows.extend([padding_row(_first_segment(rows, global_step))] * (num_rows - len(rows)))
-        micro_steps, start = [], 0
+        micro_steps, start, own = [], 0, len(batch.rows)
         for index, size in enumerate(spread_rows(num_rows, count)):
             micro_rows = [batch.batch(row) for row in rows[start : start + size]]
+            trained_here = max(0, min(start + size, own) - start)  # this rank's rows, not padding rows
             start += size
+            callback = batch.trained
             micro_steps.append(
-                MicroStep(micro_rows, kind=kind, step=global_step, index=index + 1, count=count)
+                MicroStep(
+                    micro_rows,
+                    kind=kind,
+                    step=global_step,
+                    index=index + 1,
+                    count=count,
+                    trained=None if callback is None else partial(callback, trained_here),
+                )
             )
         return StepPlan(kind, micro_steps, total_weight, sums, gauges)
 

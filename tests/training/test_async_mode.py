@@ -142,11 +142,12 @@ def test_a_stale_pack_is_dropped_and_b_trains_one_fresh_pack_per_micro_step(tiny
     trained = [m.rows[0]["input_ids"].shape[-1] for m in plan.micro_steps]
     assert trained == [tiny.segments[1].length, tiny.segments[2].length]  # never the stale v0 pack
     assert plan.gauges["stage2_ab/async/drop_stale_total"] == 1
-    assert plan.gauges["stage2_ab/async/packs_trained_total"] == 2
+    assert plan.gauges["stage2_ab/async/packs_trained_total"] == 0  # taken, not yet through backward
     assert plan.gauges["stage2_ab/async/ver_lag_max"] == 1 and plan.sums["stage2_ab/async/ver_lag_sum"] == 1
     assert channel.queue.counts.balance(len(channel.queue)) == 0
     assert channel.state_dict()["ledger"] == {"frontier": 3, "done_ahead": []}  # trained + dropped are done
     assert torch.isfinite(train_plan(tiny.model, plan))
+    assert channel.queue.counts.trained == 2 and channel.queue.counts.balance(len(channel.queue)) == 0
 
 
 def test_too_few_eligible_packs_run_a_and_keep_the_packs(tiny) -> None:

@@ -101,7 +101,10 @@ def test_stale_pack_under_version_window_one_is_dropped_counted_and_never_traine
     assert queue.reserve(2, current_version=2, version_window=1) == 2
     taken = queue.take_reserved(2)
     assert [q.version for q in taken] == [1, 2]  # the stale one was dropped, not trained
-    assert queue.counts.dropped_stale == 1 and queue.counts.trained == 2
+    assert queue.counts.trained == 0 and len(queue) == 2  # taken: trained once the backward pass ran
+    queue.mark_trained(2)
+    assert queue.counts.dropped_stale == 1 and queue.counts.trained == 2 and len(queue) == 0
+    assert queue.counts.rollouts["trained"] == 2 and queue.counts.rollouts["dropped_stale"] == 1
     assert queue.counts.balance(len(queue)) == 0
     with pytest.raises(RuntimeError, match="reserve before the vote"):
         queue.take_reserved(1)
@@ -161,6 +164,7 @@ def test_every_pack_is_accounted_for_and_no_trained_pack_lags_beyond_the_window(
             if queue.reserve(value, version, window) >= value:
                 for taken in queue.take_reserved(value):
                     assert version - taken.version <= window
+                queue.mark_trained(value)
         assert queue.counts.balance(len(queue)) == 0
     queue.discard_all()
     assert len(queue) == 0 and queue.counts.balance(0) == 0
