@@ -96,13 +96,15 @@ class RolloutServer:
         """Why the server cannot serve (a half-applied load, a stalled engine), or ``None``."""
         if self.broken is not None:
             return self.broken
+        if self.scheduler.stopped is not None:
+            return f"the rollout engine stopped: {self.scheduler.stopped}"
         stalled = self.watch.stalled()
         return f"the rollout engine is stalled: {stalled}" if stalled else None
 
     def health(self) -> ServerHealth:
         """``/health/``: lock-free, never waits for the engine."""
         reason = self.unhealthy()
-        status = "ok" if reason is None else ("broken" if self.broken is not None else "stalled")
+        status = "ok" if reason is None else ("stalled" if self.watch.stalled() else "broken")
         return ServerHealth(
             status=status,
             engine=self.scheduler.state,

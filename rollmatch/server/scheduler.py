@@ -245,6 +245,11 @@ class EngineScheduler:
             return "updating"
         return "generating" if self._running_calls else "idle"
 
+    @property
+    def stopped(self) -> str | None:
+        """Why the engine thread stopped serving (shut down, or failed unexpectedly), or ``None``."""
+        return self._closed_reason
+
     def depth(self) -> dict[str, int]:
         """Queue depth, lock-free (a snapshot for health and stats)."""
         return {

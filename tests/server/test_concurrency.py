@@ -174,3 +174,22 @@ def test_hf_weight_pushes_under_load_are_fair_and_every_answer_has_the_right_ver
         f"hf: {len(result.answers)} answers, pushes {[round(s, 2) for s in result.push_seconds]} s, "
         f"one idle call {result.idle_call_seconds:.2f} s"
     )
+
+
+def test_an_engine_thread_that_fails_unexpectedly_fails_its_calls_and_health(
+    in_process: Callable[..., RolloutServer], raccoon_requests: list[Any]
+) -> None:
+    server = in_process()
+    prompts = prepared_prompts(server, raccoon_requests)
+
+    def broken_admission() -> None:  # fault injection: a bug in the engine thread itself
+        raise RuntimeError("injected engine-thread bug")
+
+    server.scheduler._admit_pending = broken_admission  # type: ignore[method-assign]
+    ticket = server.scheduler.submit(prompts[:1], GREEDY, 0)
+    with pytest.raises(BackendError, match="injected engine-thread bug"):
+        server.scheduler.wait(ticket)
+    health = server.health()
+    assert health.status == "broken" and health.engine == "stopped" and "injected" in (health.detail or "")
+    with pytest.raises(BackendError, match="stopped"):
+        server.scheduler.submit(prompts[:1], GREEDY, 0)
