@@ -232,6 +232,10 @@ class AsyncConfig(Section):
         le=3600.0,
         description="A step that wants B waits up to this long for its ready packs before running Channel-A instead (0: no wait).",
     )
+    record_trace: bool = Field(
+        False,
+        description="Append every record a step trains or drops (step, stream position, record id, weight version) to <output_dir>/async/rank<R>.records.jsonl: an audit of what each rank learned from, e.g. across a resume.",
+    )
     admission_control: bool = Field(
         True,
         description="The actor does not start rollouts whose packs would be stale (beyond version_window) by the step that consumes them; the consume-time gate stays as the safety net.",

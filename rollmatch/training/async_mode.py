@@ -34,7 +34,7 @@ import torch
 
 from rollmatch.rollout.types import RolloutBackend, SyncReport
 from rollmatch.training.actor import RolloutActor
-from rollmatch.training.ready_packs import ReadyPackQueue
+from rollmatch.training.ready_packs import ReadyPackQueue, SegmentOrigin
 from rollmatch.training.record_stream import StreamLedger
 from rollmatch.training.rows import RowPlanner
 from rollmatch.training.schedule import StepKind
@@ -63,6 +63,7 @@ class AsyncPacks:
         sync_every_steps: int,
         accounting_path: str | None,
         max_wait_s: float = 0.0,
+        trace_path: str | None = None,
     ):
         self.backend = backend
         self.model = model
@@ -73,6 +74,7 @@ class AsyncPacks:
         self.sync_every_steps = sync_every_steps
         self.accounting_path = accounting_path
         self.max_wait_s = max_wait_s
+        self.trace_path = trace_path  # async.record_trace: one JSON line per step that trains or drops
         self._last_report = (time.perf_counter(), 0)  # (time, actor rollouts) at the previous step
         self._closed = False
 
@@ -128,6 +130,7 @@ class AsyncPacks:
         sums["samples"] += sum(len(row) for row in rows)
         self.rows.count(rows, sums)
         self.actor.stream.ledger.mark_done([o.stream_position for pack in packs for o in pack.origins])
+        self._trace(global_step, "trained", [(o, pack.version) for pack in packs for o in pack.origins])
         return ChannelBatch(
             rows=rows,
             batch=self.rows.batch,
@@ -141,6 +144,7 @@ class AsyncPacks:
         self.actor.set_current_version(self.ver, global_step + 1)  # this step took its packs (or ran A)
         dropped = self.queue.take_dropped_origins()
         self.actor.stream.ledger.mark_done([o.stream_position for o in dropped])
+        self._trace(global_step, "dropped", [(o, None) for o in dropped])
         sums = self.actor.take_sums()
         del sums["samples"]  # rollouts made, not trained: `samples` counts what the step trains (take)
         sums[f"{_PREFIX}/b_step_skipped_due_to_queue"] += 0  # logged every step; the planner adds the 1
@@ -208,6 +212,18 @@ class AsyncPacks:
             os.makedirs(os.path.dirname(self.accounting_path) or ".", exist_ok=True)
             with open(self.accounting_path, "w") as fh:
                 json.dump(accounting, fh, indent=1)
+
+    def _trace(self, global_step: int, event: str, records: list[tuple[SegmentOrigin, int | None]]) -> None:
+        if self.trace_path is None or not records:
+            return
+        os.makedirs(os.path.dirname(self.trace_path) or ".", exist_ok=True)
+        line = {
+            "step": global_step,
+            "event": event,
+            "records": [[o.stream_position, o.record_id, version] for o, version in records],
+        }
+        with open(self.trace_path, "a") as fh:
+            fh.write(json.dumps(line) + "\n")
 
     # -------------------------------------------------------------------------------- resume
     def state_dict(self) -> dict[str, Any]:

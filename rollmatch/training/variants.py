@@ -232,6 +232,9 @@ def async_packs(ctx: BuildContext, backend: RolloutBackend) -> AsyncPacks:
         version_window=settings.version_window,
         sync_every_steps=settings.sync_every_steps,
         accounting_path=os.path.join(t.output_dir, "async", f"rank{rank}.json"),
+        trace_path=os.path.join(t.output_dir, "async", f"rank{rank}.records.jsonl")
+        if settings.record_trace
+        else None,
         max_wait_s=settings.max_wait_s,
     )
 

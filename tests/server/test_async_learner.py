@@ -9,6 +9,7 @@ learner (gloo) on 127.0.0.1, ``channel_b.mode: async`` with ``b_ratio: 1.0``.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -38,6 +39,7 @@ def async_config(
     max_steps: int,
     max_wait_s: float = 0.0,
     gradient_accumulation_steps: int = 1,
+    save_steps: int = 1000,
 ) -> dict[str, Any]:
     return {
         "model": {"path": str(tiny_model_dir)},
@@ -70,6 +72,7 @@ def async_config(
                     "version_window": 2,
                     "sync_every_steps": 1,
                     "max_wait_s": max_wait_s,
+                    "record_trace": True,
                 },
             },
         },
@@ -80,7 +83,7 @@ def async_config(
             "max_steps": max_steps,
             "learning_rate": 1e-3,
             "report_to": [],
-            "save_steps": 1000,
+            "save_steps": save_steps,
             "packing": True,
             "global_max_length": 320,
             "collective_timeout_s": COLLECTIVE_TIMEOUT_S,
@@ -196,6 +199,76 @@ def test_async_learner_runs_b_steps_and_accounts_for_every_pack(
     last_b = 1 if last["stage2_ab/step_kind_b"] == 1.0 else 0
     assert last["stage2_ab/async/packs_trained_total"] == 2 * gas * (len(b_steps) - last_b)
     assert last["stage2_ab/async/packs_produced_total"] <= sum(c["produced"] for c in accounting)
+
+
+def trace(out: Path, rank: int) -> list[dict[str, Any]]:
+    return [
+        json.loads(line) for line in (out / "async" / f"rank{rank}.records.jsonl").read_text().splitlines()
+    ]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+def test_an_async_run_resumed_from_a_checkpoint_neither_repeats_nor_skips_a_record(
+    start_server: Callable[..., Any],
+    tiny_model_dir: Path,
+    shapes: dict[str, Path],
+    tmp_path: Path,
+    free_port: Callable[[], int],
+) -> None:
+    """Stop after a checkpoint (run 1: 3 steps, a checkpoint after 2), resume from it (run 2: steps 2-4):
+    on every rank no record is trained or dropped twice, none before the checkpoint's frontier is
+    skipped, ``ver`` continues and the lag stays within the window."""
+    import torch
+
+    server = start_server(tiny_model_dir, "--engine", "vllm")
+    runs = {}
+    for name, steps, resume in (("first", 3, None), ("resumed", 5, tmp_path / "first" / "checkpoint-2")):
+        out = tmp_path / name
+        config = async_config(
+            tiny_model_dir,
+            shapes,
+            out,
+            server.url,
+            free_port(),
+            max_steps=steps,
+            max_wait_s=30.0,
+            save_steps=2,
+        )
+        if resume is not None:
+            config["training"]["resume_from_checkpoint"] = str(resume)
+        config_path = tmp_path / f"{name}.yaml"
+        config_path.write_text(yaml.safe_dump(config))
+        run = subprocess.run(
+            torchrun(config_path, tmp_path / f"logs-{name}", free_port()),
+            capture_output=True,
+            text=True,
+            timeout=RUN_TIMEOUT_S,
+            env=dict(os.environ, OMP_NUM_THREADS="1"),
+        )
+        logs = rank_logs(tmp_path / f"logs-{name}")
+        assert run.returncode == 0, (run.stderr[-3000:], {r: text[-3000:] for r, text in logs.items()})
+        runs[name] = out
+    resumed = [json.loads(line) for line in (runs["resumed"] / "metrics.jsonl").read_text().splitlines()]
+    resumed = [h for h in resumed if "loss" in h]
+    assert [h["stage2_ab/async/ver"] for h in resumed] == [2, 3, 4]  # ver continues from global_step 2
+    assert all(h["stage2_ab/async/ver_lag_max"] <= 2 for h in resumed if h["stage2_ab/step_kind_b"] == 1.0)
+    for rank in (0, 1):
+        saved = torch.load(
+            runs["first"] / "checkpoint-2" / f"rollmatch_state_rank{rank}.pt", weights_only=False
+        )
+        ledger = saved["channel_b"]["ledger"]
+        before = [r for line in trace(runs["first"], rank) if line["step"] < 2 for r in line["records"]]
+        after = [r for line in trace(runs["resumed"], rank) for r in line["records"]]
+        done_before = {position for position, _, _ in before}
+        done_after = {position for position, _, _ in after}
+        assert len(done_before) == len(before) and len(done_after) == len(after)  # nothing twice within a run
+        assert not done_before & done_after, sorted(done_before & done_after)  # nor across the resume
+        frontier = ledger["frontier"]
+        assert set(range(frontier)) | set(ledger["done_ahead"]) == done_before  # the checkpoint's ledger
+        assert min(done_after) >= frontier  # the resumed actor read on from the frontier
+        for line in trace(runs["resumed"], rank):  # every trained rollout within version_window (2)
+            if line["event"] == "trained":
+                assert all(line["step"] - version <= 2 for _, _, version in line["records"]), line
 
 
 def assert_rollouts_balance(rank_counts: dict[str, Any]) -> None:
