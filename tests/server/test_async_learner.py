@@ -106,6 +106,26 @@ def torchrun(config_path: Path, log_dir: Path, port: int) -> tuple[str, ...]:
     )
 
 
+def train_to_the_end(config: dict[str, Any], tmp_path: Path, name: str, port: int) -> None:
+    """Run the 2-rank learner on ``config`` (logs under ``tmp_path/logs-<name>``); it must exit 0."""
+    config_path = tmp_path / f"{name}.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+    run = subprocess.run(
+        torchrun(config_path, tmp_path / f"logs-{name}", port),
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    logs = rank_logs(tmp_path / f"logs-{name}")
+    assert run.returncode == 0, (run.stderr[-3000:], {r: text[-3000:] for r, text in logs.items()})
+
+
+def step_metrics(out: Path) -> list[dict[str, Any]]:
+    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [h for h in logged if "loss" in h]
+
+
 def rank_logs(log_dir: Path) -> dict[int, str]:
     """``{rank: stdout + stderr}`` from torchrun's ``--log-dir`` layout (<run>/attempt_0/<rank>/...)."""
     logs: dict[int, str] = {}
@@ -153,23 +173,10 @@ def test_async_learner_runs_b_steps_and_accounts_for_every_pack(
         max_wait_s=max_wait_s,
         gradient_accumulation_steps=gas,
     )
-    config_path = tmp_path / "async.yaml"
-    config_path.write_text(yaml.safe_dump(config))
-    env = dict(os.environ, OMP_NUM_THREADS="1")
     started = time.monotonic()
-    run = subprocess.run(
-        torchrun(config_path, tmp_path / "logs", free_port()),
-        capture_output=True,
-        text=True,
-        timeout=RUN_TIMEOUT_S,
-        env=env,
-    )
-    logs = rank_logs(tmp_path / "logs")
-    assert run.returncode == 0, (run.stderr[-3000:], {r: text[-3000:] for r, text in logs.items()})
+    train_to_the_end(config, tmp_path, "async", free_port())
     assert time.monotonic() - started < RUN_TIMEOUT_S
-
-    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    logged = [h for h in logged if "loss" in h]
+    logged = step_metrics(out)
     assert len(logged) == steps
     b_steps = [h for h in logged if h["stage2_ab/step_kind_b"] == 1.0]
     assert b_steps, "no Channel-B step ran: the actors never fed the learner"
@@ -236,20 +243,9 @@ def test_an_async_run_resumed_from_a_checkpoint_neither_repeats_nor_skips_a_reco
         )
         if resume is not None:
             config["training"]["resume_from_checkpoint"] = str(resume)
-        config_path = tmp_path / f"{name}.yaml"
-        config_path.write_text(yaml.safe_dump(config))
-        run = subprocess.run(
-            torchrun(config_path, tmp_path / f"logs-{name}", free_port()),
-            capture_output=True,
-            text=True,
-            timeout=RUN_TIMEOUT_S,
-            env=dict(os.environ, OMP_NUM_THREADS="1"),
-        )
-        logs = rank_logs(tmp_path / f"logs-{name}")
-        assert run.returncode == 0, (run.stderr[-3000:], {r: text[-3000:] for r, text in logs.items()})
+        train_to_the_end(config, tmp_path, name, free_port())
         runs[name] = out
-    resumed = [json.loads(line) for line in (runs["resumed"] / "metrics.jsonl").read_text().splitlines()]
-    resumed = [h for h in resumed if "loss" in h]
+    resumed = step_metrics(runs["resumed"])
     assert [h["stage2_ab/async/ver"] for h in resumed] == [2, 3, 4]  # ver continues from global_step 2
     assert all(h["stage2_ab/async/ver_lag_max"] <= 2 for h in resumed if h["stage2_ab/step_kind_b"] == 1.0)
     for rank in (0, 1):
