@@ -295,7 +295,7 @@ class EngineScheduler:
             self._step()  # drain: in-flight calls finish under the current weights
             return
         self._drain_since = None
-        keep = operation.is_load and self._running
+        keep = operation.is_load and bool(self._running)
         try:
             with self.watch.operation(operation.what):
                 version = operation.fn()
