@@ -115,15 +115,10 @@ class ServerConnection:
                 raise BackendError(
                     f"rollout server {self.url}: {phase} ({method} {path}) got no answer within {timeout}s"
                 ) from exc
-            except requests.ConnectionError as exc:
+            except requests.RequestException as exc:
                 if not reconnected and closed_before_answer(exc):
                     reconnected = True
                     continue
-                raise BackendError(
-                    f"rollout server {self.url}: {phase} ({method} {path}) failed: {exc}; is the server still "
-                    f"running? {ALTERNATIVES}"
-                ) from exc
-            except requests.RequestException as exc:
                 raise BackendError(
                     f"rollout server {self.url}: {phase} ({method} {path}) failed: {exc}; is the server still "
                     f"running? {ALTERNATIVES}"
@@ -206,12 +201,15 @@ class ServerConnection:
         self.session.close()
 
 
-def closed_before_answer(exc: requests.ConnectionError) -> bool:
-    """The server closed the connection before any byte of its answer (safe to send again)."""
+def closed_before_answer(exc: requests.RequestException) -> bool:
+    """The server closed the connection before any byte of its answer (safe to send again):
+    somewhere in the exception's chain (urllib3 nests it in ``args``) a reset or a remote close."""
+    seen: set[int] = set()
     cause: BaseException | None = exc
-    while cause is not None:
+    while cause is not None and id(cause) not in seen:
         if isinstance(cause, RemoteDisconnected | ConnectionResetError | BrokenPipeError):
             return True
+        seen.add(id(cause))
         nested = [a for a in getattr(cause, "args", ()) if isinstance(a, BaseException)]
         cause = nested[0] if nested else cause.__cause__ or cause.__context__
     return False

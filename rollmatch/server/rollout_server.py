@@ -160,7 +160,10 @@ class RolloutServer:
             return None
         try:
             return self.scheduler.submit(call.prompts, call.decoding, call.config.seed)
-        except BackendError:
+        except ValueError:  # the call alone is over what the server queues (413)
+            self._count(rejected=1)
+            raise
+        except BackendError:  # full (429) or stalled (503)
             self._count(busy=1)
             raise
 
