@@ -5,8 +5,8 @@ Owns :class:`RolloutActor`: read the rank's record stream, roll the records out 
 them version-pure (``training.ready_packs``) and put the packs into the rank's bounded queue. The actor
 paces itself: while ``prefetch_target_packs`` eligible packs wait it sleeps until the learner takes some
 or the version moves on; with admission control it also does not start a batch whose packs would be
-stale by the step that consumes them (``ready_packs.admits_rollouts``). Leaves out: the learner's decisions (``training.async_mode``) and the record
-stream itself (``training.record_stream``).
+stale by the step that consumes them (``ready_packs.admits_rollouts``). Leaves out: the learner's
+decisions (``training.async_mode``) and the record stream itself (``training.record_stream``).
 
 Failure and shutdown: any exception in the thread (a dead or frozen server surfaces as a
 :class:`~rollmatch.errors.BackendError` naming its URL, within the client's timeouts) is kept and
@@ -166,9 +166,7 @@ class RolloutActor:
         per_rollout = self.queue.counts.produced / max(self.rollouts_total - self.discarded_after_stop, 1)
         return admits_rollouts(
             held=held,
-            batch_packs=max(1, round(self.decode_batch_size * min(per_rollout, 1.0)))
-            if self.rollouts_total
-            else 1,
+            batch_packs=max(1, round(self.decode_batch_size * min(per_rollout, 1.0))),
             current_version=self.current_version,
             next_step=self.next_step,
             version_window=self.version_window,
