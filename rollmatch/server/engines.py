@@ -9,7 +9,7 @@ Leaves out: request preparation (``server.prompts``), HTTP and weight-version bo
 (``server.rollout_server``).
 
 Engines are step-level and not thread-safe: one engine thread (``server.scheduler``) adds requests,
-steps, aborts and loads weights. ``generate_all`` runs a batch to completion for in-process callers.
+steps, aborts and loads weights.
 """
 
 from __future__ import annotations
@@ -92,19 +92,6 @@ class ServerEngine(Protocol):
         ...
 
     def close(self) -> None: ...
-
-
-def generate_all(
-    engine: ServerEngine, prompts: list[PreparedPrompt], decoding: Decoding, seed: int | None
-) -> list[EngineOutput]:
-    """Run ``prompts`` to completion on an otherwise idle engine (prompt ``j`` seeded ``seed + j``)."""
-    ids = [f"all.{j}" for j in range(len(prompts))]
-    for j, (request_id, prompt) in enumerate(zip(ids, prompts, strict=True)):
-        engine.add(request_id, prompt, decoding, None if seed is None else seed + j)
-    done: dict[str, EngineOutput] = {}
-    while len(done) < len(ids):
-        done.update(engine.step())
-    return [done[i] for i in ids]
 
 
 # ---------------------------------------------------------------------------------------- engines

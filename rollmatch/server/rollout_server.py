@@ -222,10 +222,7 @@ class RolloutServer:
 
     def reset_prefix_cache(self) -> None:
         """Reset every engine cache once in-flight calls finished (new calls wait behind it)."""
-        self.scheduler.run_operation(CACHE_RESET, self._reset_caches, is_load=False)
-
-    def _reset_caches(self) -> None:
-        self.engine.reset_caches()
+        self.scheduler.run_operation(CACHE_RESET, self.engine.reset_caches, is_load=False)
 
     def _count(self, *, calls: int = 0, requests: int = 0, rejected: int = 0, busy: int = 0) -> None:
         with self._counter_lock:

@@ -157,7 +157,7 @@ class DeferredStep(MicroStep):
         return self.sums
 
 
-class PipelinedStep(MicroStep):
+class PipelinedStep(DeferredStep):
     """The last micro-step of a pipelined step-mode step: rows are trained while rollouts still arrive.
 
     A rollout thread produces one decode batch at a time into a queue of size 1; rows are formed
@@ -165,12 +165,8 @@ class PipelinedStep(MicroStep):
     """
 
     def __init__(self, owner: StepRollouts, records: Sequence[Record], *, step: int, index: int, count: int):
-        super().__init__([], kind="B", step=step, index=index, count=count)
-        self.owner = owner
-        self.records = list(records)
-        self.total_weight = 0.0
-        self.normaliser: float | None = None
-        self.sums: Counter[str] = Counter({"stage2_ab/rollouts": len(records)})
+        super().__init__(owner, records, step=step, index=index, count=count)
+        self.normaliser: float | None = None  # provisional: the weight seen when the first row trained
 
     def passes(self, step_weight: float) -> Iterator[tuple[MicroBatch, float]]:
         owner = self.owner
@@ -215,9 +211,6 @@ class PipelinedStep(MicroStep):
                 if param.grad is not None:
                     param.grad.mul_(factor)
         return loss * factor
-
-    def local_sums(self) -> Counter[str]:
-        return self.sums
 
     # ------------------------------------------------------------------------------- internals
     def _produce_into(

@@ -125,9 +125,13 @@ def pushes_under_load(
     return result
 
 
-def check_load_result(result: LoadResult, *, pushes: int = 4) -> None:
+def check_load_result(result: LoadResult, engine: str, *, pushes: int = 4) -> None:
     """Every answer is a 200 whose output is the reference of the weights its version names; every
-    push took at most twice one generation call (plus 0.5 s for the transfer itself)."""
+    push took at most twice one generation call (plus 0.5 s for the transfer itself). Prints the figures."""
+    print(
+        f"{engine}: {len(result.answers)} answers, pushes {[round(s, 2) for s in result.push_seconds]} s, "
+        f"one idle call {result.idle_call_seconds:.2f} s"
+    )
     statuses = [status for status, _, _ in result.answers]
     assert statuses and set(statuses) == {200}, statuses
     versions_seen = set()

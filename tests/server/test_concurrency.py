@@ -169,11 +169,7 @@ def test_hf_weight_pushes_under_load_are_fair_and_every_answer_has_the_right_ver
 ) -> None:
     side = trainer_side(hf_sync_server.url)
     result = pushes_under_load(hf_sync_server.url, side, raccoon_requests, Decoding(max_new_tokens=24))
-    check_load_result(result)
-    print(
-        f"hf: {len(result.answers)} answers, pushes {[round(s, 2) for s in result.push_seconds]} s, "
-        f"one idle call {result.idle_call_seconds:.2f} s"
-    )
+    check_load_result(result, "hf")
 
 
 def test_an_engine_thread_that_fails_unexpectedly_fails_its_calls_and_health(

@@ -91,8 +91,4 @@ def test_vllm_weight_pushes_under_load_are_fair_and_every_answer_has_the_right_v
 
     side = trainer_side(vllm_server.url)
     result = pushes_under_load(vllm_server.url, side, raccoon_requests, Decoding(max_new_tokens=24))
-    check_load_result(result)
-    print(
-        f"vllm: {len(result.answers)} answers, pushes {[round(s, 2) for s in result.push_seconds]} s, "
-        f"one idle call {result.idle_call_seconds:.2f} s"
-    )
+    check_load_result(result, "vllm")
