@@ -187,9 +187,10 @@ class ReadyPackQueue(Generic[S]):
     """The per-rank FIFO of ready packs between the actor (producer) and the learner (consumer).
 
     Thread-safe. ``put`` drops the oldest pack when ``limit`` packs are queued. ``reserve`` drops stale
-    packs, then sets the oldest eligible ones aside for the coming step (``put`` never evicts them; ``take_reserved`` pops them, and
-    ``unreserve`` puts them back in front when the step ran Channel-A). A condition variable lets the
-    actor wait until the learner consumed something (pacing) without polling.
+    packs, then sets the oldest eligible ones aside for the coming step (``put`` never evicts them);
+    ``take_reserved`` pops them for the step's passes, ``mark_trained`` counts them once their backward
+    ran, and ``unreserve`` puts them back in front when the step ran Channel-A. A condition variable
+    lets the actor wait until the learner consumed something (pacing) without polling.
     """
 
     def __init__(self, limit: int):
