@@ -1,32 +1,33 @@
-"""Learning signal at equal optimizer steps: more stage-1 SFT vs rollout matching vs Stage-2 AB.
+"""Does learning from own rollouts beat more SFT? A study powered to see it, decided in advance.
 
-From one stage-1 checkpoint per dataset, every arm trains the same number of optimizer steps
-(``--steps``) with the same seeds (``--seeds``), batch, learning rate and rollout settings:
+Design (docs/runbook.md, "Does it learn?"):
 
-- ``sft``: continued stage-1 (teacher forcing on the GT serialization);
-- ``rollout_matching_sft``: every step on the model's own rollouts (prefix + missed GT);
-- ``stage2_ab_training``: ``b_ratio`` 0.5, Channel-B ``micro`` (half the steps on rollouts).
+- **Data**: coloured shapes with 3-5 objects of 44-80 px (``--objects 2-4`` for the fallback),
+  a third of the images with two shapes on one row, so order and duplicates matter; 4,000 train
+  images, a *dev* split (its own generator seed) for every decision and a *report* split (another
+  seed) evaluated only at the decision steps (750 and 1,000 by default).
+- **Stage-1**: a tiny Qwen3-VL (text rope theta 10), SFT at 2e-3 with a cool-down
+  (``warmup_stable_decay``, the last 15% of the steps down to the arms' learning rate), so "more
+  SFT" is not just an annealing gain.
+- **Gate** (on dev, before any arm): label-aware F1@0.5 in [0.4, 0.8] and at least a quarter of
+  the rollout targets differ from the SFT target. A failed gate stops the study and says so.
+- **Arms**, from the same checkpoint, the same records per seed and the same learning rate
+  (constant after a warm-up): ``sft`` (more stage-1), ``prefix_fn`` (rollout matching, prefix
+  unsupervised), ``prefix_fn_supervised`` (matched prefix supervised), ``reordered_gt``,
+  ``stage2_ab`` (b_ratio 0.5, Channel-B on reordered-GT targets); ``--steps`` optimizer steps.
+  ``sft_equal_compute`` continues SFT to the rollout arms' mean training wall-clock.
+- **Statistics**, fixed before the run: paired bootstrap over seeds x report images of the
+  label-aware F1 difference to ``sft``; a *gain* is >= +0.03 at every decision step with the 95%
+  interval above 0 and the same sign in most seeds, mAP not lower by more than 0.01 and the
+  truncated fraction not higher. Evaluation matching is the study's (``eval.matching``: IoU 0.5,
+  labels required), never an arm's.
 
-Every ``--eval-every`` steps each run's checkpoint is evaluated on a *report* split that nothing
-was tuned on: F1@0.5, mAP, TP / FP / FN counts, truncated fraction, duplicate-object rate (a
-predicted object with the label of an earlier one in the same answer and IoU >= 0.7 with it) and
-objects per image. Prints ONE JSON object (per dataset and arm: mean and spread over seeds at every
-evaluated step, training wall-clock) and writes it, with a PNG (F1, truncated fraction and
-duplicate rate vs step per arm), to ``--out``.
+Every unit of work (stage-1, gate, each arm x seed, each evaluation) writes its own JSON under
+``--out``; a rerun skips what is done and resumes an interrupted arm from its last checkpoint.
+Prints ONE JSON object (also ``--out/learning_signal.json``) and a PNG; ``--docs`` copies both
+into docs/. Run (many CPU hours on 2 cores; stop and rerun at will)::
 
-Datasets:
-
-- ``shapes``: the demo's generator and stage-1 recipe (``rollmatch.demo``); the stage-1 checkpoint
-  is the demo's own (reused from ``--out/shapes`` when present). Report split: 96 images of the
-  same generator with another seed (the demo's val split, which the recipe was tuned on, is not
-  used here).
-- ``aquarium``: ``../shared/data/aquarium_combined_v2`` through the YOLO converter; ``valid`` (127
-  images) trains stage-1 and the arms, ``test`` (63 images) reports. Images are resized by the
-  processor like every input (at most 224x224 pixels).
-
-Run (about an hour on 2 idle cores; every run is cached under ``--out``, so a rerun resumes)::
-
-    .venv/bin/python bench/learning_signal.py --out runs/learning_signal --png docs/learning_signal.png
+    .venv/bin/python bench/learning_signal.py --out runs/learning_signal --docs
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,279 +47,536 @@ import numpy as np
 import rollmatch  # noqa: F401  (environment workarounds before transformers loads)
 from rollmatch.config.load import load_config_dict
 from rollmatch.config.schema import RollmatchConfig
-from rollmatch.data.convert import from_yolo, read_yolo_names
-from rollmatch.data.records import Record, load_records, write_records
-from rollmatch.data.shapes import generate_shapes
-from rollmatch.detection.objects import iou
-from rollmatch.evaluation import run_eval
+from rollmatch.data.records import Record, load_records
+from rollmatch.data.shapes import ShapesDifficulty, generate_shapes
+from rollmatch.detection.matching import hungarian_match
+from rollmatch.detection.metrics import duplicate_counts
+from rollmatch.detection.objects import DetObject
 
-ARMS = ("sft", "rollout_matching_sft", "stage2_ab_training")
-METRICS = ("f1", "map", "tp", "fp", "fn", "truncated_frac", "duplicate_rate", "objects_per_image")
-DUPLICATE_IOU = 0.7
-AQUARIUM = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "aquarium_combined_v2"
-# Processor-side files a checkpoint needs to be evaluated (HF checkpoints hold only the model).
-_PROCESSOR_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "processor_config.json")
-
-
-@dataclass
-class Dataset:
-    """One dataset of the study: its splits, its stage-1 checkpoint and its rollout length."""
-
-    name: str
-    train_jsonl: Path
-    report_jsonl: Path
-    stage1_dir: Path
-    max_new_tokens: int
-    max_length: int  # training.global_max_length: one packed row holds a micro-batch of 8 targets
+ROLLOUT_ARMS: dict[str, dict[str, Any]] = {
+    "reordered_gt": {"variant": "rollout_matching_sft", "loss": {"target": "reordered_gt"}},
+    "prefix_fn": {"variant": "rollout_matching_sft", "loss": {"target": "prefix_fn"}},
+    "prefix_fn_supervised": {
+        "variant": "rollout_matching_sft",
+        "loss": {"target": "prefix_fn", "matched_prefix": "supervise"},
+    },
+    "stage2_ab": {"variant": "stage2_ab_training", "loss": {"target": "reordered_gt"}},
+}
+ARMS: dict[str, dict[str, Any]] = {"sft": {"variant": "sft", "loss": {}}, **ROLLOUT_ARMS}
+OBJECTS = {"3-5": (3, 5), "2-4": (2, 4)}
+SIDES = (44, 80)
+GAIN, MAP_SLACK = 0.03, 0.01  # decided before the run
+F1_GATE = (0.4, 0.8)
+DIFFERS_GATE = 0.25
+_PROCESSOR_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "processor_config.json",
+    "preprocessor_config.json",
+    "video_preprocessor_config.json",
+)
 
 
 def main() -> None:
     args = parse_args()
     out = Path(args.out).absolute()
     out.mkdir(parents=True, exist_ok=True)
+    settings = {
+        k: v for k, v in vars(args).items() if k not in ("out", "docs", "argv", "only_gate", "ignore_gate")
+    }
+    settings_path = out / "settings.json"
+    if settings_path.exists() and json.loads(settings_path.read_text()) != settings:
+        raise SystemExit(f"{out} holds a study with other settings ({settings_path}); use another --out")
+    settings_path.write_text(json.dumps(settings, indent=1))
     started = time.perf_counter()
+    splits = prepare_data(out, args)
+    stage1 = stage1_checkpoint(out, splits, args)
+    gate = cached(out / "gate.json", lambda: run_gate(out, stage1, splits, args))
     result: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "commit": _git_commit(),
         "command": "python bench/learning_signal.py " + " ".join(args.argv),
-        "machine": {"cpus": os.cpu_count(), "load_avg_at_start": list(os.getloadavg())},
-        "settings": {
-            k: getattr(args, k) for k in ("steps", "eval_every", "seeds", "learning_rate", "backend")
-        },
-        "datasets": {},
+        "machine": {"cpus": os.cpu_count(), "load_avg": list(os.getloadavg())},
+        "settings": settings,
+        "data": data_summary(splits),
+        "gate": gate,
     }
-    settings_path = out / "settings.json"
-    if settings_path.exists() and json.loads(settings_path.read_text()) != result["settings"]:
-        raise SystemExit(f"{out} holds runs made with other settings ({settings_path}); use another --out")
-    settings_path.write_text(json.dumps(result["settings"]))
-    for name in args.datasets:
-        dataset = prepare_shapes(out, args) if name == "shapes" else prepare_aquarium(out, args)
-        result["datasets"][name] = study(dataset, out / name, args)
-    result["seconds_total"] = round(time.perf_counter() - started, 1)
-    result["machine"]["load_avg_at_end"] = list(os.getloadavg())
-    (out / "learning_signal.json").write_text(json.dumps(result, indent=2))
-    plot(result, out / "learning_signal.png")
-    if args.png:
-        shutil.copy(out / "learning_signal.png", args.png)
+    if (gate["passed"] or args.ignore_gate) and not args.only_gate:
+        runs = {arm: {} for arm in [*ARMS, "sft_equal_compute"]}
+        for seed in args.seeds:
+            for arm in args.arms:
+                runs[arm][seed] = run_arm(out, arm, seed, stage1, splits, args)
+            if "sft" in args.arms and len(set(args.arms) & set(ROLLOUT_ARMS)):
+                runs["sft_equal_compute"][seed] = run_equal_compute(out, seed, stage1, splits, runs, args)
+        result["arms"] = {arm: summarize_arm(by_seed) for arm, by_seed in runs.items() if by_seed}
+        result["comparisons"] = compare(runs, splits, args)
+    result["seconds_this_invocation"] = round(time.perf_counter() - started, 1)
+    (out / "learning_signal.json").write_text(json.dumps(result, indent=1))
+    if "arms" in result:
+        plot(result, out / "learning_signal.png")
+    if args.docs:
+        shutil.copy(out / "learning_signal.json", Path(__file__).parents[1] / "docs" / "learning_signal.json")
+        if (out / "learning_signal.png").exists():
+            shutil.copy(
+                out / "learning_signal.png", Path(__file__).parents[1] / "docs" / "learning_signal.png"
+            )
     print(json.dumps(result))
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="runs/learning_signal")
-    parser.add_argument(
-        "--datasets", nargs="+", choices=["shapes", "aquarium"], default=["shapes", "aquarium"]
-    )
-    parser.add_argument("--steps", type=int, default=60, help="optimizer steps per arm and seed")
-    parser.add_argument("--eval-every", type=int, default=20, help="evaluate every K steps")
+    parser.add_argument("--objects", choices=sorted(OBJECTS), default="3-5")
+    parser.add_argument("--train-size", type=int, default=4000)
+    parser.add_argument("--dev-size", type=int, default=400)
+    parser.add_argument("--report-size", type=int, default=400)
+    parser.add_argument("--stage1-steps", type=int, default=3000)
+    parser.add_argument("--stage1-lr", type=float, default=2e-3)
+    parser.add_argument("--lr", type=float, default=2e-4, help="every arm's (constant after warm-up)")
+    parser.add_argument("--steps", type=int, default=1000, help="optimizer steps per arm and seed")
+    parser.add_argument("--eval-at", type=int, nargs="+", default=[250, 500, 750, 1000], help="dev evals")
+    parser.add_argument("--decide-at", type=int, nargs="+", default=[750, 1000], help="report evals")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--learning-rate", type=float, default=3e-4, help="constant, the same for every arm")
-    parser.add_argument("--backend", choices=["hf", "vllm"], default="hf", help="rollouts and evaluation")
-    parser.add_argument("--report-size", type=int, default=96, help="shapes report images")
-    parser.add_argument("--aquarium-stage1-steps", type=int, default=800)
-    parser.add_argument("--png", help="also copy the PNG here (e.g. docs/learning_signal.png)")
-    import sys
-
+    parser.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS))
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--backend", choices=["hf", "vllm"], default=_default_backend())
+    parser.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples")
+    parser.add_argument("--only-gate", action="store_true", help="stop after stage-1 and the gate")
+    parser.add_argument(
+        "--ignore-gate",
+        action="store_true",
+        help="run the arms even if the gate fails (smoke runs; the JSON says so)",
+    )
+    parser.add_argument("--docs", action="store_true", help="copy the JSON and PNG into docs/")
     args = parser.parse_args()
     args.argv = sys.argv[1:]
+    if not set(args.decide_at) <= set(args.eval_at) or max(args.eval_at) != args.steps:
+        parser.error("--decide-at must be a subset of --eval-at, and --eval-at must end at --steps")
     return args
 
 
-# ------------------------------------------------------------------------------------- datasets
-def prepare_shapes(out: Path, args: argparse.Namespace) -> Dataset:
-    """The demo's model, data and stage-1 phase; a report split from another generator seed."""
-    from rollmatch.demo import SFT_PHASE, SHAPES, build_inputs, phase_config
-    from rollmatch.training.entry import run_training
-
-    root = out / "shapes"
-    build_inputs(root)
-    report_dir = out / "shapes_report"
-    if not (report_dir / "val.jsonl").exists():
-        generate_shapes(
-            report_dir,
-            n_train=1,
-            n_val=args.report_size,
-            size=SHAPES["size"],
-            seed=SHAPES["seed"] + 1,
-            difficulty=SHAPES["difficulty"],
-        )
-    stage1 = root / "sft" / "final"
-    if not (stage1 / "config.json").exists():
-        run_training(
-            phase_config(root, SFT_PHASE, [f"custom.extra.rollout_matching.rollout_backend={args.backend}"])
-        )
-    return Dataset(
-        "shapes",
-        root / "data" / "train.jsonl",
-        report_dir / "val.jsonl",
-        stage1,
-        max_new_tokens=160,
-        max_length=4096,
+# ------------------------------------------------------------------------------------------ data
+def prepare_data(out: Path, args: argparse.Namespace) -> dict[str, Path]:
+    """train (seed 0), dev (seed 1) and report (seed 2): the same generator, independent images."""
+    low, high = OBJECTS[args.objects]
+    difficulty = ShapesDifficulty(
+        min_objects=low, max_objects=high, min_side=SIDES[0], max_side=SIDES[1], tied_row_frac=1 / 3
     )
+    sizes = {"train": args.train_size, "dev": args.dev_size, "report": args.report_size}
+    paths = {}
+    for seed, (split, size) in enumerate(sizes.items()):
+        folder = out / "data" / split
+        if not (folder / "done").exists():
+            # the dev/report images are the generator's val split of their own seed
+            generate_shapes(
+                folder,
+                n_train=size if split == "train" else 1,
+                n_val=0 if split == "train" else size,
+                seed=seed,
+                difficulty=difficulty,
+            )
+            (folder / "done").write_text("")
+        paths[split] = folder / ("train.jsonl" if split == "train" else "val.jsonl")
+    return paths
 
 
-def prepare_aquarium(out: Path, args: argparse.Namespace) -> Dataset:
-    """YOLO ``valid`` -> train JSONL, ``test`` -> report JSONL; stage-1 SFT from the demo's tiny model."""
-    from rollmatch.demo import SFT_PHASE, build_inputs, phase_config
-    from rollmatch.training.entry import run_training
-
-    root = out / "aquarium"
-    names = read_yolo_names(AQUARIUM / "data.yaml")
-    splits = {"train": "valid", "report": "test"}
-    paths = {key: root / "data" / f"{key}.jsonl" for key in splits}
-    for key, split in splits.items():
-        if not paths[key].exists():
-            write_records(paths[key], from_yolo(AQUARIUM / split, names, dropped=[]))
-    build_inputs(root, with_data=False)
-    stage1 = root / "sft" / "final"
-    if not (stage1 / "config.json").exists():
-        overrides = [
-            f"data.train_jsonl={paths['train']}",
-            "data.val_jsonl=null",
-            f"training.max_steps={args.aquarium_stage1_steps}",
-            "training.global_max_length=16384",
-            f"custom.extra.rollout_matching.rollout_backend={args.backend}",
+def data_summary(splits: dict[str, Path]) -> dict[str, Any]:
+    summary = {}
+    for split, path in splits.items():
+        records = load_records(path)
+        counts = [len(r.objects) for r in records]
+        repeats = [len({o.label for o in r.objects}) < len(r.objects) for r in records]
+        tied = [
+            any(abs(a.bbox[1] - b.bbox[1]) <= 3 for a, b in zip(r.objects, r.objects[1:], strict=False))
+            for r in records
         ]
-        run_training(phase_config(root, SFT_PHASE, overrides))
-    # GT answers reach ~1,400 tokens (45 fish); 512 new tokens fit images with up to ~16 objects.
-    return Dataset("aquarium", paths["train"], paths["report"], stage1, max_new_tokens=512, max_length=16384)
-
-
-# ---------------------------------------------------------------------------------------- study
-def study(dataset: Dataset, root: Path, args: argparse.Namespace) -> dict[str, Any]:
-    """Every arm x seed from the stage-1 checkpoint; mean and spread per evaluated step."""
-    report = load_records(dataset.report_jsonl)
-    base = arm_config(dataset, "sft", 0, root / "stage1_eval", args)
-    stage1_eval = cached(
-        root / "stage1_eval.json",
-        lambda: evaluate(base, str(dataset.stage1_dir), report, root / "stage1_preds.jsonl"),
-    )
-    arms: dict[str, Any] = {}
-    for arm in ARMS:
-        runs = [run_arm(dataset, arm, seed, root / arm / f"seed{seed}", report, args) for seed in args.seeds]
-        steps = [0, *sorted(int(s) for s in runs[0]["evals"])]
-        curves = {
-            metric: [
-                [stage1_eval[metric], *(run["evals"][str(s)][metric] for s in steps[1:])] for run in runs
-            ]
-            for metric in METRICS
+        summary[split] = {
+            "images": len(records),
+            "objects_per_image": round(float(np.mean(counts)), 2),
+            "images_repeating_a_label": round(float(np.mean(repeats)), 3),
+            "images_with_a_near_tied_row": round(float(np.mean(tied)), 3),
         }
-        seconds = [run["train_seconds"] for run in runs]
-        arms[arm] = {
-            "steps": steps,
-            **{m: _spread(np.asarray(c, dtype=float)) for m, c in curves.items()},
-            "train_seconds": {
-                "mean": round(float(np.mean(seconds)), 1),
-                "std": round(float(np.std(seconds)), 1),
+    return summary
+
+
+# --------------------------------------------------------------------------------------- stage-1
+def stage1_checkpoint(out: Path, splits: dict[str, Path], args: argparse.Namespace) -> Path:
+    from rollmatch.models.tiny import TinySize, build_tiny_model
+    from rollmatch.training.entry import run_training
+
+    final = out / "stage1" / "final"
+    if (final / "config.json").exists():
+        return final
+    model = out / "model"
+    if not (model / "config.json").exists():
+        build_tiny_model("qwen3_vl", model, seed=0, size=TinySize(rope_theta=10.0))
+    cfg = base_config(out / "stage1", str(model), splits, args, seed=0)
+    cfg["custom"]["trainer_variant"] = "sft"
+    cfg["training"].update(
+        {
+            "max_steps": args.stage1_steps,
+            "learning_rate": args.stage1_lr,
+            "warmup_ratio": 0.02,
+            "lr_scheduler_type": "warmup_stable_decay",
+            # cool down over the last 15% of the steps to the arms' learning rate
+            "lr_scheduler_kwargs": {
+                "num_decay_steps": int(0.15 * args.stage1_steps),
+                "min_lr_ratio": args.lr / args.stage1_lr,
             },
-            "per_seed_final_f1": [round(c[-1], 4) for c in curves["f1"]],
+            "save_steps": args.stage1_steps,
         }
-    final = {arm: arms[arm]["f1"]["mean"][-1] for arm in ARMS}
+    )
+    run_training(load_config_dict(cfg, [], source="bench/learning_signal.py stage-1"))
+    return final
+
+
+def run_gate(out: Path, stage1: Path, splits: dict[str, Path], args: argparse.Namespace) -> dict[str, Any]:
+    """Stage-1 on dev: label-aware F1 in range, and how often a rollout target differs from SFT's."""
+    dev = load_records(splits["dev"])
+    cfg = load_config_dict(base_config(out / "gate", str(stage1), splits, args, seed=0), [], source="gate")
+    evaluation = evaluate(cfg, str(stage1), dev, out / "gate" / "dev.predictions.jsonl")
+    differs = target_difference(cfg, stage1, dev, out / "gate" / "dev.predictions.jsonl")
+    passed = F1_GATE[0] <= evaluation["f1"] <= F1_GATE[1] and all(v >= DIFFERS_GATE for v in differs.values())
     return {
-        "train_images": len(load_records(dataset.train_jsonl)),
-        "report_images": len(report),
-        "max_new_tokens": dataset.max_new_tokens,
-        "stage1": stage1_eval,
-        "arms": arms,
-        "final_f1_minus_sft": {arm: round(final[arm] - final["sft"], 4) for arm in ARMS[1:]},
+        "passed": bool(passed),
+        "rule": f"label-aware dev F1@0.5 in {list(F1_GATE)} and >= {DIFFERS_GATE} of targets differ from SFT's",
+        "dev": evaluation,
+        "targets_differing_from_sft": differs,
     }
 
 
-def run_arm(
-    dataset: Dataset, arm: str, seed: int, out: Path, report: list[Record], args: argparse.Namespace
+def target_difference(
+    cfg: RollmatchConfig, stage1: Path, dev: list[Record], predictions: Path
+) -> dict[str, float]:
+    """Fraction of dev rollouts (stage-1's greedy answers) whose target differs from the SFT target."""
+    from rollmatch.config.schema import LossConfig
+    from rollmatch.data.prompts import PromptEncoder
+    from rollmatch.detection.codec import build_codec
+    from rollmatch.detection.scoring import score_response
+    from rollmatch.detection.targets import build_gt_target, build_matched_target
+
+    encoder = PromptEncoder.from_pretrained(stage1, cfg.data)
+    codec = build_codec("qwen_json", encoder.tokenizer, [encoder.eos_token_id])
+    answers = [json.loads(line) for line in predictions.read_text().splitlines()]
+    differ = dict.fromkeys(("prefix_fn", "prefix_fn_supervised", "reordered_gt"), 0)
+    losses = {
+        "prefix_fn": LossConfig(),
+        "prefix_fn_supervised": LossConfig(matched_prefix="supervise"),
+        "reordered_gt": LossConfig(target="reordered_gt"),
+    }
+    for record, answer in zip(dev, answers, strict=True):
+        encoded = encoder.encode(record)
+        ids = encoder.tokenizer.encode(answer["text"], add_special_tokens=False)
+        scored = score_response(
+            codec,
+            ids,
+            encoder.gt_objects(record, encoded),
+            extent=encoder.frame_extent(encoded),
+            hit_max_tokens=answer["truncated"],
+            matching=cfg.eval.matching,
+        )
+        common = {"codec": codec, "tokenizer": encoder.tokenizer, "eos_token_id": encoder.eos_token_id}
+        sft = build_gt_target(scored.gt_objects, **common)
+        for name, loss in losses.items():
+            target = build_matched_target(scored.parse, scored.gt_objects, scored.match, loss=loss, **common)
+            differ[name] += int((target.token_ids, target.weights) != (sft.token_ids, sft.weights))
+    return {name: round(count / len(dev), 3) for name, count in differ.items()}
+
+
+# ------------------------------------------------------------------------------------------- arms
+def base_config(
+    output_dir: Path, model: str, splits: dict[str, Path], args: argparse.Namespace, *, seed: int
 ) -> dict[str, Any]:
-    """Train one arm for one seed (checkpoint every K steps), then evaluate every checkpoint."""
-
-    def train_and_evaluate() -> dict[str, Any]:
-        from rollmatch.training.entry import run_training
-
-        if out.exists():
-            shutil.rmtree(out)  # an interrupted run restarts from the stage-1 checkpoint
-        cfg = arm_config(dataset, arm, seed, out, args)
-        result = run_training(cfg)
-        evals = {}
-        for step in range(args.eval_every, args.steps + 1, args.eval_every):
-            checkpoint = out / f"checkpoint-{step}"
-            _copy_processor(dataset.stage1_dir, checkpoint)
-            evals[str(step)] = evaluate(cfg, str(checkpoint), report, out / f"preds-{step}.jsonl")
-        history = [h for h in result.log_history if "loss" in h]
-        return {"train_seconds": round(result.seconds, 1), "evals": evals, "train_log": history}
-
-    return cached(out.parent / f"seed{seed}.json", train_and_evaluate)
-
-
-def arm_config(dataset: Dataset, arm: str, seed: int, out: Path, args: argparse.Namespace) -> RollmatchConfig:
-    """The same optimisation for every arm; only the trainer variant differs."""
-    config: dict[str, Any] = {
-        "model": {"path": str(dataset.stage1_dir)},
-        "data": {"train_jsonl": str(dataset.train_jsonl), "val_jsonl": None},
+    return {
+        "model": {"path": model, "dtype": "float32", "attn_implementation": "sdpa"},
+        "data": {"train_jsonl": str(splits["train"]), "val_jsonl": None},
         "custom": {
-            "trainer_variant": arm,
+            "trainer_variant": "sft",
             "extra": {
                 "rollout_matching": {
                     "rollout_backend": args.backend,
-                    "max_new_tokens": dataset.max_new_tokens,
+                    "max_new_tokens": args.max_new_tokens,
                     "vllm": {"tensor_parallel_size": 1, "enforce_eager": True},
                 }
             },
         },
         "training": {
-            "output_dir": str(out),
+            "output_dir": str(output_dir),
             "per_device_train_batch_size": 8,
             "packing": True,
-            "global_max_length": dataset.max_length,
-            "learning_rate": args.learning_rate,
+            "global_max_length": 4096,
             "lr_scheduler_type": "constant",
-            "max_steps": args.steps,
-            "save_steps": args.eval_every,
             "save_total_limit": None,
-            "logging_steps": args.eval_every,
+            "logging_steps": 25,
             "report_to": [],
             "seed": seed,
+            "num_train_epochs": 100,
         },
-        "eval": {"batch_size": 16},
+        "eval": {"batch_size": 50},
     }
-    if arm == "stage2_ab_training":
+
+
+def arm_config(
+    out: Path,
+    arm: str,
+    seed: int,
+    stage1: Path,
+    splits: dict[str, Path],
+    args: argparse.Namespace,
+    steps: int,
+) -> RollmatchConfig:
+    """One arm: the same records (seed), learning rate and warm-up; only the variant and target differ."""
+    spec = ARMS["sft" if arm == "sft_equal_compute" else arm]
+    config = base_config(out, str(stage1), splits, args, seed=seed)
+    config["custom"]["trainer_variant"] = spec["variant"]
+    config["loss"] = spec["loss"]
+    config["training"].update(
+        {
+            "max_steps": steps,
+            "learning_rate": args.lr,
+            "warmup_ratio": min(0.05, 50 / steps),
+            "save_steps": min(args.eval_at) if arm != "sft_equal_compute" else steps,
+        }
+    )
+    if (out / "trainer_state.json").exists() or any(out.glob("checkpoint-*")):
+        config["training"]["resume_from_checkpoint"] = "latest"
+    if spec["variant"] == "stage2_ab_training":
         config["stage2_ab"] = {
             "schedule": {"b_ratio": 0.5},
-            # rollouts batched like rollout_matching_sft's (8 per call), so wall-clock compares fairly
             "channel_b": {"mode": "micro", "rollout_decode_batch_size": 8},
         }
-    return load_config_dict(config, [], source="bench/learning_signal.py")
+    return load_config_dict(config, [], source=f"bench/learning_signal.py {arm}")
+
+
+def run_arm(
+    out: Path, arm: str, seed: int, stage1: Path, splits: dict[str, Path], args: argparse.Namespace
+) -> dict[str, Any]:
+    """Train (resuming an interrupted run), then evaluate each checkpoint: dev always, report at the
+    decision steps."""
+    folder = out / "arms" / arm / f"seed{seed}"
+    return cached(
+        out / "arms" / arm / f"seed{seed}.json",
+        lambda: train_and_evaluate(folder, arm, seed, stage1, splits, args, args.steps),
+    )
+
+
+def run_equal_compute(
+    out: Path,
+    seed: int,
+    stage1: Path,
+    splits: dict[str, Path],
+    runs: dict[str, Any],
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    rollout_seconds = [runs[arm][seed]["train_seconds"] for arm in ROLLOUT_ARMS if seed in runs[arm]]
+    steps = round(args.steps * float(np.mean(rollout_seconds)) / runs["sft"][seed]["train_seconds"])
+    steps = max(args.steps, min(steps, 20 * args.steps))
+    folder = out / "arms" / "sft_equal_compute" / f"seed{seed}"
+    return cached(
+        out / "arms" / "sft_equal_compute" / f"seed{seed}.json",
+        lambda: train_and_evaluate(folder, "sft_equal_compute", seed, stage1, splits, args, steps),
+    )
+
+
+def train_and_evaluate(
+    folder: Path,
+    arm: str,
+    seed: int,
+    stage1: Path,
+    splits: dict[str, Path],
+    args: argparse.Namespace,
+    steps: int,
+) -> dict[str, Any]:
+    from rollmatch.training.entry import run_training
+
+    cfg = arm_config(folder, arm, seed, stage1, splits, args, steps)
+    seconds_log = folder / "train_seconds.jsonl"  # one line per (resumed) invocation
+    if not (folder / "final" / "config.json").exists():
+        result = run_training(cfg)
+        with seconds_log.open("a") as f:
+            f.write(json.dumps({"seconds": result.seconds, "global_step": result.global_step}) + "\n")
+    seconds = sum(json.loads(line)["seconds"] for line in seconds_log.read_text().splitlines())
+    evals: dict[str, Any] = {}
+    eval_steps = [steps] if arm == "sft_equal_compute" else args.eval_at
+    for step in eval_steps:
+        checkpoint = folder / "final" if step == steps else folder / f"checkpoint-{step}"
+        _copy_processor(stage1, checkpoint)
+        splits_here = ["dev", "report"] if (step in args.decide_at or arm == "sft_equal_compute") else ["dev"]
+        evals[str(step)] = {
+            split: cached(
+                folder / f"eval-{step}-{split}.json",
+                lambda split=split, checkpoint=checkpoint, step=step: evaluate(
+                    cfg, str(checkpoint), load_records(splits[split]), folder / f"preds-{step}-{split}.jsonl"
+                ),
+            )
+            for split in splits_here
+        }
+    return {"steps": steps, "train_seconds": round(seconds, 1), "evals": evals}
 
 
 def evaluate(
     cfg: RollmatchConfig, model_dir: str, records: list[Record], predictions: Path
-) -> dict[str, float]:
-    """The report-split metrics of one model directory."""
+) -> dict[str, Any]:
+    """``rollmatch eval``'s metrics (study matching) plus per-image counts for the paired bootstrap."""
+    from dataclasses import asdict
+
+    from rollmatch.evaluation import run_eval
+
     cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": model_dir})})
-    result = run_eval(cfg, records, str(predictions))
-    answers = [json.loads(line)["objects"] for line in predictions.read_text().splitlines()]
-    n_pred = sum(len(objects) for objects in answers)
-    n_gt = sum(len(r.objects) for r in records)
-    tp = round(result.recall * n_gt)
+    result = asdict(run_eval(cfg, records, str(predictions)))
+    result.pop("predictions_path")
+    result["per_image"] = per_image_counts(records, predictions, cfg)
+    return result
+
+
+def per_image_counts(records: list[Record], predictions: Path, cfg: RollmatchConfig) -> dict[str, list[int]]:
+    """TP / FP / FN / truncated per image, matched in pixels of the original image (eval.matching)."""
+    counts: dict[str, list[int]] = {"tp": [], "fp": [], "fn": [], "truncated": [], "duplicates": []}
+    answers = [json.loads(line) for line in predictions.read_text().splitlines()]
+    for record, answer in zip(records, answers, strict=True):
+        preds = [DetObject(o["label"], tuple(o["bbox"])) for o in answer["objects"]]
+        gts = [DetObject(o.label, tuple(o.bbox)) for o in record.objects]
+        match = hungarian_match(preds, gts, **cfg.eval.matching.model_dump())
+        counts["tp"].append(len(match.pairs))
+        counts["fp"].append(len(match.fp))
+        counts["fn"].append(len(match.fn))
+        counts["truncated"].append(int(answer["truncated"]))
+        counts["duplicates"].append(duplicate_counts(preds)[0])
+    return counts
+
+
+# ------------------------------------------------------------------------------------- statistics
+def f1_of(tp: np.ndarray, fp: np.ndarray, fn: np.ndarray) -> float:
+    denominator = 2 * tp.sum() + fp.sum() + fn.sum()
+    return float(2 * tp.sum() / denominator) if denominator else 1.0
+
+
+def paired_bootstrap(
+    arm: list[dict[str, list[int]]],
+    base: list[dict[str, list[int]]],
+    resamples: int,
+    rng: np.random.Generator,
+) -> dict[str, Any]:
+    """F1(arm) - F1(base) over seeds x images, resampling seeds and images (the same images for both)."""
+    stack = {k: np.asarray([run[k] for run in arm]) for k in ("tp", "fp", "fn")}
+    base_stack = {k: np.asarray([run[k] for run in base]) for k in ("tp", "fp", "fn")}
+    seeds, images = stack["tp"].shape
+    per_seed = [
+        f1_of(*(stack[k][s] for k in ("tp", "fp", "fn")))
+        - f1_of(*(base_stack[k][s] for k in ("tp", "fp", "fn")))
+        for s in range(seeds)
+    ]
+    deltas = np.empty(resamples)
+    for r in range(resamples):
+        chosen_seeds = rng.integers(0, seeds, seeds)
+        chosen_images = rng.integers(0, images, images)
+        deltas[r] = np.mean(
+            [
+                f1_of(*(stack[k][s, chosen_images] for k in ("tp", "fp", "fn")))
+                - f1_of(*(base_stack[k][s, chosen_images] for k in ("tp", "fp", "fn")))
+                for s in chosen_seeds
+            ]
+        )
     return {
-        "f1": round(result.f1, 4),
-        "map": round(result.map, 4),
-        "tp": tp,
-        "fp": n_pred - tp,
-        "fn": n_gt - tp,
-        "truncated_frac": round(result.truncated_frac, 4),
-        "duplicate_rate": round(sum(duplicates(o) for o in answers) / n_pred, 4) if n_pred else 0.0,
-        "objects_per_image": round(n_pred / len(records), 3),
-        "eval_seconds": round(result.seconds, 1),
+        "delta_f1": round(float(np.mean(per_seed)), 4),
+        "ci95": [round(float(np.percentile(deltas, 2.5)), 4), round(float(np.percentile(deltas, 97.5)), 4)],
+        "per_seed": [round(d, 4) for d in per_seed],
     }
 
 
-def duplicates(objects: list[dict[str, Any]]) -> int:
-    """Predicted objects repeating an earlier one of the same answer (same label, IoU >= 0.7)."""
-    return sum(
-        any(o["label"] == p["label"] and iou(o["bbox"], p["bbox"]) >= DUPLICATE_IOU for p in objects[:i])
-        for i, o in enumerate(objects)
+def compare(
+    runs: dict[str, dict[int, Any]], splits: dict[str, Path], args: argparse.Namespace
+) -> dict[str, Any]:
+    """Each rollout arm vs ``sft`` at equal steps (every decision step) and vs ``sft_equal_compute``."""
+    rng = np.random.default_rng(0)
+    out: dict[str, Any] = {}
+    for arm in ROLLOUT_ARMS:
+        seeds = sorted(set(runs[arm]) & set(runs["sft"]))
+        if not seeds:
+            continue
+        equal_steps = {}
+        for step in args.decide_at:
+            equal_steps[str(step)] = contrast(runs, arm, "sft", seeds, str(step), str(step), args, rng)
+        verdict = all(
+            c["delta_f1"] >= GAIN
+            and c["ci95"][0] > 0
+            and sum(d > 0 for d in c["per_seed"]) > len(seeds) / 2
+            and c["delta_map"] >= -MAP_SLACK
+            and c["delta_truncated_frac"] <= 0
+            for c in equal_steps.values()
+        )
+        entry: dict[str, Any] = {"seeds": seeds, "equal_steps": equal_steps, "gain_at_equal_steps": verdict}
+        compute_seeds = sorted(set(seeds) & set(runs["sft_equal_compute"]))
+        if compute_seeds:
+            base_step = {s: str(runs["sft_equal_compute"][s]["steps"]) for s in compute_seeds}
+            entry["equal_compute"] = contrast(
+                runs, arm, "sft_equal_compute", compute_seeds, str(args.steps), base_step, args, rng
+            )
+        out[arm] = entry
+    return out
+
+
+def contrast(
+    runs: dict[str, dict[int, Any]],
+    arm: str,
+    base: str,
+    seeds: list[int],
+    step: str,
+    base_step: str | dict[int, str],
+    args: argparse.Namespace,
+    rng: np.random.Generator,
+) -> dict[str, Any]:
+    def report(name: str, seed: int, at: str) -> dict[str, Any]:
+        return runs[name][seed]["evals"][at]["report"]
+
+    base_at = {s: base_step if isinstance(base_step, str) else base_step[s] for s in seeds}
+    arm_reports = [report(arm, s, step) for s in seeds]
+    base_reports = [report(base, s, base_at[s]) for s in seeds]
+    result = paired_bootstrap(
+        [r["per_image"] for r in arm_reports], [r["per_image"] for r in base_reports], args.bootstrap, rng
     )
+    for metric in ("map", "truncated_frac", "duplicate_rate", "fp_per_image", "exact_count_acc"):
+        delta = np.mean([a[metric] - b[metric] for a, b in zip(arm_reports, base_reports, strict=True)])
+        result[f"delta_{metric}"] = round(float(delta), 4)
+    return result
 
 
-# ---------------------------------------------------------------------------------------- output
+def summarize_arm(by_seed: dict[int, Any]) -> dict[str, Any]:
+    """Mean over seeds of the dev curve and the report metrics at each step evaluated on report."""
+    summary: dict[str, Any] = {"seeds": sorted(by_seed), "train_seconds": {}}
+    for seed, run in by_seed.items():
+        summary["train_seconds"][str(seed)] = run["train_seconds"]
+    steps = sorted({step for run in by_seed.values() for step in run["evals"]}, key=int)
+    for split in ("dev", "report"):
+        curve = {}
+        for step in steps:
+            evals = [
+                run["evals"][step][split] for run in by_seed.values() if split in run["evals"].get(step, {})
+            ]
+            if evals:
+                curve[step] = {
+                    metric: round(float(np.mean([e[metric] for e in evals])), 4)
+                    for metric in (
+                        "f1",
+                        "map",
+                        "mean_iou",
+                        "truncated_frac",
+                        "duplicate_rate",
+                        "fp_per_image",
+                        "exact_count_acc",
+                        "objects_per_image",
+                    )
+                }
+                curve[step]["recall_by_gt_count"] = {
+                    k: round(float(np.mean([e["recall_by_gt_count"].get(k, 0.0) for e in evals])), 4)
+                    for k in evals[0]["recall_by_gt_count"]
+                }
+        summary[split] = curve
+    return summary
+
+
+# ------------------------------------------------------------------------------------------ output
 def plot(result: dict[str, Any], path: Path) -> None:
     import matplotlib
 
@@ -326,56 +584,51 @@ def plot(result: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     panels = (
-        ("f1", "val F1 @ IoU 0.5"),
-        ("truncated_frac", "truncated fraction"),
-        ("duplicate_rate", "duplicate-object rate"),
+        ("f1", "dev F1@0.5 (labels required)"),
+        ("duplicate_rate", "dev duplicate rate"),
+        ("exact_count_acc", "dev exact-count accuracy"),
     )
-    datasets = result["datasets"]
-    fig, axes = plt.subplots(len(datasets), len(panels), figsize=(13, 3.6 * len(datasets)), squeeze=False)
-    colours = {"sft": "tab:grey", "rollout_matching_sft": "tab:orange", "stage2_ab_training": "tab:blue"}
-    for row, (name, data) in enumerate(datasets.items()):
-        for col, (metric, title) in enumerate(panels):
-            ax = axes[row][col]
-            for arm, values in data["arms"].items():
-                mean, std = np.asarray(values[metric]["mean"]), np.asarray(values[metric]["std"])
-                label = f"{arm} ({values['train_seconds']['mean']:.0f} s)"
-                ax.plot(values["steps"], mean, marker="o", color=colours[arm], label=label)
-                ax.fill_between(values["steps"], mean - std, mean + std, color=colours[arm], alpha=0.2)
-            ax.set(title=f"{name}: {title}", xlabel="optimizer steps after stage-1")
-            ax.set_ylim(0, max(0.1, ax.get_ylim()[1]))
-            if col == 0:
-                ax.legend(fontsize=8)
-    fig.suptitle(
-        f"learning signal, mean ± std over seeds {result['settings']['seeds']} ({result['date']}, {result['commit']})"
-    )
+    fig, axes = plt.subplots(1, len(panels), figsize=(15, 4))
+    stage1 = result["gate"]["dev"]
+    for ax, (metric, title) in zip(axes, panels, strict=True):
+        for arm, summary in result["arms"].items():
+            if arm == "sft_equal_compute":
+                continue
+            steps = [0, *(int(s) for s in summary["dev"])]
+            values = [stage1[metric], *(v[metric] for v in summary["dev"].values())]
+            seeds = len(summary["seeds"])
+            ax.plot(steps, values, marker="o", label=f"{arm} ({seeds} seed{'s' * (seeds > 1)})")
+        ax.set(title=title, xlabel="optimizer steps after stage-1")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"learning signal, mean over seeds ({result['date']}, {result['commit']})")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
 def cached(path: Path, compute: Any) -> Any:
-    """``compute()`` once; its JSON is kept at ``path`` so an interrupted study resumes."""
+    """``compute()`` once; its JSON is kept at ``path`` (written atomically) so a rerun resumes."""
     if path.exists():
         return json.loads(path.read_text())
     value = compute()
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(value, indent=1))
+    partial = path.with_suffix(".partial")
+    partial.write_text(json.dumps(value, indent=1))
+    partial.replace(path)
     return value
-
-
-def _spread(curves: np.ndarray) -> dict[str, list[float]]:
-    return {
-        "mean": [round(float(v), 4) for v in curves.mean(axis=0)],
-        "std": [round(float(v), 4) for v in curves.std(axis=0)],
-        "min": [round(float(v), 4) for v in curves.min(axis=0)],
-        "max": [round(float(v), 4) for v in curves.max(axis=0)],
-    }
 
 
 def _copy_processor(source: Path, checkpoint: Path) -> None:
     for name in _PROCESSOR_FILES:
         if (source / name).exists() and not (checkpoint / name).exists():
             shutil.copy(source / name, checkpoint / name)
+
+
+def _default_backend() -> str:
+    import importlib.util
+
+    return "vllm" if importlib.util.find_spec("vllm") is not None else "hf"
 
 
 def _git_commit() -> str:

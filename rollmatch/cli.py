@@ -117,13 +117,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--iou-threshold",
         type=_unit_interval,
         default=0.5,
-        help="matching.iou_threshold the predictions were scored with",
+        help="eval.matching.iou_threshold the predictions were scored with",
     )
     p.add_argument(
         "--label-mode",
         choices=["ignore", "require"],
-        default="ignore",
-        help="matching.label_mode the predictions were scored with",
+        default="require",
+        help="eval.matching.label_mode the predictions were scored with",
     )
 
     p = sub.add_parser("serve", help="Run a rollout server (swift-compatible HTTP API + weight sync).")

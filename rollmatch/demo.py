@@ -2,7 +2,9 @@
 
 build (tiny Qwen2.5-VL with text rope theta 10 + an easy synthetic shapes set, reused if present
 and built by the same recipe) -> eval before -> stage-1 ``sft`` -> eval -> ``rollout_matching_sft``
-from the SFT model -> eval -> summary table, ``summary.json``, ``summary.png`` and
+from the SFT model -> eval -> ``sft_control`` (more SFT from the same model, with the rollout
+phase's steps and learning rate, so the table cannot credit rollout matching with what more
+training or a lower learning rate did) -> eval -> summary table, ``summary.json``, ``summary.png`` and
 ``pictures.png`` (the first val images before / after each phase). Rollouts use the default
 backend, vLLM colocated, when vLLM is installed (else HF generate). Its embedded default config is
 :data:`DEMO_CONFIG` + :data:`SFT_PHASE` / :data:`ROLLOUT_PHASE`; any key can be overridden on the
@@ -88,6 +90,11 @@ ROLLOUT_PHASE: dict[str, Any] = {
         "global_max_length": 4096,
     },
 }
+# The control of the rollout phase: the same steps, learning rate and model, teacher-forced on the GT.
+SFT_CONTROL_PHASE: dict[str, Any] = deep_merge(
+    ROLLOUT_PHASE, {"custom": {"trainer_variant": "sft"}, "training": {"output_dir": "{out}/sft_control"}}
+)
+PHASES = ("sft", "rollout_matching_sft", "sft_control")
 
 
 def demo_command(args: argparse.Namespace) -> int:
@@ -95,6 +102,7 @@ def demo_command(args: argparse.Namespace) -> int:
     summary = run_demo(out, args.overrides)
     print(format_table(summary))
     print(truncation_note(summary))
+    print(control_note(summary))
     print(f"\nwrote {out / 'summary.json'}, {out / 'summary.png'} and {out / 'pictures.png'}")
     return 0
 
@@ -108,11 +116,12 @@ def run_demo(
     build_inputs(out, shapes=shapes or SHAPES)
     sft_cfg = phase_config(out, SFT_PHASE, overrides)
     rollout_cfg = phase_config(out, ROLLOUT_PHASE, overrides)
+    control_cfg = phase_config(out, SFT_CONTROL_PHASE, overrides)
     val = load_records(sft_cfg.data.val_jsonl)
 
     start = time.perf_counter()
     phases: dict[str, Any] = {"before": eval_summary(run_eval(sft_cfg, val, str(out / "eval_before.jsonl")))}
-    for name, cfg in (("sft", sft_cfg), ("rollout_matching_sft", rollout_cfg)):
+    for name, cfg in (("sft", sft_cfg), ("rollout_matching_sft", rollout_cfg), ("sft_control", control_cfg)):
         result = run_training(cfg)
         evaluation = run_eval(with_model(cfg, result.final_model_dir), val, str(out / f"eval_{name}.jsonl"))
         logged = [h for h in result.log_history if "loss" in h]
@@ -130,7 +139,7 @@ def run_demo(
     summary = {"seconds_total": round(time.perf_counter() - start, 1), "phases": phases}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     plot_summary(summary, out / "summary.png")
-    plot_pictures(val, out, out / "pictures.png", matching=sft_cfg.matching)
+    plot_pictures(val, out, out / "pictures.png", matching=sft_cfg.eval.matching)
     return summary
 
 
@@ -252,6 +261,10 @@ def format_table(summary: dict[str, Any]) -> str:
             f"{name:<22}{p.get('steps', 0):>7}{p.get('seconds', 0):>9}{loss:>9}"
             f"{p['precision']:>8.3f}{p['recall']:>8.3f}{p['f1']:>8.3f}{p['map']:>8.3f}{p['truncated_frac']:>8.3f}"
         )
+    before = summary["phases"]["before"]
+    lines.append(
+        f"scored with eval.matching: label_mode {before['label_mode']}, IoU >= {before['iou_threshold']}"
+    )
     return "\n".join(lines)
 
 
@@ -269,23 +282,34 @@ def truncation_note(summary: dict[str, Any]) -> str:
     )
 
 
+def control_note(summary: dict[str, Any]) -> str:
+    """One line: rollout matching against more SFT at equal steps (the demo's only fair comparison)."""
+    rollout, control = (summary["phases"][name]["f1"] for name in ("rollout_matching_sft", "sft_control"))
+    return (
+        f"rollout matching vs more SFT at equal steps: F1 {rollout:.3f} vs {control:.3f} "
+        f"({rollout - control:+.3f}; one run of 64 val images, no interval: docs/runbook.md, 'Does it learn?')"
+    )
+
+
 def plot_summary(summary: dict[str, Any], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_loss, ax_f1) = plt.subplots(1, 2, figsize=(10, 4))
-    offset = 0
-    for name in ("sft", "rollout_matching_sft"):
+    fig, (ax_loss, ax_f1) = plt.subplots(1, 2, figsize=(11, 4))
+    stage1_steps = summary["phases"]["sft"]["steps"]
+    for name in PHASES:  # the rollout phase and its control both start where stage-1 ended
         phase = summary["phases"][name]
+        offset = 0 if name == "sft" else stage1_steps
         ax_loss.plot([offset + s for s in phase["loss_steps"]], phase["losses"], label=name)
-        offset += phase["steps"]
-    ax_loss.set(title="training loss", xlabel="optimizer step (both phases)", ylabel="loss")
+    ax_loss.set(title="training loss", xlabel="optimizer step (from stage-1's start)", ylabel="loss")
     ax_loss.legend()
     names = list(summary["phases"])
-    ax_f1.bar(names, [summary["phases"][n]["f1"] for n in names], color=["grey", "tab:blue", "tab:orange"])
-    ax_f1.set(title="val F1 @ IoU 0.5", ylim=(0, 1))
+    colours = ["grey", "tab:blue", "tab:orange", "tab:green"]
+    ax_f1.bar(names, [summary["phases"][n]["f1"] for n in names], color=colours[: len(names)])
+    ax_f1.set(title="val F1 @ IoU 0.5 (labels required)", ylim=(0, 1))
+    ax_f1.tick_params(axis="x", labelsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -301,6 +325,7 @@ def plot_pictures(val: list[Any], out: Path, path: Path, *, matching: MatchingCo
         ("before", "before"),
         ("sft", "stage-1 sft"),
         ("rollout_matching_sft", "rollout match."),
+        ("sft_control", "sft control"),
     ):
         predicted = read_predictions(out / f"eval_{name}.jsonl")
         pictures = [

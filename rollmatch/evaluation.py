@@ -1,8 +1,9 @@
 """``rollmatch eval``: roll out over a dataset and score the detections.
 
 Owns: batching records through any rollout backend, scoring each response through the one
-scoring path of training (``detection.scoring``: strict parse + matching with ``cfg.matching``,
-precision / recall / F1 at ``matching.iou_threshold``), COCO-style mAP through pycocotools, and the
+scoring path of training (``detection.scoring``: strict parse + matching with ``cfg.eval.matching``,
+the evaluation's own settings whatever the run trained with; precision / recall / F1, exact-count
+accuracy, duplicates and recall by GT count), COCO-style mAP through pycocotools, and the
 predictions JSONL. Rollouts carry no confidence, so for mAP each prediction is scored by its
 position in the decoded list (earlier = higher); documented in docs/runbook.md.
 
@@ -37,6 +38,8 @@ from rollmatch.rollout.types import Decoding, RolloutBackend
 @dataclass
 class EvalResult:
     num_samples: int
+    iou_threshold: float  # the matching the numbers below were scored with (eval.matching)
+    label_mode: str
     precision: float
     recall: float
     f1: float
@@ -46,6 +49,12 @@ class EvalResult:
     map_75: float
     truncated_frac: float
     invalid: dict[str, int]
+    objects_per_image: float  # valid predicted objects
+    fp_per_image: float
+    exact_count_acc: float  # answers with exactly as many valid objects as GT objects
+    duplicate_rate: float  # per valid object: same label and IoU >= 0.7 with an earlier object
+    duplicate_rate_any_label: float
+    recall_by_gt_count: dict[str, float]  # images with n GT objects -> their recall
     seconds: float
     predictions_path: str | None
 
@@ -97,9 +106,12 @@ def evaluate(
     if predictions_path is not None:
         Path(predictions_path).parent.mkdir(parents=True, exist_ok=True)
         Path(predictions_path).write_text("".join(line + "\n" for line in lines))
-    detection = counts.detection
+    detection, answers = counts.detection, counts.answers
+    images = max(len(records), 1)
     return EvalResult(
         num_samples=len(records),
+        iou_threshold=matching.iou_threshold,
+        label_mode=matching.label_mode,
         precision=detection.precision,
         recall=detection.recall,
         f1=detection.f1,
@@ -109,6 +121,13 @@ def evaluate(
         map_75=maps["map_75"],
         truncated_frac=counts.parsing.truncated_frac,
         invalid=dict(counts.parsing.invalid),
+        objects_per_image=counts.parsing.valid / images,
+        fp_per_image=detection.fp / images,
+        **{
+            name.removeprefix("answers/"): value
+            for name, value in answers.as_metrics(counts.parsing.valid).items()
+        },
+        recall_by_gt_count=answers.recall_by_gt_count(),
         seconds=time.perf_counter() - start,
         predictions_path=str(predictions_path) if predictions_path is not None else None,
     )
@@ -170,7 +189,7 @@ def eval_command(args: argparse.Namespace) -> int:
             pictures_dir,
             grid_size=args.pictures,
             max_images=args.pictures,
-            matching=cfg.matching,
+            matching=cfg.eval.matching,
         )
         print(f"pictures of the first {min(args.pictures, len(records))} images: {pictures_dir}")
     return 0
@@ -205,7 +224,7 @@ def run_eval(cfg: RollmatchConfig, records: Sequence[Record], predictions_path: 
             codec,
             records,
             decoding=decoding_from_config(cfg, cfg.eval.max_new_tokens),
-            matching=cfg.matching,
+            matching=cfg.eval.matching,
             batch_size=cfg.eval.batch_size,
             predictions_path=predictions_path,
             seed=cfg.training.seed,

@@ -86,11 +86,42 @@ def test_eval_scores_with_the_configured_matching(tiny_model_dir: Path, shapes: 
             backend, encoder, codec, records, decoding=Decoding(), matching=matching, progress=False
         )
         assert result.num_samples == len(records) and result.truncated_frac == 0.0
+        assert (result.label_mode, result.iou_threshold) == (matching.label_mode, matching.iou_threshold)
         return result.f1
 
-    assert f1(MatchingConfig()) == 1.0  # geometry only (label_mode: ignore)
+    assert f1(MatchingConfig(label_mode="ignore")) == 1.0  # geometry only
     relabelled = len(records)
-    assert f1(MatchingConfig(label_mode="require")) == pytest.approx((n_gt - relabelled) / n_gt)
+    assert f1(MatchingConfig()) == pytest.approx((n_gt - relabelled) / n_gt)  # label-aware by default
+
+
+def test_eval_matching_is_the_evaluations_own_whatever_the_run_trained_with() -> None:
+    cfg = load_config(None, ["matching.label_mode=ignore", "matching.iou_threshold=0.3"])
+    assert (cfg.eval.matching.label_mode, cfg.eval.matching.iou_threshold) == ("require", 0.5)
+
+
+def test_eval_reports_counts_duplicates_and_recall_by_gt_count(
+    tiny_model_dir: Path, shapes: dict[str, Path]
+) -> None:
+    encoder = PromptEncoder.from_pretrained(tiny_model_dir, DataConfig())
+    codec = build_codec("qwen_json", encoder.tokenizer, [encoder.eos_token_id])
+    records: list[Record] = load_records(shapes["val"])[:6]
+    gts = {r.id: encoder.gt_objects(r, encoder.encode(r)) for r in records}
+    # record 0 answered with its first object twice (a duplicate), the others exactly
+    texts = {
+        rid: codec.serialize([*objects, objects[0]] if i == 0 else objects)
+        for i, (rid, objects) in enumerate(gts.items())
+    }
+    result = evaluate(
+        ReplayBackend(encoder.tokenizer, texts), encoder, codec, records, decoding=Decoding(), progress=False
+    )
+    n_pred, n = sum(len(objects) for objects in gts.values()) + 1, len(records)
+    assert n >= 3 and result.exact_count_acc == pytest.approx((n - 1) / n)
+    assert result.duplicate_rate == result.duplicate_rate_any_label == pytest.approx(1 / n_pred)
+    assert result.fp_per_image == pytest.approx(1 / n) and result.objects_per_image == pytest.approx(
+        n_pred / n
+    )
+    assert set(result.recall_by_gt_count.values()) == {1.0}
+    assert sorted(result.recall_by_gt_count) == sorted({str(len(o)) for o in gts.values()})
 
 
 def test_machine_overrides_give_a_config_this_machine_runs() -> None:

@@ -59,21 +59,21 @@ def test_each_kind_of_box_has_its_colour_on_its_edges() -> None:
 
 
 def test_pictures_match_with_the_evaluations_matching_settings() -> None:
-    """A box in the right place with another label: matched when labels are ignored (the default),
-    a false positive plus a miss under ``label_mode: require``, or when the IoU threshold is above it."""
+    """A box in the right place with another label: matched when labels are ignored, a false positive
+    plus a miss under ``label_mode: require`` (the default), or when the IoU threshold is above it."""
     image = Image.new("RGB", (100, 100), BACKGROUND)
     relabelled = RecordObject("fish", PRED_MATCHED.bbox)
     counts = {}
     for name, matching in (
+        ("ignore", MatchingConfig(label_mode="ignore")),
         ("default", None),
-        ("require", MatchingConfig(label_mode="require")),
-        ("iou 0.9", MatchingConfig(iou_threshold=0.9)),
+        ("iou 0.9", MatchingConfig(iou_threshold=0.9, label_mode="ignore")),
     ):
         picture = draw_detections(image, [GT_MATCHED], [relabelled], longest_side=100, matching=matching)
         counts[name] = (picture.tp, picture.fp, picture.fn)
         edge = colour(np.asarray(picture.image), 12, 85)
-        assert edge == (MATCHED if name == "default" else FALSE_POSITIVE), name
-    assert counts == {"default": (1, 0, 0), "require": (0, 1, 1), "iou 0.9": (0, 1, 1)}
+        assert edge == (MATCHED if name == "ignore" else FALSE_POSITIVE), name
+    assert counts == {"ignore": (1, 0, 0), "default": (0, 1, 1), "iou 0.9": (0, 1, 1)}
 
 
 def test_boxes_scale_with_the_picture_size() -> None:

@@ -41,6 +41,7 @@ OWNED: dict[str, str] = {
     "warmup_steps": "training.warmup_ratio",
     "warmup_ratio": "training.warmup_ratio",
     "lr_scheduler_type": "training.lr_scheduler_type",
+    "lr_scheduler_kwargs": "training.lr_scheduler_kwargs",
     "max_grad_norm": "training.max_grad_norm",
     "num_train_epochs": "training.num_train_epochs",
     "max_steps": "training.max_steps",
@@ -126,6 +127,7 @@ def training_arguments_kwargs(cfg: RollmatchConfig, gas: int, *, use_cpu: bool) 
         "weight_decay": t.weight_decay,
         "warmup_steps": t.warmup_ratio,  # transformers 5: a float below 1 is a fraction of the steps
         "lr_scheduler_type": t.lr_scheduler_type,
+        "lr_scheduler_kwargs": dict(t.lr_scheduler_kwargs),
         "max_grad_norm": t.max_grad_norm,
         "num_train_epochs": t.num_train_epochs,
         "max_steps": t.max_steps,

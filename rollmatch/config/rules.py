@@ -347,6 +347,32 @@ def _rule_pixels(cfg: RollmatchConfig) -> list[ConfigProblem]:
     return [ConfigProblem("data.min_pixels", low, f"must not exceed data.max_pixels (= {high}); lower it")]
 
 
+def _rule_target(cfg: RollmatchConfig) -> list[ConfigProblem]:
+    """`loss.matched_prefix: supervise` needs `loss.target: prefix_fn` and `loss.keep_prefix: matched`."""
+    loss = cfg.loss
+    if loss.matched_prefix != "supervise":
+        return []
+    if loss.target != "prefix_fn":
+        return [
+            ConfigProblem(
+                "loss.matched_prefix",
+                loss.matched_prefix,
+                "applies to loss.target: prefix_fn only (reordered_gt already supervises every matched object); "
+                "set matched_prefix: none, or target: prefix_fn",
+            )
+        ]
+    if loss.keep_prefix != "matched":
+        return [
+            ConfigProblem(
+                "loss.matched_prefix",
+                loss.matched_prefix,
+                f"needs loss.keep_prefix: matched (keep_prefix: {loss.keep_prefix} keeps false positives, "
+                "which have no GT to be supervised toward); set keep_prefix: matched or matched_prefix: none",
+            )
+        ]
+    return []
+
+
 def _rule_engine_memory(cfg: RollmatchConfig) -> list[ConfigProblem]:
     """`vllm.max_model_len`, when set, >= `training.global_max_length`."""
     vllm = cfg.rollout.vllm
@@ -374,6 +400,7 @@ STATIC_RULES: tuple[Rule, ...] = (
     _rule_step_mode,
     _rule_offload,
     _rule_pixels,
+    _rule_target,
     _rule_engine_memory,
     hf_args_problems,
     eval_problems,

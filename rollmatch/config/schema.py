@@ -70,15 +70,26 @@ class DataConfig(Section):
 
 # ----------------------------------------------------------------------------------------------- loss
 class LossConfig(Section):
-    """Per-token loss weights of the training target (prompt tokens always weigh 0)."""
+    """The rollout-matching target and its per-token loss weights (prompt tokens always weigh 0).
 
+    Targets, weights and why the default is what it is: docs/detection.md, "Targets and loss weights".
+    """
+
+    target: Literal["prefix_fn", "reordered_gt"] = Field(
+        "prefix_fn",
+        description="Rollout-matching target. `prefix_fn`: the rollout's own prefix (`keep_prefix`) + the GT objects not in it + EOS. `reordered_gt`: the GT objects the rollout matched, in the rollout's order, with GT coordinates and labels, then the missed GT (canonical order); false positives, duplicates and invalid elements left out; every token supervised.",
+    )
     prefix_weight: float = Field(
         0.0, ge=0.0, description="Weight of the rollout prefix's structure tokens (0: no loss on the prefix)."
     )
     desc_weight: float = Field(1.0, ge=0.0, description="Weight of label-value tokens in the appended tail.")
     keep_prefix: Literal["matched", "all"] = Field(
         "matched",
-        description="Rollout-matching target: `matched` keeps the rollout up to its first element that is not a matched prediction (false positive, duplicate, invalid), then appends every GT object not yet in it; `all` keeps every complete element and appends the missed GT (the list can only grow, see docs/detection.md).",
+        description="`prefix_fn` only: `matched` keeps the rollout up to its first element that is not a matched prediction (false positive, duplicate, invalid), then appends every GT object not yet in it; `all` keeps every complete element and appends the missed GT (the list can only grow, see docs/detection.md).",
+    )
+    matched_prefix: Literal["none", "supervise"] = Field(
+        "none",
+        description="`prefix_fn` only: `supervise` rewrites each kept matched element to its GT's serialization and supervises its coordinate tokens (weight 1) and label tokens (`desc_weight`); structure tokens keep `prefix_weight`. `none`: the prefix is the rollout's own tokens, unsupervised. Needs `keep_prefix: matched` (a kept false positive has no GT to be rewritten to).",
     )
 
 
@@ -92,7 +103,8 @@ class MatchingConfig(Section):
         description="A pair can match iff IoU > 0 and IoU >= this (0: any overlap; boxes that only touch never match).",
     )
     label_mode: Literal["ignore", "require"] = Field(
-        "ignore", description="`require`: a label mismatch is no match; `ignore`: geometry only."
+        "require",
+        description="`require`: a label mismatch is no match (label-aware F1, what detection papers report); `ignore`: geometry only.",
     )
     fp_cost: float = Field(1.0, ge=0.0, description="Cost of leaving a prediction unmatched (dummy column).")
     fn_cost: float = Field(1.0, ge=0.0, description="Cost of leaving a GT object unmatched (dummy row).")
@@ -290,6 +302,10 @@ class TrainingConfig(Section):
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
     warmup_ratio: float = Field(0.0, ge=0.0, le=1.0, description="Fraction of steps with linear LR warmup.")
     lr_scheduler_type: str = Field("constant", description="HF scheduler name: constant, linear, cosine, ...")
+    lr_scheduler_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Extra arguments of the scheduler, e.g. `{num_decay_steps: 200}` for `warmup_stable_decay` (a cool-down over the last 200 steps).",
+    )
     max_grad_norm: float = Field(1.0, ge=0.0, description="Gradient clipping norm (0: off).")
     num_train_epochs: float = Field(1.0, gt=0.0, description="Epochs over train_jsonl (when max_steps <= 0).")
     max_steps: int = Field(-1, ge=-1, description="> 0 overrides num_train_epochs; -1: use the epochs.")
@@ -341,6 +357,10 @@ class EvalConfig(Section):
     max_new_tokens: int | None = Field(None, gt=0, description="Default: rollout_matching.max_new_tokens.")
     batch_size: int = Field(8, gt=0, description="Samples per rollout call during evaluation.")
     max_samples: int | None = Field(None, gt=0, description="Evaluate only the first N records (null: all).")
+    matching: MatchingConfig = Field(
+        default_factory=MatchingConfig,
+        description="How evaluation matches predictions to GT (its own section, so runs trained with other `matching.*` settings are scored alike; every report states it).",
+    )
 
 
 # -------------------------------------------------------------------------------------------- root

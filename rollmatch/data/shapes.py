@@ -52,6 +52,7 @@ SHAPE_CLASSES: tuple[ShapeClass, ...] = (
 MAX_OVERLAP = 0.2  # max box intersection / smaller box area; drawn pixels never overlap
 PLACEMENT_TRIES = 30
 MIN_SIZE = 64
+TIED_ROW_PX = 3  # a tied row: top edges at most this far apart (px at 224)
 NOISE_STD = 12.0
 _SPLIT_STREAM = {"train": 0, "val": 1}
 
@@ -69,6 +70,9 @@ class ShapesDifficulty:
     min_side: int = 30
     max_side: int = 90
     noise_std: float = NOISE_STD
+    # Fraction of images whose second shape is placed on the first one's row (top edges within
+    # TIED_ROW_PX), so their canonical order is decided by x: order matters, not just the set.
+    tied_row_frac: float = 0.0
 
     def __post_init__(self) -> None:
         problems = []
@@ -82,6 +86,8 @@ class ShapesDifficulty:
             )
         if not self.noise_std >= 0:
             problems.append(f"noise_std = {self.noise_std}: use a value >= 0")
+        if not 0 <= self.tied_row_frac <= 1:
+            problems.append(f"tied_row_frac = {self.tied_row_frac}: use a fraction in [0, 1]")
         if problems:
             raise DataError("ShapesDifficulty: " + "; ".join(problems))
 
@@ -144,10 +150,14 @@ def _draw_sample(
     side_lo, side_hi = round(difficulty.min_side * scale), round(difficulty.max_side * scale)
     boxes: list[tuple[int, int, int, int]] = []
     objects: list[RecordObject] = []
-    for _ in range(int(rng.integers(difficulty.min_objects, difficulty.max_objects + 1))):
+    count = int(rng.integers(difficulty.min_objects, difficulty.max_objects + 1))
+    # drawn only when asked for, so the default set keeps its bytes
+    tied = difficulty.tied_row_frac > 0 and rng.random() < difficulty.tied_row_frac
+    for index in range(count):
         shape = SHAPE_CLASSES[int(rng.integers(len(SHAPE_CLASSES)))]
         mask = _shape_mask(shape.kind, int(rng.integers(side_lo, side_hi + 1)))
-        corner = _place(mask, occupied, boxes, rng)
+        row = boxes[0][1] if tied and index == 1 and boxes else None
+        corner = _place(mask, occupied, boxes, rng, row=row, row_slack=max(1, round(TIED_ROW_PX * scale)))
         if corner is None:
             continue
         x, y = corner
@@ -185,15 +195,26 @@ def _background(size: int, rng: np.random.Generator) -> np.ndarray:
 
 
 def _place(
-    mask: np.ndarray, occupied: np.ndarray, boxes: list[tuple[int, int, int, int]], rng: np.random.Generator
+    mask: np.ndarray,
+    occupied: np.ndarray,
+    boxes: list[tuple[int, int, int, int]],
+    rng: np.random.Generator,
+    *,
+    row: int | None = None,
+    row_slack: int = 0,
 ) -> tuple[int, int] | None:
     """A top-left corner where ``mask`` covers no drawn pixel and its box overlaps every placed box
-    by <= MAX_OVERLAP (so no shape is occluded and every box stays tight), or None.
+    by <= MAX_OVERLAP (so no shape is occluded and every box stays tight), or None. With ``row``,
+    the top edge lies within ``row_slack`` px of it.
     """
     h, w = mask.shape
     size = occupied.shape[0]
     for _ in range(PLACEMENT_TRIES):
-        x, y = int(rng.integers(0, size - w + 1)), int(rng.integers(0, size - h + 1))
+        x = int(rng.integers(0, size - w + 1))
+        if row is None:
+            y = int(rng.integers(0, size - h + 1))
+        else:
+            y = int(np.clip(row + rng.integers(-row_slack, row_slack + 1), 0, size - h))
         candidate = (x, y, x + w, y + h)
         if (
             all(_overlap(candidate, b) <= MAX_OVERLAP for b in boxes)

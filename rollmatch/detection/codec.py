@@ -101,6 +101,10 @@ class ObjectCodec(Protocol):
         """The whole list in canonical order, on one line."""
         ...
 
+    def serialize_in_order(self, objects: Sequence[DetObject]) -> str:
+        """The whole list in the order given (a reordered-GT target keeps the rollout's order)."""
+        ...
+
     def append_fragment(self, objects: Sequence[DetObject], after_element: bool) -> str:
         """Text that continues a prefix with ``objects`` (canonical order) and closes the list."""
         ...
@@ -192,7 +196,10 @@ class QwenJsonCodec:
 
     # ------------------------------------------------------------------ serialization
     def serialize(self, objects: Sequence[DetObject]) -> str:
-        return "[" + ", ".join(_element_text(o) for o in canonical_order(objects)) + "]"
+        return self.serialize_in_order(canonical_order(objects))
+
+    def serialize_in_order(self, objects: Sequence[DetObject]) -> str:
+        return "[" + ", ".join(_element_text(o) for o in objects) + "]"
 
     def append_fragment(self, objects: Sequence[DetObject], after_element: bool) -> str:
         elements = ", ".join(_element_text(o) for o in canonical_order(objects))

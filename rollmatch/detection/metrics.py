@@ -1,6 +1,7 @@
 """Detection and parse metrics (pure: counts in, floats out).
 
 Owns: :class:`DetectionCounts` (matching counts -> precision / recall / F1 / mean IoU),
+:class:`AnswerCounts` (exact count, duplicates, recall by GT count),
 :class:`ParseCounts` (parse outcomes -> ``parse/*`` and the truncated fraction) and
 :func:`coco_map` (COCO-style mAP via pycocotools' ``COCOeval``). Leaves out: summing across
 micro-steps and ranks (``to_sums`` gives additive ``{name: number}`` sums that the trainer adds up
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import io
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 
 from pycocotools.coco import COCO
@@ -23,7 +24,7 @@ from pycocotools.cocoeval import COCOeval
 
 from rollmatch.detection.codec import ParseResult
 from rollmatch.detection.matching import MatchResult
-from rollmatch.detection.objects import DetObject
+from rollmatch.detection.objects import DetObject, iou
 from rollmatch.errors import DataError, RollmatchError
 
 
@@ -102,6 +103,93 @@ class DetectionCounts:
             "fp": self.fp / per,
         }
         return {prefix + name: value for name, value in values.items()}
+
+
+DUPLICATE_IOU = 0.7  # a prediction this close to an earlier one of the same answer is a duplicate
+RECALL_COUNT_CAP = 8  # recall by GT count: images with this many GT objects or more share a bucket
+
+
+@dataclass
+class AnswerCounts:
+    """Per-answer mechanism counts: exact object count, duplicates, and recall by GT count.
+
+    What rollout matching can teach and SFT cannot shows up here first: a model that learns from
+    its own answers should stop repeating objects and stop early or late less often, and recall on
+    crowded images should move more than on sparse ones.
+    """
+
+    images: int = 0
+    exact_count: int = 0  # answers with as many valid objects as GT objects
+    duplicates: int = 0  # valid objects with the label of an earlier one and IoU >= DUPLICATE_IOU
+    duplicates_any_label: int = 0  # the same, whatever the labels
+    gt_by_count: dict[int, int] = field(default_factory=dict)  # GT count bucket -> GT objects
+    tp_by_count: dict[int, int] = field(default_factory=dict)  # GT count bucket -> matched GT objects
+
+    def add(self, objects: Sequence[DetObject], match: MatchResult, n_gt: int) -> None:
+        self.images += 1
+        self.exact_count += int(len(objects) == n_gt)
+        same, any_label = duplicate_counts(objects)
+        self.duplicates += same
+        self.duplicates_any_label += any_label
+        bucket = min(n_gt, RECALL_COUNT_CAP)
+        self.gt_by_count[bucket] = self.gt_by_count.get(bucket, 0) + n_gt
+        self.tp_by_count[bucket] = self.tp_by_count.get(bucket, 0) + len(match.pairs)
+
+    def to_sums(self) -> dict[str, float]:
+        """Additive sums (``answers/*``); :meth:`from_sums` reads them back."""
+        sums = {
+            f"answers/{name}": float(getattr(self, name))
+            for name in ("images", "exact_count", "duplicates", "duplicates_any_label")
+        }
+        for bucket, n in self.gt_by_count.items():
+            sums[f"answers/gt_{bucket}"] = float(n)
+            sums[f"answers/tp_{bucket}"] = float(self.tp_by_count.get(bucket, 0))
+        return sums
+
+    @classmethod
+    def from_sums(cls, sums: Mapping[str, float]) -> AnswerCounts:
+        def by_count(kind: str) -> dict[int, int]:
+            prefix = f"answers/{kind}_"
+            return {int(k.removeprefix(prefix)): round(v) for k, v in sums.items() if k.startswith(prefix)}
+
+        return cls(
+            images=round(sums.get("answers/images", 0)),
+            exact_count=round(sums.get("answers/exact_count", 0)),
+            duplicates=round(sums.get("answers/duplicates", 0)),
+            duplicates_any_label=round(sums.get("answers/duplicates_any_label", 0)),
+            gt_by_count=by_count("gt"),
+            tp_by_count=by_count("tp"),
+        )
+
+    def recall_by_gt_count(self) -> dict[str, float]:
+        """Recall over the images with ``n`` GT objects (key ``"8+"`` for the last bucket)."""
+        return {
+            (f"{bucket}+" if bucket == RECALL_COUNT_CAP else str(bucket)): (
+                self.tp_by_count.get(bucket, 0) / n if n else 1.0
+            )
+            for bucket, n in sorted(self.gt_by_count.items())
+        }
+
+    def as_metrics(self, valid_objects: int, prefix: str = "answers/") -> dict[str, float]:
+        """``exact_count_acc`` (per image) and ``duplicate_rate`` / ``duplicate_rate_any_label``
+        (per valid predicted object, ``valid_objects``)."""
+        return {
+            f"{prefix}exact_count_acc": self.exact_count / self.images if self.images else 0.0,
+            f"{prefix}duplicate_rate": self.duplicates / valid_objects if valid_objects else 0.0,
+            f"{prefix}duplicate_rate_any_label": self.duplicates_any_label / valid_objects
+            if valid_objects
+            else 0.0,
+        }
+
+
+def duplicate_counts(objects: Sequence[DetObject]) -> tuple[int, int]:
+    """``(same label, any label)``: objects with IoU >= ``DUPLICATE_IOU`` to an earlier object."""
+    same = any_label = 0
+    for i, obj in enumerate(objects):
+        close = [earlier for earlier in objects[:i] if iou(obj.bbox, earlier.bbox) >= DUPLICATE_IOU]
+        any_label += int(bool(close))
+        same += int(any(earlier.label == obj.label for earlier in close))
+    return same, any_label
 
 
 _PARSE_TOTALS = ("responses", "valid", "truncated")  # the integer fields of ParseCounts

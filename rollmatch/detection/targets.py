@@ -1,17 +1,21 @@
 """Teacher-forcing targets and per-token loss weights (pure: token ids in, token ids out).
 
 Owns: :class:`TargetSequence`, :func:`build_matched_target` (the rollout-matching target under
-``loss.keep_prefix``: how much of the rollout to keep, which GT objects to append),
-:func:`build_rollout_target` (kept rollout prefix + given GT objects + EOS) and
+``loss.target``: ``prefix_fn`` keeps part of the rollout (``loss.keep_prefix``, its matched elements
+optionally supervised, ``loss.matched_prefix``) and appends the GT not in it; ``reordered_gt`` is the
+matched GT in the rollout's order then the missed GT), the builders it dispatches to, and
 :func:`build_gt_target` (GT serialization + EOS, Channel-A / ``sft``). Leaves out: the prompt (its
 tokens carry weight 0 and are added by the trainer), loss reduction (``training.losses``) and
-packing. Why the default keeps the rollout only up to its first unmatched element:
+packing. Why ``prefix_fn`` keeps the rollout only up to its first unmatched element:
 docs/detection.md, "the truncation ratchet".
 
 Weights, one per response token (the weight of the loss for predicting that token):
 
 - rollout prefix: 0, except *structure* tokens, which get ``prefix_weight`` (default 0);
-- appended tail and the whole GT serialization: 1, except *label* tokens, which get ``desc_weight``;
+- a supervised (rewritten) matched prefix: coordinates 1, labels ``desc_weight``, structure
+  ``prefix_weight``;
+- appended tail, the whole GT serialization and a reordered-GT target: 1, except *label* tokens,
+  which get ``desc_weight``;
 - EOS: 1.
 
 Tokens are classified through the characters they decode to (``json_scan.char_roles``). A token
@@ -28,10 +32,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from rollmatch.config.schema import LossConfig
-from rollmatch.detection.codec import ObjectCodec, ParseResult, Tokenizer, decode_with_offsets
+from rollmatch.detection.codec import DecodedTokens, ObjectCodec, ParseResult, Tokenizer, decode_with_offsets
 from rollmatch.detection.json_scan import STRUCTURE, TEXT
 from rollmatch.detection.matching import MatchResult
-from rollmatch.detection.objects import DetObject
+from rollmatch.detection.objects import DetObject, canonical_order
 from rollmatch.errors import DataError
 
 _DEFAULTS = LossConfig()
@@ -45,7 +49,12 @@ class TargetSequence:
     weights: list[float]  # one per token id: weight of the loss for predicting that token
     num_prefix_tokens: int  # leading tokens copied from the rollout (0 for a GT target)
     text: str  # the decoded response without EOS (for logs and tests)
-    dropped_elements: int = 0  # complete rollout elements left out of the prefix (keep_prefix)
+    dropped_elements: int = 0  # complete rollout elements left out of the target
+
+    @property
+    def supervised_tokens(self) -> int:
+        """Tokens with a non-zero loss weight (metric ``target/supervised_tokens``)."""
+        return sum(1 for w in self.weights if w > 0)
 
 
 def build_matched_target(
@@ -58,25 +67,132 @@ def build_matched_target(
     eos_token_id: int,
     loss: LossConfig = _DEFAULTS,
 ) -> TargetSequence:
-    """The rollout-matching target of one rollout under ``loss.keep_prefix``.
+    """The rollout-matching target of one rollout under ``loss.target`` (the trainer's entry).
 
-    ``all``: the whole parsed prefix + the missed GT (``match.fn``). ``matched``: the prefix up to
-    the first element that is not a matched prediction (a false positive, a duplicate or an invalid
-    element), then every GT object not matched inside that kept part. Either way the list closes
-    with a supervised ``]`` and EOS.
+    ``reordered_gt``: :func:`build_reordered_gt_target`. ``prefix_fn``: the kept prefix
+    (``loss.keep_prefix``) then the GT objects not matched inside it. ``keep_prefix: all`` keeps the
+    whole parsed prefix; ``matched`` keeps it up to the first element that is not a matched
+    prediction (a false positive, a duplicate or an invalid element). With ``loss.matched_prefix:
+    supervise`` the kept elements are rewritten to their matched GT (:func:`build_supervised_prefix_target`).
+    Either way the list closes with a supervised ``]`` and EOS.
     """
+    if loss.target == "reordered_gt":
+        return build_reordered_gt_target(
+            parse, gts, match, codec=codec, tokenizer=tokenizer, eos_token_id=eos_token_id, loss=loss
+        )
     keep = parse.num_complete if loss.keep_prefix == "all" else leading_matched_elements(parse, match)
-    matched_gt = {g for p, g, _ in match.pairs if p < _objects_in(parse, keep)}
+    kept_objects = _objects_in(parse, keep)
+    matched_gt = {g for p, g, _ in match.pairs if p < kept_objects}
     missed = [gt for g, gt in enumerate(gts) if g not in matched_gt]
-    return build_rollout_target(
-        parse,
-        missed,
+    if loss.matched_prefix == "supervise":
+        if keep != leading_matched_elements(parse, match):
+            raise DataError(
+                "loss.matched_prefix: supervise needs loss.keep_prefix: matched (a kept false positive has no "
+                "GT to be supervised toward); set keep_prefix: matched or matched_prefix: none"
+            )
+        gt_of = {p: g for p, g, _ in match.pairs}
+        target = build_supervised_prefix_target(
+            [gts[gt_of[p]] for p in range(kept_objects)],
+            missed,
+            codec=codec,
+            tokenizer=tokenizer,
+            eos_token_id=eos_token_id,
+            loss=loss,
+        )
+    else:
+        target = build_rollout_target(
+            parse,
+            missed,
+            codec=codec,
+            tokenizer=tokenizer,
+            eos_token_id=eos_token_id,
+            prefix_weight=loss.prefix_weight,
+            desc_weight=loss.desc_weight,
+            keep_elements=keep,
+        )
+    target.dropped_elements = parse.num_complete - keep
+    return target
+
+
+def build_reordered_gt_target(
+    parse: ParseResult,
+    gts: Sequence[DetObject],
+    match: MatchResult,
+    *,
+    codec: ObjectCodec,
+    tokenizer: Tokenizer,
+    eos_token_id: int,
+    loss: LossConfig = _DEFAULTS,
+) -> TargetSequence:
+    """The GT objects the rollout matched, in the rollout's order, then the missed GT (canonical
+    order), + EOS; every token supervised (label tokens at ``desc_weight``).
+
+    False positives, duplicates (a second prediction of one GT object is unmatched) and invalid
+    elements are left out, and counted in ``dropped_elements``. No rollout token is copied: the
+    rollout contributes only the order in which it found the objects.
+    """
+    found = [gts[g] for _, g, _ in sorted(match.pairs)]
+    missed = [gts[g] for g in match.fn]
+    text = codec.serialize_in_order([*found, *canonical_order(missed)])
+    target = _weighted_target(
+        prefix_ids=[],
+        tail_ids=list(tokenizer.encode(text, add_special_tokens=False)),
+        expected_text=text,
         codec=codec,
         tokenizer=tokenizer,
         eos_token_id=eos_token_id,
-        prefix_weight=loss.prefix_weight,
+        prefix_weight=0.0,
         desc_weight=loss.desc_weight,
-        keep_elements=keep,
+    )
+    target.dropped_elements = parse.num_complete - len(match.pairs)
+    return target
+
+
+def build_supervised_prefix_target(
+    prefix_gts: Sequence[DetObject],
+    missed: Sequence[DetObject],
+    *,
+    codec: ObjectCodec,
+    tokenizer: Tokenizer,
+    eos_token_id: int,
+    loss: LossConfig = _DEFAULTS,
+) -> TargetSequence:
+    """``prefix_fn`` with the matched prefix supervised: the kept elements rewritten to their matched
+    GT (``prefix_gts``, in the rollout's order), then ``missed`` (canonical order) and EOS.
+
+    In the rewritten prefix, coordinate tokens weigh 1, label tokens ``desc_weight`` and structure
+    tokens ``prefix_weight``; the tail is weighted as in every target. Every kept element is
+    rewritten, never patched token by token: with digit coordinates a prediction and its GT differ in
+    token count whenever their digit counts differ (``99`` vs ``100``), so a per-token substitution
+    would supervise some elements in place and rewrite others. For the model's own canonical output
+    the rewrite equals the substitution wherever the lengths agree.
+    """
+    text = codec.serialize_in_order([*prefix_gts, *canonical_order(missed)])
+    prefix_text = codec.serialize_in_order(prefix_gts)
+    # just after the last prefix element's "}" (0 with no prefix: the whole target is a tail)
+    boundary = len(prefix_text) - 1 if prefix_gts else 0
+    if not text.startswith(prefix_text[:boundary]):
+        raise DataError(
+            f"codec {codec.name!r}: the serialization of the prefix objects is not a prefix of the whole "
+            "list's; a codec must serialize a list as the concatenation of its elements"
+        )
+    token_ids = list(tokenizer.encode(text, add_special_tokens=False))
+    decoded = _checked_decode(tokenizer, token_ids, text)
+    roles = codec.char_roles(decoded.text)
+    weights: list[float] = []
+    for start, stop in decoded.token_spans():
+        token_roles = roles[start:stop]
+        if TEXT in token_roles:
+            weights.append(loss.desc_weight)
+        elif stop <= boundary and all(r == STRUCTURE for r in token_roles):
+            weights.append(loss.prefix_weight)
+        else:
+            weights.append(1.0)
+    return TargetSequence(
+        token_ids=[*token_ids, int(eos_token_id)],
+        weights=[*weights, 1.0],
+        num_prefix_tokens=0,
+        text=decoded.text,
     )
 
 
@@ -199,14 +315,7 @@ def _weighted_target(
     desc_weight: float,
 ) -> TargetSequence:
     token_ids = prefix_ids + tail_ids
-    decoded = decode_with_offsets(tokenizer, token_ids)
-    if decoded.text != expected_text:
-        # Only a tokenizer that cannot represent some label text (no byte fallback) gets here.
-        raise DataError(
-            f"the tokenizer does not round-trip the target text: encoded {expected_text!r} but it "
-            f"decodes to {decoded.text!r}; use labels the tokenizer can encode (a byte-level BPE "
-            "tokenizer, as in every Qwen-VL checkpoint, encodes any text)"
-        )
+    decoded = _checked_decode(tokenizer, token_ids, expected_text)
     roles = codec.char_roles(decoded.text)
     weights: list[float] = []
     for index, (start, stop) in enumerate(decoded.token_spans()):
@@ -222,3 +331,15 @@ def _weighted_target(
         num_prefix_tokens=len(prefix_ids),
         text=decoded.text,
     )
+
+
+def _checked_decode(tokenizer: Tokenizer, token_ids: list[int], expected_text: str) -> DecodedTokens:
+    decoded = decode_with_offsets(tokenizer, token_ids)
+    if decoded.text != expected_text:
+        # Only a tokenizer that cannot represent some label text (no byte fallback) gets here.
+        raise DataError(
+            f"the tokenizer does not round-trip the target text: encoded {expected_text!r} but it "
+            f"decodes to {decoded.text!r}; use labels the tokenizer can encode (a byte-level BPE "
+            "tokenizer, as in every Qwen-VL checkpoint, encodes any text)"
+        )
+    return decoded

@@ -51,6 +51,11 @@ class Segment:
         """Total loss weight of the segment; position 0 is excluded (it is never predicted)."""
         return float(self.weights[1:].sum())
 
+    @property
+    def supervised_tokens(self) -> int:
+        """Tokens with a non-zero loss weight (position 0 excluded, as in :attr:`weight_sum`)."""
+        return int((self.weights[1:] > 0).sum())
+
 
 def build_segment(
     model: nn.Module,

@@ -171,12 +171,23 @@ class RolloutChannel(_SegmentFactory):
             eos_token_id=self.encoder.eos_token_id,
             loss=self.cfg.loss,
         )
+        sft_target = build_gt_target(
+            scored.gt_objects,
+            codec=self.codec,
+            tokenizer=self.encoder.tokenizer,
+            eos_token_id=self.encoder.eos_token_id,
+            desc_weight=self.cfg.loss.desc_weight,
+        )
         sums: Counter[str] = Counter(scored.counts().to_sums())
         sums.update(
             {
                 "samples": 1,
                 "rollout/count": 1,
                 "rollout/tokens": len(rollout.response_token_ids),
+                # the rollout taught something stage-1 SFT would not (another order, another prefix)
+                "target/differs_from_sft": int(
+                    (target.token_ids, target.weights) != (sft_target.token_ids, sft_target.weights)
+                ),
                 "target/dropped_elements": target.dropped_elements,
                 # a target longer than the rollout budget teaches answers that can never finish
                 "target/over_max_new_tokens": int(len(target.token_ids) > self.decoding.max_new_tokens),

@@ -23,7 +23,7 @@ from rollmatch.detection.scoring import ScoreCounts
 
 Sums = Mapping[str, float]
 # Counts of the rollout-matching targets built from the rollouts (training.channels), per step.
-TARGET_SUMS = ("target/dropped_elements", "target/over_max_new_tokens")
+TARGET_SUMS = ("target/dropped_elements", "target/over_max_new_tokens", "target/differs_from_sft")
 
 
 def summarize(sums: Sums, steps: int) -> dict[str, float]:
@@ -51,6 +51,7 @@ def rollout_metrics(sums: Sums, steps: int) -> dict[str, float]:
         "rollout/weight_version": float(sums.get("rollout/weight_version_sum", 0)) / n,
         **scores.detection.as_metrics("match/", per=steps),
         **scores.parsing.as_metrics("parse/", per=steps),
+        **scores.answers.as_metrics(scores.parsing.valid, "rollout/"),
         **{name: float(sums.get(name, 0)) / steps for name in TARGET_SUMS},
     }
 
@@ -70,8 +71,10 @@ def packing_metrics(sums: Sums, steps: int) -> dict[str, float]:
 
 
 def sample_metrics(sums: Sums, steps: int) -> dict[str, float]:
-    """``samples`` and ``loss/weight`` per step."""
+    """``samples``, ``target/supervised_tokens`` and ``loss/weight`` per step."""
     out = {"samples": float(sums.get("samples", 0)) / steps}
+    if "target/supervised_tokens" in sums:
+        out["target/supervised_tokens"] = float(sums["target/supervised_tokens"]) / steps
     if "loss/weight" in sums:
         out["loss/weight"] = float(sums["loss/weight"]) / steps
     return out

@@ -96,7 +96,7 @@ class DetectionEval:
             self.codec,
             self.records,
             decoding=decoding_from_config(self.cfg, self.cfg.eval.max_new_tokens),
-            matching=self.cfg.matching,
+            matching=self.cfg.eval.matching,
             batch_size=self.cfg.eval.batch_size,
             predictions_path=os.path.join(out_dir, f"step-{global_step}.predictions.jsonl"),
             seed=self.cfg.training.seed,
@@ -111,8 +111,23 @@ def eval_metrics(result: EvalResult, *, weight_version: int) -> dict[str, float]
     """The logged ``eval/*`` metrics of one evaluation (names in docs/metrics.md)."""
     metrics = {
         f"{PREFIX}{name}": float(getattr(result, name))
-        for name in ("precision", "recall", "f1", "mean_iou", "map", "map_50", "map_75", "truncated_frac")
+        for name in (
+            "precision",
+            "recall",
+            "f1",
+            "mean_iou",
+            "map",
+            "map_50",
+            "map_75",
+            "truncated_frac",
+            "objects_per_image",
+            "fp_per_image",
+            "exact_count_acc",
+            "duplicate_rate",
+            "duplicate_rate_any_label",
+        )
     }
+    metrics.update({f"{PREFIX}recall_gt_{n}": value for n, value in result.recall_by_gt_count.items()})
     metrics[f"{PREFIX}samples"] = float(result.num_samples)
     metrics[f"{PREFIX}seconds"] = float(result.seconds)
     metrics[f"{PREFIX}weight_version"] = float(weight_version)

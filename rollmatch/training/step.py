@@ -263,6 +263,7 @@ class StepPlanner:
         count = len(windows)
         local = Counter(batch.sums)
         local["loss/weight"] += sum(s.weight_sum for row in batch.rows for s in row)
+        local["target/supervised_tokens"] += sum(s.supervised_tokens for row in batch.rows for s in row)
         why = None if failure is None else f"{type(failure).__name__}: {failure}"
         gathered = self.collectives.all_gather_object(
             {"sums": dict(local), "rows": len(batch.rows), "gauges": batch.gauges, "failure": why},

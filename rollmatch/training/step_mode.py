@@ -142,6 +142,7 @@ class DeferredStep(MicroStep):
         self.sums.update(produced.sums)
         self.sums["stage2_ab/step/learner_wait_s"] += time.perf_counter() - wait_start
         self.total_weight = sum(s.weight_sum for s in produced.segments)
+        self.sums["target/supervised_tokens"] += sum(s.supervised_tokens for s in produced.segments)
         _require_weight(self.total_weight, self.step)
         rows = owner.rows.all_rows(produced.segments, owner.batch_size)
         self.sums["stage2_ab/step/forward_passes"] += len(rows)
@@ -245,6 +246,7 @@ class PipelinedStep(DeferredStep):
     def _add(self, out: ChannelOutput, pending: list[Segment]) -> None:
         self.sums.update(out.sums)
         self.total_weight += sum(s.weight_sum for s in out.segments)
+        self.sums["target/supervised_tokens"] += sum(s.supervised_tokens for s in out.segments)
         pending.extend(out.segments)
 
     def _ready_rows(self, pending: list[Segment]) -> list[list[Segment]]:

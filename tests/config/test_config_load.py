@@ -179,7 +179,7 @@ def test_unknown_key_did_you_mean_other_section(problems_of) -> None:
 
 def test_unknown_key_without_close_match_lists_valid_keys(problems_of) -> None:
     problem = problems_of({"loss": {"zzz": 1}}).only("loss.zzz")
-    assert "valid keys here: prefix_weight, desc_weight" in problem.fix
+    assert "valid keys here: target, prefix_weight, desc_weight" in problem.fix
 
 
 def test_unknown_key_under_alias_and_list(problems_of) -> None:

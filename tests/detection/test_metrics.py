@@ -9,7 +9,7 @@ import pytest
 
 from rollmatch.detection.codec import ParseResult
 from rollmatch.detection.matching import MatchResult, hungarian_match
-from rollmatch.detection.metrics import DetectionCounts, ParseCounts, coco_map
+from rollmatch.detection.metrics import AnswerCounts, DetectionCounts, ParseCounts, coco_map, duplicate_counts
 from rollmatch.detection.objects import DetObject, to_frame
 from rollmatch.errors import DataError, RollmatchError
 
@@ -114,3 +114,18 @@ def test_coco_map_on_real_raccoon_boxes() -> None:
     assert half["map_50"] == pytest.approx(
         sum(1 for r in range(101) if r / 100 <= found + 1e-9) / 101, abs=1e-6
     )
+
+
+def test_answer_counts_duplicates_exact_count_and_recall_by_gt_count() -> None:
+    a, b = DetObject("fish", (0, 0, 100, 100)), DetObject("shark", (300, 300, 400, 400))
+    near_a = DetObject("fish", (0, 0, 100, 90))  # IoU 0.9 with a, same label
+    near_a_other = DetObject("shark", (0, 0, 95, 100))  # IoU 0.95 with a, another label
+    assert duplicate_counts([a, near_a, near_a_other, b]) == (1, 2)
+    counts = AnswerCounts()
+    counts.add([a, b], MatchResult(pairs=[(0, 0, 1.0), (1, 1, 1.0)]), 2)  # exact, all found
+    counts.add([a, near_a], MatchResult(pairs=[(0, 0, 1.0)], fp=[1], fn=[1, 2]), 3)  # 1 of 3 found
+    counts.add([], MatchResult(fn=list(range(9))), 9)  # crowded image: 9 GT, nothing found
+    assert (counts.images, counts.exact_count, counts.duplicates) == (3, 1, 1)
+    assert counts.recall_by_gt_count() == {"2": 1.0, "3": pytest.approx(1 / 3), "8+": 0.0}
+    assert AnswerCounts.from_sums(counts.to_sums()) == counts
+    assert counts.as_metrics(valid_objects=4)["answers/duplicate_rate"] == 0.25

@@ -31,14 +31,14 @@ def test_score_response_honours_the_matching_settings(codec: QwenJsonCodec) -> N
             matching=MatchingConfig(**matching),
         )
 
-    default = score()
-    assert [(p, g) for p, g, _ in default.match.pairs] == [(0, 0), (1, 1)] and default.missed == []
-    by_label = score(label_mode="require")
-    assert [(p, g) for p, g, _ in by_label.match.pairs] == [(1, 1)] and by_label.missed == [FISH]
-    strict_iou = score(iou_threshold=0.6)  # the shark half-box has IoU 0.5
+    default = score()  # label-aware by default: the fish box with a shark label is no match
+    assert [(p, g) for p, g, _ in default.match.pairs] == [(1, 1)] and default.missed == [FISH]
+    geometry = score(label_mode="ignore")
+    assert [(p, g) for p, g, _ in geometry.match.pairs] == [(0, 0), (1, 1)] and geometry.missed == []
+    strict_iou = score(iou_threshold=0.6, label_mode="ignore")  # the shark half-box has IoU 0.5
     assert [(p, g) for p, g, _ in strict_iou.match.pairs] == [(0, 0)] and strict_iou.missed == [SHARK]
     counts = ScoreCounts()
-    for scored in (default, by_label, strict_iou):
+    for scored in (geometry, default, strict_iou):
         counts.add(scored)
     assert (counts.detection.tp, counts.detection.fp, counts.detection.fn) == (4, 2, 2)
     assert counts.parsing.responses == 3 and counts.parsing.valid == 6

@@ -66,3 +66,49 @@ def test_a_hung_rank_takes_the_whole_job_down_within_timeout_plus_grace(
     print(
         f"hung-rank job exited with {run.returncode} after {elapsed:.0f}s (timeout {COLLECTIVE_TIMEOUT_S}s)"
     )
+
+
+def test_a_rank_that_fails_alone_takes_every_rank_down_naming_it_long_before_the_timeout(
+    tiny_model_dir: Path, tmp_path: Path, free_port: Callable[[], int]
+) -> None:
+    """Rank 1 raises while building its step's rows; it still joins the step's gather with its error,
+    so rank 0 raises there too, naming rank 1's error, instead of waiting out the collective timeout."""
+    from rollmatch.data.shapes import generate_shapes
+
+    data = generate_shapes(tmp_path / "shapes", n_train=8, n_val=1, size=112, seed=0)
+    timeout_s = 600  # the default: a rank left waiting would take ten minutes to notice
+    config = {
+        "model": {"path": str(tiny_model_dir)},
+        "data": {"train_jsonl": str(data["train"]), "val_jsonl": None},
+        "custom": {
+            "trainer_variant": "stage2_ab_training",
+            "extra": {"rollout_matching": {"rollout_backend": "hf"}},
+        },
+        "stage2_ab": {"schedule": {"b_ratio": 0.0}},
+        "training": {
+            "output_dir": str(tmp_path / "out"),
+            "per_device_train_batch_size": 1,
+            "max_steps": 6,
+            "report_to": [],
+            "save_steps": 1000,
+            "packing": True,
+            "global_max_length": 1024,
+            "collective_timeout_s": timeout_s,
+        },
+    }
+    config_path = tmp_path / "fail.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+    command = torchrun_command(
+        2, free_port(), str(REPO / "tests/reliability/fail_one_rank.py"), "train", str(config_path)
+    )
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), ROLLMATCH_TEST_FAIL_AFTER="3")
+    budget = START_UP_S + 60
+    started = time.monotonic()
+    run = subprocess.run(command, capture_output=True, text=True, timeout=budget, env=env)
+    elapsed = time.monotonic() - started
+    output = run.stdout + run.stderr
+    assert run.returncode != 0, output[-4000:]
+    assert "rank 1: ValueError: a broken record in call 3" in output, output[-4000:]
+    assert "Timed out" not in output, output[-4000:]
+    assert elapsed < budget < timeout_s
+    print(f"one-rank failure: job exited with {run.returncode} after {elapsed:.0f}s (timeout {timeout_s}s)")

@@ -10,6 +10,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from rollmatch.collectives import LocalCollectives
 from rollmatch.data.prompts import PromptEncoder
@@ -61,6 +63,7 @@ def async_channel(
     limit: int = 8,
     max_wait_s: float = 0.0,
     in_process_actor: bool = False,
+    sync_every_steps: int = 1,
 ) -> AsyncPacks:
     """Async Channel-B over an in-process HF backend. Without ``rollouts`` the actor stays idle (prefetch
     target 0: it never rolls out), so the test alone fills the queue; ``in_process_actor``: the actor rolls
@@ -94,7 +97,7 @@ def async_channel(
         queue=queue,
         rows=rows(tiny),
         version_window=window,
-        sync_every_steps=1,
+        sync_every_steps=sync_every_steps,
         accounting_path=None,
         max_wait_s=max_wait_s,
     )
@@ -187,6 +190,46 @@ def test_version_window_zero_is_on_policy_and_trains_every_b_step(tiny) -> None:
             plan.gauges["stage2_ab/async/ver_lag_max"] == 0 and plan.sums["stage2_ab/async/ver_lag_sum"] == 0
         )
     assert plan.sums["stage2_ab/async/b_step_skipped_due_to_queue"] == 0
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    st.integers(0, 2),  # version_window
+    st.integers(1, 3),  # sync_every_steps
+    st.integers(1, 4),  # queue limit
+    st.lists(
+        st.one_of(
+            st.tuples(st.just("arrive"), st.integers(0, 3)),  # a pack rolled out this many versions ago
+            st.tuples(st.just("step"), st.integers(1, 2)),  # an optimizer step of this many micro-steps
+        ),
+        max_size=24,
+    ),
+)
+def test_no_trained_pack_ever_lags_beyond_the_window_in_the_whole_step_loop(
+    tiny, window: int, sync_every: int, limit: int, ops: list[tuple[str, int]]
+) -> None:
+    """The planner, the sync policy and the queue together, over random orders of arrivals, steps and
+    syncs (no waiting: max_wait_s 0, so no clock is involved): every trained pack's lag is within the
+    window, ``ver`` is the version the step trains, every B step trains one pack per micro-step, and
+    every pack is accounted for."""
+    channel = async_channel(tiny, window=window, limit=limit, sync_every_steps=sync_every)
+    steps, step = planner(tiny, channel), 0
+    for op, value in ops:
+        if op == "arrive":  # rolled out under a version the servers held at most `value` pushes ago
+            version = max(channel.backend.weight_version - value, 0)
+            channel.queue.put(ready_pack(tiny, version, step % len(tiny.segments)))
+            continue
+        plan = steps.plan([tiny.records[:1]] * value, step)
+        assert plan.gauges["stage2_ab/async/ver"] == step // sync_every == channel.backend.weight_version
+        if plan.kind == "B":
+            assert [len(m.rows) for m in plan.micro_steps] == [1] * value
+            assert plan.gauges["stage2_ab/async/ver_lag_max"] <= window
+        for micro in plan.micro_steps:
+            micro.finish(tiny.model, torch.zeros(()))  # marks the micro-step's pack trained
+        assert channel.queue.counts.balance(len(channel.queue)) == 0
+        step += 1
+    channel.queue.discard_all()
+    assert channel.queue.counts.balance(0) == 0
 
 
 def test_a_one_rank_failure_in_take_reaches_the_other_rank_in_the_same_step(tiny) -> None:
