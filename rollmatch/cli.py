@@ -18,6 +18,7 @@ COMMANDS: dict[str, str] = {
     "train": "rollmatch.training.entry:train_command",
     "check-config": "rollmatch.config.load:check_config_command",
     "make-tiny-model": "rollmatch.models.tiny:make_tiny_model_command",
+    "add-coord-tokens": "rollmatch.models.coord_vocab:add_coord_tokens_command",
     "data": "rollmatch.data.commands:data_command",
     "demo": "rollmatch.demo:demo_command",
     "eval": "rollmatch.evaluation:eval_command",
@@ -40,6 +41,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     p.add_argument("--json", action="store_true", help="print the resolved config as JSON")
 
+    p = sub.add_parser(
+        "add-coord-tokens",
+        help="Add the 1,000 coordinate tokens of object_format coord_tokens to a checkpoint (docs/detection.md).",
+    )
+    p.add_argument("--model", required=True, help="model directory (HF format, with its processor)")
+    p.add_argument("--out", required=True, help="output directory (may be --model itself)")
+
     p = sub.add_parser("make-tiny-model", help="Build a random-initialised tiny Qwen-VL model offline.")
     p.add_argument("--family", choices=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"], default="qwen2_5_vl")
     p.add_argument("--out", required=True, help="output model directory")
@@ -56,6 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=None,
         help="LM rope theta (default: the family's; 10 for tiny 2.5-VL)",
+    )
+    p.add_argument(
+        "--coord-tokens",
+        action="store_true",
+        help="add the 1,000 coordinate tokens (custom.object_format: coord_tokens)",
     )
 
     p = sub.add_parser("data", help="Datasets: synthetic shapes, converters to JSONL.")

@@ -471,6 +471,8 @@ class ServerInfo(BaseModel):
     world_size: int
     weight_version: int
     sync_modes: list[str]
+    # the `custom.object_format`s this server's tokenizer can decode (coord_tokens needs its tokens)
+    object_formats: list[str] = Field(default_factory=lambda: ["qwen_json"])
 
 
 class ServerHealth(BaseModel):

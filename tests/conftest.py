@@ -3,6 +3,7 @@
 - ``tiny_model_dir``: a tiny Qwen2.5-VL checkpoint directory (the default model of the tests).
 - ``tiny_model_dirs``: ``{family: dir}`` for qwen2_vl, qwen2_5_vl and qwen3_vl.
 - ``tiny_tokenizer``: the tokenizer loaded from ``tiny_model_dir``.
+- ``coord_model_dir``: the default family with the coordinate tokens added (``add-coord-tokens``).
 - ``loaded_tiny``: ``(model, processor)`` of ``tiny_model_dir``; float32, sdpa, eval mode. Shared by
   the session: a test that changes weights or modes must restore them (or load its own copy).
 - ``free_port``: a function returning a currently free TCP port on 127.0.0.1.
@@ -47,6 +48,16 @@ def _tiny_models(tmp_path_factory: pytest.TempPathFactory) -> _TinyModels:
 @pytest.fixture(scope="session")
 def tiny_model_dir(_tiny_models: _TinyModels) -> Path:
     return _tiny_models.get(DEFAULT_FAMILY)
+
+
+@pytest.fixture(scope="session")
+def coord_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen2.5-VL with the 1,000 coordinate tokens (``custom.object_format: coord_tokens``)."""
+    from rollmatch.models.tiny import TinySize, build_tiny_model
+
+    return build_tiny_model(
+        DEFAULT_FAMILY, tmp_path_factory.mktemp("coord_model"), seed=0, size=TinySize(), coord_tokens=True
+    )
 
 
 @pytest.fixture(scope="session")

@@ -373,6 +373,30 @@ def _rule_target(cfg: RollmatchConfig) -> list[ConfigProblem]:
     return []
 
 
+def _rule_coord_tokens(cfg: RollmatchConfig) -> list[ConfigProblem]:
+    """`custom.object_format: coord_tokens` needs `data.coord_frame: norm1000`; the coordinate-only loss terms (`loss.coord_w1_weight`, `loss.geometry_*`) need `coord_tokens`."""
+    if cfg.custom.object_format == "coord_tokens":
+        if cfg.data.coord_frame != "norm1000":
+            return [
+                ConfigProblem(
+                    "data.coord_frame",
+                    cfg.data.coord_frame,
+                    "custom.object_format: coord_tokens encodes k/999 of the image side; set data.coord_frame: norm1000",
+                )
+            ]
+        return []
+    loss = cfg.loss
+    return [
+        ConfigProblem(
+            f"loss.{key}",
+            getattr(loss, key),
+            "acts on coordinate tokens only; set custom.object_format: coord_tokens, or set it to 0",
+        )
+        for key in ("coord_w1_weight", "geometry_l1_weight", "geometry_giou_weight")
+        if getattr(loss, key) > 0
+    ]
+
+
 def _rule_engine_memory(cfg: RollmatchConfig) -> list[ConfigProblem]:
     """`vllm.max_model_len`, when set, >= `training.global_max_length`."""
     vllm = cfg.rollout.vllm
@@ -401,6 +425,7 @@ STATIC_RULES: tuple[Rule, ...] = (
     _rule_offload,
     _rule_pixels,
     _rule_target,
+    _rule_coord_tokens,
     _rule_engine_memory,
     hf_args_problems,
     eval_problems,

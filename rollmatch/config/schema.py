@@ -87,6 +87,30 @@ class LossConfig(Section):
         "matched",
         description="`prefix_fn` only: `matched` keeps the rollout up to its first element that is not a matched prediction (false positive, duplicate, invalid), then appends every GT object not yet in it; `all` keeps every complete element and appends the missed GT (the list can only grow, see docs/detection.md).",
     )
+    coord_sigma_bins: float = Field(
+        1.0,
+        ge=0.0,
+        le=100.0,
+        description="`coord_tokens`: width (in bins of 1/999 of the side) of the Gaussian soft target over coordinate tokens at a coordinate position; 0 = one-hot (plain CE with `coord_gate_weight: 1`).",
+    )
+    coord_gate_weight: float = Field(
+        1.0,
+        ge=0.0,
+        description="`coord_tokens`: weight of `-log P(any coordinate token)` at coordinate positions (keeps the mass on coordinate tokens).",
+    )
+    coord_w1_weight: float = Field(
+        0.0,
+        ge=0.0,
+        description="`coord_tokens`: weight of the 1-D Wasserstein distance between the predicted and the target bin distribution (in units of the image side).",
+    )
+    geometry_l1_weight: float = Field(
+        0.0,
+        ge=0.0,
+        description="`coord_tokens`: weight of SmoothL1 between each trained box's expected coordinates (softmax over bins) and its target box (units of the side).",
+    )
+    geometry_giou_weight: float = Field(
+        0.0, ge=0.0, description="`coord_tokens`: weight of 1 - GIoU of the same expected and target boxes."
+    )
     matched_prefix: Literal["none", "supervise"] = Field(
         "none",
         description="`prefix_fn` only: `supervise` rewrites each kept matched element to its GT's serialization and supervises its coordinate tokens (weight 1) and label tokens (`desc_weight`); structure tokens keep `prefix_weight`. `none`: the prefix is the rollout's own tokens, unsupervised. Needs `keep_prefix: matched` (a kept false positive has no GT to be rewritten to).",
@@ -214,7 +238,10 @@ class CustomConfig(Section):
         "rollout_matching_sft",
         description="rollout_matching_sft: every step on rollouts; stage2_ab_training: A/B schedule; sft: GT teacher forcing only.",
     )
-    object_format: Literal["qwen_json"] = Field("qwen_json", description="Serialization of the object list.")
+    object_format: Literal["qwen_json", "coord_tokens"] = Field(
+        "qwen_json",
+        description="Serialization of the object list: `qwen_json` (coordinates as digits) or `coord_tokens` (each coordinate one of 1,000 bin tokens `<|coord_k|>`; needs a checkpoint with the tokens, `rollmatch add-coord-tokens`, and `data.coord_frame: norm1000`; docs/detection.md).",
+    )
     extra: ExtraConfig = Field(default_factory=ExtraConfig)
 
 

@@ -52,6 +52,8 @@ ELEMENT_REASONS: tuple[str, ...] = (
     "empty_label",  # label is empty or only whitespace
     "bad_coord",  # bbox_2d is not 4 integers (bool is not an int) in [0, max_x] / [0, max_y]
     "degenerate_box",  # x2 <= x1 or y2 <= y1
+    "digit_coord",  # coord_tokens: a coordinate written in digits, not as one coordinate token
+    "misplaced_coord",  # coord_tokens: a coordinate token outside bbox_2d, or not 4 in it
 )
 # At most one of these per response: why the scan of the list stopped or what was dropped.
 LIST_REASONS: tuple[str, ...] = (
@@ -216,11 +218,12 @@ class QwenJsonCodec:
     ) -> ParseResult:
         ids = _cut_at_eos(response_token_ids, self.eos_token_ids)
         decoded = decode_with_offsets(self.tokenizer, ids)
-        scan = scan_json_list(decoded.text)
+        scanned = self._scan_text(ids, decoded)
+        scan = scan_json_list(scanned)
         invalid: dict[str, int] = {}
         if scan.stop_reason is not None:
             invalid[scan.stop_reason] = 1
-        checked = [_validate_element(decoded.text[s:e], extent) for s, e in scan.elements]
+        checked = [self._element(scanned[s:e], decoded.text[s:e], extent) for s, e in scan.elements]
 
         kept, prefix_ids = self._cut(ids, decoded, scan)
         if kept < len(scan.elements):
@@ -245,6 +248,15 @@ class QwenJsonCodec:
             element_ends=[end for _, end in scan.elements[:kept]],
             element_valid=[isinstance(result, DetObject) for result in checked[:kept]],
         )
+
+    def _scan_text(self, ids: list[int], decoded: DecodedTokens) -> str:
+        """The text the JSON scan reads (offsets as in ``decoded.text``); a subclass may stand in
+        for tokens that are not JSON (coordinate tokens)."""
+        return decoded.text
+
+    def _element(self, scanned: str, original: str, extent: tuple[int, int]) -> DetObject | str:
+        """One complete element (its scanned and its decoded text) -> object or invalid reason."""
+        return _validate_element(scanned, extent)
 
     def _cut(self, ids: list[int], decoded: DecodedTokens, scan: ListScan) -> tuple[int, list[int]]:
         """(number of elements kept, prefix ids): the latest element end that re-encodes exactly."""
@@ -289,7 +301,9 @@ class QwenJsonCodec:
 
 def build_codec(name: str, tokenizer: Tokenizer, eos_token_ids: Sequence[int]) -> ObjectCodec:
     """The codec named by ``custom.object_format``."""
-    codecs = {QwenJsonCodec.name: QwenJsonCodec}
+    from rollmatch.detection.coord_tokens import CoordTokenCodec
+
+    codecs = {QwenJsonCodec.name: QwenJsonCodec, CoordTokenCodec.name: CoordTokenCodec}
     if name not in codecs:
         raise ConfigError([ConfigProblem("custom.object_format", name, f"use one of {sorted(codecs)}")])
     return codecs[name](tokenizer, eos_token_ids)

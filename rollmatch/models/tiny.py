@@ -233,11 +233,17 @@ def _training_corpus(seed: int) -> list[str]:
 
 
 def build_tiny_model(
-    family: Family, out_dir: str | Path, seed: int = 0, size: TinySize | None = None
+    family: Family,
+    out_dir: str | Path,
+    seed: int = 0,
+    size: TinySize | None = None,
+    *,
+    coord_tokens: bool = False,
 ) -> Path:
     """Write a random-initialised tiny ``family`` checkpoint (float32) with tokenizer and processor.
 
-    ``size`` (default :class:`TinySize`) sets widths, depths and the text rope theta.
+    ``size`` (default :class:`TinySize`) sets widths, depths and the text rope theta;
+    ``coord_tokens`` adds the coordinate tokens as ``rollmatch add-coord-tokens`` does.
 
     The directory loads with ``AutoModelForImageTextToText.from_pretrained`` and
     ``AutoProcessor.from_pretrained``; returns it.
@@ -269,6 +275,10 @@ def build_tiny_model(
     model.generation_config.bos_token_id = None
     model.save_pretrained(out)
     _processor(classes, tokenizer).save_pretrained(out)
+    if coord_tokens:
+        from rollmatch.models.coord_vocab import add_coord_tokens
+
+        add_coord_tokens(out, out)
     return out
 
 
@@ -282,8 +292,10 @@ def make_tiny_model_command(args: argparse.Namespace) -> int:
         vision_depth=args.vision_depth,
         rope_theta=args.rope_theta,
     )
-    out = build_tiny_model(args.family, args.out, seed=args.seed, size=size)
-    print(f"tiny {args.family} model ({size}) written to {out}")
+    out = build_tiny_model(args.family, args.out, seed=args.seed, size=size, coord_tokens=args.coord_tokens)
+    print(
+        f"tiny {args.family} model ({size}{', coordinate tokens' if args.coord_tokens else ''}) written to {out}"
+    )
     return 0
 
 

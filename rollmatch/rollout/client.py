@@ -167,7 +167,7 @@ class ServerBackend:
     def check_compatible(self, local_info: dict[str, Any]) -> None:
         """Refuse to train against a server that serves another model, tokenizer, template or processor.
 
-        ``local_info``: ``{"fingerprint": model_fingerprint(...), "max_length": int}``.
+        ``local_info``: ``{"fingerprint": model_fingerprint(...), "max_length": int, "object_format": str}``.
         """
         problems: list[str] = []
         for conn in self.connections:
@@ -181,6 +181,13 @@ class ServerBackend:
                 lines.append(
                     f"max length: trainer training.global_max_length {local_info['max_length']} vs server "
                     f"max_model_len {info.max_model_len} (serve with --max-model-len >= it)"
+                )
+            object_format = local_info.get("object_format", "qwen_json")
+            if object_format not in info.object_formats:
+                lines.append(
+                    f"object format: trainer custom.object_format {object_format}, the server's tokenizer "
+                    f"supports {info.object_formats} (serve a model with the coordinate tokens: "
+                    "`rollmatch add-coord-tokens`)"
                 )
             if self.sync_mode == "adapter" and "adapter" not in info.sync_modes and not self.fallback_to_full:
                 lines.append(f"sync modes: trainer needs adapter, server offers {info.sync_modes}")
@@ -467,4 +474,8 @@ def local_model_info(
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(str(model_dir))
-    return {"fingerprint": model_fingerprint(config, processor), "max_length": cfg.training.global_max_length}
+    return {
+        "fingerprint": model_fingerprint(config, processor),
+        "max_length": cfg.training.global_max_length,
+        "object_format": cfg.custom.object_format,
+    }

@@ -20,6 +20,7 @@ import logging
 import threading
 from dataclasses import dataclass
 
+from rollmatch.detection.coord_tokens import supported_object_formats
 from rollmatch.errors import BackendError, SyncError
 from rollmatch.protocol import (
     SEED_MAX,
@@ -301,6 +302,7 @@ class RolloutServer:
             world_size=engine.world_size,
             weight_version=self.weight_version,
             sync_modes=list(engine.sync_modes),
+            object_formats=supported_object_formats(engine.preparer.tokenizer),
         )
 
     def stats(self) -> ServerStats:

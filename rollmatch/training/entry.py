@@ -29,6 +29,7 @@ from rollmatch.detection.codec import build_codec
 from rollmatch.errors import ConfigError
 from rollmatch.models.pretrained import load_pretrained
 from rollmatch.packing.collate import enable_packed_attention
+from rollmatch.training.coord_loss import CoordLoss
 from rollmatch.training.metrics import JsonlMetricsCallback, summarize
 from rollmatch.training.periodic_eval import DetectionEval, build_detection_eval
 from rollmatch.training.sizing import check_row_sizing
@@ -62,6 +63,12 @@ def train_command(args: argparse.Namespace) -> int:
         f"trained {result.global_step} steps in {result.seconds:.1f}s; final model: {result.final_model_dir}"
     )
     return 0
+
+
+def coord_loss_for(cfg: RollmatchConfig, codec: Any) -> CoordLoss | None:
+    """The coordinate loss of ``coord_tokens`` targets (None for digit coordinates)."""
+    ids = getattr(codec, "coord_ids", None)
+    return CoordLoss.from_config(ids, cfg.loss) if ids is not None else None
 
 
 def run_training(cfg: RollmatchConfig) -> TrainResult:
@@ -110,6 +117,7 @@ def run_training(cfg: RollmatchConfig) -> TrainResult:
             detection_eval=detection_eval,
             summarize=summarize,
             collectives=collectives,
+            coord_loss=coord_loss_for(cfg, codec),
             callbacks=[JsonlMetricsCallback(os.path.join(cfg.training.output_dir, "metrics.jsonl"))],
         )
         holder["trainer"] = trainer

@@ -23,13 +23,18 @@ import torch
 import torch.nn.functional as F
 
 from rollmatch.errors import PackingError
+from rollmatch.training.coord_loss import CoordLoss
 
 
-def weighted_ce_sum(logits: torch.Tensor, input_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+def weighted_ce_sum(
+    logits: torch.Tensor, input_ids: torch.Tensor, weights: torch.Tensor, coord: CoordLoss | None = None
+) -> torch.Tensor:
     """``sum_t weights[t] * CE(logits[t-1], input_ids[t])`` over ``t >= 1``, in float32.
 
-    Shapes: ``logits`` (B, L, V) or (L, V); ``input_ids`` and ``weights`` (B, L) or (L,).
-    Returns a 0-dim float32 tensor (0 with a graph when no position has weight).
+    With ``coord`` (``custom.object_format: coord_tokens``) a position whose target is a coordinate
+    token uses the coordinate loss instead of CE, plus the optional box geometry term
+    (``training.coord_loss``). Shapes: ``logits`` (B, L, V) or (L, V); ``input_ids`` and ``weights``
+    (B, L) or (L,). Returns a 0-dim float32 tensor (0 with a graph when no position has weight).
     """
     if logits.dim() == 2:
         logits, input_ids, weights = logits[None], input_ids[None], weights[None]
@@ -45,8 +50,26 @@ def weighted_ce_sum(logits: torch.Tensor, input_ids: torch.Tensor, weights: torc
     if not bool(trained.any()):
         # Keep the graph connected so every rank runs the same backward (DDP lock-step).
         return shifted_logits.sum().float() * 0.0
-    ce = F.cross_entropy(shifted_logits[trained].float(), targets[trained], reduction="none")
-    return (ce * target_weights[trained]).sum()
+    trained_logits, trained_targets, trained_weights = (
+        shifted_logits[trained],
+        targets[trained],
+        target_weights[trained],
+    )
+    if coord is None:
+        ce = F.cross_entropy(trained_logits.float(), trained_targets, reduction="none")
+        return (ce * trained_weights).sum()
+    bins = coord.bins_of(trained_targets)
+    at_coord = bins >= 0
+    total = shifted_logits.sum().float() * 0.0
+    if bool((~at_coord).any()):
+        ce = F.cross_entropy(trained_logits[~at_coord].float(), trained_targets[~at_coord], reduction="none")
+        total = total + (ce * trained_weights[~at_coord]).sum()
+    if bool(at_coord.any()):
+        losses, p_within = coord.position_losses(trained_logits[at_coord], bins[at_coord])
+        total = total + (losses * trained_weights[at_coord]).sum()
+        if coord.has_geometry:
+            total = total + coord.geometry_sum(p_within, bins[at_coord], trained_weights[at_coord])
+    return total
 
 
 def per_segment_ce(
@@ -54,6 +77,7 @@ def per_segment_ce(
     input_ids: torch.Tensor,
     weights: torch.Tensor,
     segment_lengths: Sequence[int] | torch.Tensor,
+    coord: CoordLoss | None = None,
 ) -> list[torch.Tensor]:
     """Weighted CE sum of each segment of one packed row (logits (1, L, V) or (L, V)).
 
@@ -73,7 +97,7 @@ def per_segment_ce(
     start = 0
     for length in lengths:
         end = start + length
-        sums.append(weighted_ce_sum(logits[start:end], input_ids[start:end], weights[start:end]))
+        sums.append(weighted_ce_sum(logits[start:end], input_ids[start:end], weights[start:end], coord))
         start = end
     return sums
 

@@ -36,6 +36,7 @@ from transformers import Trainer
 
 from rollmatch.collectives import Collectives
 from rollmatch.packing.collate import model_inputs
+from rollmatch.training.coord_loss import CoordLoss
 from rollmatch.training.losses import weighted_ce_sum
 from rollmatch.training.periodic_eval import DetectionEval, hf_metrics
 from rollmatch.training.step import MicroStep, StepPlan, StepPlanner
@@ -83,10 +84,12 @@ class RollmatchTrainer(Trainer):
         collectives: Collectives,
         stateful: Mapping[str, Any] | None = None,
         detection_eval: DetectionEval | None = None,
+        coord_loss: CoordLoss | None = None,
         **kwargs: Any,
     ):
         super().__init__(*args, **kwargs)
         self.planner = planner
+        self.coord_loss = coord_loss  # coordinate positions' loss (object_format: coord_tokens)
         self.detection_eval = detection_eval
         self.summarize = summarize
         self.collectives = collectives
@@ -148,7 +151,7 @@ class RollmatchTrainer(Trainer):
         if num_items_in_batch is None:
             raise RuntimeError("compute_loss needs the step's total loss weight (set by get_batch_samples)")
         outputs = model(**model_inputs(inputs))
-        loss_sum = weighted_ce_sum(outputs.logits, inputs["input_ids"], inputs["weights"])
+        loss_sum = weighted_ce_sum(outputs.logits, inputs["input_ids"], inputs["weights"], self.coord_loss)
         loss = loss_sum * self.collectives.world_size / num_items_in_batch.to(loss_sum.dtype)
         return (loss, outputs) if return_outputs else loss
 

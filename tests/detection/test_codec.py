@@ -64,8 +64,8 @@ def test_append_fragment_forms(codec: QwenJsonCodec) -> None:
 def test_build_codec_names_the_key_on_unknown_format(qwen_tokenizer: PreTrainedTokenizerFast) -> None:
     eos = qwen_tokenizer.convert_tokens_to_ids(EOS)
     assert build_codec("qwen_json", qwen_tokenizer, [eos]).name == "qwen_json"
-    with pytest.raises(ConfigError, match=r"custom\.object_format = 'coord_tokens'.*qwen_json"):
-        build_codec("coord_tokens", qwen_tokenizer, [eos])
+    with pytest.raises(ConfigError, match=r"custom\.object_format = 'yaml'.*coord_tokens.*qwen_json"):
+        build_codec("yaml", qwen_tokenizer, [eos])
     with pytest.raises(ConfigError, match="eos_token_ids"):
         QwenJsonCodec(qwen_tokenizer, [])
 

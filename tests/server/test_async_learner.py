@@ -144,7 +144,12 @@ def shapes(tmp_path: Path) -> dict[str, Path]:
 
 # hf: the spec's gate (no waiting: steps without packs run A). vllm: 2 micro-steps per step, and B
 # steps wait for their packs (async.max_wait_s), so every step is B and fewer steps suffice.
-@pytest.mark.parametrize(("engine", "steps", "max_wait_s", "gas"), [("hf", 14, 0.0, 1), ("vllm", 4, 30.0, 2)])
+# vllm-coord: the same on a model with the coordinate tokens (custom.object_format: coord_tokens); the
+# server's /info/ says it can decode them, else the learner would refuse it at start-up.
+@pytest.mark.parametrize(
+    ("engine", "steps", "max_wait_s", "gas"),
+    [("hf", 14, 0.0, 1), ("vllm", 4, 30.0, 2), ("vllm-coord", 3, 30.0, 1)],
+)
 def test_async_learner_runs_b_steps_and_accounts_for_every_pack(
     engine: str,
     steps: int,
@@ -153,18 +158,22 @@ def test_async_learner_runs_b_steps_and_accounts_for_every_pack(
     hf_sync_server: Any,
     start_server: Callable[..., Any],
     tiny_model_dir: Path,
+    coord_model_dir: Path,
     shapes: dict[str, Path],
     tmp_path: Path,
     free_port: Callable[[], int],
 ) -> None:
-    if engine == "vllm":
+    model_dir = coord_model_dir if engine == "vllm-coord" else tiny_model_dir
+    if engine.startswith("vllm"):
         pytest.importorskip("vllm")
-        server = start_server(tiny_model_dir, "--engine", "vllm")
+        server = start_server(model_dir, "--engine", "vllm")
     else:
         server = hf_sync_server
+    if engine == "vllm-coord":
+        assert server.get("/info/")["object_formats"] == ["qwen_json", "coord_tokens"]
     out = tmp_path / "out"
     config = async_config(
-        tiny_model_dir,
+        model_dir,
         shapes,
         out,
         server.url,
@@ -173,6 +182,9 @@ def test_async_learner_runs_b_steps_and_accounts_for_every_pack(
         max_wait_s=max_wait_s,
         gradient_accumulation_steps=gas,
     )
+    if engine == "vllm-coord":
+        config["custom"]["object_format"] = "coord_tokens"
+        config["custom"]["extra"]["rollout_matching"]["max_new_tokens"] = 24
     started = time.monotonic()
     train_to_the_end(config, tmp_path, "async", free_port())
     assert time.monotonic() - started < RUN_TIMEOUT_S

@@ -121,12 +121,18 @@ def test_server_of_another_model_is_refused_showing_both_values(
         prompt_encoder.tokenizer,
     )
     served = hf_server.get("/info/")["fingerprint"]
-    local = {"fingerprint": dict(served, tokenizer="0123456789abcdef"), "max_length": 8192}
+    local = {
+        "fingerprint": dict(served, tokenizer="0123456789abcdef"),
+        "max_length": 8192,
+        "object_format": "coord_tokens",
+    }
     with pytest.raises(BackendError) as caught:
         backend.check_compatible(local)
     message = str(caught.value)
     assert f"tokenizer: trainer '0123456789abcdef' vs server '{served['tokenizer']}'" in message
     assert "max_model_len 4096" in message
+    assert "custom.object_format coord_tokens, the server's tokenizer supports ['qwen_json']" in message
+    assert "rollmatch add-coord-tokens" in message
     backend.close()
 
 
