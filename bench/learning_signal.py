@@ -28,6 +28,9 @@ Prints ONE JSON object (also ``--out/learning_signal.json``) and a PNG; ``--docs
 into docs/. Run (many CPU hours on 2 cores; stop and rerun at will)::
 
     .venv/bin/python bench/learning_signal.py --out runs/learning_signal --docs
+    # coordinate tokens vs digits (docs/detection.md), same regime, stage-1 and the best rollout arm:
+    .venv/bin/python bench/learning_signal.py --out runs/learning_signal_coord --object-format coord_tokens \
+        --arms sft reordered_gt
 """
 
 from __future__ import annotations
@@ -86,7 +89,8 @@ def main() -> None:
         k: v for k, v in vars(args).items() if k not in ("out", "docs", "argv", "only_gate", "ignore_gate")
     }
     settings_path = out / "settings.json"
-    if settings_path.exists() and json.loads(settings_path.read_text()) != settings:
+    saved = json.loads(settings_path.read_text()) if settings_path.exists() else settings
+    if any(saved.get(key, value) != value for key, value in settings.items()):  # newer keys: defaults
         raise SystemExit(f"{out} holds a study with other settings ({settings_path}); use another --out")
     settings_path.write_text(json.dumps(settings, indent=1))
     started = time.perf_counter()
@@ -140,6 +144,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS))
     parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument(
+        "--object-format",
+        choices=["qwen_json", "coord_tokens"],
+        default="qwen_json",
+        help="coordinates as digits or as coordinate tokens (compare two studies with different --out)",
+    )
     parser.add_argument("--backend", choices=["hf", "vllm"], default=_default_backend())
     parser.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples")
     parser.add_argument("--only-gate", action="store_true", help="stop after stage-1 and the gate")
@@ -210,7 +220,13 @@ def stage1_checkpoint(out: Path, splits: dict[str, Path], args: argparse.Namespa
         return final
     model = out / "model"
     if not (model / "config.json").exists():
-        build_tiny_model("qwen3_vl", model, seed=0, size=TinySize(rope_theta=10.0))
+        build_tiny_model(
+            "qwen3_vl",
+            model,
+            seed=0,
+            size=TinySize(rope_theta=10.0),
+            coord_tokens=args.object_format == "coord_tokens",
+        )
     cfg = base_config(out / "stage1", str(model), splits, args, seed=0)
     cfg["custom"]["trainer_variant"] = "sft"
     cfg["training"].update(
@@ -257,7 +273,7 @@ def target_difference(
     from rollmatch.detection.targets import build_gt_target, build_matched_target
 
     encoder = PromptEncoder.from_pretrained(stage1, cfg.data)
-    codec = build_codec("qwen_json", encoder.tokenizer, [encoder.eos_token_id])
+    codec = build_codec(cfg.custom.object_format, encoder.tokenizer, [encoder.eos_token_id])
     answers = [json.loads(line) for line in predictions.read_text().splitlines()]
     differ = dict.fromkeys(("prefix_fn", "prefix_fn_supervised", "reordered_gt"), 0)
     losses = {
@@ -267,7 +283,7 @@ def target_difference(
     }
     for record, answer in zip(dev, answers, strict=True):
         encoded = encoder.encode(record)
-        ids = encoder.tokenizer.encode(answer["text"], add_special_tokens=False)
+        ids = encoder.tokenizer.encode(answer["text"], add_special_tokens=False)  # special tokens kept
         scored = score_response(
             codec,
             ids,
@@ -293,6 +309,7 @@ def base_config(
         "data": {"train_jsonl": str(splits["train"]), "val_jsonl": None},
         "custom": {
             "trainer_variant": "sft",
+            "object_format": args.object_format,
             "extra": {
                 "rollout_matching": {
                     "rollout_backend": args.backend,

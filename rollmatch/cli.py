@@ -159,10 +159,36 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-pixels", type=int, default=None, help="image processor max_pixels (data.max_pixels)"
     )
     # Security and limits (docs/server.md, "Security model"); None = the default of server.limits.ServerLimits.
-    p.add_argument("--api-key", default=None, help="token every POST needs (default: $ROLLMATCH_API_KEY)")
+    # Access (rollmatch.server.gate): a --host that is not loopback needs a key or --insecure-no-auth.
+    key = p.add_mutually_exclusive_group()
+    key.add_argument(
+        "--api-key",
+        default=None,
+        help="token every call but GET /health/ needs (default: $ROLLMATCH_API_KEY)",
+    )
+    key.add_argument(
+        "--api-key-file", default=None, help="read the token from this file (kept out of the process list)"
+    )
+    p.add_argument(
+        "--insecure-no-auth", action="store_true", help="allow a non-loopback --host without a key"
+    )
     p.add_argument("--allowed-local-media-path", default=None, help="directory images may be read from")
     p.add_argument("--max-body-bytes", type=int, default=None, help="request body cap (413)")
     p.add_argument("--max-image-pixels", type=int, default=None, help="width*height cap per image (413)")
+    p.add_argument(
+        "--max-call-pixels",
+        type=int,
+        default=None,
+        help="width*height of all images of one call, from their headers before any is decoded "
+        "(413; default 8 images of 4096x4096, 384 MiB as RGB)",
+    )
+    p.add_argument(
+        "--max-inflight-pixels",
+        type=int,
+        default=None,
+        help="decoded pixels of all calls in flight together (429 while others hold them; default 64 "
+        "images of 4096x4096, 3 GiB as RGB)",
+    )
     p.add_argument("--max-requests-per-call", type=int, default=None, help="infer_requests per call (413)")
     p.add_argument("--max-images-per-request", type=int, default=None, help="images per prompt (413)")
     p.add_argument("--max-tokens", type=int, default=None, help="new tokens per response (422 above)")

@@ -28,7 +28,7 @@ import uuid
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import pybase64
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, TypeAdapter, field_validator, model_validator
 
 from rollmatch.rollout.types import Decoding
 
@@ -46,7 +46,24 @@ PENALTY_MIN, PENALTY_MAX = 0.01, 100.0
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256
 MAX_SAMPLE_ID_CHARS = 256
 TOKEN_ID_MAX = 2**31 - 1
+# Counts, refused while the body is parsed (before a request object is built); the server's
+# `--max-requests-per-call` (default 256) and `--max-images-per-request` (8) may only lower them.
+MAX_INFER_REQUESTS = 4096  # per call
+MAX_MESSAGES_PER_REQUEST = 256  # detection rollouts send 1-3, multi-turn chats tens
+MAX_CONTENT_PARTS = 256  # text / image parts of one message
+MAX_IMAGES_PER_REQUEST = 256  # the `images` list of one request
 MESSAGE_ROLES = ("system", "user", "assistant")
+# The chat-template variables a request may set (ms-swift's ``chat_template_kwargs``): switches the
+# Qwen-VL / Qwen3 templates read, and ms-swift passes. Any other key is a 422 naming it: a request
+# never brings its own template (``chat_template``), never overrides what the server passes
+# (``tokenize``, ``add_generation_prompt``, ``tools``, the special tokens) and never sets a knob
+# the server would silently ignore (ms-swift's ``max_pixels``). A template that reads no such
+# variable renders the same with or without it.
+TEMPLATE_FLAGS: dict[str, str] = {
+    "enable_thinking": "Qwen3 / Qwen3.5 templates: false renders an empty thinking block",
+    "preserve_thinking": "thinking templates: keep earlier turns' reasoning (ms-swift sends it)",
+    "add_vision_id": "Qwen-VL templates: label each image 'Picture N:'",
+}
 # Options of ms-swift's RequestConfig that only take their default here: the value the server
 # implements, per field. Anything else is a 422 naming the field (never silently ignored).
 _DEFAULT_ONLY_OPTIONS: dict[str, Any] = {
@@ -145,11 +162,14 @@ class ImagePart(WireModel):
         return value.url if isinstance(value, ImageUrl) else value
 
 
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
 class ChatTurn(WireModel):
     """One chat message: string content (with ``<image>`` tags) or a list of text / image parts."""
 
     role: str
-    content: str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]]
+    content: str | Annotated[list[ContentPart], Field(max_length=MAX_CONTENT_PARTS)]
 
     @field_validator("role")
     @classmethod
@@ -169,8 +189,8 @@ class InferRequest(WireModel):
     must be the ones whose placeholders the ids contain.
     """
 
-    messages: list[ChatTurn] = Field(default_factory=list)
-    images: list[str] = Field(default_factory=list)
+    messages: list[ChatTurn] = Field(default_factory=list, max_length=MAX_MESSAGES_PER_REQUEST)
+    images: list[str] = Field(default_factory=list, max_length=MAX_IMAGES_PER_REQUEST)
     prompt_token_ids: list[Annotated[int, Field(ge=0, le=TOKEN_ID_MAX)]] | None = None
     sample_id: str | None = Field(None, max_length=MAX_SAMPLE_ID_CHARS)
     # swift fields with no meaning for detection rollouts: accepted when empty.
@@ -180,8 +200,28 @@ class InferRequest(WireModel):
     objects: dict[str, Any] = Field(default_factory=dict)
     data_dict: dict[str, Any] = Field(default_factory=dict)
     uuid: str | None = Field(None, max_length=MAX_SAMPLE_ID_CHARS)
-    chat_template_kwargs: dict[str, str | int | float | bool | None] = Field(default_factory=dict)
+    chat_template_kwargs: dict[str, StrictBool | None] = Field(default_factory=dict)
     add_eos: bool | Literal["auto"] | None = None
+
+    @field_validator("chat_template_kwargs", mode="before")
+    @classmethod
+    def _only_template_flags(cls, value: Any) -> Any:
+        """Only the keys of :data:`TEMPLATE_FLAGS` (each true, false or null: the template's default)."""
+        if not isinstance(value, dict):
+            return value  # pydantic names the type
+        refused = [key for key in value if key not in TEMPLATE_FLAGS]
+        if not refused:
+            return value
+        shown = ", ".join(repr(str(key)[:40]) for key in refused[:5]) + (" ..." if len(refused) > 5 else "")
+        why = (
+            "a request cannot bring its own chat template, the server renders the served model's own"
+            if "chat_template" in refused
+            else "the server sets these itself or does not take them"
+        )
+        raise ValueError(
+            f"chat_template_kwargs may not set {shown} ({why}); the keys it may set are "
+            f"{', '.join(TEMPLATE_FLAGS)}, each true, false or null"
+        )
 
     @model_validator(mode="after")
     def _has_a_prompt(self) -> InferRequest:
@@ -194,21 +234,13 @@ class InferRequest(WireModel):
                 f"add_eos = {self.add_eos!r}: the rollout server generates responses, it does not score "
                 "completed ones; send null (or omit it)"
             )
-        reserved = sorted(set(self.chat_template_kwargs) & _RESERVED_TEMPLATE_KWARGS)
-        if reserved:
-            raise ValueError(f"chat_template_kwargs may not set {reserved}: the server sets them itself")
         return self
-
-
-_RESERVED_TEMPLATE_KWARGS = frozenset(
-    {"messages", "conversation", "tokenize", "add_generation_prompt", "return_dict", "tools", "images"}
-)
 
 
 class InferBody(WireModel):
     """Body of ``POST /infer/``; ``metrics``/``template``/``use_tqdm``/``adapter_request`` are swift's."""
 
-    infer_requests: list[InferRequest]
+    infer_requests: list[InferRequest] = Field(max_length=MAX_INFER_REQUESTS)
     request_config: RequestConfig | None = None
     metrics: Any = None
     template: Any = None

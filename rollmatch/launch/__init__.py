@@ -7,5 +7,6 @@
 - ``processes``: child processes in their own sessions, their logs and recorded pids, teardown.
 - ``console``: the prefixed, rate-limited merge of the children's logs on the console.
 - ``supervisor``: running a plan: start, wait for ``/health/``, watch, tear down, exit code.
+- ``watchdog``: the process that stops every child tree when the launcher dies without its teardown.
 - ``command``: the CLI entry (``rollmatch launch``).
 """

@@ -9,12 +9,17 @@ it to every server and the learner in the environment (``ROLLMATCH_API_KEY``), n
 line, never printed. ``--servers-only`` also writes it to ``<output_dir>/launch/api_key`` (mode 0600),
 where a later ``--learner-only`` launch on the same output directory finds it (unless
 ``ROLLMATCH_API_KEY`` is set in its environment).
+
+One launch per output directory: its launch record (``launch/pids.json``; ``pids-learner.json`` for
+``--learner-only``) names the launcher by pid and start time. A launch refuses to start while that
+launcher runs; a record whose launcher is gone (killed before its teardown) is taken over, and
+whatever it left running is stopped first (every process is recorded with its start time, so a
+reused pid is never signalled).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import secrets
 import socket
@@ -31,8 +36,9 @@ from rollmatch.launch.plan import (
     render_plan,
     sequential_ports,
 )
-from rollmatch.launch.processes import survivors
+from rollmatch.launch.processes import previous_launch, write_pids
 from rollmatch.launch.supervisor import PIDS_NAME, run_plan
+from rollmatch.launch.watchdog import stop_trees
 
 API_KEY_FILE = "api_key"
 
@@ -64,7 +70,7 @@ def launch_command(args: argparse.Namespace) -> int:
         print("dry run: nothing started, nothing written")
         return 0
     pids_name = "pids-learner.json" if request.learner_only else PIDS_NAME
-    _refuse_running_launch(launch_dir / pids_name)
+    claim_launch_dir(launch_dir / pids_name, grace_s=request.grace_s)
     if request.servers_only and api_key is not None:
         _write_key_file(launch_dir / API_KEY_FILE, api_key)
     return run_plan(plan, grace_s=request.grace_s, pids_name=pids_name)
@@ -108,6 +114,34 @@ def cuda_devices() -> tuple[int, str | None]:
     return count, os.environ.get("CUDA_VISIBLE_DEVICES")
 
 
+def claim_launch_dir(pids_path: Path, *, grace_s: float) -> None:
+    """Make ``pids_path`` this launch's record, or refuse while the launcher that wrote it runs.
+
+    Two launches on one output directory would overwrite each other's logs, config and pids. A record
+    left by a launcher that died before its teardown is taken over (one ``[launch]`` line says so) once
+    what that launch left running is stopped (SIGTERM, SIGKILL after ``grace_s``).
+    """
+    previous = previous_launch(pids_path)
+    if previous is not None and previous.launcher_alive:
+        still = f" ({', '.join(previous.running)})" if previous.running else ""
+        raise LaunchError(
+            [
+                ConfigProblem(
+                    "training.output_dir",
+                    str(pids_path.parent.parent),
+                    f"a launch (pid {previous.launcher}) still runs here{still}; stop it first "
+                    f"(`kill {previous.launcher}` stops it and its processes), or give this run another "
+                    "training.output_dir",
+                )
+            ]
+        )
+    if previous is not None and previous.stale:
+        left = f"; stopping what it left running: {', '.join(previous.running)}" if previous.running else ""
+        _say(f"taking over {pids_path}: the launch that wrote it (pid {previous.launcher}) is gone{left}")
+        stop_trees(previous.processes, grace_s, _say)
+    write_pids(pids_path, [], {})  # claimed: a launch started from now on sees this one
+
+
 # ------------------------------------------------------------------------------------ private helpers
 def _check_port_base(base: int, ports: list[int], *, check_free: bool) -> None:
     if base < 1024 or ports[-1] > 65535:
@@ -145,26 +179,8 @@ def _port_free(port: int) -> bool:
     return True
 
 
-def _refuse_running_launch(pids_path: Path) -> None:
-    """Two launches on one output directory would overwrite each other's logs, config and pids."""
-    if not pids_path.is_file():
-        return
-    try:
-        record = json.loads(pids_path.read_text())
-        running = survivors(record)
-    except (ValueError, KeyError, TypeError):
-        return  # not a record launch can read: it will be overwritten
-    if running:
-        raise LaunchError(
-            [
-                ConfigProblem(
-                    "training.output_dir",
-                    str(pids_path.parent.parent),
-                    f"a launch (pid {record.get('launcher')}) still runs here ({', '.join(running)}); stop it "
-                    "first, or give this run another training.output_dir",
-                )
-            ]
-        )
+def _say(message: str) -> None:
+    print(f"[launch] {message}", flush=True)
 
 
 def _learner_only_key(launch_dir: Path) -> str | None:

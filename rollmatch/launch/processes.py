@@ -1,24 +1,37 @@
 """Child processes of a launch: each in its own session, logging to its own file, torn down as a tree.
 
 Owns: :class:`Child` (one started :class:`~rollmatch.launch.plan.ProcessSpec`: its process, exit
-status and log tail), :func:`start_child`, :func:`write_pids` / :func:`survivors` (the record of every
-process started, and which of them still run: the orphan check) and :func:`terminate_all` (SIGTERM to
-every process group of the tree, SIGKILL after a grace period). Leaves out: deciding when to stop (``launch.supervisor``).
+status and log tail), :func:`start_child`, the launch record ``pids.json`` (:func:`write_pids`: the
+launcher and every process started; :func:`survivors`: which still run, the orphan check;
+:func:`previous_launch`: what an earlier launch on the same output directory left) and
+:func:`terminate_all` (SIGTERM to every process group of the tree, SIGKILL after a grace period).
+Leaves out: deciding when to stop (``launch.supervisor``); stopping trees after the launcher died
+(``launch.watchdog``).
 
 Why whole trees: children start with ``start_new_session=True`` (setsid), so a Ctrl-C in the
 launcher's terminal reaches only the launcher, which then stops everything in order. torchrun
 starts its workers in sessions of their own too, so killing torchrun's group alone could orphan
 them; the launcher therefore signals the groups of every descendant it can see.
+
+Dying with the launcher: on Linux each child also asks the kernel for SIGTERM when the launcher dies
+(``prctl(PR_SET_PDEATHSIG)``), so a launcher killed with SIGKILL does not leave servers holding devices
+and ports; the watchdog (``launch.watchdog``) then stops their descendants and whatever ignores SIGTERM.
+The kernel sends that signal when the *thread* that forked the child exits, not the process: so it is
+armed only for children started from the main thread (the supervisor's), whose exit is the launcher's.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import signal
 import subprocess
+import sys
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +39,9 @@ from typing import Any
 import psutil
 
 from rollmatch.launch.plan import ProcessSpec
+from rollmatch.launch.watchdog import process_alive
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 @dataclass
@@ -60,7 +76,10 @@ class Child:
 
 
 def start_child(spec: ProcessSpec) -> Child:
-    """Start ``spec`` in a new session; stdout and stderr go to its log file (created or truncated)."""
+    """Start ``spec`` in a new session; stdout and stderr go to its log file (created or truncated).
+
+    From the main thread on Linux, the child gets SIGTERM when this process dies (see the module doc).
+    """
     spec.log_path.parent.mkdir(parents=True, exist_ok=True)
     with spec.log_path.open("wb") as log:
         process = subprocess.Popen(
@@ -70,6 +89,7 @@ def start_child(spec: ProcessSpec) -> Child:
             stderr=subprocess.STDOUT,
             env={**os.environ, **spec.env},
             start_new_session=True,
+            preexec_fn=_parent_death_signal(signal.SIGTERM),
         )
     try:
         created = psutil.Process(process.pid).create_time()
@@ -78,10 +98,14 @@ def start_child(spec: ProcessSpec) -> Child:
     return Child(spec, process, created)
 
 
-def write_pids(path: Path, children: list[Child], seen: dict[int, list[dict[str, Any]]]) -> None:
-    """Record every child and every descendant seen so far (pid, process group, start time) as JSON.
+def write_pids(
+    path: Path, children: list[Child], seen: dict[int, list[dict[str, Any]]], *, finished: bool = False
+) -> None:
+    """Record this launcher (pid, start time), every child and every descendant seen so far (pid,
+    process group, start time) as JSON; ``finished`` once the launcher's teardown is done.
 
     ``seen``: child pid -> descendant records, updated in place (processes that exited stay listed).
+    The record is also the lock of the output directory: see :func:`previous_launch`.
     """
     records = []
     for child in children:
@@ -100,9 +124,59 @@ def write_pids(path: Path, children: list[Child], seen: dict[int, list[dict[str,
                 "descendants": seen[child.pid],
             }
         )
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"launcher": os.getpid(), "processes": records}, indent=2))
+    record = {**launcher_identity(), "finished": finished, "processes": records}
+    tmp.write_text(json.dumps(record, indent=2))
     os.replace(tmp, path)
+
+
+def launcher_identity() -> dict[str, Any]:
+    """This process as a launch record names it: pid and start time (a reused pid is not mistaken for it)."""
+    me = psutil.Process()
+    return {"launcher": me.pid, "launcher_create_time": me.create_time()}
+
+
+@dataclass(frozen=True)
+class PreviousLaunch:
+    """What the launch record of an earlier launch on the same output directory says now."""
+
+    launcher: int
+    launcher_alive: bool
+    finished: bool  # its launcher finished its teardown
+    running: list[str]  # what it started and still runs (as :func:`survivors` names them)
+    processes: list[dict[str, Any]]  # every process it recorded: pid, pgid, create_time
+
+    @property
+    def stale(self) -> bool:
+        """Its launcher is gone without having finished its teardown, or left processes running."""
+        return not self.launcher_alive and (not self.finished or bool(self.running))
+
+
+def previous_launch(path: Path) -> PreviousLaunch | None:
+    """The launch record at ``path``; None when there is none or it is unreadable (it gets overwritten).
+
+    A record without the launcher's start time (written before it was recorded) counts its launcher
+    alive while any process has its pid.
+    """
+    try:
+        record = json.loads(path.read_text())
+        launcher = int(record["launcher"])
+        started = record.get("launcher_create_time")
+        alive = process_alive(launcher, started) if started is not None else psutil.pid_exists(launcher)
+        processes = [proc for entry in record["processes"] for proc in [entry, *entry["descendants"]]]
+        return PreviousLaunch(
+            launcher=launcher,
+            launcher_alive=alive,
+            finished=bool(record.get("finished", False)),
+            running=survivors(record),
+            processes=[
+                {"pid": p["pid"], "pgid": p.get("pgid", p["pid"]), "create_time": p["create_time"]}
+                for p in processes
+            ],
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def terminate_all(children: list[Child], grace_s: float) -> list[str]:
@@ -134,15 +208,6 @@ def terminate_all(children: list[Child], grace_s: float) -> list[str]:
     return killed
 
 
-def process_alive(pid: int, create_time: float) -> bool:
-    """True if the recorded process (same pid and start time) still runs (zombies count as gone)."""
-    try:
-        proc = psutil.Process(pid)
-        return abs(proc.create_time() - create_time) < 0.01 and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
 def survivors(pids_record: dict[str, Any]) -> list[str]:
     """The processes of a ``pids.json`` record (children and every descendant seen) that still run."""
     alive = []
@@ -151,6 +216,24 @@ def survivors(pids_record: dict[str, Any]) -> list[str]:
             if process_alive(proc["pid"], proc["create_time"]):
                 alive.append(f"{entry['name']}: pid {proc['pid']}")
     return alive
+
+
+def _parent_death_signal(sig: signal.Signals) -> Callable[[], None] | None:
+    """A ``preexec_fn`` that arms ``sig`` for the child when this process dies; None where it cannot.
+
+    prctl is looked up before the fork: the child, a copy of a threaded process, only calls it.
+    """
+    if not sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():
+        return None  # PDEATHSIG follows the forking thread: another thread's exit would fire it
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    parent = os.getpid()
+
+    def arm() -> None:
+        prctl(_PR_SET_PDEATHSIG, ctypes.c_ulong(int(sig)))
+        if os.getppid() != parent:  # the launcher died before the signal was armed
+            os._exit(128 + int(sig))
+
+    return arm
 
 
 def _record(proc: psutil.Process) -> dict[str, Any]:

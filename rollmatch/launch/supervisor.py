@@ -6,7 +6,10 @@ Owns: :func:`run_plan` and the exit-code contract of ``rollmatch launch``:
   ``vllm.server.timeout_s``, or dies while the learner runs (the message names it and shows its log);
 - 128 + N when the launcher itself gets signal N (Ctrl-C: 130, SIGTERM: 143), except ``--servers-only``,
   for which a signal is the normal way to stop (0).
-Whatever ends the run, every child tree gets SIGTERM, then SIGKILL after the grace period.
+Whatever ends the run, every child tree gets SIGTERM, then SIGKILL after the grace period. A launcher
+that dies without its teardown (SIGKILL, out of memory) takes its children with it: each gets SIGTERM
+from the kernel and the watchdog (``launch.watchdog``, log ``watchdog.log``) stops every tree it was
+told about, SIGKILL after the same grace period.
 Leaves out: what to start (``launch.plan``) and how children are signalled (``launch.processes``).
 """
 
@@ -26,9 +29,11 @@ from rollmatch.config.load import config_to_yaml
 from rollmatch.launch.console import ConsoleMerge
 from rollmatch.launch.plan import API_KEY_ENV, LaunchPlan, ProcessSpec
 from rollmatch.launch.processes import Child, start_child, terminate_all, write_pids
+from rollmatch.launch.watchdog import Watchdog
 
 EXIT_SERVER_FAILED = 3
 PIDS_NAME = "pids.json"
+WATCHDOG_LOG = "watchdog.log"
 _POLL_S = 0.5
 _PROGRESS_EVERY_S = 10.0
 _PIDS_EVERY_S = 2.0
@@ -48,12 +53,14 @@ def run_plan(plan: LaunchPlan, *, grace_s: float, pids_name: str = PIDS_NAME) ->
     plan.launch_dir.mkdir(parents=True, exist_ok=True)
     plan.learner_config_path.write_text(config_to_yaml(plan.learner_config))
     console = ConsoleMerge()
-    run = _Run(plan, console, plan.launch_dir / pids_name)
+    watchdog = Watchdog(plan.launch_dir / WATCHDOG_LOG, grace_s)
+    run = _Run(plan, console, plan.launch_dir / pids_name, watchdog)
     with _StopSignals() as stop:
         try:
             outcome = run.execute(stop)
         finally:
             run.teardown(grace_s)
+            watchdog.close()
             console.close()
     console.say(outcome.message)
     return outcome.code
@@ -85,10 +92,12 @@ class _StopSignals:
 
 
 class _Run:
-    def __init__(self, plan: LaunchPlan, console: ConsoleMerge, pids_path: Path):
+    def __init__(self, plan: LaunchPlan, console: ConsoleMerge, pids_path: Path, watchdog: Watchdog):
         self.plan = plan
         self.console = console
         self.pids_path = pids_path
+        self.watchdog = watchdog
+        self._watchdog_lost = False
         self.children: list[Child] = []
         self.servers: list[Child] = []
         self._seen: dict[int, list[dict[str, Any]]] = {}
@@ -111,20 +120,20 @@ class _Run:
         return self._watch(stop, learner)
 
     def teardown(self, grace_s: float) -> None:
-        if not self.children:
-            return
-        running = [c.spec.name for c in self.children if c.exit_code() is None]
-        if running:
-            self.console.say(f"stopping {', '.join(running)} (SIGTERM, SIGKILL after {grace_s:.0f}s)")
-        self._write_pids()
-        killed = terminate_all(self.children, grace_s)
-        if killed:
-            self.console.say(f"killed after the grace period: {', '.join(killed)}")
-        self._write_pids()
+        if self.children:
+            running = [c.spec.name for c in self.children if c.exit_code() is None]
+            if running:
+                self.console.say(f"stopping {', '.join(running)} (SIGTERM, SIGKILL after {grace_s:.0f}s)")
+            self._write_pids()
+            killed = terminate_all(self.children, grace_s)
+            if killed:
+                self.console.say(f"killed after the grace period: {', '.join(killed)}")
+        self._write_pids(finished=True)
 
     # ------------------------------------------------------------------------------------ phases
     def _start(self, spec: ProcessSpec) -> Child:
         child = start_child(spec)
+        self._guard({"pid": child.pid, "create_time": child.create_time, "pgid": child.pid})
         self.children.append(child)
         self.console.follow(spec.name, spec.log_path)
         self.console.say(f"started {spec.name} (pid {child.pid}, log {spec.log_path})")
@@ -211,9 +220,21 @@ class _Run:
         if time.monotonic() - self._pids_written >= _PIDS_EVERY_S:
             self._write_pids()
 
-    def _write_pids(self) -> None:
-        write_pids(self.pids_path, self.children, self._seen)
+    def _write_pids(self, *, finished: bool = False) -> None:
+        write_pids(self.pids_path, self.children, self._seen, finished=finished)
         self._pids_written = time.monotonic()
+        for descendants in self._seen.values():
+            for record in descendants:
+                self._guard(record)
+
+    def _guard(self, record: dict[str, Any]) -> None:
+        if self.watchdog.guard(record) or self._watchdog_lost:
+            return
+        self._watchdog_lost = True
+        self.console.say(
+            f"the watchdog (pid {self.watchdog.process.pid}) exited (see {self.watchdog.log_path}): if this "
+            "launcher is killed with SIGKILL, its children get SIGTERM but nothing makes sure they stop"
+        )
 
 
 def _healthy(session: requests.Session, url: str) -> bool:

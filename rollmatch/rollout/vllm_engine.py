@@ -80,6 +80,11 @@ class VllmEngine:
     def serves_adapter(self) -> bool:
         return self._lora_request is not None
 
+    @property
+    def adapter_request(self) -> Any:
+        """The ``LoRARequest`` every new request is generated with (``None``: no adapter)."""
+        return self._lora_request
+
     def start(self) -> None:
         """Build the engine (a no-op when started); errors name the model directory and the fix."""
         if self._llm is not None:

@@ -62,7 +62,8 @@ ModelT = TypeVar("ModelT", bound=BaseModel)
 
 
 def build_app(server: RolloutServer, *, api_key: str | None = None) -> FastAPI:
-    """The FastAPI app over ``server``; ``api_key`` (``None``: open) guards every POST."""
+    """The FastAPI app over ``server``; ``api_key`` (``None``: open) guards every route, the API docs
+    included, but ``GET /health/`` (see :mod:`rollmatch.server.gate`)."""
     app = FastAPI(title="rollmatch rollout server")
     app.add_middleware(RequestGate, api_key=api_key, max_body_bytes=server.limits.max_body_bytes)
     app.add_exception_handler(RequestValidationError, _validation_error)

@@ -84,7 +84,9 @@ class ServerEngine(Protocol):
         ...
 
     def load_adapter(self, tensors: list[tuple[str, torch.Tensor]], adapter: AdapterPayload) -> None:
-        """Serve a LoRA adapter from now on (``adapter`` in ``sync_modes`` only)."""
+        """Serve a LoRA adapter from now on (``adapter`` in ``sync_modes`` only). A refusal raises
+        ``SyncError`` or ``BackendError`` before the switch (the previous adapter is still served);
+        any other exception means the switch may have happened. Caches are reset by the caller."""
         ...
 
     def reset_caches(self) -> None:
@@ -310,7 +312,16 @@ class VllmServerEngine:
         self._engine.load_weights(tensors, reset_caches=False)
 
     def load_adapter(self, tensors: list[tuple[str, torch.Tensor]], adapter: AdapterPayload) -> None:
-        self._engine.load_adapter(tensors, adapter.peft_config, adapter.lora_int_id, reset_caches=False)
+        served = self._engine.adapter_request
+        try:
+            self._engine.load_adapter(tensors, adapter.peft_config, adapter.lora_int_id, reset_caches=False)
+        except Exception as exc:
+            if self._engine.adapter_request is not served:
+                raise  # vLLM switched, then failed (removing the previous adapter): the caller stops serving
+            raise SyncError(
+                f"vLLM refused adapter {adapter.lora_int_id} ({type(exc).__name__}: {exc}); the previous adapter "
+                "is still served"
+            ) from exc
 
     def reset_caches(self) -> None:
         self._engine.reset_caches()

@@ -1,21 +1,33 @@
-"""What every request passes before a route sees it: the shared-token check and the body-size cap.
+"""Who may call the rollout server, and what every request passes before a route sees it.
 
-Owns: :class:`RequestGate`, a plain ASGI middleware. Every ``POST`` (inference and every weight-sync
-or cache endpoint) needs ``Authorization: Bearer <key>`` when the server has an API key
-(``rollmatch serve --api-key`` / ``ROLLMATCH_API_KEY``); a missing or wrong token is a 401 before
-the body is read, so nothing changes. ``GET`` endpoints (health, info, stats, world size) are
-read-only and stay open for probes. Bodies over ``--max-body-bytes`` are a 413, whether or not
-they declare a ``Content-Length``. Leaves out: the routes (``server.app``).
+Owns: the API key's sources and checks (:func:`server_api_key`: ``--api-key``, ``--api-key-file`` or
+``$ROLLMATCH_API_KEY``), the start-up rule that a server bound to a non-loopback address has a key
+(:func:`check_exposure`, ``--insecure-no-auth`` to override; loopback stays open for local work),
+and :class:`RequestGate`, a plain ASGI middleware: the token check, then the body-size cap.
+
+With a key, every request needs ``Authorization: Bearer <key>``: every ``POST`` (inference, weight
+sync, cache), ``/info/``, ``/stats/``, ``/get_world_size/``, the generated API docs (``/docs``,
+``/redoc``, ``/openapi.json``) and any unknown path (401, so a caller without the key cannot map
+the routes). A missing or wrong token is a 401 before the body is read, so nothing changes. Only
+``GET``/``HEAD /health/`` stays open: liveness probes (the launcher, a load balancer, an
+orchestrator) hold no key, and it answers only engine state, queue depths and the weight version.
+Bodies over ``--max-body-bytes`` are a 413, whether or not they declare a ``Content-Length``.
+Leaves out: the routes (``server.app``) and the flags (``rollmatch.cli``).
 """
 
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import json
-from collections.abc import Awaitable, Callable, MutableMapping
+import socket
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
+from pathlib import Path
 from typing import Any
 
 from fastapi import HTTPException
+
+from rollmatch.errors import ConfigError, ConfigProblem
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -23,9 +35,69 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
+API_KEY_ENV = "ROLLMATCH_API_KEY"  # also read by the trainer (rollout.connection) and set by launch
+OPEN_PATHS = frozenset({"/health/", "/health"})  # "/health" only answers the redirect to "/health/"
+OPEN_METHODS = frozenset({"GET", "HEAD"})
+_NEW_KEY = "python -c 'import secrets; print(secrets.token_urlsafe(32))'"
+
+
+def server_api_key(api_key: str | None, api_key_file: str | None, environ: Mapping[str, str]) -> str | None:
+    """The server's key from ``--api-key``, else ``--api-key-file``, else ``$ROLLMATCH_API_KEY``
+    (``None``: no key). An empty variable counts as unset, as it does for the trainer; an empty flag,
+    an empty / missing / unreadable file, both flags together or a key that cannot travel unchanged
+    in an HTTP header (whitespace, non-ASCII) is a :class:`ConfigError`. A file's trailing newline
+    is not part of the key."""
+    if api_key is not None and api_key_file is not None:
+        raise ConfigError(
+            [
+                ConfigProblem(
+                    "--api-key / --api-key-file",
+                    "both given",
+                    "give one: --api-key-file PATH keeps the key out of the process list",
+                )
+            ]
+        )
+    if api_key_file is not None:
+        return _checked("--api-key-file", api_key_file, _read_key_file(api_key_file))
+    if api_key is not None:
+        return _checked("--api-key", "<redacted>", api_key)
+    from_env = environ.get(API_KEY_ENV)
+    return _checked(f"${API_KEY_ENV}", "<redacted>", from_env) if from_env else None
+
+
+def check_exposure(host: str, api_key: str | None, *, insecure_no_auth: bool) -> None:
+    """Refuse (``ConfigError``) to serve without a key on a host that is not loopback, unless
+    ``insecure_no_auth``: every endpoint, weight sync included, would be open to the network."""
+    if api_key is not None or insecure_no_auth or is_loopback(host):
+        return
+    raise ConfigError(
+        [
+            ConfigProblem(
+                "--host",
+                host,
+                "is not a loopback address and no API key is set: anyone who can reach it could run "
+                "inference and replace the served weights. Give a key with --api-key-file PATH (or "
+                f"{API_KEY_ENV}=KEY; the trainer sends the same variable), serve on --host 127.0.0.1, or pass "
+                "--insecure-no-auth on a network you trust",
+            )
+        ]
+    )
+
+
+def is_loopback(host: str) -> bool:
+    """Whether every address ``host`` resolves to is a loopback one (``127.0.0.0/8``, ``::1``); a host
+    that does not resolve, ``0.0.0.0`` and ``::`` (every interface) are not."""
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except (OSError, UnicodeError):
+        return False
+    addresses = [ipaddress.ip_address(str(info[4][0]).split("%", 1)[0]) for info in infos]
+    return bool(addresses) and all(_loopback_address(a) for a in addresses)
+
 
 class RequestGate:
-    """ASGI middleware: token on every POST (when configured), then the body-size cap."""
+    """ASGI middleware: the token on every request but ``GET /health/`` (when a key is set), then the
+    body-size cap."""
 
     def __init__(self, app: ASGIApp, *, api_key: str | None, max_body_bytes: int):
         self.app = app
@@ -37,7 +109,7 @@ class RequestGate:
             await self.app(scope, receive, send)
             return
         headers = dict(scope.get("headers") or [])
-        if scope.get("method") == "POST" and self._expected is not None:
+        if self._expected is not None and not _open_route(scope):
             given = headers.get(b"authorization", b"")
             if not hmac.compare_digest(given, self._expected):
                 reason = "missing" if not given else "wrong"
@@ -45,7 +117,7 @@ class RequestGate:
                     send,
                     401,
                     f"{reason} API key: send `Authorization: Bearer <key>` with the key the server was started "
-                    "with (rollmatch serve --api-key / ROLLMATCH_API_KEY)",
+                    f"with (rollmatch serve --api-key-file / --api-key / {API_KEY_ENV})",
                     [(b"www-authenticate", b"Bearer")],
                 )
                 return
@@ -75,6 +147,42 @@ class RequestGate:
             f"request body of {size}+ bytes is over this server's limit of {self.max_body_bytes} bytes "
             "(rollmatch serve --max-body-bytes); send fewer or smaller images per call"
         )
+
+
+def _open_route(scope: Scope) -> bool:
+    return scope.get("method") in OPEN_METHODS and scope.get("path") in OPEN_PATHS
+
+
+def _read_key_file(path: str) -> str:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        fix = f"no such file; write the key there first, e.g. `{_NEW_KEY} > {path}; chmod 600 {path}`"
+    except (OSError, UnicodeDecodeError) as exc:
+        fix = f"cannot be read ({type(exc).__name__}: {exc}); give a readable UTF-8 file holding only the key"
+    else:
+        return text.removesuffix("\n").removesuffix("\r")
+    raise ConfigError([ConfigProblem("--api-key-file", path, fix)])
+
+
+def _checked(source: str, shown: str, key: str) -> str:
+    """``key`` if it can travel unchanged as ``Authorization: Bearer <key>``; else a ConfigError."""
+    if not key.strip():
+        fix = f"the key is empty; give a non-empty key (e.g. from `{_NEW_KEY}`)"
+    elif not all("!" <= ch <= "~" for ch in key):
+        fix = (
+            "the key holds whitespace, control or non-ASCII characters, which do not reach the server "
+            f"unchanged in an HTTP header; use printable ASCII only (e.g. from `{_NEW_KEY}`)"
+        )
+    else:
+        return key
+    raise ConfigError([ConfigProblem(source, shown, fix)])
+
+
+def _loopback_address(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped.is_loopback
+    return address.is_loopback
 
 
 async def _reply(

@@ -2,14 +2,16 @@
 
 Owns: :class:`ServerLimits` (every cap ``rollmatch serve`` enforces, with its flag) and
 :class:`RequestTooLarge`, the error that becomes a 413 (payload too large) or 422 (a value over a
-cap) naming the field and the flag. Leaves out: the absolute wire ranges (``rollmatch.protocol``)
-and where each cap is checked (the body size in ``server.gate``, images in ``server.media``, the
-rest in ``server.rollout_server``).
+cap) naming the field and the flag. Leaves out: the absolute wire ranges (``rollmatch.protocol``;
+a cap may only lower them) and where each cap is checked (the body size in ``server.gate``,
+images in ``server.media``, the rest in ``server.rollout_server``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from rollmatch.protocol import MAX_IMAGES_PER_REQUEST, MAX_INFER_REQUESTS
 
 
 class RequestTooLarge(ValueError):
@@ -27,8 +29,16 @@ class ServerLimits:
     - ``max_body_bytes`` (``--max-body-bytes``): a request body, base64 images included (413);
     - ``max_image_pixels`` (``--max-image-pixels``): width x height of one image, read from its
       header before decoding (413);
-    - ``max_requests_per_call`` (``--max-requests-per-call``): ``infer_requests`` of one call (413);
-    - ``max_images_per_request`` (``--max-images-per-request``): images of one prompt (413);
+    - ``max_call_pixels`` (``--max-call-pixels``): the pixels of every image of one call together,
+      read from their headers before any is decoded (413); the default is 8 images at the
+      per-image cap, 384 MiB as RGB (128 prompts of a 1-megapixel image, 256 of a COCO-sized one);
+    - ``max_inflight_pixels`` (``--max-inflight-pixels``): the decoded pixels of every call in
+      flight together, held from the header check until the call ends (429 with ``Retry-After``
+      while other calls hold them); the default is eight full calls, 3 GiB as RGB;
+    - ``max_requests_per_call`` (``--max-requests-per-call``): ``infer_requests`` of one call (413),
+      at most ``rollmatch.protocol.MAX_INFER_REQUESTS`` (the wire refuses more while parsing);
+    - ``max_images_per_request`` (``--max-images-per-request``): images of one prompt (413), at most
+      ``rollmatch.protocol.MAX_IMAGES_PER_REQUEST``;
     - ``max_tokens`` (``--max-tokens``): new tokens of one response; ``max_tokens: null`` gets
       ``min(room, cap)``, a larger explicit value a 422;
     - ``engine_stall_timeout_s`` (``--engine-stall-timeout-s``): an engine operation (generation,
@@ -49,6 +59,8 @@ class ServerLimits:
 
     max_body_bytes: int = 64 << 20
     max_image_pixels: int = 4096 * 4096
+    max_call_pixels: int = 8 * 4096 * 4096
+    max_inflight_pixels: int = 64 * 4096 * 4096
     max_requests_per_call: int = 256
     max_images_per_request: int = 8
     max_tokens: int = 4096
@@ -65,6 +77,8 @@ class ServerLimits:
         positive = (
             "max_body_bytes",
             "max_image_pixels",
+            "max_call_pixels",
+            "max_inflight_pixels",
             "max_requests_per_call",
             "max_images_per_request",
             "max_tokens",
@@ -81,8 +95,26 @@ class ServerLimits:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
         if self.update_mode not in ("drain", "abort", "keep"):
             raise ValueError(f"--update-mode must be drain, abort or keep, got {self.update_mode!r}")
+        self._check_order("max_image_pixels", "max_call_pixels", "a single image at the per-image cap")
+        self._check_order("max_call_pixels", "max_inflight_pixels", "a full call")
+        for name, wire_max in (
+            ("max_requests_per_call", MAX_INFER_REQUESTS),
+            ("max_images_per_request", MAX_IMAGES_PER_REQUEST),
+        ):
+            if getattr(self, name) > wire_max:
+                raise ValueError(
+                    f"--{name.replace('_', '-')} {getattr(self, name)} is over the wire's bound of {wire_max} "
+                    "(rollmatch.protocol refuses more while parsing); lower it"
+                )
         if self.max_queued_prompts < self.max_requests_per_call:
             raise ValueError(
                 f"--max-queued-prompts {self.max_queued_prompts} is below --max-requests-per-call "
                 f"{self.max_requests_per_call}: a full call could never be admitted; raise it"
+            )
+
+    def _check_order(self, smaller: str, larger: str, what: str) -> None:
+        if getattr(self, larger) < getattr(self, smaller):
+            raise ValueError(
+                f"--{larger.replace('_', '-')} {getattr(self, larger)} is below --{smaller.replace('_', '-')} "
+                f"{getattr(self, smaller)}: {what} could never be served; raise it"
             )

@@ -1,26 +1,46 @@
 """Images arriving at the rollout server: base64 / data URLs, local files only under an allowed root.
 
 Owns: :class:`MediaPolicy` (the allowed local media root, like vLLM's
-``--allowed-local-media-path``, and the pixel limit) and :func:`decode_image`. Leaves out: the
-trainer's encoding (``rollmatch.protocol.encode_image``) and what the processor does with pixels.
+``--allowed-local-media-path``, the pixel limit of one image and the size limit of one local
+file), :func:`image_size` (an image's size from its header, nothing decoded), :func:`decode_image`,
+and what decoded images may cost: :class:`PixelBudget` (the pixels of one call, and of every call
+in flight) with the :class:`PixelLease` each call holds until it ends. Leaves out: the trainer's
+encoding (``rollmatch.protocol.encode_image``), which images a request uses (``server.prompts``)
+and what the processor does with pixels.
 
 Safety rules, each a 4xx naming the image (never a 500, never a file probe):
 - without ``--allowed-local-media-path`` the filesystem is never touched: a value that is not
   base64 gets the same answer whether or not such a file exists;
-- with it, a value is a path only when it resolves (symlinks followed) to a file inside the root;
+- with it, a value is a path only when it resolves (symlinks followed) to a regular file inside
+  the root. The file is opened once and the *opened* file is checked (its path read back from
+  ``/proc/self/fd``, its type and size from ``fstat``), then read through that descriptor: a
+  symlink swapped in after the check cannot lead outside the root. Every ``OSError`` (missing,
+  unreadable, a name too long, a loop) gets the answer of a value that is not a path, so the
+  answer never tells whether a path exists outside the root; a file over ``max_file_bytes`` is a
+  413 (``--max-body-bytes``: a local file may be as large as a request body);
 - the pixel count is read from the header and checked before any pixel is decoded (a 0.5 MB PNG
-  can decode to gigabytes), and only common still-image formats are opened.
+  can decode to gigabytes), and only common still-image formats are opened;
+- a call's images are all checked from their headers, summed and reserved from the
+  :class:`PixelBudget` before any of them is decoded (``--max-call-pixels``: 413,
+  ``--max-inflight-pixels``: 429 while other calls hold the pixels).
 """
 
 from __future__ import annotations
 
 import binascii
 import io
+import os
+import stat
 import struct
+import threading
+import weakref
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, BinaryIO
 
+from rollmatch.errors import ServerBusy
 from rollmatch.protocol import from_base64
 from rollmatch.server.limits import RequestTooLarge
 
@@ -29,15 +49,21 @@ if TYPE_CHECKING:
 
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "BMP", "GIF", "TIFF")
 DEFAULT_MAX_IMAGE_PIXELS = 4096 * 4096
+DEFAULT_MAX_FILE_BYTES = 64 << 20  # ServerLimits.max_body_bytes' default
 _MAX_PATH_CHARS = 4096
+# Opened without following a last-component symlink (the path opened is already resolved), without
+# blocking on a FIFO and without becoming a controlling terminal.
+_OPEN_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0)
 
 
 @dataclass(frozen=True)
 class MediaPolicy:
-    """Where local images may come from (``None``: nowhere) and how many pixels an image may have."""
+    """Where local images may come from (``None``: nowhere), how many pixels an image may have and
+    how many bytes a local file may have."""
 
     allowed_root: Path | None = None
     max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
 
     def __post_init__(self) -> None:
         if self.allowed_root is not None:
@@ -47,35 +73,176 @@ class MediaPolicy:
             object.__setattr__(self, "allowed_root", root)
 
 
+def image_size(value: str, policy: MediaPolicy = MediaPolicy(), where: str = "image") -> tuple[int, int]:
+    """``(width, height)`` of the image ``value`` holds or names, read from its header (no pixel is
+    decoded), with the checks and errors of :func:`decode_image`."""
+    with _image_bytes(value, policy, where) as stream, _header(stream, policy.max_pixels, where) as image:
+        return image.size
+
+
 def decode_image(value: str, policy: MediaPolicy = MediaPolicy(), where: str = "image") -> Image:
     """An RGB image from base64, a ``data:image/...;base64,`` URL, or a file under the allowed root.
 
     ``where`` names the image in errors (e.g. ``infer_requests[0].images[1]``). Raises
-    ``ValueError`` (bad input) or :class:`~rollmatch.server.limits.RequestTooLarge` (too many pixels).
+    ``ValueError`` (bad input) or :class:`~rollmatch.server.limits.RequestTooLarge` (too many pixels,
+    or a local file too large).
     """
+    with _image_bytes(value, policy, where) as stream, _header(stream, policy.max_pixels, where) as image:
+        return image.convert("RGB")
+
+
+class PixelBudget:
+    """The decoded pixels calls may hold: one call at most ``max_call_pixels`` (a 413 naming
+    ``--max-call-pixels``), every call in flight together at most ``max_inflight_pixels`` (a 429
+    naming ``--max-inflight-pixels`` while other calls hold them). Thread-safe."""
+
+    def __init__(self, max_call_pixels: int, max_inflight_pixels: int):
+        self.max_call_pixels, self.max_inflight_pixels = max_call_pixels, max_inflight_pixels
+        self._lock = threading.Lock()
+        self._held = 0
+
+    @property
+    def held(self) -> int:
+        """Pixels reserved by calls in flight now."""
+        return self._held
+
+    def reserve_call(self, images: Iterable[tuple[str, str]], policy: MediaPolicy) -> PixelLease:
+        """Check every ``(field name, value)`` image of one call from its header (nothing decoded;
+        the first error wins), then reserve their pixels; stops at the first image over the cap."""
+        total = 0
+        for where, value in images:
+            width, height = image_size(value, policy, where)
+            total += width * height
+            if total > self.max_call_pixels:
+                raise self._over_call(total, f"; {where} alone is {width}x{height}", at_least=True)
+        return self.reserve(total)
+
+    def reserve(self, pixels: int) -> PixelLease:
+        """A lease on ``pixels`` (413 over the call cap, 429 while the server holds too many)."""
+        if pixels > self.max_call_pixels:
+            raise self._over_call(pixels)
+        self._take(pixels)
+        return PixelLease(self, pixels)
+
+    def _take(self, pixels: int) -> None:
+        with self._lock:
+            if pixels and self._held + pixels > self.max_inflight_pixels:
+                raise ServerBusy(
+                    f"the server holds {self._held} decoded image pixels for calls in flight; this call's "
+                    f"{pixels} would pass its limit of {self.max_inflight_pixels} (rollmatch serve "
+                    "--max-inflight-pixels); retry later or add servers",
+                    retry_after_s=1.0,
+                )
+            self._held += pixels
+
+    def _give(self, pixels: int) -> None:
+        with self._lock:
+            self._held -= pixels
+
+    def _over_call(self, pixels: int, detail: str = "", at_least: bool = False) -> RequestTooLarge:
+        return RequestTooLarge(
+            "infer_requests",
+            f"infer_requests: the images of this call hold {'at least ' if at_least else ''}{pixels} pixels "
+            f"once decoded ({pixels * 3 / 2**20:.0f} MiB as RGB{detail}), over this server's limit of "
+            f"{self.max_call_pixels} per call (rollmatch serve --max-call-pixels); send fewer or smaller "
+            "images per call",
+        )
+
+
+class PixelLease:
+    """The pixels one call holds until :meth:`release` (idempotent): when the engine is done with
+    the call, or when it is refused. A lease dropped without release (a call abandoned between its
+    preparation and its submission) gives its pixels back when it is garbage-collected."""
+
+    def __init__(self, budget: PixelBudget, pixels: int):
+        self.budget = budget
+        self._pixels = [pixels]  # shared with the finalizer, which must not hold the lease
+        self._finalizer = weakref.finalize(self, _give_back, budget, self._pixels)
+
+    @property
+    def pixels(self) -> int:
+        return self._pixels[0]
+
+    def cover(self, pixels: int) -> None:
+        """Hold at least ``pixels`` (what the call decoded: a local file replaced between its header
+        check and its decoding may be larger); over either cap raises as :meth:`PixelBudget.reserve`."""
+        extra = pixels - self._pixels[0]
+        if extra <= 0:
+            return
+        if pixels > self.budget.max_call_pixels:
+            raise self.budget._over_call(pixels)
+        self.budget._take(extra)
+        self._pixels[0] = pixels
+
+    def release(self) -> None:
+        self._finalizer()
+
+
+def _give_back(budget: PixelBudget, pixels: list[int]) -> None:
+    budget._give(pixels[0])
+    pixels[0] = 0
+
+
+# ------------------------------------------------------------------------------------------ bytes
+@contextmanager
+def _image_bytes(value: str, policy: MediaPolicy, where: str) -> Iterator[BinaryIO]:
+    """The encoded image: base64 or a data URL decoded, or the opened local file (closed after)."""
     if value.startswith("data:"):
-        raw = _b64(value.split(",", 1)[1] if "," in value else "", where)
+        yield io.BytesIO(_b64(value.split(",", 1)[1] if "," in value else "", where))
     elif value.startswith(("http://", "https://")):
         raise ValueError(
             f"{where}: the rollout server does not fetch URLs ({value[:80]!r}); send base64 or a data URL"
         )
     else:
-        local = _local_file(value, policy)
-        raw = local.read_bytes() if local is not None else _b64(value, where, policy)
-    return _open_checked(raw, policy.max_pixels, where)
+        fd = _open_local(value, policy, where)
+        if fd is None:
+            yield io.BytesIO(_b64(value, where, policy))
+            return
+        with os.fdopen(fd, "rb") as file:
+            yield file
 
 
-def _local_file(value: str, policy: MediaPolicy) -> Path | None:
-    """The file ``value`` names inside the allowed root, or ``None`` (then it must be base64)."""
-    if policy.allowed_root is None or len(value) > _MAX_PATH_CHARS or "\x00" in value:
+def _open_local(value: str, policy: MediaPolicy, where: str) -> int | None:
+    """A read-only descriptor of the regular file ``value`` names inside the allowed root, or
+    ``None`` (then it must be base64) for anything else and on any ``OSError``; a file over
+    ``max_file_bytes`` is a :class:`RequestTooLarge`.
+
+    Nothing outside the root is opened: the path is resolved first. The resolved path is opened
+    (last component not followed), then the opened file itself is checked, so a component swapped
+    for a symlink in between is caught.
+    """
+    root = policy.allowed_root
+    if root is None or len(value) > _MAX_PATH_CHARS or "\x00" in value:
         return None
-    text = value.removeprefix("file://")
     try:
-        path = Path(text).resolve()
-    except (OSError, RuntimeError):  # symlink loops, unreadable components
+        resolved = os.path.realpath(value.removeprefix("file://"))
+        if not Path(resolved).is_relative_to(root):
+            return None
+        fd = os.open(resolved, _OPEN_FLAGS)
+    except (OSError, ValueError, RuntimeError):  # missing, unreadable, too long, loops: all alike
         return None
-    if not path.is_relative_to(policy.allowed_root) or not path.is_file():
-        return None
+    try:
+        info = os.fstat(fd)
+        usable = stat.S_ISREG(info.st_mode) and Path(_opened_path(fd)).is_relative_to(root)
+    except OSError:
+        usable = False
+    if usable and info.st_size <= policy.max_file_bytes:
+        return fd  # O_NONBLOCK does not apply to regular files
+    os.close(fd)
+    if usable:
+        raise RequestTooLarge(
+            where,
+            f"{where}: the file is {info.st_size} bytes, over this server's limit of {policy.max_file_bytes} "
+            "bytes for one local image (rollmatch serve --max-body-bytes)",
+        )
+    return None
+
+
+def _opened_path(fd: int) -> str:
+    """Where the open file ``fd`` lies now (Linux: ``/proc/self/fd``; raises ``OSError`` elsewhere)."""
+    path = os.readlink(f"/proc/self/fd/{fd}")
+    if not path.startswith("/"):  # "pipe:[...]", "anon_inode:..."
+        raise OSError(f"descriptor {fd} is not a file ({path})")
     return path
 
 
@@ -95,21 +262,18 @@ def _b64(value: str, where: str, policy: MediaPolicy | None = None) -> bytes:
         raise ValueError(f"{where}: {value[:60]!r}... is not valid base64 ({exc}); {hint}") from exc
 
 
-def _open_checked(raw: bytes, max_pixels: int, where: str) -> Image:
+# ----------------------------------------------------------------------------------------- pixels
+@contextmanager
+def _header(stream: BinaryIO, max_pixels: int, where: str) -> Iterator[Image]:
+    """The image opened lazily (header read, nothing decoded) once its pixel count is within
+    ``max_pixels``; PIL's errors in the ``with`` body (decoding) are reported as bad input too."""
     from PIL import Image as PILImage
 
     try:
-        with PILImage.open(io.BytesIO(raw), formats=IMAGE_FORMATS) as image:
+        with PILImage.open(stream, formats=IMAGE_FORMATS) as image:
             width, height = image.size
-            if width * height > max_pixels:
-                raise RequestTooLarge(
-                    where,
-                    f"{where}: {width}x{height} = {width * height} pixels is over this server's limit of "
-                    f"{max_pixels} (rollmatch serve --max-image-pixels); resize the image",
-                )
-            rgb = image.convert("RGB")
-    except RequestTooLarge:
-        raise
+            if width * height <= max_pixels and min(width, height) > 0:
+                yield image
     except PILImage.DecompressionBombError as exc:
         raise RequestTooLarge(where, f"{where}: decompression bomb refused ({exc})") from exc
     except (
@@ -122,7 +286,14 @@ def _open_checked(raw: bytes, max_pixels: int, where: str) -> Image:
         ZeroDivisionError,
         TypeError,
     ) as exc:  # PIL reports malformed files with any of these, depending on the codec
+        if isinstance(exc, RequestTooLarge):
+            raise
         raise ValueError(f"{where}: not a decodable {'/'.join(IMAGE_FORMATS)} image ({exc})") from exc
-    if min(rgb.size) == 0:
-        raise ValueError(f"{where}: an image of {rgb.size[0]}x{rgb.size[1]} pixels is empty")
-    return rgb
+    if width * height > max_pixels:
+        raise RequestTooLarge(
+            where,
+            f"{where}: {width}x{height} = {width * height} pixels is over this server's limit of "
+            f"{max_pixels} (rollmatch serve --max-image-pixels); resize the image",
+        )
+    if min(width, height) == 0:
+        raise ValueError(f"{where}: an image of {width}x{height} pixels is empty")

@@ -1,11 +1,15 @@
 """Rollout-server request preparation: wire requests -> prompt token ids + decoded images.
 
 Owns: :class:`PromptPreparer` (swift chat messages -> the model's chat template, or the trainer's
-token ids verbatim after checking them against the vocabulary and the image placeholders),
+token ids verbatim after checking them against the vocabulary and the image placeholders), the
+text cap of a conversation (:data:`MAX_TEXT_CHARS`, checked before the template renders it; the
+wire bounds its messages and parts),
 :func:`chat_messages` (swift / OpenAI message shapes -> chat-template messages and image slots)
 and :func:`trim_at_stop_strings` (ms-swift ``stop`` strings applied to a response). Every
 malformed request is a ``ValueError`` naming the field, checked here before any engine sees it,
-so an engine never receives a request it could choke on. Leaves out: engines and HTTP.
+so an engine never receives a request it could choke on. Leaves out: engines, HTTP and how the
+template is rendered (``server.chat_template``: the model's own template only, with a bounded
+number of steps).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from rollmatch.protocol import ChatTurn, InferRequest, TextPart
+from rollmatch.server.chat_template import ChatTemplate
 from rollmatch.server.limits import RequestTooLarge
 from rollmatch.server.media import MediaPolicy, decode_image
 from rollmatch.server.timing import PhaseTimes
@@ -28,6 +33,7 @@ VIDEO_TOKEN = "<|video_pad|>"
 VISION_START = "<|vision_start|>"
 EOS_TOKEN = "<|im_end|>"
 IMAGE_TAG = "<image>"
+MAX_TEXT_CHARS = 1 << 21  # per prompt: over 500k tokens of English, twice a 256k context
 
 
 @dataclass
@@ -60,6 +66,7 @@ class PromptPreparer:
         self.vision_start_id = int(ids(VISION_START))
         self.eos_token_id = int(ids(EOS_TOKEN))
         self.pad_token_id = int(self.tokenizer.pad_token_id)
+        self.template = ChatTemplate.of_tokenizer(self.tokenizer)
         # Ids the tokenizer can decode and the embedding holds (vLLM refuses ids past the tokenizer).
         self.vocab_size = min(len(self.tokenizer), vocab_size or len(self.tokenizer))
 
@@ -84,6 +91,7 @@ class PromptPreparer:
                     self._image(value, f"{where}.images[{i}]") for i, value in enumerate(request.images)
                 ]
             return PreparedPrompt(sample_id, list(request.prompt_token_ids), images)
+        self._check_text_size(request, where)
         messages, sources = chat_messages(request.messages, request.images, where)
         if len(sources) > self.max_images:
             raise RequestTooLarge(
@@ -91,11 +99,14 @@ class PromptPreparer:
                 f"{where} holds {len(sources)} images, over this server's limit of {self.max_images} per prompt "
                 "(rollmatch serve --max-images-per-request)",
             )
+        if self.template is None:
+            raise ValueError(
+                f"{where}.messages: the served model has no chat template; send the trainer's prompt_token_ids"
+            )
+        flags = {key: value for key, value in request.chat_template_kwargs.items() if value is not None}
+        text = self.template.render(messages, flags, where=f"{where}.messages")  # before decoding: cheaper
         with times.phase("decode"):
             images = [self._image(value, name) for name, value in sources]
-        text = self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True, **request.chat_template_kwargs
-        )
         batch = self.processor(text=[text], images=images or None, return_tensors="pt")
         ids = batch["input_ids"][0].tolist()
         self.check_token_ids(f"{where}.messages", ids, len(images))
@@ -118,6 +129,15 @@ class PromptPreparer:
             raise ValueError(
                 f"{where}: the ids hold {len(starts)} image placeholder block(s) ({runs} {IMAGE_TOKEN} run(s)) but "
                 f"the request carries {num_images} image(s); send one image per {VISION_START}{IMAGE_TOKEN}... block"
+            )
+
+    def _check_text_size(self, request: InferRequest, where: str) -> None:
+        chars = sum(_text_chars(message) for message in request.messages)
+        if chars > MAX_TEXT_CHARS:
+            raise RequestTooLarge(
+                f"{where}.messages",
+                f"{where}.messages hold {chars} characters of text, over this server's limit of "
+                f"{MAX_TEXT_CHARS} per prompt",
             )
 
     def _image(self, value: str, where: str) -> Image:
@@ -173,6 +193,12 @@ def chat_messages(
             f"{unused[0]}: add an {IMAGE_TAG} tag (or image part) per image"
         )
     return out, sources
+
+
+def _text_chars(message: ChatTurn) -> int:
+    if isinstance(message.content, str):
+        return len(message.content)
+    return sum(len(part.text) for part in message.content if isinstance(part, TextPart))
 
 
 def _slots(message: ChatTurn) -> int:

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from rollmatch.detection.coord_tokens import supported_object_formats
-from rollmatch.errors import BackendError, SyncError
+from rollmatch.errors import BackendError, ServerBusy, SyncError
 from rollmatch.protocol import (
     SEED_MAX,
     ChatChoice,
@@ -30,6 +31,7 @@ from rollmatch.protocol import (
     FinishUpdateBody,
     FinishUpdateReply,
     InferBody,
+    InferRequest,
     InitCommunicatorBody,
     RequestConfig,
     RolloutOutput,
@@ -44,7 +46,8 @@ from rollmatch.protocol import (
 from rollmatch.rollout.types import Decoding
 from rollmatch.server.engines import EngineOutput, ServerEngine
 from rollmatch.server.limits import RequestTooLarge, ServerLimits
-from rollmatch.server.prompts import PreparedPrompt, trim_at_stop_strings
+from rollmatch.server.media import PixelBudget, PixelLease
+from rollmatch.server.prompts import PreparedPrompt, chat_messages, trim_at_stop_strings
 from rollmatch.server.scheduler import CallTicket, EngineScheduler
 from rollmatch.server.sync_session import SyncSession
 from rollmatch.server.timing import PhaseTimes
@@ -61,6 +64,12 @@ class PreparedCall:
     config: RequestConfig
     prompts: list[PreparedPrompt]
     decoding: Decoding | None  # None: nothing to generate (no prompts)
+    pixels: PixelLease | None = None  # its decoded images' pixels, held until the engine is done with them
+
+    def release(self) -> None:
+        """Give back the decoded pixels the call holds (idempotent)."""
+        if self.pixels is not None:
+            self.pixels.release()
 
 
 class RolloutServer:
@@ -69,6 +78,7 @@ class RolloutServer:
     def __init__(self, engine: ServerEngine, limits: ServerLimits | None = None):
         self.engine = engine
         self.limits = limits or ServerLimits()
+        self.pixels = PixelBudget(self.limits.max_call_pixels, self.limits.max_inflight_pixels)
         self.watch = EngineWatch(self.limits.engine_stall_timeout_s)
         engine.observe_progress(self.watch.progress)
         self.scheduler = EngineScheduler(
@@ -87,7 +97,7 @@ class RolloutServer:
         self.infer_calls = 0
         self.rejected_requests = 0
         self.busy_refusals = 0
-        self.broken: str | None = None  # set when a weight load failed half-way: never serve mixed weights
+        self.broken: str | None = None  # a load failed half-way or after the engine took it: never serve it
 
     @property
     def weight_version(self) -> int:
@@ -136,10 +146,11 @@ class RolloutServer:
         names what is wrong; nothing reaches the engine."""
         if self.broken is not None:
             raise BackendError(f"this rollout server stopped serving: {self.broken}; restart it")
+        pixels: PixelLease | None = None
         try:
-            config, prompts = self._checked(body, times if times is not None else PhaseTimes())
+            config, prompts, pixels = self._checked(body, times if times is not None else PhaseTimes())
             if not prompts:
-                return PreparedCall(config, prompts, None)
+                return PreparedCall(config, prompts, None, pixels)
             longest = max(len(p.prompt_token_ids) for p in prompts)
             if longest >= self.engine.max_model_len:
                 raise ValueError(
@@ -151,22 +162,33 @@ class RolloutServer:
                 config, self.engine.max_model_len - longest, self.limits.max_tokens
             )
         except ValueError:
+            if pixels is not None:
+                pixels.release()
             self._count(rejected=1)
             raise
-        return PreparedCall(config, prompts, decoding)
+        except ServerBusy:  # the decoded pixels of the calls in flight (429)
+            self._count(busy=1)
+            raise
+        return PreparedCall(config, prompts, decoding, pixels)
 
     def submit(self, call: PreparedCall) -> CallTicket | None:
-        """Queue a prepared call on the engine (``None``: nothing to generate)."""
+        """Queue a prepared call on the engine (``None``: nothing to generate). Its images' pixels are
+        given back once the engine is done with the call, whether or not its client still waits."""
         if call.decoding is None:
+            call.release()
             return None
         try:
-            return self.scheduler.submit(call.prompts, call.decoding, call.config.seed)
+            ticket = self.scheduler.submit(call.prompts, call.decoding, call.config.seed)
         except ValueError:  # the call alone is over what the server queues (413)
+            call.release()
             self._count(rejected=1)
             raise
         except BackendError:  # full (429) or stalled (503)
+            call.release()
             self._count(busy=1)
             raise
+        ticket.on_done(call.release)
+        return ticket
 
     def outputs(self, call: PreparedCall, ticket: CallTicket | None) -> list[RolloutOutput]:
         """The reply items of a done call; raises the call's error (mapped to a 4xx / 503)."""
@@ -184,8 +206,12 @@ class RolloutServer:
             for p, out in zip(call.prompts, engine_outputs, strict=True)
         ]
 
-    def _checked(self, body: InferBody, times: PhaseTimes) -> tuple[RequestConfig, list[PreparedPrompt]]:
-        """Caps and cross-field checks the wire models cannot know; then the prepared prompts."""
+    def _checked(
+        self, body: InferBody, times: PhaseTimes
+    ) -> tuple[RequestConfig, list[PreparedPrompt], PixelLease]:
+        """Caps and cross-field checks the wire models cannot know; then the call's images checked from
+        their headers and their pixels reserved before any is decoded (``server.media``); then the
+        prepared prompts."""
         config = body.request_config or RequestConfig()
         count = len(body.infer_requests)
         if count > self.limits.max_requests_per_call:
@@ -212,8 +238,16 @@ class RolloutServer:
             raise ValueError(
                 f"request_config.top_k = {config.top_k} is larger than the vocabulary ({vocab}); send -1 to disable"
             )
-        prepare = self.engine.preparer.prepare
-        return config, [prepare(r, i, times) for i, r in enumerate(body.infer_requests)]
+        preparer = self.engine.preparer
+        images = _image_sources(body.infer_requests, preparer.max_images)
+        pixels = self.pixels.reserve_call(images, preparer.media)
+        try:
+            prompts = [preparer.prepare(r, i, times) for i, r in enumerate(body.infer_requests)]
+            pixels.cover(sum(image.width * image.height for p in prompts for image in p.images))
+        except BaseException:
+            pixels.release()
+            raise
+        return config, prompts, pixels
 
     def _apply_stops(self, out: EngineOutput, stops: list[str]) -> EngineOutput:
         trimmed = trim_at_stop_strings(out.token_ids, out.text, stops, self.engine.preparer.tokenizer)
@@ -248,7 +282,25 @@ class RolloutServer:
 
         def load(update: VerifiedUpdate) -> None:
             # On the engine thread, fair against new calls (in-flight calls per the update mode).
-            self.scheduler.run_operation(WEIGHT_LOAD, lambda: self._load(update), is_load=True)
+            loaded = threading.Event()  # set on the engine thread once the engine took the update
+
+            def apply() -> int:
+                version = self._load(update)
+                loaded.set()
+                return version
+
+            try:
+                self.scheduler.run_operation(WEIGHT_LOAD, apply, is_load=True)
+            except Exception as exc:
+                if not loaded.is_set() or self.broken is not None:
+                    raise  # refused before the engine changed (the old version stays), or already broken
+                # The engine took the update (the scheduler moved the version with it), then the step
+                # after it failed (the cache reset): stop serving rather than roll the engine back.
+                self.broken = (
+                    f"weight version {update.version} ({update.mode}) was loaded, then resetting the engine's "
+                    f"caches failed ({type(exc).__name__}: {exc})"
+                )
+                raise BackendError(self.broken) from exc
             replies.append(update.reply)
 
         rejected = self.sync.finish(body, lease, load)
@@ -268,13 +320,22 @@ class RolloutServer:
         return reply
 
     def _load(self, update: VerifiedUpdate) -> int:
-        """Engines validate names and shapes before changing anything (a ``SyncError`` is clean);
-        returns the new version (the scheduler resets the caches)."""
+        """Engines validate names and shapes before changing anything (a ``SyncError`` is clean, and
+        so is an adapter's ``BackendError``); any other failure leaves the engine's weights unknown and
+        marks the server broken. Returns the new version (the scheduler then resets the caches)."""
         if update.adapter is not None:
             try:
                 self.engine.load_adapter(update.tensors, update.adapter)
-            except BackendError as exc:  # the previous adapter is still the one served
+            except SyncError:
+                raise
+            except BackendError as exc:  # refused before the switch: the previous adapter is still served
                 raise SyncError(f"adapter of version {update.version} could not be loaded: {exc}") from exc
+            except Exception as exc:  # failed after the switch (or unknown where): stop serving
+                self.broken = (
+                    f"switching to the adapter of weight version {update.version} failed ({type(exc).__name__}: "
+                    f"{exc})"
+                )
+                raise BackendError(self.broken) from exc
         else:
             try:
                 self.engine.load_weights(update.tensors)
@@ -324,6 +385,19 @@ class RolloutServer:
         self.scheduler.close()
         self.sync.shutdown()
         self.engine.close()
+
+
+def _image_sources(requests: list[InferRequest], max_images: int) -> Iterator[tuple[str, str]]:
+    """``(field name, value)`` of every image the call's prompts use, as ``PromptPreparer.prepare``
+    takes them; a prompt over ``max_images`` is left out (prepare refuses it before decoding)."""
+    for index, request in enumerate(requests):
+        where = f"infer_requests[{index}]"
+        if request.prompt_token_ids:
+            sources = [(f"{where}.images[{i}]", value) for i, value in enumerate(request.images)]
+        else:
+            sources = chat_messages(request.messages, request.images, where)[1]
+        if len(sources) <= max_images:
+            yield from sources
 
 
 def _engine_failure(exc: Exception) -> Exception:

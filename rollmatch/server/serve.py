@@ -1,7 +1,8 @@
 """``rollmatch serve``: the rollout-server process: engine, limits, token, HTTP loop, and a bounded stop.
 
-Owns: :func:`serve_command` (flags -> engine + :class:`~rollmatch.server.limits.ServerLimits` +
-:class:`~rollmatch.server.media.MediaPolicy` + API key -> uvicorn) and the stop guarantee: on
+Owns: :func:`serve_command` (flags -> API key + :class:`~rollmatch.server.limits.ServerLimits` +
+:class:`~rollmatch.server.media.MediaPolicy` + engine -> uvicorn; the key and the bind address are
+checked before the model loads, see :func:`server_access`) and the stop guarantee: on
 SIGTERM / SIGINT the HTTP loop drains for at most ``SHUTDOWN_GRACE_S``, the engine is closed in
 a bounded wait, and if anything is still stuck (a generation that never returns), the process
 leaves with ``os._exit`` (exit code ``FORCED_EXIT_CODE``) at most ``HARD_EXIT_AFTER_S`` after the
@@ -26,12 +27,12 @@ import uvicorn
 from rollmatch.server.app import build_app
 from rollmatch.server.connections import guarded_h11_protocol, raise_open_file_limit
 from rollmatch.server.engines import build_engine
+from rollmatch.server.gate import API_KEY_ENV, check_exposure, server_api_key
 from rollmatch.server.limits import ServerLimits
 from rollmatch.server.media import MediaPolicy
 from rollmatch.server.rollout_server import RolloutServer
 
 log = logging.getLogger(__name__)
-API_KEY_ENV = "ROLLMATCH_API_KEY"
 SHUTDOWN_GRACE_S = 2.0
 HARD_EXIT_AFTER_S = 4.5
 FORCED_EXIT_CODE = 3
@@ -40,12 +41,14 @@ FORCED_EXIT_CODE = 3
 def serve_command(args: argparse.Namespace) -> int:
     """``rollmatch serve``: load the engine, then serve until SIGTERM / SIGINT (see the module docstring)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    api_key = server_access(args)
     limits = server_limits(args)
     media_root = getattr(args, "allowed_local_media_path", None)
     media = MediaPolicy(
-        allowed_root=Path(media_root) if media_root else None, max_pixels=limits.max_image_pixels
+        allowed_root=Path(media_root) if media_root else None,
+        max_pixels=limits.max_image_pixels,
+        max_file_bytes=limits.max_body_bytes,  # a local image may be as large as a request body
     )
-    api_key = getattr(args, "api_key", None) or os.environ.get(API_KEY_ENV) or None
     engine = build_engine(
         args.engine,
         args.model,
@@ -64,7 +67,7 @@ def serve_command(args: argparse.Namespace) -> int:
     if api_key is None:
         log.warning(
             "no API key: every endpoint, weight sync included, is open to anyone who can reach %s:%d; "
-            "start with --api-key KEY or %s=KEY (the trainer reads the same variable)",
+            "start with --api-key-file PATH or %s=KEY (the trainer reads the same variable)",
             args.host,
             args.port,
             API_KEY_ENV,
@@ -96,6 +99,15 @@ def serve_command(args: argparse.Namespace) -> int:
     )
     _BoundedStopServer(config).run()
     return _close_within(server, HARD_EXIT_AFTER_S - SHUTDOWN_GRACE_S - 1.0)
+
+
+def server_access(args: argparse.Namespace) -> str | None:
+    """The API key (``None``: none) from ``--api-key`` / ``--api-key-file`` / ``$ROLLMATCH_API_KEY``,
+    once ``--host`` is allowed without one (loopback, or ``--insecure-no-auth``); else a ``ConfigError``
+    naming the flag and the fix (see :mod:`rollmatch.server.gate`)."""
+    api_key = server_api_key(getattr(args, "api_key", None), getattr(args, "api_key_file", None), os.environ)
+    check_exposure(args.host, api_key, insecure_no_auth=bool(getattr(args, "insecure_no_auth", False)))
+    return api_key
 
 
 def server_limits(args: argparse.Namespace) -> ServerLimits:

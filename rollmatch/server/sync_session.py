@@ -190,13 +190,23 @@ class SyncSession:
         return self._receiver
 
     def _check_lease(self, lease: str | None) -> None:
+        """Refuse (``SyncError``: a 409) unless ``lease`` is the current lease. A header arrives as any
+        latin-1 text and ``compare_digest`` raises on non-ASCII ``str``, so the lease is compared as
+        bytes; a non-ASCII lease is refused as malformed (its value is never echoed)."""
         current = self._lease
-        if current is None or lease is None or not secrets.compare_digest(lease, current):
-            given = "no" if lease is None else "another"
-            raise SyncError(
-                f"weight update refused: the request carries {given} sync lease ({LEASE_HEADER}); only the "
-                f"trainer that formed the current group may push (lease {self._lease_note})"
-            )
+        if lease is None:
+            given = "no"
+        elif not lease.isascii():
+            given = "a malformed (non-ASCII)"
+        elif current is not None and secrets.compare_digest(lease.encode("ascii"), current.encode("ascii")):
+            return
+        else:
+            given = "another"
+        raise SyncError(
+            f"weight update refused: the request carries {given} sync lease ({LEASE_HEADER}); only the "
+            f"trainer that formed the current group may push, sending the lease /init_communicator/ returned "
+            f"(lease {self._lease_note})"
+        )
 
     # ------------------------------------------------------------------------------ abandoned
     def _abandoned(self, header: TransactionHeader, why: str) -> None:

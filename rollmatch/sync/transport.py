@@ -9,20 +9,22 @@ Leaves out: what is sent and how an update is acknowledged (``rollmatch.sync.tra
 
 Every wait is bounded: store and group creation, and each broadcast, raise
 :class:`~rollmatch.errors.CollectiveTimeoutError` naming the phase and the group address.
-Network exposure: rank 0 listens on exactly the interface it is given (:func:`bind_listener`; a
-``TCPStore`` left to itself listens on all interfaces), every rank's gloo sockets bind to the
-interface that reaches the group's host, and a waiting rank 0 can be cancelled (``cancel``).
+Network exposure: rank 0 listens on exactly the interface it is given, resolved and refused when it
+is an all-interfaces address however spelled (:func:`bind_listener`; a ``TCPStore`` left to itself
+listens on all interfaces), every rank's gloo sockets bind to that address or the interface that
+reaches the group's host, and a waiting rank 0 can be cancelled (``cancel``).
 """
 
 from __future__ import annotations
 
 import datetime as _dt
+import ipaddress
 import queue
 import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 import torch.distributed as torch_dist
@@ -114,6 +116,7 @@ class GroupTransport:
         try:
             if rank == 0:
                 listener = listener if listener is not None else bind_listener(host, port)
+                interface = str(listener.getsockname()[0])  # gloo binds the address checked, not a new lookup
                 self._store = torch_dist.TCPStore(
                     host,
                     port,
@@ -124,7 +127,6 @@ class GroupTransport:
                     master_listen_fd=listener.detach(),  # the store owns (and closes) the socket now
                 )
                 _wait_for_peers(self._store, world_size, timeout_s, cancel, self.where)
-                interface = host
             else:
                 self._store = torch_dist.TCPStore(
                     host, port, world_size, is_master=False, timeout=self.timeout
@@ -172,17 +174,16 @@ class GroupCancelled(CollectiveTimeoutError):
 
 
 def bind_listener(host: str, port: int) -> socket.socket:
-    """A TCP socket listening on ``host:port`` only (rank 0's store); ``OSError`` names the address."""
-    if host in ("0.0.0.0", "::", ""):
-        raise OSError(
-            f"refusing to listen on all interfaces ({host!r}) for a weight-sync group: name the interface "
-            "the trainer reaches the server at (loopback when both run on one host)"
-        )
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    """A TCP socket listening on ``host:port`` only (rank 0's store); ``OSError`` names the address.
+
+    ``host`` is resolved first and the *address* is checked, not its spelling: ``0``, ``0x0``,
+    ``000.000.000.000``, ``::0`` or ``::ffff:0.0.0.0`` all mean every interface and are refused like
+    ``0.0.0.0`` and ``::``. The socket binds the address that was checked (no second lookup)."""
+    family, address = _listen_address(host, port)
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind((host, port))
+        sock.bind(address)
         sock.listen(64)
     except OSError as exc:
         sock.close()
@@ -196,6 +197,35 @@ def local_interface_towards(host: str, port: int) -> str:
     with socket.socket(family, socket.SOCK_DGRAM) as probe:
         probe.connect((host, port))
         return str(probe.getsockname()[0])
+
+
+def _listen_address(host: str, port: int) -> tuple[socket.AddressFamily, tuple[Any, ...]]:
+    """The family and socket address ``host`` resolves to (IPv6 when it holds a ``:``, else IPv4);
+    ``OSError`` when it does not resolve or is an unspecified (all-interfaces) address."""
+    if host:
+        try:
+            infos = socket.getaddrinfo(
+                host, port, socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM
+            )
+        except (OSError, UnicodeError, ValueError) as exc:  # unknown, IDNA-invalid or NUL-bearing name
+            raise OSError(f"cannot resolve {host!r} to listen on for the weight-sync group: {exc}") from exc
+        family, _, _, _, address = infos[0]  # getaddrinfo raises rather than return nothing
+        if not _is_unspecified(str(address[0])):
+            return family, address
+        shown = f"{host!r}" if host == address[0] else f"{host!r} is {address[0]}"
+    else:
+        shown = "''"  # what ``socket.bind`` makes of an empty host
+    raise OSError(
+        f"refusing to listen on all interfaces ({shown}) for a weight-sync group: name the interface "
+        "the trainer reaches the server at (loopback when both run on one host)"
+    )
+
+
+def _is_unspecified(address: str) -> bool:
+    """``0.0.0.0``, ``::`` or the IPv4-mapped ``::ffff:0.0.0.0``, however the address was spelled."""
+    ip = ipaddress.ip_address(address.split("%", 1)[0])
+    mapped = ip.ipv4_mapped if isinstance(ip, ipaddress.IPv6Address) else None
+    return ip.is_unspecified or (mapped is not None and mapped.is_unspecified)
 
 
 def _wait_for_peers(

@@ -12,7 +12,6 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,17 +28,13 @@ from rollmatch.detection.codec import build_codec
 from rollmatch.errors import ConfigError
 from rollmatch.models.pretrained import load_pretrained
 from rollmatch.packing.collate import enable_packed_attention
+from rollmatch.training.checkpoints import resolve_resume
 from rollmatch.training.coord_loss import CoordLoss
 from rollmatch.training.metrics import JsonlMetricsCallback, summarize
 from rollmatch.training.periodic_eval import DetectionEval, build_detection_eval
 from rollmatch.training.sizing import check_row_sizing
 from rollmatch.training.step import SyncBeforeRollouts
-from rollmatch.training.trainer import (
-    RecordDataset,
-    RollmatchTrainer,
-    keep_records,
-    latest_complete_checkpoint,
-)
+from rollmatch.training.trainer import RecordDataset, RollmatchTrainer, keep_records
 from rollmatch.training.variants import BuildContext, VariantParts, backend_for, build_variant
 
 log = logging.getLogger(__name__)
@@ -78,6 +73,11 @@ def run_training(cfg: RollmatchConfig) -> TrainResult:
     problems = check_runtime(
         cfg, world_size=world_size, device_count=torch.cuda.device_count(), device_type=device_type
     )
+    resume = None
+    try:  # before anything heavy: an incomplete checkpoint or another world size is refused at once
+        resume = resolve_resume(cfg.training.resume_from_checkpoint, cfg.training.output_dir, world_size)
+    except ConfigError as error:
+        problems.extend(error.problems)
     if problems:
         raise ConfigError(problems)
     gas = cfg.training.gradient_accumulation(world_size)
@@ -121,7 +121,6 @@ def run_training(cfg: RollmatchConfig) -> TrainResult:
             callbacks=[JsonlMetricsCallback(os.path.join(cfg.training.output_dir, "metrics.jsonl"))],
         )
         holder["trainer"] = trainer
-        resume = resolve_resume(cfg)
         if resume is not None:
             trainer.load_rank_state(resume)
         trainer.train(resume_from_checkpoint=resume)
@@ -185,26 +184,6 @@ def load_model(cfg: RollmatchConfig) -> torch.nn.Module:
             target_modules=rf".*language_model.*\.({targets})",
         ),
     )
-
-
-def resolve_resume(cfg: RollmatchConfig) -> str | None:
-    """``latest`` -> newest complete checkpoint (None if there is none); a path must exist."""
-    spec = cfg.training.resume_from_checkpoint
-    if spec is None:
-        return None
-    if spec == "latest":
-        return latest_complete_checkpoint(cfg.training.output_dir)
-    if not Path(spec).is_dir():
-        from rollmatch.errors import ConfigProblem
-
-        raise ConfigError(
-            [
-                ConfigProblem(
-                    "training.resume_from_checkpoint", spec, "no such checkpoint directory; use `latest`"
-                )
-            ]
-        )
-    return spec
 
 
 def save_final_model(trainer: RollmatchTrainer, encoder: PromptEncoder, cfg: RollmatchConfig) -> str:

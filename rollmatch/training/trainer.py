@@ -11,7 +11,8 @@ files). This class only:
   size because DDP averages gradients — so packing, accumulation and world size leave gradients unchanged;
 - merges the planner's metric sums into HF's logs (per-rank sums known only after training are reduced
   across ranks at log time), and saves each rank's carry buffers / record-stream position with every
-  checkpoint (marked complete only after every rank wrote its part);
+  checkpoint, marked complete only after every rank wrote its part; ``save_total_limit`` rotates only
+  after that (``training.checkpoints`` owns the layout and the rules);
 - evaluates with rollmatch's detection eval (``evaluate``: ``training.periodic_eval``) when HF's eval
   strategy says so, logging ``eval/*`` and returning HF-style ``eval_*`` keys so ``metric_for_best_model``,
   best-checkpoint retention and ``load_best_model_at_end`` work as HF's own (the best model is reloaded the
@@ -21,7 +22,6 @@ files). This class only:
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import time
@@ -36,20 +36,15 @@ from transformers import Trainer
 
 from rollmatch.collectives import Collectives
 from rollmatch.packing.collate import model_inputs
+from rollmatch.training import checkpoints
 from rollmatch.training.coord_loss import CoordLoss
 from rollmatch.training.losses import weighted_ce_sum
 from rollmatch.training.periodic_eval import DetectionEval, hf_metrics
 from rollmatch.training.step import MicroStep, StepPlan, StepPlanner
 
 log = logging.getLogger(__name__)
-COMPLETE_MARKER = "rollmatch_complete.json"
 # aggregated metric sums, number of optimizer steps -> metric values
 SummaryFn = Callable[[Counter[str], int], dict[str, float]]
-
-
-def rank_state_file(checkpoint_dir: str, rank: int) -> str:
-    """Where rank ``rank`` keeps its rollmatch state (carry buffers, record stream) in a checkpoint."""
-    return os.path.join(checkpoint_dir, f"rollmatch_state_rank{rank}.pt")
 
 
 class RecordDataset(Dataset):
@@ -267,21 +262,36 @@ class RollmatchTrainer(Trainer):
 
     # ------------------------------------------------------------------ checkpoints
     def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
-        super()._save_checkpoint(model, trial)
-        folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
-        os.makedirs(folder, exist_ok=True)
+        """HF's checkpoint, then each rank's state, then (rank 0) the completion marker, then rotation.
+
+        HF would rotate (``save_total_limit``) inside its own save, before the new checkpoint is complete:
+        a crash before the marker could then leave no complete checkpoint at all. Here rotation waits
+        until the marker is written, and counts complete checkpoints only.
+        """
+        run_dir = self._get_output_dir(trial=trial)
+        folder = os.path.join(run_dir, f"{checkpoints.CHECKPOINT_PREFIX}{self.state.global_step}")
+        if self.args.should_save:
+            checkpoints.clear_complete_marker(folder)  # saving into it again: incomplete until done
+        with self._hf_rotation_off():
+            super()._save_checkpoint(model, trial)
         state = {name: part.state_dict() for name, part in self.stateful.items()}
-        tmp = rank_state_file(folder, self.collectives.rank) + ".tmp"
-        torch.save(state, tmp)
-        os.replace(tmp, rank_state_file(folder, self.collectives.rank))
+        checkpoints.save_rank_state(folder, self.collectives.rank, state)
         self.collectives.barrier(f"checkpoint {self.state.global_step}: every rank saved its state")
         if self.args.should_save:
-            # Written last: a checkpoint without it is incomplete and never resumed from.
-            marker = {"global_step": self.state.global_step, "world_size": self.collectives.world_size}
-            tmp = os.path.join(folder, COMPLETE_MARKER + ".tmp")
-            with open(tmp, "w") as fh:
-                json.dump(marker, fh)
-            os.replace(tmp, os.path.join(folder, COMPLETE_MARKER))
+            checkpoints.write_complete_marker(folder, self.state.global_step, self.collectives.world_size)
+            checkpoints.rotate_checkpoints(
+                run_dir, self.args.save_total_limit, keep=(folder, self.state.best_model_checkpoint)
+            )
+
+    @contextlib.contextmanager
+    def _hf_rotation_off(self) -> Iterator[None]:
+        """No ``save_total_limit`` during HF's save (it rotates at its end); restored afterwards."""
+        limit = self.args.save_total_limit
+        self.args.save_total_limit = None
+        try:
+            yield
+        finally:
+            self.args.save_total_limit = limit
 
     def _load_from_checkpoint(
         self, resume_from_checkpoint: str, model: torch.nn.Module | None = None
@@ -312,7 +322,7 @@ class RollmatchTrainer(Trainer):
 
     def load_rank_state(self, checkpoint_dir: str) -> None:
         """Restore this rank's carry buffers / record stream from ``checkpoint_dir`` (before ``train``)."""
-        path = rank_state_file(checkpoint_dir, self.collectives.rank)
+        path = checkpoints.rank_state_file(checkpoint_dir, self.collectives.rank)
         if not os.path.isfile(path):
             log.warning(
                 "%s has no rollmatch state for rank %d: carry buffers start empty",
@@ -323,15 +333,3 @@ class RollmatchTrainer(Trainer):
         state = torch.load(path, weights_only=True)
         for name, part in self.stateful.items():
             part.load_state_dict(state.get(name))
-
-
-def latest_complete_checkpoint(output_dir: str) -> str | None:
-    """Newest ``checkpoint-N`` under ``output_dir`` whose completion marker exists."""
-    if not os.path.isdir(output_dir):
-        return None
-    steps = []
-    for name in os.listdir(output_dir):
-        path = os.path.join(output_dir, name)
-        if name.startswith("checkpoint-") and os.path.isfile(os.path.join(path, COMPLETE_MARKER)):
-            steps.append((int(name.split("-")[1]), path))
-    return max(steps)[1] if steps else None

@@ -258,9 +258,14 @@ def test_a_second_launch_on_a_running_output_directory_is_refused(
 
     path = config_writer(tmp_path / "c.yaml", model="/m", train_jsonl="/t.jsonl", output_dir=tmp_path / "o")
     (tmp_path / "o" / "launch").mkdir(parents=True)
-    me = {"pid": os.getpid(), "create_time": psutil.Process().create_time(), "descendants": []}
-    record = {"launcher": 1234, "processes": [{"name": "server-0", **me}]}
+    started = psutil.Process().create_time()
+    me = {"pid": os.getpid(), "pgid": os.getpgid(0), "create_time": started, "descendants": []}
+    record = {
+        "launcher": os.getpid(),
+        "launcher_create_time": started,
+        "processes": [{"name": "server-0", **me}],
+    }
     (tmp_path / "o" / "launch" / "pids.json").write_text(json.dumps(record))
-    with pytest.raises(LaunchError, match=r"a launch \(pid 1234\) still runs here \(server-0: pid"):
+    with pytest.raises(LaunchError, match=rf"a launch \(pid {os.getpid()}\) still runs here \(server-0: pid"):
         launch_command(build_parser().parse_args(["launch", str(path), "--cpu"]))
     assert sorted(p.name for p in (tmp_path / "o" / "launch").iterdir()) == ["pids.json"]  # nothing started

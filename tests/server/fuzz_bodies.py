@@ -2,7 +2,10 @@
 
 Bodies are JSON *text* (NaN / Infinity literals included, as Python's json writes them): valid
 bodies with one or more fields replaced by hostile values, plus arbitrary JSON. Images are tiny
-real PNGs, garbage, or a cheap header-level bomb, so accepted bodies stay fast to generate.
+real PNGs, garbage, hostile local paths, or a cheap header-level bomb, so accepted bodies stay
+fast to generate.
+``chat_template_kwargs`` mixes the allowed flags with client templates (looping ones included) and
+keys that change what runs; message texts include the probes of test_template_safety's template.
 """
 
 from __future__ import annotations
@@ -37,6 +40,10 @@ IMAGES = st.sampled_from(
         "http://127.0.0.1:1/x.png",
         "/etc/passwd",
         "file:///etc/hostname",
+        "/" + "a" * 4000,  # longer than a path may be (ENAMETOOLONG where files are read)
+        "/tmp/" + "b" * 300,  # one component over NAME_MAX
+        "/dev/zero",
+        "/proc/self/fd/0",
         base64.b64encode(b"GIF89a").decode(),
     ]
 )
@@ -84,6 +91,43 @@ NASTY = st.one_of(
     st.integers(min_value=-(2**70), max_value=2**70),
     st.floats(allow_nan=True, allow_infinity=True),
     st.text(max_size=6),
+)
+
+# Texts on which test_template_safety's PROBE_TEMPLATE fails (its looping probe left out: a fuzz run
+# on code without the render budget would hang instead of failing).
+TEMPLATE_PROBES = [
+    "probe:raise",
+    "probe:undefined",
+    "probe:type",
+    "probe:divide",
+    "probe:unsafe",
+    "probe:recurse",
+]
+_CLIENT_TEMPLATES = [
+    "{{ raise_exception('client template ran') }}",
+    "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+    "{{ ''.__class__.__mro__ }}",
+    "MARKER",
+    "{% for",
+]
+_TEMPLATE_KEYS = [
+    "enable_thinking",
+    "add_vision_id",
+    "preserve_thinking",
+    "chat_template",
+    "tokenize",
+    "add_generation_prompt",
+    "tools",
+    "messages",
+    "eos_token",
+    "continue_final_message",
+    "max_pixels",
+    "bogus",
+]
+TEMPLATE_KWARGS = st.dictionaries(
+    st.sampled_from(_TEMPLATE_KEYS),
+    st.one_of(st.booleans(), st.none(), st.sampled_from(_CLIENT_TEMPLATES), NASTY),
+    max_size=3,
 )
 
 CONFIG_KEYS = [
@@ -139,7 +183,9 @@ def token_ids(draw: Any) -> list[int]:
 def messages(draw: Any) -> Any:
     content = st.one_of(
         st.text(max_size=30),
-        st.sampled_from(["<image>find", "<image><image>two", "find"]),
+        st.sampled_from(
+            ["<image>find", "<image><image>two", "find", *(f"<image>{p}" for p in TEMPLATE_PROBES)]
+        ),
         st.lists(
             st.one_of(
                 st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=10)}),
@@ -169,6 +215,8 @@ def infer_request(draw: Any) -> Any:
     )
     for key in draw(st.lists(st.sampled_from(REQUEST_KEYS), max_size=2)):
         request[key] = draw(NASTY)
+    if draw(st.integers(0, 3)) == 0:
+        request["chat_template_kwargs"] = draw(TEMPLATE_KWARGS)
     return draw(st.one_of(st.just(request), st.just(request), NASTY))
 
 
@@ -198,8 +246,64 @@ def infer_bodies(draw: Any) -> str:
     return json.dumps(body)
 
 
+LEASE_HEADER = "X-Rollmatch-Sync-Lease"
+# Header values as bytes on the wire (the server decodes them as latin-1): anything a client can send
+# in one header line, non-ASCII (UTF-8 or not) included.
+LEASE_VALUES = st.one_of(
+    st.sampled_from(
+        [b"0" * 32, b"f" * 32, b"\xe9", "é".encode(), "ü".encode() * 16, "\U0001f511".encode(), b"\xff" * 32]
+    ),
+    st.binary(min_size=1, max_size=40).map(
+        lambda raw: bytes(b if 0x21 <= b <= 0x7E or b >= 0x80 else 0x41 + b % 26 for b in raw)
+    ),
+)
+_BUCKET = {
+    "metadatas": [
+        {
+            "name": "lm_head.weight",
+            "shape": [4],
+            "dtype": "float32",
+            "start_idx": 0,
+            "end_idx": 16,
+            "numel": 4,
+        }
+    ],
+    "transaction": {"version": 1, "mode": "full", "bucket_index": 0, "num_bytes": 16},
+}
+# ``(path, JSON text)``: a well-formed request to each endpoint that reads the lease (the lease decides).
+LEASE_BODIES = [
+    ("/update_flattened_params/", json.dumps(_BUCKET)),
+    (
+        "/update_adapter_flattened_param/",
+        json.dumps({**_BUCKET, "lora_int_id": 2, "peft_config": {"r": 2}}),
+    ),
+    (
+        "/finish_weight_update/",
+        json.dumps({"version": 1, "mode": "full", "bucket_checksums": [], "checksum": ""}),
+    ),
+    ("/close_communicator/", ""),
+]
+# Every spelling of "all interfaces" (refused), a few real interfaces, and names that do not resolve.
+GROUP_HOSTS = [
+    "127.0.0.1",
+    "localhost",
+    "::1",
+    "0.0.0.0",
+    "::",
+    "0",
+    "0x0",
+    "000.000.000.000",
+    "::0",
+    "::ffff:0.0.0.0",
+    "no-such-host.invalid",
+    "a" * 64,
+    "",
+    "10.255.255.1",
+]
+
+
 @st.composite
-def sync_bodies(draw: Any) -> tuple[str, str, dict[str, str]]:
+def sync_bodies(draw: Any) -> tuple[str, str, dict[str, str | bytes]]:
     """``(path, JSON text, headers)`` for the weight-sync endpoints."""
     meta = st.fixed_dictionaries(
         {
@@ -225,9 +329,7 @@ def sync_bodies(draw: Any) -> tuple[str, str, dict[str, str]]:
                 st.just("/init_communicator/"),
                 st.fixed_dictionaries(
                     {
-                        "host": st.sampled_from(
-                            ["127.0.0.1", "0.0.0.0", "::", "no-such-host.invalid", "", "10.255.255.1"]
-                        ),
+                        "host": st.sampled_from(GROUP_HOSTS),
                         "port": st.one_of(st.integers(0, 70000), NASTY),
                         "world_size": st.one_of(st.integers(0, 3), NASTY),
                         "timeout_s": st.one_of(st.floats(0.1, 2.0), NASTY),
@@ -274,8 +376,10 @@ def sync_bodies(draw: Any) -> tuple[str, str, dict[str, str]]:
             ),
         )
     )
-    headers = draw(
-        st.sampled_from([{}, {"X-Rollmatch-Sync-Lease": "0" * 32}, {"X-Rollmatch-Sync-Lease": ""}])
+    headers: dict[str, str | bytes] = draw(
+        st.one_of(
+            st.sampled_from([{}, {LEASE_HEADER: ""}]), st.fixed_dictionaries({LEASE_HEADER: LEASE_VALUES})
+        )
     )
     return path, json.dumps(body), headers
 

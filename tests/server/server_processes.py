@@ -30,8 +30,9 @@ class ServerProcess:
     def log_tail(self, chars: int = 3000) -> str:
         return self.log_path.read_text(errors="replace")[-chars:]
 
-    def get(self, path: str) -> Any:
-        reply = requests.get(f"{self.url}{path}", timeout=30)
+    def get(self, path: str, api_key: str | None = None) -> Any:
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        reply = requests.get(f"{self.url}{path}", headers=headers, timeout=30)
         reply.raise_for_status()
         return reply.json()
 

@@ -167,7 +167,7 @@ def test_a_request_that_fails_inside_vllm_leaves_the_engine_clean(
             **{**RequestConfig().model_dump(), "seed": 2**64, "temperature": 1.0, "max_tokens": 4}
         )
         with monkeypatch.context() as patch:
-            patch.setattr(server, "_checked", lambda body, times: (unchecked, prompts))
+            patch.setattr(server, "_checked", lambda body, times: (unchecked, prompts, None))
             with pytest.raises(ValueError, match=r"the engine refused the request .*Overflow"):
                 server.infer(good)
         done: dict[str, Any] = {}
@@ -194,14 +194,13 @@ def test_sync_needs_the_token_and_the_lease_and_keeps_the_version_when_refused(
     )
     cfg = server_config(servers=[{"base_url": server.url, "group_port": free_port()}], timeout_s=30)
     monkeypatch.delenv("ROLLMATCH_API_KEY", raising=False)
-    anonymous = _backend(cfg, tiny_model_dir, prompt_encoder, model)  # GETs are open: start-up passes
-    with pytest.raises(BackendError, match=r"HTTP 401: missing API key.*set ROLLMATCH_API_KEY"):
-        anonymous.sync_weights(model, 1)
-    assert server.get("/stats/")["weight_version"] == 0
+    with pytest.raises(BackendError, match=r"/info/\) -> HTTP 401: missing API key.*set ROLLMATCH_API_KEY"):
+        _backend(cfg, tiny_model_dir, prompt_encoder, model)  # /info/ needs the key: start-up fails
+    assert server.get("/stats/", api_key="k3y")["weight_version"] == 0
     monkeypatch.setenv("ROLLMATCH_API_KEY", "k3y")
     trainer = _backend(cfg, tiny_model_dir, prompt_encoder, model)
     trainer.sync_weights(model, 1)
-    assert server.get("/stats/")["weight_version"] == 1
+    assert server.get("/stats/", api_key="k3y")["weight_version"] == 1
     finish = {"version": 2, "mode": "full", "bucket_checksums": [], "checksum": ""}
     for headers in ({}, {"Authorization": "Bearer nope"}):
         reply = requests.post(f"{server.url}/finish_weight_update/", json=finish, headers=headers, timeout=30)
@@ -220,14 +219,14 @@ def test_sync_needs_the_token_and_the_lease_and_keeps_the_version_when_refused(
         timeout=30,
     )
     assert reply.status_code == 409 and "sync lease" in reply.text  # authenticated, but not the lease holder
-    stats = server.get("/stats/")
+    stats = server.get("/stats/", api_key="k3y")
     assert stats["weight_version"] == 1 and stats["communicator"] == "ready"
     trainer.sync_weights(model, 2)  # the lease holder still pushes
-    assert server.get("/stats/")["weight_version"] == 2
+    assert server.get("/stats/", api_key="k3y")["weight_version"] == 2
     other = _backend(cfg, tiny_model_dir, prompt_encoder, model)
     other.sync_weights(model, 3)  # a restarted trainer takes the group over...
     with pytest.raises(SyncError, match="sync lease"):
         trainer._push_mode(model, 4, "full")  # ...and the previous holder is refused with the reason
-    assert server.get("/stats/")["weight_version"] == 3
-    for backend in (anonymous, trainer, other):
+    assert server.get("/stats/", api_key="k3y")["weight_version"] == 3
+    for backend in (trainer, other):
         backend.close()

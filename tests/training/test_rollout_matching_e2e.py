@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from rollmatch.config.schema import TrainingConfig
+from rollmatch.training.checkpoints import COMPLETE_MARKER, latest_complete_checkpoint
 from rollmatch.training.entry import run_training
-from rollmatch.training.trainer import COMPLETE_MARKER, latest_complete_checkpoint
 
 
 @pytest.mark.heavy
