@@ -67,7 +67,7 @@ def train(
     cfg = load_config_dict(
         {
             "model": {"path": str(model_dir)},
-            "data": {"train_jsonl": str(train_jsonl), "val_jsonl": None},
+            "data": {"train_jsonl": str(train_jsonl), "val_jsonl": None, "coord_frame": "norm1000"},
             "custom": {
                 "trainer_variant": "stage2_ab_training",
                 "extra": {

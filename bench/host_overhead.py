@@ -107,7 +107,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_tiny_model("qwen2_5_vl", Path(tmp) / "model", seed=0)
         model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
-        encoder = PromptEncoder.from_pretrained(model_dir, DataConfig())
+        encoder = PromptEncoder.from_pretrained(model_dir, DataConfig(coord_frame="norm1000"))
         shapes = load_records(
             generate_shapes(Path(tmp) / "shapes", n_train=SAMPLES, n_val=1, size=224)["train"]
         )

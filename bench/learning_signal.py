@@ -306,7 +306,7 @@ def base_config(
 ) -> dict[str, Any]:
     return {
         "model": {"path": model, "dtype": "float32", "attn_implementation": "sdpa"},
-        "data": {"train_jsonl": str(splits["train"]), "val_jsonl": None},
+        "data": {"train_jsonl": str(splits["train"]), "val_jsonl": None, "coord_frame": "norm1000"},
         "custom": {
             "trainer_variant": "sft",
             "object_format": args.object_format,

@@ -88,7 +88,7 @@ def main() -> None:
     rng = np.random.default_rng(args.seed)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_tiny_model("qwen2_5_vl", Path(tmp) / "model")
-        encoder = PromptEncoder.from_pretrained(model_dir, DataConfig())
+        encoder = PromptEncoder.from_pretrained(model_dir, DataConfig(coord_frame="norm1000"))
         records = real_records(args.data)
         lengths = {
             "shapes": shapes_lengths(encoder, Path(tmp), n=600, seed=args.seed),

@@ -107,7 +107,7 @@ def main() -> None:
 def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     size = TinySize(**{f.name: getattr(args, f.name) for f in fields(TinySize) if f.name != "rope_theta"})
     model_dir = str(build_tiny_model(args.family, tmp / "model", size=size))
-    encoder = PromptEncoder.from_pretrained(model_dir, DataConfig())
+    encoder = PromptEncoder.from_pretrained(model_dir, DataConfig(coord_frame="norm1000"))
     rounds = args.repeats + 1
     records = from_voc(args.data / "raccoon")
     if len(records) < rounds * max(args.batch):

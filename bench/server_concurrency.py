@@ -79,7 +79,7 @@ def main() -> None:
 def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     size = TinySize(**{f.name: getattr(args, f.name) for f in fields(TinySize) if f.name != "rope_theta"})
     model_dir = build_tiny_model("qwen2_5_vl", tmp / "model", size=size)
-    encoder = PromptEncoder.from_pretrained(str(model_dir), DataConfig())
+    encoder = PromptEncoder.from_pretrained(str(model_dir), DataConfig(coord_frame="norm1000"))
     per_round = 2 * args.batch * sum(args.clients)
     needed = per_round * args.rounds + args.batch
     records = from_voc(args.data / "raccoon")

@@ -43,7 +43,7 @@ def train(root: Path, model_dir: Path, train_jsonl: Path, port: int, pipeline: b
     cfg = load_config_dict(
         {
             "model": {"path": str(model_dir)},
-            "data": {"train_jsonl": str(train_jsonl), "val_jsonl": None},
+            "data": {"train_jsonl": str(train_jsonl), "val_jsonl": None, "coord_frame": "norm1000"},
             "custom": {
                 "trainer_variant": "stage2_ab_training",
                 "extra": {

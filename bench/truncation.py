@@ -98,6 +98,7 @@ def base_config(out: Path, model: str, **training: Any) -> RollmatchConfig:
             "data": {
                 "train_jsonl": str(out / "data" / "train.jsonl"),
                 "val_jsonl": str(out / "data" / "val.jsonl"),
+                "coord_frame": "norm1000",
             },
             "custom": {
                 "extra": {"rollout_matching": {"rollout_backend": "hf", "max_new_tokens": MAX_NEW_TOKENS}}
@@ -154,7 +155,7 @@ def target_stats(model_dir: str, out: Path) -> dict[str, float]:
     from rollmatch.rollout.hf import HFBackend
     from rollmatch.rollout.types import Decoding
 
-    encoder = PromptEncoder.from_pretrained(model_dir, DataConfig())
+    encoder = PromptEncoder.from_pretrained(model_dir, DataConfig(coord_frame="norm1000"))
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
     codec = build_codec("qwen_json", encoder.tokenizer, [encoder.eos_token_id])
     backend = HFBackend(

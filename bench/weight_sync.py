@@ -179,7 +179,7 @@ def bench_server(args: argparse.Namespace) -> dict[str, Any]:
     from rollmatch.server.engines import build_engine
 
     model_dir = build_tiny_model("qwen2_5_vl", Path(tempfile.mkdtemp(prefix="bench-sync-")) / "model")
-    encoder = PromptEncoder.from_pretrained(model_dir, DataConfig())
+    encoder = PromptEncoder.from_pretrained(model_dir, DataConfig(coord_frame="norm1000"))
     decoding = Decoding(max_new_tokens=args.max_new_tokens)
     rounds = _photo_rounds(encoder, args.requests, args.repeats + 1)  # new photographs every round
     process, url = _start_server(model_dir, args.engine, args.threads)

@@ -158,6 +158,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-pixels", type=int, default=None, help="image processor max_pixels (data.max_pixels)"
     )
+    p.add_argument(
+        "--coord-frame",
+        choices=["auto", "norm1000", "pixels"],
+        default="auto",
+        help="box frame the trainer serializes in (data.coord_frame; auto: the model family's), "
+        "reported by GET /info/ and checked by the trainer at start-up",
+    )
     # Security and limits (docs/server.md, "Security model"); None = the default of server.limits.ServerLimits.
     # Access (rollmatch.server.gate): a --host that is not loopback needs a key or --insecure-no-auth.
     key = p.add_mutually_exclusive_group()
@@ -228,18 +235,27 @@ def _add_launch_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     p = sub.add_parser(
         "launch",
         help="Start rollout servers and the torchrun learner on disjoint devices; stop them all on exit.",
-        description="GPUs: --server-devices 0,1,2,3,4,5 --learner-devices 6,7 [--tensor-parallel-size 2]; "
-        "CPU: --cpu --servers 1 --learner-procs 2. Overrides go right after the config.",
+        description="GPUs: --server-devices 0,1,2,3,4,5 --learner-devices 6,7 [--tensor-parallel-size 2] "
+        "(or the config's launch: section); CPU: --cpu --servers 1 --learner-procs 2; several nodes: "
+        "launch.nodes.* (docs/runbook.md). Overrides go right after the config.",
     )
     p.add_argument("config", help="YAML config (the one `train` takes) with vllm.mode: server")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. training.max_steps=10")
-    p.add_argument("--server-devices", default="", help="GPUs of the rollout servers, e.g. 0,1,2,3")
-    p.add_argument("--learner-devices", default="", help="GPUs of the learner (one torchrun rank each)")
+    p.add_argument(
+        "--server-devices",
+        default="",
+        help="GPUs of the rollout servers, e.g. 0,1,2,3 (launch.server_devices)",
+    )
+    p.add_argument(
+        "--learner-devices",
+        default="",
+        help="GPUs of the learner, one torchrun rank each (launch.learner_devices)",
+    )
     p.add_argument(
         "--tensor-parallel-size",
         type=_positive_int,
         default=None,
-        help="GPUs per server (default: vllm.tensor_parallel_size); servers = server devices / this",
+        help="GPUs per server (default: launch.tensor_parallel_size, 1); servers = server devices / this",
     )
     p.add_argument("--cpu", action="store_true", help="run every process on the CPU (gloo learner)")
     p.add_argument("--servers", type=_positive_int, default=None, help="--cpu: rollout servers (default 1)")
@@ -251,12 +267,30 @@ def _add_launch_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     only.add_argument(
         "--learner-only", action="store_true", help="start only the learner (config names servers)"
     )
-    p.add_argument("--engine", choices=["vllm", "hf"], default="vllm", help="rollout server engine")
-    p.add_argument("--port-base", type=int, default=None, help="fixed ports from here (default: free ports)")
     p.add_argument(
-        "--grace-s", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL at teardown"
+        "--engine", choices=["vllm", "hf"], default=None, help="rollout server engine (launch.engine, vllm)"
     )
-    p.add_argument("--dry-run", action="store_true", help="print commands and environment; start nothing")
+    p.add_argument(
+        "--port-base",
+        type=int,
+        default=None,
+        help="fixed ports from here (launch.port_base; default: free ports)",
+    )
+    p.add_argument(
+        "--grace-s",
+        type=float,
+        default=None,
+        help="seconds between SIGTERM and SIGKILL at teardown (launch.grace_s, 10)",
+    )
+    p.add_argument(
+        "--dry-run", action="store_true", help="print every node's commands and environment; start nothing"
+    )
+    p.add_argument(
+        "--emit",
+        choices=["slurm"],
+        default=None,
+        help="print an sbatch script that runs this launch on launch.nodes.count nodes; start nothing",
+    )
 
 
 def _positive_int(text: str) -> int:

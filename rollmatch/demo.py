@@ -47,7 +47,12 @@ PICTURE_COUNT = 4  # val images per row of pictures.png
 # Shared by both phases; phase-specific keys are in SFT_PHASE / ROLLOUT_PHASE.
 DEMO_CONFIG: dict[str, Any] = {
     "model": {"path": "{out}/model", "dtype": "float32", "attn_implementation": "sdpa"},
-    "data": {"train_jsonl": "{out}/data/train.jsonl", "val_jsonl": "{out}/data/val.jsonl"},
+    # norm1000 explicitly: the random tiny Qwen2.5-VL has no pretraining frame to keep (auto: pixels)
+    "data": {
+        "train_jsonl": "{out}/data/train.jsonl",
+        "val_jsonl": "{out}/data/val.jsonl",
+        "coord_frame": "norm1000",
+    },
     "custom": {
         "extra": {
             "rollout_matching": {

@@ -205,7 +205,7 @@ def run_eval(cfg: RollmatchConfig, records: Sequence[Record], predictions_path: 
 
     if cfg.eval.max_samples is not None:
         records = records[: cfg.eval.max_samples]
-    encoder = PromptEncoder.from_pretrained(cfg.model.path, cfg.data)
+    encoder = PromptEncoder.from_pretrained(cfg.model.path, cfg.data, object_format=cfg.custom.object_format)
     model = load_pretrained(cfg)  # an evaluated model dir has adapters merged already
     codec = build_codec(cfg.custom.object_format, encoder.tokenizer, [encoder.eos_token_id])
     backend = build_backend(

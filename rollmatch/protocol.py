@@ -491,6 +491,14 @@ class FinishUpdateReply(BaseModel):
 
 
 # ----------------------------------------------------------------------------------------- info
+class ImageProbe(BaseModel):
+    """How the server's processor resizes a fixed probe image (``data.prompts.image_probe``)."""
+
+    size: tuple[int, int]  # (W, H) of the probe
+    resized: tuple[int, int]  # (W, H) after the resize: the `pixels` frame of such an image
+    image_tokens: int
+
+
 class ServerInfo(BaseModel):
     """``GET /info/``: what the trainer cross-checks at start-up, plus serving facts."""
 
@@ -505,6 +513,11 @@ class ServerInfo(BaseModel):
     sync_modes: list[str]
     # the `custom.object_format`s this server's tokenizer can decode (coord_tokens needs its tokens)
     object_formats: list[str] = Field(default_factory=lambda: ["qwen_json"])
+    # The frame and resize the server serves (None: a server from before these fields; not compared).
+    coord_frame: str | None = None  # `rollmatch serve --coord-frame`, resolved (norm1000 / pixels)
+    min_pixels: int | None = None  # the processor's resize bounds (`--min-pixels` / `--max-pixels`)
+    max_pixels: int | None = None
+    image_probe: ImageProbe | None = None
 
 
 class ServerHealth(BaseModel):

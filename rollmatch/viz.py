@@ -5,7 +5,8 @@ truth dashed, every box with its label), :func:`render_pictures` (records + a pr
 -> one PNG per image and ``grid.png``), :func:`compose_grid` (titled rows of pictures, e.g. a
 before/after comparison) and the ``rollmatch viz`` command.
 Leaves out: rolling out and scoring (``rollmatch.evaluation`` writes the predictions JSONL read
-here). Matching is redone here with the evaluation's ``matching.*`` settings (Hungarian; by default
+here), and coordinate frames: records and predictions are both pixels of the original image, whatever
+frame the model answered in (``rollmatch eval`` converted them), so nothing here depends on the model. Matching is redone here with the evaluation's ``matching.*`` settings (Hungarian; by default
 IoU >= 0.5, geometry only), on boxes in pixels of the original image; the evaluation matches the same
 boxes in its integer coordinate frame, so a pair within rounding of the IoU threshold can be drawn
 differently.

@@ -158,3 +158,39 @@ def test_eval_command_without_config_runs_as_the_readme_says(
     start = max(i for i, line in enumerate(lines) if line == "{")
     result = json.loads("\n".join(lines[start:]))
     assert result["num_samples"] == 2 and len(out.read_text().splitlines()) == 2
+
+
+def test_eval_reads_each_checkpoint_frame_without_a_flag(
+    tiny_model_dirs: dict[str, Path], shapes: dict[str, Path], tmp_path: Path
+) -> None:
+    """A Qwen2.5-VL (pixels) and a Qwen3-VL (norm1000) checkpoint on the same JSONL, each answering
+    in its own frame: both score every box and write the same original-pixel boxes."""
+    records: list[Record] = load_records(shapes["val"])
+    written: dict[str, list[dict]] = {}
+    for family, frame in (("qwen2_5_vl", "pixels"), ("qwen3_vl", "norm1000")):
+        cfg = load_config(None, [f"model.path={tiny_model_dirs[family]}"])  # as `rollmatch eval --model` does
+        encoder = PromptEncoder.from_pretrained(
+            cfg.model.path, cfg.data, object_format=cfg.custom.object_format
+        )
+        assert encoder.coord_frame == frame
+        codec = build_codec("qwen_json", encoder.tokenizer, [encoder.eos_token_id])
+        texts = {r.id: codec.serialize(encoder.gt_objects(r, encoder.encode(r))) for r in records}
+        out = tmp_path / f"{family}.jsonl"
+        result = evaluate(
+            ReplayBackend(encoder.tokenizer, texts),
+            encoder,
+            codec,
+            records,
+            decoding=Decoding(),
+            matching=MatchingConfig(),
+            predictions_path=str(out),
+            progress=False,
+        )
+        assert result.f1 == 1.0
+        written[family] = [json.loads(line) for line in out.read_text().splitlines()]
+    for record, a, b in zip(records, written["qwen2_5_vl"], written["qwen3_vl"], strict=True):
+        pairs = zip(
+            sorted(o["bbox"] for o in a["objects"]), sorted(o["bbox"] for o in b["objects"]), strict=True
+        )
+        for box_a, box_b in pairs:  # within one resized pixel of the coarser frame (224 px -> >= 56 px)
+            assert all(abs(x - y) <= record.width / 56 for x, y in zip(box_a, box_b, strict=True))

@@ -61,7 +61,7 @@ def test_val_coordinate_loss_is_lower_with_the_own_image(tmp_path: Path) -> None
     cfg = load_config_dict(
         {
             "model": {"path": str(model)},
-            "data": {"train_jsonl": str(train), "val_jsonl": None},
+            "data": {"train_jsonl": str(train), "val_jsonl": None, "coord_frame": "norm1000"},
             "custom": {"trainer_variant": "sft"},
             "training": {
                 "output_dir": str(tmp_path / "sft"),
@@ -79,6 +79,6 @@ def test_val_coordinate_loss_is_lower_with_the_own_image(tmp_path: Path) -> None
         }
     )
     final = run_training(cfg).final_model_dir
-    losses = image_use(final, load_records(val), DataConfig())
+    losses = image_use(final, load_records(val), DataConfig(coord_frame="norm1000"))
     print(losses)
     assert losses["own"] < 0.75 * losses["shuffled"], losses

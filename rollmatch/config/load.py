@@ -31,6 +31,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
+from rollmatch.config.frames import describe_coord_frame
 from rollmatch.config.legacy import aliased_section_conflicts, translate_legacy
 from rollmatch.config.rules import check_config
 from rollmatch.config.schema import RollmatchConfig
@@ -86,8 +87,9 @@ def config_to_json(cfg: RollmatchConfig) -> str:
 def check_config_command(args: argparse.Namespace) -> int:
     """``rollmatch check-config FILE [overrides...] [--json]``: print the resolved config, or every problem.
 
-    Exit 0 with the config on stdout; exit 2 with every problem (key, value, fix) on stderr.
-    Deprecation warnings go to stderr in both cases.
+    Exit 0 with the config on stdout and the resolved ``data.coord_frame`` (``resolved: ...``) on
+    stderr; exit 2 with every problem (key, value, fix) on stderr. Deprecation warnings go to stderr
+    in both cases.
     """
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", DeprecationWarning)
@@ -95,12 +97,16 @@ def check_config_command(args: argparse.Namespace) -> int:
             cfg = load_config(args.config, args.overrides)
         except ConfigError as exc:
             _print_warnings(caught)
-            print(f"{args.config}: invalid config ({len(exc.problems)} problem(s)):", file=sys.stderr)
-            for problem in exc.problems:
-                print(f"  - {problem.key} = {problem.shown_value}\n      fix: {problem.fix}", file=sys.stderr)
+            _print_problems(args.config, exc)
             return 2
     _print_warnings(caught)
+    try:
+        frame = describe_coord_frame(cfg.data.coord_frame, cfg.model.path, cfg.custom.object_format)
+    except ConfigError as exc:
+        _print_problems(args.config, exc)
+        return 2
     print(config_to_json(cfg) if getattr(args, "json", False) else config_to_yaml(cfg), end="")
+    print(f"resolved: {frame}", file=sys.stderr)
     return 0
 
 
@@ -399,6 +405,12 @@ def _dedupe(problems: list[ConfigProblem]) -> list[ConfigProblem]:
 
 def _plain(cfg: RollmatchConfig) -> dict[str, Any]:
     return cfg.model_dump(mode="json", by_alias=True)
+
+
+def _print_problems(source: Any, exc: ConfigError) -> None:
+    print(f"{source}: invalid config ({len(exc.problems)} problem(s)):", file=sys.stderr)
+    for problem in exc.problems:
+        print(f"  - {problem.key} = {problem.shown_value}\n      fix: {problem.fix}", file=sys.stderr)
 
 
 def _print_warnings(caught: list[warnings.WarningMessage]) -> None:

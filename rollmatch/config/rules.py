@@ -21,6 +21,7 @@ from rollmatch.config.hf_args import (
     eval_runtime_problems,
     hf_args_problems,
 )
+from rollmatch.config.launch_rules import launch_problems
 from rollmatch.config.schema import RollmatchConfig, ServerConfig, ServerEndpoint
 from rollmatch.config.sharding import sharding_problems
 from rollmatch.errors import ConfigError, ConfigProblem
@@ -374,14 +375,14 @@ def _rule_target(cfg: RollmatchConfig) -> list[ConfigProblem]:
 
 
 def _rule_coord_tokens(cfg: RollmatchConfig) -> list[ConfigProblem]:
-    """`custom.object_format: coord_tokens` needs `data.coord_frame: norm1000`; the coordinate-only loss terms (`loss.coord_w1_weight`, `loss.geometry_*`) need `coord_tokens`."""
+    """`custom.object_format: coord_tokens` needs `data.coord_frame: norm1000` (or `auto`, which is norm1000 with coordinate tokens); the coordinate-only loss terms (`loss.coord_w1_weight`, `loss.geometry_*`) need `coord_tokens`."""
     if cfg.custom.object_format == "coord_tokens":
-        if cfg.data.coord_frame != "norm1000":
+        if cfg.data.coord_frame == "pixels":
             return [
                 ConfigProblem(
                     "data.coord_frame",
                     cfg.data.coord_frame,
-                    "custom.object_format: coord_tokens encodes k/999 of the image side; set data.coord_frame: norm1000",
+                    "custom.object_format: coord_tokens encodes k/999 of the image side; set data.coord_frame: norm1000 (or auto)",
                 )
             ]
         return []
@@ -430,6 +431,7 @@ STATIC_RULES: tuple[Rule, ...] = (
     hf_args_problems,
     eval_problems,
     sharding_problems,
+    launch_problems,
     dry_build_problems,  # last: only meaningful once the names and types above are right
 )
 

@@ -54,9 +54,9 @@ class DataConfig(Section):
         "runs/demo/data/train.jsonl", description="Training records (JSONL, docs/data.md)."
     )
     val_jsonl: str | None = Field("runs/demo/data/val.jsonl", description="Validation records, or null.")
-    coord_frame: Literal["norm1000", "pixels"] = Field(
-        "norm1000",
-        description="Box coordinate frame: 0..1000 of the image (Qwen3-VL) or pixels of the resized image (Qwen2.5-VL).",
+    coord_frame: Literal["auto", "norm1000", "pixels"] = Field(
+        "auto",
+        description="Box coordinate frame: `norm1000` (0..1000 of the image), `pixels` (pixels of the processor-resized image) or `auto`: the frame the checkpoint's family was pretrained in, from `model_type` in model.path's config.json (Qwen2.5-VL: pixels; Qwen2-VL, Qwen3-VL: norm1000; with `custom.object_format: coord_tokens`: norm1000). `check-config` prints the resolved frame.",
     )
     prompt: str = Field(
         "Detect every object in the image. Answer with a JSON list of "
@@ -240,7 +240,7 @@ class CustomConfig(Section):
     )
     object_format: Literal["qwen_json", "coord_tokens"] = Field(
         "qwen_json",
-        description="Serialization of the object list: `qwen_json` (coordinates as digits) or `coord_tokens` (each coordinate one of 1,000 bin tokens `<|coord_k|>`; needs a checkpoint with the tokens, `rollmatch add-coord-tokens`, and `data.coord_frame: norm1000`; docs/detection.md).",
+        description="Serialization of the object list: `qwen_json` (coordinates as digits) or `coord_tokens` (each coordinate one of 1,000 bin tokens `<|coord_k|>`; needs a checkpoint with the tokens, `rollmatch add-coord-tokens`, and `data.coord_frame` `norm1000` or `auto` (norm1000 here); docs/detection.md).",
     )
     extra: ExtraConfig = Field(default_factory=ExtraConfig)
 
@@ -390,6 +390,81 @@ class EvalConfig(Section):
     )
 
 
+# -------------------------------------------------------------------------------------------- launch
+NodeRole = Literal["servers", "learner", "both"]
+
+
+class NodesConfig(Section):
+    """The machines one `rollmatch launch` per node spans (docs/runbook.md, "Launch")."""
+
+    count: int = Field(1, gt=0, description="Nodes taking part; one `rollmatch launch` runs on each.")
+    rank: int = Field(
+        0, ge=0, description="This node's index in 0..count-1 (set per node, e.g. `launch.nodes.rank=1`)."
+    )
+    hosts: list[str] = Field(
+        default_factory=list,
+        description="Each node's address, in rank order (servers on node i bind hosts[i]; the learner reaches them "
+        "there); needed when count > 1. Empty: one node on 127.0.0.1.",
+    )
+    rendezvous: str | None = Field(
+        None,
+        description="HOST:PORT of the learner's torchrun c10d rendezvous (a learner node's address); needed when "
+        "count > 1. null on one node: 127.0.0.1 and a free port (or the last of --port-base's).",
+    )
+    roles: list[NodeRole] = Field(
+        default_factory=list,
+        description="What each node runs, in rank order: `servers`, `learner` or `both`. Empty: every node runs both.",
+    )
+    join_timeout_s: float = Field(
+        600.0, gt=0.0, description="How long torchrun waits for every learner node to join the rendezvous."
+    )
+
+    def role(self, rank: int) -> NodeRole:
+        """What node ``rank`` runs (``both`` when ``roles`` is empty)."""
+        return self.roles[rank] if self.roles else "both"
+
+
+class LaunchSettings(Section):
+    """`rollmatch launch`: which devices run rollout servers and the learner, on which nodes. Every key
+    can be given on the command line too (`--server-devices`, ... override these)."""
+
+    server_devices: list[int] = Field(
+        default_factory=list,
+        description="GPUs of the rollout servers on each node that runs servers (`--server-devices`).",
+    )
+    learner_devices: list[int] = Field(
+        default_factory=list,
+        description="GPUs of the learner on each node that runs it, one torchrun rank each (`--learner-devices`).",
+    )
+    tensor_parallel_size: int = Field(
+        1,
+        gt=0,
+        description="GPUs per rollout server; servers per node = server devices / this (`--tensor-parallel-size`). "
+        "Its own default, independent of the colocated engine's `vllm.tensor_parallel_size`.",
+    )
+    servers_per_node: int | None = Field(
+        None,
+        gt=0,
+        description="With `--cpu`: servers per server node (default 1, `--servers`). On GPUs the devices decide; "
+        "when set it must equal server devices / tensor_parallel_size.",
+    )
+    learner_procs_per_node: int | None = Field(
+        None, gt=0, description="With `--cpu`: learner ranks per learner node (default 1, `--learner-procs`)."
+    )
+    port_base: int | None = Field(
+        None,
+        ge=1024,
+        lt=65536,
+        description="Fixed ports from here: server i gets HTTP port_base+2i and group port +2i+1 on its node "
+        "(`--port-base`). Needed when nodes.count > 1 (every node must know every server's port); null: free ports.",
+    )
+    engine: Literal["vllm", "hf"] = Field("vllm", description="Rollout server engine (`--engine`).")
+    grace_s: float = Field(
+        10.0, ge=0.0, description="Seconds between SIGTERM and SIGKILL at teardown (`--grace-s`)."
+    )
+    nodes: NodesConfig = Field(default_factory=NodesConfig)
+
+
 # -------------------------------------------------------------------------------------------- root
 class RollmatchConfig(Section):
     """Top-level sections of a run config."""
@@ -402,6 +477,7 @@ class RollmatchConfig(Section):
     stage2_ab: Stage2ABConfig = Field(default_factory=Stage2ABConfig)
     training: TrainingConfig = Field(default_factory=TrainingConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    launch: LaunchSettings = Field(default_factory=LaunchSettings)
 
     @property
     def rollout(self) -> RolloutMatchingConfig:

@@ -8,7 +8,8 @@ Leaves out: reading JSONL records (``data.records``), serializing objects (``det
 building training targets (``detection.targets``).
 
 Frames: ``norm1000`` boxes are 0..1000 of the original image; ``pixels`` boxes are pixels of the
-processor-resized image, whose size is ``image_grid_thw`` (h, w) times the patch size.
+processor-resized image, whose size is ``image_grid_thw`` (h, w) times the patch size. ``auto`` is
+resolved once, in :meth:`PromptEncoder.from_pretrained`, from the model directory's family.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from PIL import Image
 
+from rollmatch.config.frames import resolve_coord_frame
 from rollmatch.data.records import load_image
 from rollmatch.data.requests import RolloutRequest
 from rollmatch.detection.objects import CoordFrame, DetObject, canonical_order, to_frame
@@ -86,6 +88,17 @@ class PromptEncoder:
     """Encodes records into prompts with one processor, prompt text and coordinate frame."""
 
     def __init__(self, processor: Any, prompt: str, coord_frame: CoordFrame):
+        if coord_frame not in ("norm1000", "pixels"):
+            raise ConfigError(
+                [
+                    ConfigProblem(
+                        "data.coord_frame",
+                        coord_frame,
+                        "PromptEncoder takes a resolved frame: build it with PromptEncoder.from_pretrained "
+                        "(resolves auto), or pass norm1000 / pixels",
+                    )
+                ]
+            )
         self.processor = processor
         self.prompt = prompt
         self.coord_frame: CoordFrame = coord_frame
@@ -94,13 +107,21 @@ class PromptEncoder:
         self.image_token_id = int(self.tokenizer.convert_tokens_to_ids("<|image_pad|>"))
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path, data_cfg: DataConfig) -> PromptEncoder:
-        """Load the model directory's processor; ``data.min_pixels``/``max_pixels`` override its sizes."""
+    def from_pretrained(
+        cls, model_dir: str | Path, data_cfg: DataConfig, *, object_format: str = "qwen_json"
+    ) -> PromptEncoder:
+        """Load the model directory's processor; ``data.min_pixels``/``max_pixels`` override its sizes.
+
+        ``data.coord_frame: auto`` resolves from the directory's family
+        (:func:`rollmatch.config.frames.resolve_coord_frame`; ``object_format`` is
+        ``custom.object_format``, whose ``coord_tokens`` make ``auto`` norm1000).
+        """
         from transformers import AutoProcessor
 
+        frame = resolve_coord_frame(data_cfg.coord_frame, model_dir, object_format=object_format)
         processor = AutoProcessor.from_pretrained(str(model_dir))
         set_pixel_bounds(processor, data_cfg.min_pixels, data_cfg.max_pixels)
-        return cls(processor, data_cfg.prompt, data_cfg.coord_frame)
+        return cls(processor, data_cfg.prompt, frame)
 
     @property
     def tokenizer(self) -> Any:
@@ -179,6 +200,19 @@ class PromptEncoder:
     def frame_extent(self, encoded: EncodedPrompt) -> tuple[int, int]:
         """The largest ``(x, y)`` coordinate of the frame: ``(1000, 1000)`` or the resized image size."""
         return _frame_extent(self.coord_frame, encoded.frame_sizes[0])
+
+
+PROBE_IMAGE_SIZE = (1237, 411)  # (W, H): not a multiple of any patch size, aspect changed by the resize
+
+
+def image_probe(processor: Any, size: tuple[int, int] = PROBE_IMAGE_SIZE) -> tuple[tuple[int, int], int]:
+    """``((W, H) resized, image tokens)`` the processor makes of a ``size`` image: what trainer and
+    rollout server must agree on (the ``pixels`` frame and the prompt length both follow from it)."""
+    image_processor = processor.image_processor
+    grid = image_processor(images=[Image.new("RGB", size)], return_tensors="pt")["image_grid_thw"][0]
+    patch, merge = int(image_processor.patch_size), int(image_processor.merge_size)
+    t, h, w = (int(v) for v in grid.tolist())
+    return (w * patch, h * patch), t * h * w // (merge * merge)
 
 
 def set_pixel_bounds(processor: Any, min_pixels: int | None, max_pixels: int | None) -> None:

@@ -1,13 +1,15 @@
 """``rollmatch launch``: read the config, refuse what cannot run, print the plan, then run it.
 
-Owns: :func:`launch_command` (top to bottom: request -> config -> checks -> ports and key -> plan ->
-dry run or :func:`~rollmatch.launch.supervisor.run_plan`) and where the API key comes from. Leaves out:
+Owns: :func:`launch_command` (top to bottom: config -> request (flags over ``launch:``) -> checks ->
+``--emit slurm`` (``launch.slurm``), or ports and key -> plan -> dry run (every node's plan) or
+:func:`~rollmatch.launch.supervisor.run_plan` (this node's)) and where the API key comes from. Leaves out:
 layout rules (``launch.layout``), commands (``launch.plan``) and processes (``launch.supervisor``).
 
 API key: every launch that starts servers generates a fresh key (``secrets.token_urlsafe``) and hands
 it to every server and the learner in the environment (``ROLLMATCH_API_KEY``), never on a command
-line, never printed. ``--servers-only`` also writes it to ``<output_dir>/launch/api_key`` (mode 0600),
-where a later ``--learner-only`` launch on the same output directory finds it (unless
+line, never printed. Several nodes share one key: ``ROLLMATCH_API_KEY`` from the environment, required
+unless every node is a loopback address. ``--servers-only`` also writes it to
+``<output_dir>/launch/api_key`` (mode 0600), where a later ``--learner-only`` launch on the same output directory finds it (unless
 ``ROLLMATCH_API_KEY`` is set in its environment).
 
 One launch per output directory: its launch record (``launch/pids.json``; ``pids-learner.json`` for
@@ -25,18 +27,29 @@ import secrets
 import socket
 from pathlib import Path
 
+from rollmatch.config.schema import LaunchSettings, RollmatchConfig
 from rollmatch.errors import ConfigProblem, LaunchError
-from rollmatch.launch.layout import LaunchRequest, derive_layout, parse_devices, request_problems
+from rollmatch.launch.layout import (
+    LaunchRequest,
+    derive_layout,
+    parse_devices,
+    request_problems,
+    with_settings,
+)
 from rollmatch.launch.plan import (
     API_KEY_ENV,
+    LaunchConfig,
+    LaunchPlan,
     build_plan,
     free_ports,
     load_launch_config,
+    node_launch_dir,
     ports_needed,
     render_plan,
     sequential_ports,
 )
 from rollmatch.launch.processes import previous_launch, write_pids
+from rollmatch.launch.slurm import slurm_script
 from rollmatch.launch.supervisor import PIDS_NAME, run_plan
 from rollmatch.launch.watchdog import stop_trees
 
@@ -45,39 +58,57 @@ API_KEY_FILE = "api_key"
 
 def launch_command(args: argparse.Namespace) -> int:
     """Build -> check -> plan -> run (or print, with ``--dry-run``); the exit code (see ``launch.supervisor``)."""
-    request = request_from_args(args)
-    launch = load_launch_config(request.config, request.overrides)
-    device_count, visible = (None, None) if request.dry_run or request.cpu else cuda_devices()
+    launch = load_launch_config(args.config, tuple(args.overrides))
+    request = with_settings(request_from_args(args, launch.cfg.launch), launch.cfg.launch)
+    emit = getattr(args, "emit", None)
+    planned = request.dry_run or request.cpu or emit is not None  # no devices needed here
+    device_count, visible = (None, None) if planned else cuda_devices()
     problems = request_problems(
         request, launch.cfg, launch.named_servers, device_count=device_count, visible_devices=visible
     )
     if problems:
         raise LaunchError(problems)
+    if emit == "slurm":
+        print(slurm_script(launch.cfg, request), end="", flush=True)
+        return 0
 
-    layout = derive_layout(request, launch.cfg)
-    launch_dir = Path(launch.cfg.training.output_dir) / "launch"
-    count = ports_needed(layout)
-    if request.port_base is not None:
-        ports = sequential_ports(request.port_base)(count)
-        _check_port_base(request.port_base, ports, check_free=not request.dry_run)
-    else:
-        ports = free_ports(count)
-    api_key = _learner_only_key(launch_dir) if request.learner_only else secrets.token_urlsafe(32)
-    plan = build_plan(launch, request, layout, ports, api_key=api_key)
-
-    print(render_plan(plan), end="", flush=True)
     if request.dry_run:
+        for rank in range(launch.cfg.launch.nodes.count):  # every node's commands, this one's included
+            node = with_settings(request_from_args(args, launch.cfg.launch), launch.cfg.launch, rank)
+            problems = request_problems(node, launch.cfg, launch.named_servers, device_count=None)
+            if problems:
+                raise LaunchError(problems)
+            print(render_plan(_node_plan(launch, node, check_ports=False)[0]), end="", flush=True)
         print("dry run: nothing started, nothing written")
         return 0
+    plan, launch_dir = _node_plan(launch, request, check_ports=True)
+    print(render_plan(plan), end="", flush=True)
     pids_name = "pids-learner.json" if request.learner_only else PIDS_NAME
     claim_launch_dir(launch_dir / pids_name, grace_s=request.grace_s)
+    api_key = plan.servers[0].env.get(API_KEY_ENV) if plan.servers else None
     if request.servers_only and api_key is not None:
         _write_key_file(launch_dir / API_KEY_FILE, api_key)
     return run_plan(plan, grace_s=request.grace_s, pids_name=pids_name)
 
 
-def request_from_args(args: argparse.Namespace) -> LaunchRequest:
-    """The parsed command line as a :class:`LaunchRequest` (device lists checked here)."""
+def _node_plan(launch: LaunchConfig, request: LaunchRequest, *, check_ports: bool) -> tuple[LaunchPlan, Path]:
+    layout = derive_layout(request, launch.cfg)
+    launch_dir = node_launch_dir(launch.cfg, request.node_rank)
+    count = ports_needed(layout, node_count=launch.cfg.launch.nodes.count)
+    if request.port_base is not None:
+        ports = sequential_ports(request.port_base)(max(count, 1))
+        if count:
+            _check_port_base(request.port_base, ports[:count], check_free=check_ports)
+    else:
+        ports = free_ports(count)
+    api_key = _launch_key(launch.cfg, request, launch_dir)
+    return build_plan(launch, request, layout, ports, api_key=api_key), launch_dir
+
+
+def request_from_args(args: argparse.Namespace, settings: LaunchSettings | None = None) -> LaunchRequest:
+    """The parsed command line as a :class:`LaunchRequest` (device lists checked here); flags left out
+    take ``settings`` (the config's ``launch`` section) where they have no device meaning."""
+    settings = settings or LaunchSettings()
     problems: list[ConfigProblem] = []
     devices = {}
     for flag in ("server_devices", "learner_devices"):
@@ -99,10 +130,10 @@ def request_from_args(args: argparse.Namespace) -> LaunchRequest:
         learner_procs=args.learner_procs,
         servers_only=args.servers_only,
         learner_only=args.learner_only,
-        engine=args.engine,
+        engine=args.engine or settings.engine,
         port_base=args.port_base,
         dry_run=args.dry_run,
-        grace_s=args.grace_s,
+        grace_s=args.grace_s if args.grace_s is not None else settings.grace_s,
     )
 
 
@@ -181,6 +212,28 @@ def _port_free(port: int) -> bool:
 
 def _say(message: str) -> None:
     print(f"[launch] {message}", flush=True)
+
+
+def _launch_key(cfg: RollmatchConfig, request: LaunchRequest, launch_dir: Path) -> str | None:
+    """A fresh key on one node; ``ROLLMATCH_API_KEY`` (or none) on several, which must share one key
+    without a file; ``--learner-only``: :func:`_learner_only_key`."""
+    if request.learner_only:
+        return _learner_only_key(launch_dir)
+    if cfg.launch.nodes.count > 1:
+        key = os.environ.get(API_KEY_ENV)
+        if key or request.dry_run or all(h.startswith("127.") for h in cfg.launch.nodes.hosts):
+            return key or None
+        raise LaunchError(
+            [
+                ConfigProblem(
+                    f"${API_KEY_ENV}",
+                    None,
+                    f"{cfg.launch.nodes.count} nodes share one key that servers and learner check: export the same "
+                    f"{API_KEY_ENV} on every node (the script of `rollmatch launch --emit slurm` makes one per job)",
+                )
+            ]
+        )
+    return secrets.token_urlsafe(32)
 
 
 def _learner_only_key(launch_dir: Path) -> str | None:

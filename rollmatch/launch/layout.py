@@ -1,6 +1,7 @@
 """What a launch asks for, every reason it cannot run, and the device layout it gets.
 
-Owns: :class:`LaunchRequest` (the command line as data), :func:`parse_devices`,
+Owns: :class:`LaunchRequest` (the command line as data), :func:`with_settings` (flags over the config's
+``launch:`` section, for one node of ``launch.nodes``), :func:`parse_devices`,
 :func:`request_problems` (flags, config and devices checked together, before any process starts) and
 :func:`derive_layout` (devices -> servers of ``tensor_parallel_size`` devices each, learner ranks).
 Leaves out: ports, hosts, commands (``launch.plan``) and processes (``launch.processes``).
@@ -12,17 +13,17 @@ so a layout the trainer would refuse is refused here first.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 from urllib.parse import urlparse
 
 from rollmatch.config.rules import check_runtime
-from rollmatch.config.schema import RollmatchConfig, ServerEndpoint
+from rollmatch.config.schema import LaunchSettings, RollmatchConfig, ServerEndpoint
 from rollmatch.errors import ConfigProblem
 
 VLLM_KEY = "custom.extra.rollout_matching.vllm"
 SERVERS_KEY = f"{VLLM_KEY}.server.servers"
-TP_KEY = f"{VLLM_KEY}.tensor_parallel_size"
+TP_KEY = "launch.tensor_parallel_size"
 Engine = Literal["vllm", "hf"]
 
 
@@ -34,7 +35,7 @@ class LaunchRequest:
     overrides: tuple[str, ...] = ()
     server_devices: tuple[int, ...] = ()
     learner_devices: tuple[int, ...] = ()
-    tensor_parallel_size: int | None = None  # None: the config's vllm.tensor_parallel_size
+    tensor_parallel_size: int | None = None  # None: the config's launch.tensor_parallel_size
     cpu: bool = False
     servers: int | None = None  # --cpu only; default 1
     learner_procs: int | None = None  # --cpu only; default 1
@@ -44,14 +45,43 @@ class LaunchRequest:
     port_base: int | None = None  # None: free ports picked by the OS
     dry_run: bool = False
     grace_s: float = 10.0
+    node_rank: int = 0  # which node of launch.nodes this launch plans
+    node_runs_servers: bool = True  # launch.nodes.roles of node_rank
+    node_runs_learner: bool = True
 
     @property
     def starts_servers(self) -> bool:
-        return not self.learner_only
+        return self.node_runs_servers and not self.learner_only
 
     @property
     def starts_learner(self) -> bool:
-        return not self.servers_only
+        return self.node_runs_learner and not self.servers_only
+
+
+def with_settings(
+    request: LaunchRequest, settings: LaunchSettings, node_rank: int | None = None
+) -> LaunchRequest:
+    """``request`` for node ``node_rank`` (default ``launch.nodes.rank``): what its flags leave unset
+    comes from the config's ``launch`` section (flags override the config)."""
+    rank = settings.nodes.rank if node_rank is None else node_rank
+    role = settings.nodes.role(rank)
+    return replace(
+        request,
+        server_devices=request.server_devices or tuple(settings.server_devices),
+        learner_devices=request.learner_devices or tuple(settings.learner_devices),
+        servers=request.servers
+        if request.servers is not None or not request.cpu
+        else settings.servers_per_node,
+        learner_procs=(
+            request.learner_procs
+            if request.learner_procs is not None or not request.cpu
+            else settings.learner_procs_per_node
+        ),
+        port_base=request.port_base if request.port_base is not None else settings.port_base,
+        node_rank=rank,
+        node_runs_servers=role in ("servers", "both"),
+        node_runs_learner=role in ("learner", "both"),
+    )
 
 
 @dataclass(frozen=True)
@@ -83,10 +113,10 @@ def parse_devices(text: str) -> tuple[int, ...]:
 
 
 def tensor_parallel_size(request: LaunchRequest, cfg: RollmatchConfig) -> int:
-    """``--tensor-parallel-size``, else the config's ``vllm.tensor_parallel_size``; 1 on CPU."""
+    """``--tensor-parallel-size``, else the config's ``launch.tensor_parallel_size`` (default 1); 1 on CPU."""
     if request.cpu:
         return 1
-    return request.tensor_parallel_size or cfg.rollout.vllm.tensor_parallel_size
+    return request.tensor_parallel_size or cfg.launch.tensor_parallel_size
 
 
 def derive_layout(request: LaunchRequest, cfg: RollmatchConfig) -> Layout:
@@ -122,11 +152,14 @@ def request_problems(
     problems = _flag_problems(request, cfg)
     problems += _config_problems(request, cfg, named_servers)
     learner_procs = derive_layout(request, cfg).learner_procs
+    nodes = cfg.launch.nodes
+    learner_nodes = sum(1 for rank in range(nodes.count) if nodes.role(rank) != "servers")
     if learner_procs and cfg.rollout.vllm.mode == "server":
-        # The rules `rollmatch train` applies at start-up, for the world size this launch gives it.
+        # The rules `rollmatch train` applies at start-up, for the world size this launch gives it
+        # (every learner node runs as many ranks as this one).
         problems += check_runtime(
             cfg,
-            world_size=learner_procs,
+            world_size=learner_procs * max(learner_nodes, 1),
             device_count=learner_procs,
             device_type="cpu" if request.cpu else "cuda",
         )
@@ -197,7 +230,8 @@ def _flag_problems(request: LaunchRequest, cfg: RollmatchConfig) -> list[ConfigP
             ConfigProblem(
                 "--server-devices",
                 None,
-                "name the rollout servers' GPUs (e.g. --server-devices 0,1,2,3), or use --cpu or --learner-only",
+                "name the rollout servers' GPUs (launch.server_devices: [0, 1, 2, 3] or --server-devices 0,1,2,3), "
+                "or use --cpu or --learner-only",
             )
         )
     if request.starts_learner and not request.learner_devices:
@@ -205,7 +239,8 @@ def _flag_problems(request: LaunchRequest, cfg: RollmatchConfig) -> list[ConfigP
             ConfigProblem(
                 "--learner-devices",
                 None,
-                "name the learner's GPUs (e.g. --learner-devices 4,5), or use --cpu or --servers-only",
+                "name the learner's GPUs (launch.learner_devices: [4, 5] or --learner-devices 4,5), or use --cpu "
+                "or --servers-only",
             )
         )
     shared = sorted(set(request.server_devices) & set(request.learner_devices))
@@ -308,6 +343,15 @@ def _named_server_problems(
     request: LaunchRequest, cfg: RollmatchConfig, named_servers: list[ServerEndpoint]
 ) -> list[ConfigProblem]:
     urls = [e.base_url for e in named_servers]
+    if cfg.launch.nodes.count > 1 and named_servers:
+        return [
+            ConfigProblem(
+                SERVERS_KEY,
+                urls,
+                f"{cfg.launch.nodes.count} nodes: launch lists every node's servers itself (launch.nodes.hosts, "
+                "launch.port_base); leave this list empty",
+            )
+        ]
     if request.learner_only:
         if named_servers:
             return []

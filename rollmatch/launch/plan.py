@@ -2,14 +2,18 @@
 
 Owns: :func:`load_launch_config` (the ``train`` YAML, whose server list may be left to the launcher),
 port sources (:func:`free_ports`, :func:`sequential_ports`), :func:`torchrun_command` (the
-learner's command line; tests start 2-rank runs with it too), :class:`ProcessSpec`, :class:`LaunchPlan`,
-:func:`build_plan` and :func:`render_plan` (what ``--dry-run`` prints). Leaves out: checking the request
+learner's command line; tests start 2-rank runs with it too) and its c10d :class:`Rendezvous` (one code
+path for 1 and N nodes), :func:`cluster_endpoints` (the learner's server list: every server node's
+servers, derived alike on every node), :class:`ProcessSpec`, :class:`LaunchPlan`, :func:`build_plan`
+(one node's plan) and :func:`render_plan` (what ``--dry-run`` prints, per node). Leaves out: checking the request
 (``launch.layout``) and running anything (``launch.supervisor``).
 
 What the servers are started with pins what the trainer cross-checks at start-up
 (``ServerBackend.check_compatible``): the model directory, dtype, ``max_model_len``
 (``vllm.max_model_len`` or ``training.global_max_length``), the processor's pixel bounds
-(``data.min_pixels`` / ``data.max_pixels``) and ``--enable-lora`` when ``vllm.enable_lora`` is set.
+(``data.min_pixels`` / ``data.max_pixels``), the coordinate frame (``--coord-frame`` when
+``data.coord_frame`` needs no checkpoint to resolve; else the server resolves ``auto`` from the same
+directory) and ``--enable-lora`` when ``vllm.enable_lora`` is set.
 """
 
 from __future__ import annotations
@@ -19,18 +23,21 @@ import shlex
 import socket
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from rollmatch.config.frames import fixed_coord_frame
 from rollmatch.config.load import load_config
 from rollmatch.config.rules import resolve_servers
 from rollmatch.config.schema import RollmatchConfig, ServerEndpoint
 from rollmatch.errors import ConfigError
-from rollmatch.launch.layout import SERVERS_KEY, LaunchRequest, Layout, server_hosts
+from rollmatch.launch.layout import SERVERS_KEY, LaunchRequest, Layout, derive_layout, server_hosts
 
 API_KEY_ENV = "ROLLMATCH_API_KEY"
 REDACTED = "<redacted>"
 LEARNER_CONFIG_NAME = "learner.yaml"
+LOCALHOST = "127.0.0.1"
+RDZV_ID = "rollmatch"
 # Stands in for the servers while the config is validated; never reaches a written config.
 _PLACEHOLDER_SERVERS = f"{SERVERS_KEY}=[{{base_url: 'http://launch.invalid:1', group_port: 1}}]"
 
@@ -43,6 +50,35 @@ class LaunchConfig:
 
     cfg: RollmatchConfig
     named_servers: list[ServerEndpoint]
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """torchrun's c10d rendezvous of one learner node: the same ``endpoint`` on every node."""
+
+    endpoint: str  # HOST:PORT
+    nnodes: int = 1
+    node_rank: int = 0  # this node's index among the learner nodes
+    local_addr: str = LOCALHOST  # this node's address: rank 0's is every worker's MASTER_ADDR
+    join_timeout_s: float = 600.0
+
+    def args(self) -> tuple[str, ...]:
+        return (
+            "--nnodes",
+            str(self.nnodes),
+            "--node-rank",
+            str(self.node_rank),
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            self.endpoint,
+            "--rdzv-id",
+            RDZV_ID,
+            "--rdzv-conf",
+            f"join_timeout={self.join_timeout_s:g}",
+            "--local-addr",
+            self.local_addr,
+        )
 
 
 @dataclass(frozen=True)
@@ -74,6 +110,8 @@ class LaunchPlan:
     health_timeout_s: float
     layout: Layout
     engine: str
+    node_rank: int = 0
+    node_count: int = 1
 
     @property
     def processes(self) -> tuple[ProcessSpec, ...]:
@@ -98,23 +136,23 @@ def load_launch_config(path: str, overrides: Sequence[str] = ()) -> LaunchConfig
 
 
 def torchrun_command(
-    nproc: int, master_port: int, *args: str, python: str = sys.executable
+    nproc: int,
+    master_port: int,
+    *args: str,
+    python: str = sys.executable,
+    rendezvous: Rendezvous | None = None,
 ) -> tuple[str, ...]:
-    """``python -m torch.distributed.run`` with ``nproc`` processes on this machine and the rendezvous on
-    127.0.0.1:``master_port``; ``args``: further torchrun options, then the program (a script and its
-    arguments, or ``-m module ...``)."""
-    return (
-        python,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        str(nproc),
-        "--master_addr",
-        "127.0.0.1",
-        "--master_port",
-        str(master_port),
-        *args,
-    )
+    """``python -m torch.distributed.run`` with ``nproc`` processes on this machine; ``args``: further
+    torchrun options, then the program (a script and its arguments, or ``-m module ...``).
+
+    With ``rendezvous`` (what ``rollmatch launch`` always passes, on 1 node or N): torchrun's c10d
+    rendezvous across ``rendezvous.nnodes`` nodes (``master_port`` unused). Without: a static one-node
+    rendezvous on 127.0.0.1:``master_port`` (tests that start 2-rank runs)."""
+    if rendezvous is not None:
+        where: tuple[str, ...] = rendezvous.args()
+    else:
+        where = ("--master_addr", LOCALHOST, "--master_port", str(master_port))
+    return (python, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), *where, *args)
 
 
 def free_ports(count: int) -> list[int]:
@@ -136,9 +174,10 @@ def sequential_ports(base: int) -> PortSource:
     return lambda count: list(range(base, base + count))
 
 
-def ports_needed(layout: Layout) -> int:
-    """HTTP + weight-sync group port per started server, plus torchrun's master port."""
-    return 2 * layout.num_servers + (1 if layout.learner_procs else 0)
+def ports_needed(layout: Layout, *, node_count: int = 1) -> int:
+    """HTTP + weight-sync group port per started server, plus (one node) torchrun's rendezvous port;
+    several nodes rendezvous at ``launch.nodes.rendezvous``."""
+    return 2 * layout.num_servers + (1 if layout.learner_procs and node_count == 1 else 0)
 
 
 def build_plan(
@@ -153,24 +192,25 @@ def build_plan(
 ) -> LaunchPlan:
     """The plan of a checked request; ``ports`` come from a :data:`PortSource` (``ports_needed`` of them)."""
     cfg = launch.cfg
-    launch_dir = Path(cfg.training.output_dir) / "launch"
+    nodes = cfg.launch.nodes
+    multi = nodes.count > 1
+    launch_dir = node_launch_dir(cfg, request.node_rank)
     common = {"PYTHONUNBUFFERED": "1", **({API_KEY_ENV: api_key} if api_key else {})}
     if layout.on_cpu:
         processes = layout.num_servers + layout.learner_procs
         threads = max(1, (cpu_count or os.cpu_count() or 1) // max(processes, 1))
         common.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS=str(threads))
 
-    hosts = server_hosts(launch.named_servers, layout.num_servers)
-    servers, endpoints = [], []
+    here = nodes.hosts[request.node_rank] if multi else LOCALHOST
+    hosts = [here] * layout.num_servers if multi else server_hosts(launch.named_servers, layout.num_servers)
+    servers = []
     for i, devices in enumerate(layout.server_devices):
-        host, port, group_port = hosts[i], ports[2 * i], ports[2 * i + 1]
+        host, port = hosts[i], ports[2 * i]
         url = f"http://{host}:{port}"
         env = dict(common) if layout.on_cpu else {"CUDA_VISIBLE_DEVICES": _csv(devices), **common}
         command = (python, "-m", "rollmatch.cli", "serve", *server_flags(cfg, request, layout, host, port))
         servers.append(ProcessSpec("server", i, command, env, launch_dir / f"server-{i}.log", url))
-        endpoints.append(ServerEndpoint(base_url=url, group_port=group_port))
-    if not endpoints:  # --learner-only: the servers the config names
-        endpoints = [e.model_copy() for e in launch.named_servers]
+    endpoints = cluster_endpoints(launch, request, layout, ports)
 
     learner_cfg = learner_config(cfg, endpoints, layout.tensor_parallel_size)
     learner_path = launch_dir / LEARNER_CONFIG_NAME
@@ -181,8 +221,23 @@ def build_plan(
             if layout.on_cpu
             else {"CUDA_VISIBLE_DEVICES": _csv(layout.learner_devices), **common}
         )
+        learner_nodes = [r for r in range(nodes.count) if nodes.role(r) != "servers"]
+        rendezvous = Rendezvous(
+            endpoint=nodes.rendezvous or f"{LOCALHOST}:{ports[-1]}",
+            nnodes=len(learner_nodes),
+            node_rank=learner_nodes.index(request.node_rank),
+            local_addr=here,
+            join_timeout_s=nodes.join_timeout_s,
+        )
         command = torchrun_command(
-            layout.learner_procs, ports[-1], "-m", "rollmatch.cli", "train", str(learner_path), python=python
+            layout.learner_procs,
+            0,
+            "-m",
+            "rollmatch.cli",
+            "train",
+            str(learner_path),
+            python=python,
+            rendezvous=rendezvous,
         )
         learner = ProcessSpec("learner", 0, command, env, launch_dir / "learner-0.log")
     return LaunchPlan(
@@ -195,7 +250,41 @@ def build_plan(
         health_timeout_s=cfg.rollout.vllm.server.timeout_s,
         layout=layout,
         engine=request.engine,
+        node_rank=request.node_rank,
+        node_count=nodes.count,
     )
+
+
+def node_launch_dir(cfg: RollmatchConfig, node_rank: int) -> Path:
+    """``<output_dir>/launch``, or ``<output_dir>/launch/node-<rank>`` when several nodes share it."""
+    launch_dir = Path(cfg.training.output_dir) / "launch"
+    return launch_dir / f"node-{node_rank}" if cfg.launch.nodes.count > 1 else launch_dir
+
+
+def cluster_endpoints(
+    launch: LaunchConfig, request: LaunchRequest, layout: Layout, ports: list[int]
+) -> list[ServerEndpoint]:
+    """The servers the learner lists: on one node those this launch starts (or, ``--learner-only``, the ones
+    the config names); on several, every server node's servers at its host, the same ports on each node
+    (``launch.port_base``), in node order. Every learner node derives the same list."""
+    nodes = launch.cfg.launch.nodes
+    if nodes.count == 1:
+        if not layout.num_servers:  # --learner-only: the servers the config names
+            return [e.model_copy() for e in launch.named_servers]
+        hosts = server_hosts(launch.named_servers, layout.num_servers)
+        return [
+            ServerEndpoint(base_url=f"http://{hosts[i]}:{ports[2 * i]}", group_port=ports[2 * i + 1])
+            for i in range(layout.num_servers)
+        ]
+    server_node = replace(request, node_runs_servers=True, learner_only=False)
+    per_node = derive_layout(server_node, launch.cfg).num_servers
+    base = launch.cfg.launch.port_base or ports[0]
+    return [
+        ServerEndpoint(base_url=f"http://{nodes.hosts[r]}:{base + 2 * i}", group_port=base + 2 * i + 1)
+        for r in range(nodes.count)
+        if nodes.role(r) != "learner"
+        for i in range(per_node)
+    ]
 
 
 def server_flags(
@@ -224,6 +313,9 @@ def server_flags(
         flags += ["--min-pixels", str(cfg.data.min_pixels)]
     if cfg.data.max_pixels is not None:
         flags += ["--max-pixels", str(cfg.data.max_pixels)]
+    frame = fixed_coord_frame(cfg.data.coord_frame, cfg.custom.object_format)
+    if frame is not None:  # auto with a family frame: the server resolves it from the same directory
+        flags += ["--coord-frame", frame]
     if vllm.enable_lora:
         flags.append("--enable-lora")
     return flags
@@ -259,7 +351,10 @@ def render_plan(plan: LaunchPlan) -> str:
         )
     if plan.learner is not None:
         parts.append(f"learner (torchrun, {layout.learner_procs} process(es))")
-    lines = [f"rollmatch launch plan: {' + '.join(parts)}{' on CPU' if layout.on_cpu else ''}"]
+    where = f"node {plan.node_rank} of {plan.node_count}: " if plan.node_count > 1 else ""
+    lines = [
+        f"rollmatch launch plan: {where}{' + '.join(parts) or 'nothing'}{' on CPU' if layout.on_cpu else ''}"
+    ]
     lines.append(f"learner config: {plan.learner_config_path}")
     lines.append(f"  {SERVERS_KEY}:")
     lines += [f"    - {{base_url: {e.base_url}, group_port: {e.group_port}}}" for e in plan.endpoints]

@@ -196,9 +196,15 @@ class _Run:
                         return self._server_failed(dead, "while the learner was running")
                 elapsed = time.monotonic() - started
                 status = "finished" if code == 0 else "failed"
+                lost = (
+                    f"; with {self.plan.node_count} nodes a lost node, or one that never joined the rendezvous "
+                    "(launch.nodes.join_timeout_s), ends the learner like this: torchrun's error in the log says which"
+                    if code != 0 and self.plan.node_count > 1
+                    else ""
+                )
                 return Outcome(
                     code if code >= 0 else 128 - code,
-                    f"learner {status} with exit code {code} after {elapsed:.0f}s (log {learner.spec.log_path})",
+                    f"learner {status} with exit code {code} after {elapsed:.0f}s (log {learner.spec.log_path}){lost}",
                 )
             self._refresh_pids()
             stop.event.wait(_POLL_S)

@@ -2,8 +2,9 @@
 
 Owns: :class:`ServerBackend` (the ``RolloutBackend`` for
 ``custom.extra.rollout_matching.vllm.mode: server``): start-up checks (reachable, same model /
-tokenizer / template / processor), request chunking over servers, the ``/infer/`` exchange with
-its :class:`InferTiming`, and in-memory weight sync through the update transaction. Leaves out: one
+tokenizer / template / processor, family, coordinate frame, resize bounds and probe-image resize),
+request chunking over servers, the ``/infer/`` exchange with its :class:`InferTiming`, and in-memory
+weight sync through the update transaction. Leaves out: one
 server's HTTP calls (``rollout.connection``), the wire shapes (``rollmatch.protocol``), the
 transaction (``sync.transaction``) and the group (``sync.transport``).
 
@@ -26,8 +27,10 @@ from typing import Any
 from pydantic import ValidationError
 
 from rollmatch.collectives import Collectives
+from rollmatch.config.frames import resolve_coord_frame
 from rollmatch.config.rules import resolve_servers, resolve_sync_mode, sync_mode_problems
 from rollmatch.config.schema import RollmatchConfig
+from rollmatch.data.prompts import PROBE_IMAGE_SIZE, image_probe
 from rollmatch.errors import BackendError, ConfigError, ConfigProblem, RollmatchError, SyncError
 from rollmatch.models.wrappers import strip_parallel_wrappers
 from rollmatch.protocol import (
@@ -35,6 +38,7 @@ from rollmatch.protocol import (
     MAX_GROUP_TIMEOUT_S,
     PROTOCOL_VERSION,
     SERVER_TIMING_HEADER,
+    ImageProbe,
     InferBody,
     InferRequest,
     InitCommunicatorBody,
@@ -167,7 +171,10 @@ class ServerBackend:
     def check_compatible(self, local_info: dict[str, Any]) -> None:
         """Refuse to train against a server that serves another model, tokenizer, template or processor.
 
-        ``local_info``: ``{"fingerprint": model_fingerprint(...), "max_length": int, "object_format": str}``.
+        ``local_info``: ``{"fingerprint": model_fingerprint(...), "max_length": int, "object_format": str,
+        "coord_frame": str, "min_pixels": int, "max_pixels": int, "image_probe": ImageProbe}``
+        (:func:`local_model_info`). The family is the fingerprint's ``model_type``; frame, resize bounds
+        and probe image are compared by value when the server reports them (older servers do not).
         """
         problems: list[str] = []
         for conn in self.connections:
@@ -189,6 +196,7 @@ class ServerBackend:
                     f"supports {info.object_formats} (serve a model with the coordinate tokens: "
                     "`rollmatch add-coord-tokens`)"
                 )
+            lines.extend(frame_and_resize_mismatches(local_info, info))
             if self.sync_mode == "adapter" and "adapter" not in info.sync_modes and not self.fallback_to_full:
                 lines.append(f"sync modes: trainer needs adapter, server offers {info.sync_modes}")
             problems.extend(f"{conn.url}: {line}" for line in lines)
@@ -474,8 +482,45 @@ def local_model_info(
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(str(model_dir))
+    size = processor.image_processor.size
+    resized, tokens = image_probe(processor)
     return {
         "fingerprint": model_fingerprint(config, processor),
         "max_length": cfg.training.global_max_length,
         "object_format": cfg.custom.object_format,
+        "coord_frame": resolve_coord_frame(
+            cfg.data.coord_frame, model_dir, object_format=cfg.custom.object_format
+        ),
+        "min_pixels": int(size["shortest_edge"]),
+        "max_pixels": int(size["longest_edge"]),
+        "image_probe": ImageProbe(size=PROBE_IMAGE_SIZE, resized=resized, image_tokens=tokens),
     }
+
+
+def frame_and_resize_mismatches(local_info: dict[str, Any], info: ServerInfo) -> list[str]:
+    """``key: trainer X vs server Y (fix)`` for the coordinate frame, the resize bounds and the probe
+    image's resized size and image-token count."""
+    lines: list[str] = []
+    frame = local_info.get("coord_frame")
+    # coord_tokens fix the frame themselves (norm1000); the server's digit frame does not apply
+    digits = local_info.get("object_format", "qwen_json") != "coord_tokens"
+    if digits and frame is not None and info.coord_frame is not None and frame != info.coord_frame:
+        lines.append(
+            f"coord frame: trainer data.coord_frame {frame} vs server {info.coord_frame} "
+            f"(serve with --coord-frame {frame})"
+        )
+    for key in ("min_pixels", "max_pixels"):
+        mine, theirs = local_info.get(key), getattr(info, key)
+        if mine is not None and theirs is not None and int(mine) != int(theirs):
+            flag = key.replace("_", "-")
+            lines.append(f"{key}: trainer data.{key} {mine} vs server {theirs} (serve with --{flag} {mine})")
+    probe = local_info.get("image_probe")
+    if probe is not None and info.image_probe is not None and probe != info.image_probe:
+        theirs = info.image_probe
+        lines.append(
+            f"probe image {probe.size[0]}x{probe.size[1]}: trainer resizes to {probe.resized[0]}x{probe.resized[1]} "
+            f"({probe.image_tokens} image tokens) vs server {theirs.resized[0]}x{theirs.resized[1]} "
+            f"({theirs.image_tokens} image tokens) (serve the trainer's processor: same patch/merge size "
+            "and min/max pixels)"
+        )
+    return lines

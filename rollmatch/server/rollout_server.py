@@ -21,6 +21,7 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from rollmatch.data.prompts import PROBE_IMAGE_SIZE, image_probe
 from rollmatch.detection.coord_tokens import supported_object_formats
 from rollmatch.errors import BackendError, ServerBusy, SyncError
 from rollmatch.protocol import (
@@ -30,6 +31,7 @@ from rollmatch.protocol import (
     ChatMessage,
     FinishUpdateBody,
     FinishUpdateReply,
+    ImageProbe,
     InferBody,
     InferRequest,
     InitCommunicatorBody,
@@ -75,8 +77,13 @@ class PreparedCall:
 class RolloutServer:
     """The server's state; every public method is one endpoint's behaviour (HTTP-free, testable)."""
 
-    def __init__(self, engine: ServerEngine, limits: ServerLimits | None = None):
+    def __init__(
+        self, engine: ServerEngine, limits: ServerLimits | None = None, *, coord_frame: str | None = None
+    ):
         self.engine = engine
+        self.coord_frame = coord_frame  # reported by /info/ (resolved by `rollmatch serve`), not used here
+        resized, tokens = image_probe(engine.preparer.processor)
+        self._probe = ImageProbe(size=PROBE_IMAGE_SIZE, resized=resized, image_tokens=tokens)
         self.limits = limits or ServerLimits()
         self.pixels = PixelBudget(self.limits.max_call_pixels, self.limits.max_inflight_pixels)
         self.watch = EngineWatch(self.limits.engine_stall_timeout_s)
@@ -354,6 +361,7 @@ class RolloutServer:
     # ----------------------------------------------------------------------------------- facts
     def info(self) -> ServerInfo:
         engine = self.engine
+        size = engine.preparer.processor.image_processor.size
         return ServerInfo(
             engine=engine.name,
             model_dir=engine.model_dir,
@@ -364,6 +372,10 @@ class RolloutServer:
             weight_version=self.weight_version,
             sync_modes=list(engine.sync_modes),
             object_formats=supported_object_formats(engine.preparer.tokenizer),
+            coord_frame=self.coord_frame,
+            min_pixels=int(size["shortest_edge"]),
+            max_pixels=int(size["longest_edge"]),
+            image_probe=self._probe,
         )
 
     def stats(self) -> ServerStats:

@@ -24,6 +24,8 @@ from types import FrameType
 import torch
 import uvicorn
 
+from rollmatch.config.frames import resolve_coord_frame
+from rollmatch.errors import ConfigError
 from rollmatch.server.app import build_app
 from rollmatch.server.connections import guarded_h11_protocol, raise_open_file_limit
 from rollmatch.server.engines import build_engine
@@ -63,7 +65,7 @@ def serve_command(args: argparse.Namespace) -> int:
         media=media,
         max_images=limits.max_images_per_request,
     )
-    server = RolloutServer(engine, limits)
+    server = RolloutServer(engine, limits, coord_frame=served_coord_frame(args))
     if api_key is None:
         log.warning(
             "no API key: every endpoint, weight sync included, is open to anyone who can reach %s:%d; "
@@ -108,6 +110,17 @@ def server_access(args: argparse.Namespace) -> str | None:
     api_key = server_api_key(getattr(args, "api_key", None), getattr(args, "api_key_file", None), os.environ)
     check_exposure(args.host, api_key, insecure_no_auth=bool(getattr(args, "insecure_no_auth", False)))
     return api_key
+
+
+def served_coord_frame(args: argparse.Namespace) -> str | None:
+    """``--coord-frame`` resolved on ``--model`` (the trainer's resolution); ``auto`` on a family with
+    no known pretraining frame reports ``None`` (not compared), with a warning."""
+    setting = getattr(args, "coord_frame", "auto")
+    try:
+        return resolve_coord_frame(setting, args.model)
+    except ConfigError as exc:
+        log.warning("--coord-frame auto: %s; GET /info/ reports no frame", exc.problems[0].fix)
+        return None
 
 
 def server_limits(args: argparse.Namespace) -> ServerLimits:

@@ -86,7 +86,8 @@ def run_training(cfg: RollmatchConfig) -> TrainResult:
     set_seed(cfg.training.seed)
     collectives = build_collectives(cfg.training.collective_timeout_s)
 
-    encoder = PromptEncoder.from_pretrained(cfg.model.path, cfg.data)
+    encoder = PromptEncoder.from_pretrained(cfg.model.path, cfg.data, object_format=cfg.custom.object_format)
+    log.info("coordinate frame: %s (data.coord_frame: %s)", encoder.coord_frame, cfg.data.coord_frame)
     model = load_model(cfg)
     codec = build_codec(cfg.custom.object_format, encoder.tokenizer, [encoder.eos_token_id])
     records = load_records(cfg.data.train_jsonl, max_samples=cfg.data.max_samples)

@@ -164,3 +164,39 @@ def _environ(pid: int) -> dict[str, str]:
 
 def _cmdline(pid: int) -> str:
     return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+
+
+@pytest.mark.heavy
+@pytest.mark.timeout(RUN_TIMEOUT_S + 60)
+def test_two_nodes_on_loopback_train_with_one_rendezvous(
+    launch_config: Callable[..., Path], start_launch: Callable[..., Any]
+) -> None:
+    """Two launches, node ranks 0 (one server + a learner rank) and 1 (a learner rank), one rendezvous:
+    a 2-rank async Stage-2 AB run over both trains to max_steps and both exit 0."""
+    from rollmatch.launch.plan import free_ports
+
+    port_base, rdzv = free_ports(1)[0], free_ports(1)[0]
+    config = launch_config(
+        stage2_ab={"schedule": {"b_ratio": 0.5}, "channel_b": {"mode": "async"}},
+        launch={
+            "engine": "hf",
+            "port_base": port_base,
+            "nodes": {
+                "count": 2,
+                "hosts": ["127.0.0.1", "127.0.0.1"],
+                "rendezvous": f"127.0.0.1:{rdzv}",
+                "roles": ["both", "learner"],
+                "join_timeout_s": 120,
+            },
+        },
+    )
+    nodes = [start_launch(config, f"launch.nodes.rank={rank}", "--cpu") for rank in (0, 1)]
+    codes = [run.wait(RUN_TIMEOUT_S) for run in nodes]
+    outputs = [run.output() for run in nodes]
+    assert codes == [0, 0], "\n\n".join(o[-4000:] for o in outputs)
+    assert sum(o.count("trained 2 steps") for o in outputs) == 2, outputs[0][-4000:]
+    assert "[launch] server-0 healthy at http://127.0.0.1:" in outputs[0]
+    for rank, run in enumerate(nodes):
+        node_dir = run.launch_dir / f"node-{rank}"
+        assert f"base_url: http://127.0.0.1:{port_base}" in (node_dir / "learner.yaml").read_text()
+        assert survivors(json.loads((node_dir / "pids.json").read_text())) == []

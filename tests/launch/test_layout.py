@@ -50,13 +50,20 @@ def test_six_plus_two_gpus_with_tp2_give_three_servers_and_two_learner_ranks(con
     assert not layout.on_cpu and layout.num_servers == 3
 
 
-def test_tensor_parallel_size_defaults_to_the_configs_and_must_divide_the_devices(config):
-    launch = config("custom.extra.rollout_matching.vllm.tensor_parallel_size=4")
+def test_server_tensor_parallel_size_defaults_to_1_not_the_colocated_engines(config):
+    launch = config()  # vllm.tensor_parallel_size keeps its colocate default (4): not the servers'
+    request = {"server_devices": (0, 1, 2, 3, 4, 5), "learner_devices": (6, 7)}
+    assert problems_of(launch, **request) == []
+    assert derive_layout(LaunchRequest(config="c", **request), launch.cfg).num_servers == 6
+
+
+def test_tensor_parallel_size_from_the_launch_section_must_divide_the_flag_devices(config):
+    launch = config("launch.tensor_parallel_size=4")
     request = {"server_devices": (0, 1, 2, 3, 4, 5), "learner_devices": (6, 7)}
     [problem] = problems_of(launch, **request)
     assert problem.key == "--server-devices"
     assert "6 device(s) do not split into servers of tensor parallel size 4" in problem.fix
-    assert "custom.extra.rollout_matching.vllm.tensor_parallel_size" in problem.fix
+    assert "launch.tensor_parallel_size" in problem.fix
     assert derive_layout(LaunchRequest(config="c", server_devices=(0, 1, 2, 3)), launch.cfg).num_servers == 1
 
 

@@ -71,8 +71,9 @@ server-1 (log {launch_dir}/server-1.log):
 server-2 (log {launch_dir}/server-2.log):
   CUDA_VISIBLE_DEVICES=4,5 {env} {py} {serve} --port 8004 {pinned}
 learner-0 (log {launch_dir}/learner-0.log):
-  CUDA_VISIBLE_DEVICES=6,7 {env} {py} -m torch.distributed.run --nproc_per_node 2 --master_addr 127.0.0.1 \
---master_port 8006 -m rollmatch.cli train {launch_dir}/learner.yaml
+  CUDA_VISIBLE_DEVICES=6,7 {env} {py} -m torch.distributed.run --nproc_per_node 2 --nnodes 1 --node-rank 0 \
+--rdzv-backend c10d --rdzv-endpoint 127.0.0.1:8006 --rdzv-id rollmatch --rdzv-conf join_timeout=600 \
+--local-addr 127.0.0.1 -m rollmatch.cli train {launch_dir}/learner.yaml
 dry run: nothing started, nothing written
 """
     assert done.stdout == expected
@@ -119,7 +120,9 @@ def test_the_learner_config_gets_the_started_servers_and_loads_back(
     plan = _plan(path, cpu=True, servers=2, learner_procs=2)
     endpoints = [(e.base_url, e.group_port) for e in plan.endpoints]
     ports = [int(url.rsplit(":", 1)[1]) for url, _ in endpoints] + [g for _, g in endpoints]
-    master = int(plan.learner.command[plan.learner.command.index("--master_port") + 1])
+    rdzv = plan.learner.command[plan.learner.command.index("--rdzv-endpoint") + 1]
+    assert rdzv.startswith("127.0.0.1:")
+    master = int(rdzv.rsplit(":", 1)[1])
     assert len(set([*ports, master])) == 5  # every HTTP, group and master port distinct
     assert [s.url for s in plan.servers] == [url for url, _ in endpoints]
 
@@ -163,6 +166,11 @@ def test_servers_pin_what_the_trainer_cross_checks(
     assert cpu.servers[0].env["CUDA_VISIBLE_DEVICES"] == "" and cpu.servers[0].env["OMP_NUM_THREADS"] == "2"
     parsed = build_parser().parse_args(["serve", *gpu.servers[0].command[4:]])  # `serve` accepts every flag
     assert (parsed.min_pixels, parsed.max_pixels, parsed.enable_lora) == (3136, 6272, True)
+    assert "--coord-frame" not in flags and parsed.coord_frame == "auto"  # the server resolves auto itself
+    explicit = _plan(path, "data.coord_frame=norm1000", cpu=True, servers=1, learner_procs=1)
+    flags = explicit.servers[0].command[4:]
+    assert _flag(flags, "--coord-frame") == "norm1000"
+    assert build_parser().parse_args(["serve", *flags]).coord_frame == "norm1000"
 
 
 def test_the_api_key_travels_in_the_environment_only(

@@ -8,10 +8,12 @@ from typing import Any
 
 import pytest
 
+from rollmatch.cli import build_parser
 from rollmatch.collectives import LocalCollectives
 from rollmatch.config.load import load_config_dict
 from rollmatch.errors import BackendError, ConfigError
-from rollmatch.rollout.client import ServerBackend, ServerConnection
+from rollmatch.protocol import ServerInfo
+from rollmatch.rollout.client import ServerBackend, ServerConnection, frame_and_resize_mismatches
 from rollmatch.rollout.types import Decoding
 
 DECODING = Decoding(max_new_tokens=4)
@@ -136,6 +138,75 @@ def test_server_of_another_model_is_refused_showing_both_values(
     backend.close()
 
 
+def test_server_of_another_family_frame_or_resize_is_refused_naming_both_values(
+    hf_server: Any,
+    server_config: Callable[..., Any],
+    loaded_tiny: tuple[Any, Any],
+    prompt_encoder: Any,
+    free_port: Callable[[], int],
+) -> None:
+    # the real start-up check passed: both sides resolved `auto` on the tiny Qwen2.5-VL to pixels
+    backend = _backend(
+        server_config(servers=[{"base_url": hf_server.url, "group_port": free_port()}]),
+        loaded_tiny[0],
+        prompt_encoder.tokenizer,
+    )
+    info = ServerInfo.model_validate(hf_server.get("/info/"))
+    assert (info.coord_frame, info.fingerprint["model_type"]) == ("pixels", "qwen2_5_vl")
+    low, high = info.min_pixels, info.max_pixels
+    assert low is not None and high is not None and info.image_probe is not None
+    assert info.image_probe.resized != (1237, 411)  # the probe is resized (and its aspect changed)
+    local = {
+        "fingerprint": dict(info.fingerprint, model_type="qwen3_vl"),
+        "max_length": 64,
+        "coord_frame": "norm1000",
+        "min_pixels": low * 2,
+        "max_pixels": high * 2,
+        "image_probe": info.image_probe.model_copy(update={"resized": (28, 28), "image_tokens": 1}),
+    }
+    with pytest.raises(BackendError) as caught:
+        backend.check_compatible(local)
+    message = str(caught.value)
+    assert "model_type: trainer 'qwen3_vl' vs server 'qwen2_5_vl'" in message
+    assert (
+        "coord frame: trainer data.coord_frame norm1000 vs server pixels (serve with --coord-frame norm1000)"
+        in message
+    )
+    assert (
+        f"min_pixels: trainer data.min_pixels {low * 2} vs server {low} (serve with --min-pixels {low * 2})"
+        in message
+    )
+    assert f"max_pixels: trainer data.max_pixels {high * 2} vs server {high}" in message
+    probe = info.image_probe
+    assert (
+        f"probe image 1237x411: trainer resizes to 28x28 (1 image tokens) vs server {probe.resized[0]}x"
+        in message
+    )
+    backend.close()
+
+
+def test_a_server_without_frame_fields_still_parses_and_is_not_compared() -> None:
+    old = {
+        "engine": "hf",
+        "model_dir": "m",
+        "fingerprint": {},
+        "dtype": "float32",
+        "max_model_len": 1024,
+        "world_size": 1,
+        "weight_version": 0,
+        "sync_modes": ["full"],
+    }
+    info = ServerInfo.model_validate(old)
+    assert (info.coord_frame, info.min_pixels, info.max_pixels, info.image_probe) == (None, None, None, None)
+    local = {"coord_frame": "pixels", "min_pixels": 3136, "max_pixels": 6272}
+    assert frame_and_resize_mismatches(local, info) == []
+    newer = info.model_copy(update={"coord_frame": "norm1000", "min_pixels": 3136, "max_pixels": 12544})
+    assert len(frame_and_resize_mismatches(local, newer)) == 2
+    # coordinate tokens are norm1000 by themselves: a server resolving auto to pixels is no mismatch
+    tokens = {"object_format": "coord_tokens", "coord_frame": "norm1000"}
+    assert frame_and_resize_mismatches(tokens, newer.model_copy(update={"coord_frame": "pixels"})) == []
+
+
 def test_adapter_sync_under_several_ranks_fails_fast_with_guidance() -> None:
     class TwoRanks(LocalCollectives):
         world_size = 2
@@ -175,3 +246,46 @@ def test_an_error_reply_is_reported_by_its_detail_or_its_body() -> None:
     )
     assert detail_of(reply(b"[1, 2]")) == "[1, 2]"  # JSON, but not an object: the body as it came
     assert detail_of(reply(b"<html>502 Bad Gateway</html>")) == "<html>502 Bad Gateway</html>"
+
+
+def test_real_servers_of_other_pixel_bounds_or_another_family_differ_by_value(
+    tiny_model_dirs: dict[str, Any],
+) -> None:
+    """What check_compatible compares, from real engines (in process): a server started with other
+    --min-pixels/--max-pixels, and one serving another family, each named with both values."""
+    from rollmatch.config.schema import RollmatchConfig
+    from rollmatch.protocol import fingerprint_mismatches
+    from rollmatch.rollout.client import local_model_info
+    from rollmatch.server.engines import HFServerEngine
+    from rollmatch.server.rollout_server import RolloutServer
+    from rollmatch.server.serve import served_coord_frame
+
+    trainer_dir = str(tiny_model_dirs["qwen2_5_vl"])
+    local = local_model_info(
+        RollmatchConfig.model_validate({"model": {"path": trainer_dir}}), None, trainer_dir
+    )
+    assert local["coord_frame"] == "pixels"
+    infos = {}
+    for name, model_dir, bounds in (
+        ("bounds", trainer_dir, (6272, 12544)),
+        ("family", str(tiny_model_dirs["qwen3_vl"]), (None, None)),
+    ):
+        args = build_parser().parse_args(["serve", "--model", model_dir])  # --coord-frame auto
+        server = RolloutServer(
+            HFServerEngine(model_dir, max_model_len=1024, pixel_bounds=bounds),
+            coord_frame=served_coord_frame(args),
+        )
+        try:
+            infos[name] = server.info()
+        finally:
+            server.close()
+    bounds = "\n".join(frame_and_resize_mismatches(local, infos["bounds"]))
+    assert f"min_pixels: trainer data.min_pixels {local['min_pixels']} vs server 6272" in bounds
+    assert f"max_pixels: trainer data.max_pixels {local['max_pixels']} vs server 12544" in bounds
+    assert "probe image 1237x411: trainer resizes to" in bounds
+    family = "\n".join(
+        fingerprint_mismatches(local["fingerprint"], infos["family"].fingerprint)
+        + frame_and_resize_mismatches(local, infos["family"])
+    )
+    assert "model_type: trainer 'qwen2_5_vl' vs server 'qwen3_vl'" in family
+    assert "coord frame: trainer data.coord_frame pixels vs server norm1000" in family

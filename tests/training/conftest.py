@@ -26,7 +26,11 @@ def make_config(
     def make(extra: dict[str, Any] | None = None) -> RollmatchConfig:
         base: dict[str, Any] = {
             "model": {"path": str(tiny_model_dir)},
-            "data": {"train_jsonl": str(shapes_small["train"]), "val_jsonl": str(shapes_small["val"])},
+            "data": {  # norm1000: the expectations here were written for 0..1000 (auto: pixels on Qwen2.5-VL)
+                "train_jsonl": str(shapes_small["train"]),
+                "val_jsonl": str(shapes_small["val"]),
+                "coord_frame": "norm1000",
+            },
             "custom": {
                 "trainer_variant": "rollout_matching_sft",
                 "extra": {"rollout_matching": {"rollout_backend": "hf", "max_new_tokens": 24}},

@@ -122,7 +122,7 @@ def test_packed_rows_equal_separate_forwards_with_the_coordinate_losses(
             "training": {"output_dir": str(tmp_path), "report_to": []},
         }
     )
-    encoder = PromptEncoder.from_pretrained(str(coord_model_dir), cfg.data)
+    encoder = PromptEncoder.from_pretrained(str(coord_model_dir), cfg.data, object_format="coord_tokens")
     codec = build_codec("coord_tokens", encoder.tokenizer, [encoder.eos_token_id])
     model = load_pretrained(cfg).eval()
     segments = (
