@@ -201,16 +201,20 @@ class QwenJsonCodec:
         return self.serialize_in_order(canonical_order(objects))
 
     def serialize_in_order(self, objects: Sequence[DetObject]) -> str:
-        return "[" + ", ".join(_element_text(o) for o in objects) + "]"
+        return "[" + ", ".join(self._element_text(o) for o in objects) + "]"
 
     def append_fragment(self, objects: Sequence[DetObject], after_element: bool) -> str:
-        elements = ", ".join(_element_text(o) for o in canonical_order(objects))
+        elements = ", ".join(self._element_text(o) for o in canonical_order(objects))
         if not elements:
             return "]"
         return (", " if after_element else "") + elements + "]"
 
     def char_roles(self, text: str) -> bytes:
         return char_roles(text)
+
+    def _element_text(self, obj: DetObject) -> str:
+        """One element's text; a subclass changes how coordinates are written (coordinate tokens)."""
+        return _element_text(obj)
 
     # ------------------------------------------------------------------ parsing
     def parse(

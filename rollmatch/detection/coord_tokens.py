@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 from rollmatch.detection.codec import DecodedTokens, QwenJsonCodec, Tokenizer, _validate_element
 from rollmatch.detection.json_scan import char_roles
-from rollmatch.detection.objects import NORM, DetObject, canonical_order
+from rollmatch.detection.objects import NORM, DetObject
 from rollmatch.errors import ConfigError, ConfigProblem
 
 NUM_BINS = 1000
@@ -96,14 +96,9 @@ class CoordTokenCodec(QwenJsonCodec):
         self._bin_of = {token_id: k for k, token_id in enumerate(self.coord_ids)}
 
     # ------------------------------------------------------------------ serialization
-    def serialize_in_order(self, objects: Sequence[DetObject]) -> str:
-        return "[" + ", ".join(_element_text(o) for o in objects) + "]"
-
-    def append_fragment(self, objects: Sequence[DetObject], after_element: bool) -> str:
-        elements = ", ".join(_element_text(o) for o in canonical_order(objects))
-        if not elements:
-            return "]"
-        return (", " if after_element else "") + elements + "]"
+    def _element_text(self, obj: DetObject) -> str:
+        coords = ", ".join(coord_token(to_bin(v)) for v in obj.bbox)
+        return '{"bbox_2d": [' + coords + '], "label": ' + json.dumps(obj.label, ensure_ascii=False) + "}"
 
     def char_roles(self, text: str) -> bytes:
         """A coordinate token's characters read as spaces then its bin's digits: structure and value."""
@@ -146,11 +141,6 @@ class CoordTokenCodec(QwenJsonCodec):
             return "misplaced_coord"
         x1, y1, x2, y2 = (from_bin(k) for k in result.bbox)
         return DetObject(label=result.label, bbox=(x1, y1, x2, y2))
-
-
-def _element_text(obj: DetObject) -> str:
-    coords = ", ".join(coord_token(to_bin(v)) for v in obj.bbox)
-    return '{"bbox_2d": [' + coords + '], "label": ' + json.dumps(obj.label, ensure_ascii=False) + "}"
 
 
 def _shadow_text(text: str) -> str:

@@ -25,6 +25,7 @@ from rollmatch.config.schema import RollmatchConfig
 from rollmatch.data.prompts import EncodedPrompt, PromptEncoder
 from rollmatch.data.records import Record
 from rollmatch.detection.codec import ObjectCodec
+from rollmatch.detection.objects import DetObject
 from rollmatch.detection.scoring import score_response
 from rollmatch.detection.targets import TargetSequence, build_gt_target, build_matched_target
 from rollmatch.packing.segment import Segment, build_segment
@@ -171,13 +172,6 @@ class RolloutChannel(_SegmentFactory):
             eos_token_id=self.encoder.eos_token_id,
             loss=self.cfg.loss,
         )
-        sft_target = build_gt_target(
-            scored.gt_objects,
-            codec=self.codec,
-            tokenizer=self.encoder.tokenizer,
-            eos_token_id=self.encoder.eos_token_id,
-            desc_weight=self.cfg.loss.desc_weight,
-        )
         sums: Counter[str] = Counter(scored.counts().to_sums())
         sums.update(
             {
@@ -185,9 +179,7 @@ class RolloutChannel(_SegmentFactory):
                 "rollout/count": 1,
                 "rollout/tokens": len(rollout.response_token_ids),
                 # the rollout taught something stage-1 SFT would not (another order, another prefix)
-                "target/differs_from_sft": int(
-                    (target.token_ids, target.weights) != (sft_target.token_ids, sft_target.weights)
-                ),
+                "target/differs_from_sft": int(self._differs_from_sft(target, scored.gt_objects)),
                 "target/dropped_elements": target.dropped_elements,
                 # a target longer than the rollout budget teaches answers that can never finish
                 "target/over_max_new_tokens": int(len(target.token_ids) > self.decoding.max_new_tokens),
@@ -195,3 +187,19 @@ class RolloutChannel(_SegmentFactory):
             }
         )
         return target, sums
+
+    def _differs_from_sft(self, target: TargetSequence, gt_objects: Sequence[DetObject]) -> bool:
+        """Does ``target`` (ids and weights) differ from the SFT target of the same GT? Most do by their
+        ids alone, which a plain encode tells; only an equal id sequence needs the weighted SFT target."""
+        tokenizer = self.encoder.tokenizer
+        sft_ids = [*tokenizer.encode(self.codec.serialize(gt_objects), add_special_tokens=False)]
+        if target.token_ids != [*sft_ids, self.encoder.eos_token_id]:
+            return True
+        sft = build_gt_target(
+            gt_objects,
+            codec=self.codec,
+            tokenizer=tokenizer,
+            eos_token_id=self.encoder.eos_token_id,
+            desc_weight=self.cfg.loss.desc_weight,
+        )
+        return target.weights != sft.weights

@@ -257,7 +257,7 @@ LEASE_VALUES = st.one_of(
         lambda raw: bytes(b if 0x21 <= b <= 0x7E or b >= 0x80 else 0x41 + b % 26 for b in raw)
     ),
 )
-_BUCKET = {
+LEASE_BUCKET = {  # a well-formed bucket announce: only the lease decides its answer
     "metadatas": [
         {
             "name": "lm_head.weight",
@@ -272,10 +272,10 @@ _BUCKET = {
 }
 # ``(path, JSON text)``: a well-formed request to each endpoint that reads the lease (the lease decides).
 LEASE_BODIES = [
-    ("/update_flattened_params/", json.dumps(_BUCKET)),
+    ("/update_flattened_params/", json.dumps(LEASE_BUCKET)),
     (
         "/update_adapter_flattened_param/",
-        json.dumps({**_BUCKET, "lora_int_id": 2, "peft_config": {"r": 2}}),
+        json.dumps({**LEASE_BUCKET, "lora_int_id": 2, "peft_config": {"r": 2}}),
     ),
     (
         "/finish_weight_update/",

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import requests
 import torch
+from fuzz_bodies import LEASE_BUCKET, LEASE_HEADER
 
 from rollmatch.errors import BackendError, SyncError
 from rollmatch.protocol import WireModel
@@ -21,20 +22,7 @@ from rollmatch.server.engines import HFServerEngine, VllmServerEngine
 from rollmatch.sync.transaction import AdapterPayload, push_update
 from rollmatch.sync.transport import GroupTransport
 
-LEASE = "X-Rollmatch-Sync-Lease"
-BUCKET = {  # a well-formed bucket announce: only the lease decides its answer
-    "metadatas": [
-        {
-            "name": "lm_head.weight",
-            "shape": [4],
-            "dtype": "float32",
-            "start_idx": 0,
-            "end_idx": 16,
-            "numel": 4,
-        }
-    ],
-    "transaction": {"version": 1, "mode": "full", "bucket_index": 0, "num_bytes": 16},
-}
+LEASE, BUCKET = LEASE_HEADER, LEASE_BUCKET
 ADAPTER_BUCKET = {
     **BUCKET,
     "lora_int_id": 2,
