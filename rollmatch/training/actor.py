@@ -5,7 +5,7 @@ Owns :class:`RolloutActor`: read the rank's record stream, roll the records out 
 them version-pure (``training.ready_packs``) and put the packs into the rank's bounded queue. The actor
 paces itself: while ``prefetch_target_packs`` eligible packs wait it sleeps until the learner takes some
 or the version moves on; with admission control it also does not start a batch whose packs would be
-stale by the step that consumes them (``ready_packs.admits_rollouts``). Leaves out: the learner's
+stale by the step that consumes them (``ready_packs.admission_room``). Leaves out: the learner's
 decisions (``training.async_mode``) and the record stream itself (``training.record_stream``).
 
 Failure and shutdown: any exception in the thread (a dead or frozen server surfaces as a
@@ -27,7 +27,7 @@ from typing import Any
 
 from rollmatch.data.records import Record
 from rollmatch.training.channels import RolloutChannel
-from rollmatch.training.ready_packs import ReadyPackQueue, SegmentOrigin, VersionPurePacker, admits_rollouts
+from rollmatch.training.ready_packs import ReadyPackQueue, SegmentOrigin, VersionPurePacker, admission_room
 from rollmatch.training.record_stream import RecordStream
 
 log = logging.getLogger(__name__)
@@ -84,6 +84,7 @@ class RolloutActor:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._sums_lock = threading.Lock()
+        self._packer_lock = threading.Lock()  # the actor adds segments, the learner may flush them
         self._sums: Counter[str] = Counter()  # rollout/match/parse sums since the learner last took them
         self.rollouts_total = 0  # every rollout returned by the servers
         self.discarded_after_stop = 0  # of those, returned after the stop flag: never packed
@@ -109,6 +110,17 @@ class RolloutActor:
         if next_step is not None:
             self.next_step = next_step
         self.queue.notify()
+
+    def flush_waiting(self) -> int:
+        """Put the segments waiting in the packer into the queue now, as (under-filled) packs of their
+        version; returns how many packs. The learner calls it when a step lacks packs: the waiting
+        segments are this step's or lost (a pack of the next version would flush them only after the
+        step reserved, and they would expire before the step after)."""
+        with self._packer_lock:
+            packs = self.packer.flush()
+            for pack in packs:
+                self.queue.put(pack)
+        return len(packs)
 
     def take_sums(self) -> Counter[str]:
         """Rollout metric sums of everything rolled out since the previous call."""
@@ -142,12 +154,13 @@ class RolloutActor:
                 if held >= self.prefetch_target:
                     self.queue.wait_for_change(_IDLE_WAIT_S)
                     continue
-                if not self._admitted(held):
+                admitted = self._admitted_rollouts(held)
+                if admitted == 0:
                     started = time.perf_counter()
                     self.queue.wait_for_change(_IDLE_WAIT_S)
                     self.admission_wait_s += time.perf_counter() - started
                     continue
-                self._produce_one_batch()
+                self._produce_one_batch(admitted)
         except BaseException as exc:  # reported to every rank by the learner at its next step
             self.failure = f"{type(exc).__name__}: {exc}"
             log.error("rollout actor of rank %d failed: %s", self.rank, self.failure)
@@ -159,23 +172,32 @@ class RolloutActor:
             return self.current_version
         return max(self.current_version, self.next_step // self.admission.sync_every_steps)
 
-    def _admitted(self, held: int) -> bool:
+    def _admitted_rollouts(self, held: int) -> int:
+        """How many rollouts the next batch may hold: ``decode_batch_size``, or with admission control
+        as many as fill the packs that will still be eligible when consumed (0: wait). A short batch
+        fills the last slots of the next step instead of making packs that would expire."""
         if self.admission is None:
-            return True
-        # The packs one batch makes, from what earlier batches made (rows hold several rollouts).
-        per_rollout = self.queue.counts.produced / max(self.rollouts_total - self.discarded_after_stop, 1)
-        return admits_rollouts(
-            held=held,
-            batch_packs=max(1, round(self.decode_batch_size * min(per_rollout, 1.0))),
+            return self.decode_batch_size
+        room = admission_room(
+            # Segments waiting in the packer count as a pack: the learner flushes them when it lacks one.
+            held=held + (1 if self.packer.waiting else 0),
             current_version=self.current_version,
             next_step=self.next_step,
             version_window=self.version_window,
             sync_every_steps=self.admission.sync_every_steps,
             packs_per_step=self.admission.packs_per_step,
         )
+        if room <= 0:
+            return 0
+        # Packs per rollout so far (rows hold several rollouts); none yet: a whole batch.
+        rolled = self.rollouts_total - self.discarded_after_stop
+        packs_per_rollout = self.queue.counts.produced / rolled if rolled else 0.0
+        if packs_per_rollout <= 0:
+            return self.decode_batch_size
+        return max(1, min(self.decode_batch_size, int(room / packs_per_rollout)))
 
-    def _produce_one_batch(self) -> None:
-        taken = self.stream.take(self.decode_batch_size)
+    def _produce_one_batch(self, size: int) -> None:
+        taken = self.stream.take(size)
         positions = [position for position, _ in taken]
         records = [record for _, record in taken]
         start = time.perf_counter()
@@ -189,10 +211,11 @@ class RolloutActor:
         if self._stop.is_set():  # shutting down: the learner no longer takes packs
             self.discarded_after_stop += len(records)
             return
-        for segment, version, position, record in zip(
-            out.segments, out.versions, positions, records, strict=True
-        ):
-            for pack in self.packer.add(segment, SegmentOrigin(record.id, position), version):
-                self.queue.put(pack)
+        with self._packer_lock:
+            for segment, version, position, record in zip(
+                out.segments, out.versions, positions, records, strict=True
+            ):
+                for pack in self.packer.add(segment, SegmentOrigin(record.id, position), version):
+                    self.queue.put(pack)
         with self._sums_lock:
             self._sums.update(out.sums)

@@ -106,6 +106,9 @@ class AsyncPacks:
         self.queue.unreserve()  # packs a previous vote reserved for a step that ran Channel-A
         version = self.ver
         self.queue.drop_stale(version, self.version_window)
+        if wants_b and self.queue.eligible(version, self.version_window) < micro_steps:
+            self.actor.flush_waiting()
+            self.queue.drop_stale(version, self.version_window)
         deadline = time.monotonic() + (self.max_wait_s if wants_b else 0.0)
         while self.queue.eligible(version, self.version_window) < micro_steps and self.actor.failure is None:
             remaining = deadline - time.monotonic()

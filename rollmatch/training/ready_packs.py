@@ -84,30 +84,27 @@ def is_eligible(pack_version: int, current_version: int, version_window: int) ->
     return pack_version >= current_version - version_window
 
 
-def admits_rollouts(
+def admission_room(
     *,
     held: int,
-    batch_packs: int = 1,
     current_version: int,
     next_step: int,
     version_window: int,
     sync_every_steps: int,
     packs_per_step: float,
-) -> bool:
-    """Admission-time staleness control: may the actor start a rollout batch now?
+) -> int:
+    """Admission-time staleness control: how many more packs may the actor start rolling out now?
 
-    Its packs carry at least ``current_version`` (what the servers hold now) and are consumed after
-    the ``held`` packs ahead of them that step ``next_step`` will still find eligible, ``packs_per_step``
-    a step (gradient accumulation x ``b_ratio``), starting with optimizer step ``next_step`` (the next
-    one to take packs). The batch's last pack (it makes about ``batch_packs``) is consumed by step
-    ``next_step + (held + batch_packs - 1) // packs_per_step``, whose version is that step
-    ``// sync_every_steps``. Start only if its packs would still be within ``version_window`` then,
-    i.e. would not be generated only to be dropped as stale.
+    Packs rolled out now carry at least ``current_version`` (what the servers hold) and are consumed
+    after the ``held`` packs ahead of them, ``packs_per_step`` a step (gradient accumulation x
+    ``b_ratio``) from optimizer step ``next_step`` on (the next one to take packs). The last step that
+    may still take them is the last whose version (step ``// sync_every_steps``) is within
+    ``version_window`` of ``current_version``; the room is what the steps up to it take, less ``held``.
+    A pack beyond it would be generated only to be dropped as stale. 0 or less: wait.
     """
-    last = held + max(batch_packs, 1) - 1
-    steps_ahead = int(last // max(packs_per_step, 1e-9))
-    consumed_under = (next_step + steps_ahead) // sync_every_steps
-    return consumed_under - current_version <= version_window
+    last_step = (current_version + version_window + 1) * sync_every_steps - 1
+    consumable = (last_step - next_step + 1) * packs_per_step
+    return int(consumable + 1e-9) - held
 
 
 class VersionPurePacker(Generic[S]):

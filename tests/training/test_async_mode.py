@@ -177,6 +177,22 @@ def test_a_b_step_waits_up_to_max_wait_s_for_its_packs(tiny) -> None:
     assert channel.actor.started
 
 
+def test_a_step_short_of_packs_trains_the_rollouts_waiting_in_the_packer(tiny) -> None:
+    """Rollouts waiting in the actor's packer for a pack to fill would expire before the next step: a B
+    step that lacks a pack flushes them into an under-filled pack of their version and trains it."""
+    channel = async_channel(tiny, window=1)
+    channel.queue.put(ready_pack(tiny, 1, 0))
+    waiting = tiny.segments[1]
+    assert channel.actor.packer.add(waiting, SegmentOrigin(waiting.sample_id, 1), 1) == []  # not full
+    plan = planner(tiny, channel).plan([tiny.records[:1], tiny.records[1:2]], 2)
+    assert plan.kind == "B" and channel.actor.packer.waiting == 0
+    assert [m.rows[0]["input_ids"].shape[-1] for m in plan.micro_steps] == [
+        tiny.segments[0].length,
+        waiting.length,
+    ]
+    assert channel.queue.counts.balance(len(channel.queue)) == 0
+
+
 def test_version_window_zero_is_on_policy_and_trains_every_b_step(tiny) -> None:
     """Push first, then judge freshness against the version the servers now hold: with window 0 every
     B step waits for rollouts of the weights it is about to update, and gets them."""
@@ -200,6 +216,7 @@ def test_version_window_zero_is_on_policy_and_trains_every_b_step(tiny) -> None:
     st.lists(
         st.one_of(
             st.tuples(st.just("arrive"), st.integers(0, 3)),  # a pack rolled out this many versions ago
+            st.tuples(st.just("segment"), st.integers(0, 3)),  # a rollout waiting in the actor's packer
             st.tuples(st.just("step"), st.integers(1, 2)),  # an optimizer step of this many micro-steps
         ),
         max_size=24,
@@ -218,6 +235,12 @@ def test_no_trained_pack_ever_lags_beyond_the_window_in_the_whole_step_loop(
         if op == "arrive":  # rolled out under a version the servers held at most `value` pushes ago
             version = max(channel.backend.weight_version - value, 0)
             channel.queue.put(ready_pack(tiny, version, step % len(tiny.segments)))
+            continue
+        if op == "segment":  # a B step that lacks packs flushes these into its own
+            version = max(channel.backend.weight_version - value, 0)
+            segment = tiny.segments[step % len(tiny.segments)]
+            for pack in channel.actor.packer.add(segment, SegmentOrigin(segment.sample_id, step), version):
+                channel.queue.put(pack)
             continue
         plan = steps.plan([tiny.records[:1]] * value, step)
         assert plan.gauges["stage2_ab/async/ver"] == step // sync_every == channel.backend.weight_version
