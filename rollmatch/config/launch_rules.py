@@ -126,6 +126,22 @@ def _node_problems(launch: LaunchSettings) -> list[ConfigProblem]:
                 "node's address and a free port, the same on every node)",
             )
         )
+    if (
+        nodes.rendezvous is not None
+        and len(nodes.hosts) == nodes.count
+        and not endpoint_problem(f"{key}.rendezvous", nodes.rendezvous)
+    ):
+        rdzv_host, _, rdzv_port = nodes.rendezvous.rpartition(":")
+        hub_host, heartbeat = nodes.heartbeat_endpoint()
+        if heartbeat >= 65536 or (heartbeat == int(rdzv_port) and rdzv_host == hub_host):
+            problems.append(
+                ConfigProblem(
+                    f"{key}.heartbeat_port",
+                    nodes.heartbeat_port,
+                    f"node 0 collects the heartbeat at port {heartbeat}, which is not a free port beside the "
+                    f"rendezvous {nodes.rendezvous}: set {key}.heartbeat_port to another port",
+                )
+            )
     if launch.port_base is None:
         problems.append(
             ConfigProblem(

@@ -416,8 +416,30 @@ class NodesConfig(Section):
         description="What each node runs, in rank order: `servers`, `learner` or `both`. Empty: every node runs both.",
     )
     join_timeout_s: float = Field(
-        600.0, gt=0.0, description="How long torchrun waits for every learner node to join the rendezvous."
+        600.0,
+        gt=0.0,
+        description="How long torchrun waits for every learner node to join the rendezvous, and every launcher "
+        "for every node's first heartbeat.",
     )
+    heartbeat_port: int | None = Field(
+        None,
+        ge=1024,
+        lt=65536,
+        description="Port on hosts[0] where node 0's launcher collects every node's heartbeat (count > 1). "
+        "null: the rendezvous port + 1.",
+    )
+    heartbeat_timeout_s: float = Field(
+        30.0,
+        gt=0.0,
+        le=3600.0,
+        description="A node silent this long is lost: every other node stops its processes and exits non-zero "
+        "naming it (count > 1).",
+    )
+
+    def heartbeat_endpoint(self) -> tuple[str, int]:
+        """Where node 0's launcher collects the heartbeats (``count`` > 1, hosts and rendezvous set)."""
+        port = self.heartbeat_port or int((self.rendezvous or ":0").rpartition(":")[2]) + 1
+        return self.hosts[0], port
 
     def role(self, rank: int) -> NodeRole:
         """What node ``rank`` runs (``both`` when ``roles`` is empty)."""

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from rollmatch.config.schema import LaunchSettings, RollmatchConfig
 from rollmatch.errors import ConfigProblem, LaunchError
+from rollmatch.launch.heartbeat import NodeHeartbeat
 from rollmatch.launch.layout import (
     LaunchRequest,
     derive_layout,
@@ -88,7 +89,9 @@ def launch_command(args: argparse.Namespace) -> int:
     api_key = plan.servers[0].env.get(API_KEY_ENV) if plan.servers else None
     if request.servers_only and api_key is not None:
         _write_key_file(launch_dir / API_KEY_FILE, api_key)
-    return run_plan(plan, grace_s=request.grace_s, pids_name=pids_name)
+    return run_plan(
+        plan, grace_s=request.grace_s, pids_name=pids_name, heartbeat=_heartbeat(launch.cfg, request, api_key)
+    )
 
 
 def _node_plan(launch: LaunchConfig, request: LaunchRequest, *, check_ports: bool) -> tuple[LaunchPlan, Path]:
@@ -208,6 +211,22 @@ def _port_free(port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+def _heartbeat(cfg: RollmatchConfig, request: LaunchRequest, key: str | None) -> NodeHeartbeat | None:
+    """This node's side of the nodes' heartbeat (``launch.heartbeat``); None on one node."""
+    nodes = cfg.launch.nodes
+    if nodes.count == 1:
+        return None
+    _, port = nodes.heartbeat_endpoint()
+    return NodeHeartbeat(
+        node_rank=request.node_rank,
+        hosts=list(nodes.hosts),
+        port=port,
+        timeout_s=nodes.heartbeat_timeout_s,
+        join_timeout_s=nodes.join_timeout_s,
+        key=key,
+    )
 
 
 def _say(message: str) -> None:

@@ -112,6 +112,7 @@ class LaunchPlan:
     engine: str
     node_rank: int = 0
     node_count: int = 1
+    learner_nodes: tuple[int, ...] = (0,)  # the node ranks that run a learner
 
     @property
     def processes(self) -> tuple[ProcessSpec, ...]:
@@ -214,6 +215,7 @@ def build_plan(
 
     learner_cfg = learner_config(cfg, endpoints, layout.tensor_parallel_size)
     learner_path = launch_dir / LEARNER_CONFIG_NAME
+    learner_nodes = [r for r in range(nodes.count) if nodes.role(r) != "servers"]
     learner = None
     if layout.learner_procs:
         env = (
@@ -221,7 +223,6 @@ def build_plan(
             if layout.on_cpu
             else {"CUDA_VISIBLE_DEVICES": _csv(layout.learner_devices), **common}
         )
-        learner_nodes = [r for r in range(nodes.count) if nodes.role(r) != "servers"]
         rendezvous = Rendezvous(
             endpoint=nodes.rendezvous or f"{LOCALHOST}:{ports[-1]}",
             nnodes=len(learner_nodes),
@@ -252,6 +253,7 @@ def build_plan(
         engine=request.engine,
         node_rank=request.node_rank,
         node_count=nodes.count,
+        learner_nodes=tuple(learner_nodes),
     )
 
 

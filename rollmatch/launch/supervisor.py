@@ -4,6 +4,10 @@ Owns: :func:`run_plan` and the exit-code contract of ``rollmatch launch``:
 - the learner's exit code when it exits (0 on success); a learner ended by signal N gives 128 + N;
 - :data:`EXIT_SERVER_FAILED` (3) when a rollout server exits during start-up, is not healthy within
   ``vllm.server.timeout_s``, or dies while the learner runs (the message names it and shows its log);
+  on several nodes a learner node also waits for every other node's servers (``/health/``) first;
+- :data:`EXIT_NODE_LOST` (4) on several nodes when another node is lost, never joined, or failed
+  (``launch.heartbeat``: the message names the node), whether or not this node's learner failed first;
+  a node that runs only servers exits 0 once every learner node finished with 0;
 - 128 + N when the launcher itself gets signal N (Ctrl-C: 130, SIGTERM: 143), except ``--servers-only``,
   for which a signal is the normal way to stop (0).
 Whatever ends the run, every child tree gets SIGTERM, then SIGKILL after the grace period. A launcher
@@ -27,11 +31,13 @@ import requests
 
 from rollmatch.config.load import config_to_yaml
 from rollmatch.launch.console import ConsoleMerge
+from rollmatch.launch.heartbeat import NodeHeartbeat
 from rollmatch.launch.plan import API_KEY_ENV, LaunchPlan, ProcessSpec
 from rollmatch.launch.processes import Child, start_child, terminate_all, write_pids
 from rollmatch.launch.watchdog import Watchdog
 
 EXIT_SERVER_FAILED = 3
+EXIT_NODE_LOST = 4
 PIDS_NAME = "pids.json"
 WATCHDOG_LOG = "watchdog.log"
 _POLL_S = 0.5
@@ -48,19 +54,31 @@ class Outcome:
     message: str
 
 
-def run_plan(plan: LaunchPlan, *, grace_s: float, pids_name: str = PIDS_NAME) -> int:
-    """Write the learner config, run every process of ``plan``, tear everything down; the exit code."""
+def run_plan(
+    plan: LaunchPlan,
+    *,
+    grace_s: float,
+    pids_name: str = PIDS_NAME,
+    heartbeat: NodeHeartbeat | None = None,
+) -> int:
+    """Write the learner config, run every process of ``plan``, tear everything down; the exit code.
+    ``heartbeat``: this node's side of a multi-node launch's heartbeat (started here, before anything)."""
     plan.launch_dir.mkdir(parents=True, exist_ok=True)
     plan.learner_config_path.write_text(config_to_yaml(plan.learner_config))
+    if heartbeat is not None:
+        heartbeat.start()
     console = ConsoleMerge()
     watchdog = Watchdog(plan.launch_dir / WATCHDOG_LOG, grace_s)
-    run = _Run(plan, console, plan.launch_dir / pids_name, watchdog)
+    run = _Run(plan, console, plan.launch_dir / pids_name, watchdog, heartbeat)
+    outcome = Outcome(1, "the launcher failed (see the error above)")
     with _StopSignals() as stop:
         try:
             outcome = run.execute(stop)
         finally:
             run.teardown(grace_s)
             watchdog.close()
+            if heartbeat is not None:
+                heartbeat.finish(outcome.code)
             console.close()
     console.say(outcome.message)
     return outcome.code
@@ -92,8 +110,16 @@ class _StopSignals:
 
 
 class _Run:
-    def __init__(self, plan: LaunchPlan, console: ConsoleMerge, pids_path: Path, watchdog: Watchdog):
+    def __init__(
+        self,
+        plan: LaunchPlan,
+        console: ConsoleMerge,
+        pids_path: Path,
+        watchdog: Watchdog,
+        heartbeat: NodeHeartbeat | None = None,
+    ):
         self.plan = plan
+        self.heartbeat = heartbeat
         self.console = console
         self.pids_path = pids_path
         self.watchdog = watchdog
@@ -109,7 +135,12 @@ class _Run:
         failed = self._wait_healthy(stop)
         if failed is not None:
             return failed
-        if self.plan.learner is None:
+        if self.plan.learner is None and self.plan.node_count > 1:
+            self.console.say(
+                f"rollout server(s) ready: {', '.join(s.url or '' for s in self.plan.servers)}; the learner runs on "
+                f"node(s) {list(self.plan.learner_nodes)}: this node stops when they finish"
+            )
+        elif self.plan.learner is None:
             self.console.say(
                 f"rollout server(s) ready: {', '.join(s.url or '' for s in self.plan.servers)}; learner config "
                 f"{self.plan.learner_config_path}. Start the learner with `rollmatch launch "
@@ -149,9 +180,22 @@ class _Run:
         key = self.plan.servers[0].env.get(API_KEY_ENV) if self.plan.servers else None
         if key:
             session.headers["Authorization"] = f"Bearer {key}"
-        while pending:
+        local = {s.url for s in self.plan.servers}
+        # On several nodes the learner also needs the other nodes' servers, started by their own launches.
+        remote = (
+            [e.base_url for e in self.plan.endpoints if e.base_url not in local]
+            if self.plan.learner is not None and self.plan.node_count > 1
+            else []
+        )
+        while pending or remote:
             if stop.received is not None:
                 return self._signalled(stop.received)
+            if (lost := self._node_lost()) is not None:
+                return lost
+            for url in list(remote):
+                if _healthy(session, url):
+                    remote.remove(url)
+                    self.console.say(f"remote server {url} healthy after {time.monotonic() - start:.0f}s")
             for child in list(pending):
                 if child.exit_code() is not None:
                     return self._server_failed(child, "during start-up, before /health/ answered")
@@ -168,11 +212,19 @@ class _Run:
                     f"{names} not healthy after {timeout_s:.0f}s ({_TIMEOUT_KEY}); raise the timeout for slow "
                     f"model loads. Last lines of {pending[0].spec.log_path}:\n{pending[0].log_tail()}",
                 )
-            if pending and now >= next_progress:
+            if remote and now - start >= timeout_s:
+                return Outcome(
+                    EXIT_SERVER_FAILED,
+                    f"the other nodes' rollout server(s) {', '.join(remote)} not healthy after {timeout_s:.0f}s "
+                    f"({_TIMEOUT_KEY}): check their nodes' launch output, or raise the timeout for slow model loads",
+                )
+            if (pending or remote) and now >= next_progress:
                 next_progress = now + _PROGRESS_EVERY_S
+                total = len(self.servers) + len(remote)
                 self.console.say(
-                    f"waiting for rollout servers: {len(self.servers) - len(pending)}/{len(self.servers)} healthy "
-                    f"after {now - start:.0f}s (timeout {timeout_s:.0f}s)"
+                    f"waiting for rollout servers: {len(self.servers) - len(pending)}/{len(self.servers)} of this "
+                    f"node healthy{f', {len(remote)} of the other nodes not yet' if remote else ''} after "
+                    f"{now - start:.0f}s (timeout {timeout_s:.0f}s; {total} pending at most)"
                 )
             self._refresh_pids()
             stop.event.wait(_POLL_S)
@@ -183,6 +235,10 @@ class _Run:
         while True:
             if stop.received is not None:
                 return self._signalled(stop.received)
+            if (lost := self._node_lost()) is not None:
+                return lost
+            if learner is None and (done := self._learners_done()) is not None:
+                return done
             dead = next((s for s in self.servers if s.exit_code() is not None), None)
             if dead is not None:
                 return self._server_failed(
@@ -196,20 +252,38 @@ class _Run:
                         return self._server_failed(dead, "while the learner was running")
                 elapsed = time.monotonic() - started
                 status = "finished" if code == 0 else "failed"
-                lost = (
-                    f"; with {self.plan.node_count} nodes a lost node, or one that never joined the rendezvous "
-                    "(launch.nodes.join_timeout_s), ends the learner like this: torchrun's error in the log says which"
-                    if code != 0 and self.plan.node_count > 1
-                    else ""
-                )
-                return Outcome(
-                    code if code >= 0 else 128 - code,
-                    f"learner {status} with exit code {code} after {elapsed:.0f}s (log {learner.spec.log_path}){lost}",
-                )
+                message = f"learner {status} with exit code {code} after {elapsed:.0f}s (log {learner.spec.log_path})"
+                if code != 0 and self.heartbeat is not None:
+                    # A peer node lost or failed makes this node's ranks fail too: wait (at most one heartbeat
+                    # timeout) for the heartbeat to say which, so the message names the cause.
+                    cause = self.heartbeat.wait_for_problem(self.heartbeat.timeout_s)
+                    if cause is not None:
+                        return Outcome(EXIT_NODE_LOST, f"{cause}; this node's {message}")
+                return Outcome(code if code >= 0 else 128 - code, message)
             self._refresh_pids()
             stop.event.wait(_POLL_S)
 
     # ------------------------------------------------------------------------------------ outcomes
+    def _node_lost(self) -> Outcome | None:
+        problem = self.heartbeat.problem() if self.heartbeat is not None else None
+        if problem is None:
+            return None
+        return Outcome(EXIT_NODE_LOST, f"{problem}: stopping this node's processes")
+
+    def _learners_done(self) -> Outcome | None:
+        """A node that runs only servers ends with the run: once every learner node reported done."""
+        if self.heartbeat is None:
+            return None
+        nodes = self.plan.learner_nodes
+        codes = self.heartbeat.learners_done(nodes)
+        if codes is None:
+            return None
+        failed = {n: c for n, c in codes.items() if c != 0}
+        if failed:
+            names = ", ".join(f"{self.heartbeat.node_name(n)} exited with {c}" for n, c in failed.items())
+            return Outcome(EXIT_NODE_LOST, f"the learner failed ({names}): stopping this node's servers")
+        return Outcome(0, f"the learner finished on node(s) {nodes}: stopping this node's servers")
+
     def _server_failed(self, child: Child, when: str) -> Outcome:
         return Outcome(
             EXIT_SERVER_FAILED,

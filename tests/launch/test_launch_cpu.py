@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import stat
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -200,3 +201,53 @@ def test_two_nodes_on_loopback_train_with_one_rendezvous(
         node_dir = run.launch_dir / f"node-{rank}"
         assert f"base_url: http://127.0.0.1:{port_base}" in (node_dir / "learner.yaml").read_text()
         assert survivors(json.loads((node_dir / "pids.json").read_text())) == []
+
+
+@pytest.mark.heavy
+@pytest.mark.timeout(RUN_TIMEOUT_S + 60)
+def test_killing_one_nodes_launcher_stops_the_other_naming_the_lost_node(
+    launch_config: Callable[..., Path], start_launch: Callable[..., Any]
+) -> None:
+    """Node 0 runs the rollout server, node 1 the learner (which waits for node 0's server first). A
+    SIGKILL of node 1's launcher: node 0 exits 4 within the heartbeat timeout naming node 1, and no
+    child of either launcher survives (node 1's are stopped by its watchdog)."""
+    from rollmatch.launch.plan import free_ports
+
+    port_base, rdzv, heartbeat = free_ports(3)
+    timeout_s, grace_s = 5, 5
+    config = launch_config(
+        training={"max_steps": 10_000},
+        launch={
+            "engine": "hf",
+            "port_base": port_base,
+            "grace_s": grace_s,
+            "nodes": {
+                "count": 2,
+                "hosts": ["127.0.0.1", "127.0.0.1"],
+                "rendezvous": f"127.0.0.1:{rdzv}",
+                "roles": ["servers", "learner"],
+                "heartbeat_port": heartbeat,
+                "heartbeat_timeout_s": timeout_s,
+            },
+        },
+    )
+    nodes = [start_launch(config, f"launch.nodes.rank={rank}", "--cpu") for rank in (0, 1)]
+    nodes[1].wait_for(lambda: "started learner-0" in nodes[1].output(), 240, "node 1's learner")
+    assert f"remote server http://127.0.0.1:{port_base} healthy" in nodes[1].output()
+    os.kill(nodes[1].process.pid, signal.SIGKILL)
+    killed = time.monotonic()
+    code = nodes[0].wait(120)
+    took = time.monotonic() - killed
+    output = nodes[0].output()
+    assert code == 4, output[-4000:]
+    last = output.splitlines()[-1]
+    assert (
+        "node 1 (127.0.0.1) lost: no heartbeat for" in last and "launch.nodes.heartbeat_timeout_s=5" in last
+    )
+    assert took < timeout_s + grace_s + 15, took  # detection, then the server's teardown
+    for rank, run in enumerate(nodes):
+        record = json.loads((run.launch_dir / f"node-{rank}" / "pids.json").read_text())
+        deadline = time.monotonic() + grace_s + 20  # node 1's watchdog: SIGTERM, SIGKILL after the grace
+        while survivors(record) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert survivors(record) == [], f"node {rank}"

@@ -63,6 +63,12 @@ def test_config_rules_fail_fast_naming_the_key_and_the_fix() -> None:
     wildcard = _keys("launch.nodes.hosts=['0.0.0.0']", "launch.nodes.rendezvous=x")
     assert "never a wildcard" in wildcard["launch.nodes.hosts"]
     assert "write HOST:PORT" in wildcard["launch.nodes.rendezvous"]
+    nodes = ("launch.nodes.count=2", "launch.nodes.hosts=[a,b]", "launch.port_base=8000")
+    top = _keys(*nodes, "launch.nodes.rendezvous=a:65535")  # the default heartbeat port would be 65536
+    same = _keys(*nodes, "launch.nodes.rendezvous=a:29500", "launch.nodes.heartbeat_port=29500")
+    for problems in (top, same):
+        assert "set launch.nodes.heartbeat_port to another port" in problems["launch.nodes.heartbeat_port"]
+    load_config(None, [*nodes, "launch.nodes.rendezvous=b:29500", "launch.nodes.heartbeat_port=29500"])
 
 
 def test_seed_six_plus_two_layout_from_config_alone(write: Callable[..., Path], capsys: Any) -> None:

@@ -1,0 +1,205 @@
+"""The nodes' heartbeat on real sockets (127.0.0.1, free ports): a node that stops beating, never
+joins, fails, or hosts a hub that vanishes is named by the others within the timeout; a node that
+finished is never lost; the hub refuses strangers and garbage and keeps answering."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from rollmatch.config.schema import RollmatchConfig
+from rollmatch.errors import LaunchError
+from rollmatch.launch.heartbeat import NodeHeartbeat
+from rollmatch.launch.layout import Layout
+from rollmatch.launch.plan import LaunchPlan, free_ports
+from rollmatch.launch.supervisor import run_plan
+
+TIMEOUT_S = 1.0
+HOSTS = ["127.0.0.1", "127.0.0.1"]
+
+
+@pytest.fixture
+def beat() -> Iterator[Callable[..., NodeHeartbeat]]:
+    """Start a node's heartbeat on the test's port; every one is stopped at the end."""
+    port = free_ports(1)[0]
+    started: list[NodeHeartbeat] = []
+
+    def start(
+        rank: int, *, key: str | None = None, join_timeout_s: float = 30.0, run: bool = True
+    ) -> NodeHeartbeat:
+        node = NodeHeartbeat(
+            node_rank=rank,
+            hosts=HOSTS,
+            port=port,
+            timeout_s=TIMEOUT_S,
+            join_timeout_s=join_timeout_s,
+            key=key,
+        )
+        if run:
+            node.start()
+            started.append(node)
+        return node
+
+    yield start
+    for node in started:
+        if node._stop.is_set() and node._hub is None:
+            continue
+        silence(node)
+        if node._hub is not None:
+            node._hub.shutdown()
+            node._hub.server_close()
+
+
+def silence(node: NodeHeartbeat) -> None:
+    """What SIGKILL does to a launcher's heartbeat: it stops, with no last report."""
+    node._stop.set()
+    if node._thread is not None:
+        node._thread.join(timeout=5)
+
+
+def wait_problem(node: NodeHeartbeat, within_s: float) -> tuple[str, float]:
+    start = time.monotonic()
+    problem = node.wait_for_problem(within_s)
+    assert problem is not None, f"no problem seen within {within_s}s"
+    return problem, time.monotonic() - start
+
+
+def test_a_node_that_stops_beating_is_named_lost_within_the_timeout(beat) -> None:
+    host, other = beat(0), beat(1)
+    time.sleep(TIMEOUT_S * 1.5)
+    assert host.problem() is None and other.problem() is None  # both alive: nobody is lost
+    silence(other)
+    problem, took = wait_problem(host, TIMEOUT_S * 4)
+    assert problem.startswith("node 1 (127.0.0.1) lost: no heartbeat for") and took < TIMEOUT_S * 3
+    assert "launch.nodes.heartbeat_timeout_s=1" in problem
+
+
+def test_the_hub_vanishing_makes_the_other_nodes_name_node_0(beat) -> None:
+    host, other = beat(0), beat(1)
+    time.sleep(TIMEOUT_S)
+    silence(host)
+    assert host._hub is not None
+    host._hub.shutdown()
+    host._hub.server_close()
+    host._hub = None
+    problem, took = wait_problem(other, TIMEOUT_S * 5)
+    assert (
+        problem.startswith("node 0 (127.0.0.1) lost: its heartbeat hub at 127.0.0.1:")
+        and took < TIMEOUT_S * 4
+    )
+
+
+def test_a_node_that_never_reports_is_named_after_the_join_timeout(beat) -> None:
+    host = beat(0, join_timeout_s=1.5)
+    problem, _ = wait_problem(host, 5.0)
+    assert problem.startswith(
+        "node 1 (127.0.0.1) never joined: no heartbeat within launch.nodes.join_timeout_s=1.5s"
+    )
+
+
+def test_a_failed_node_is_named_and_a_finished_one_is_never_lost(beat) -> None:
+    host, other = beat(0), beat(1)
+    time.sleep(TIMEOUT_S * 0.5)
+    other.finish(0)
+    time.sleep(TIMEOUT_S * 3)  # long past the timeout: a finished node stays finished
+    assert host.problem() is None and host.learners_done([1]) == {1: 0}
+    started = time.monotonic()
+    host.finish(0)  # everyone is done: the hub closes at once
+    assert time.monotonic() - started < TIMEOUT_S
+
+
+def test_a_node_whose_launcher_failed_is_named_with_its_code(beat) -> None:
+    host, other = beat(0), beat(1)
+    time.sleep(TIMEOUT_S * 0.5)
+    other.finish(3)
+    problem, _ = wait_problem(host, TIMEOUT_S * 2)
+    assert problem == "node 1 (127.0.0.1) failed: its launcher exited with code 3"
+    assert host.learners_done([1]) == {1: 3}
+
+
+def test_a_report_without_the_launch_key_is_refused(beat) -> None:
+    host, stranger = beat(0, key="secret"), beat(1, key="guess")
+    problem, _ = wait_problem(stranger, TIMEOUT_S * 5)
+    assert "refused this node's report: wrong or missing launch key" in problem
+    assert host._hub is not None and host._hub.reports.keys() == {0}  # the stranger was never recorded
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        b"not json\n",
+        b'{"node": 7, "state": "alive"}\n',
+        b'{"node": 1, "state": "dead"}\n',
+        b'{"node": 1, "state": "done", "code": "x"}\n',
+        b"[1, 2]\n",
+        b"x" * 10_000 + b"\n",
+        b'{"node": 1, "state": "alive"}',  # no newline: the client hangs up
+    ],
+)
+def test_the_hub_answers_garbage_with_an_error_and_keeps_serving(beat, line: bytes) -> None:
+    host = beat(0)
+    with socket.create_connection(("127.0.0.1", host.port), timeout=5) as conn:
+        conn.sendall(line)
+        conn.shutdown(socket.SHUT_WR)
+        reply = json.loads(conn.makefile("rb").readline())
+    assert reply["ok"] is False and reply["error"]
+    assert host._hub is not None and 1 not in host._hub.reports
+    beat(1)
+    time.sleep(TIMEOUT_S)
+    assert host._hub.reports.keys() == {0, 1} and host.problem() is None
+
+
+def test_a_taken_hub_port_is_refused_naming_the_key(beat) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        node = NodeHeartbeat(
+            node_rank=0, hosts=HOSTS, port=taken.getsockname()[1], timeout_s=1, join_timeout_s=1, key=None
+        )
+        with pytest.raises(LaunchError, match=r"launch\.nodes\.heartbeat_port"):
+            node.start()
+
+
+def servers_only_plan(tmp_path: Path) -> LaunchPlan:
+    """Node 0 of two, running only (here: no) servers; node 1 runs the learner."""
+    return LaunchPlan(
+        servers=(),
+        learner=None,
+        endpoints=(),
+        learner_config=RollmatchConfig(),
+        learner_config_path=tmp_path / "learner.yaml",
+        launch_dir=tmp_path,
+        health_timeout_s=10,
+        layout=Layout(
+            on_cpu=True, server_devices=(), learner_devices=(), learner_procs=0, tensor_parallel_size=1
+        ),
+        engine="hf",
+        node_rank=0,
+        node_count=2,
+        learner_nodes=(1,),
+    )
+
+
+@pytest.mark.parametrize(("learner_code", "launch_code"), [(0, 0), (1, 4)])
+def test_a_servers_only_node_ends_with_the_learner_nodes(
+    beat, tmp_path: Path, learner_code: int, launch_code: int
+) -> None:
+    host, learner = beat(0, run=False), beat(1)
+    running_before_the_learner_ended: list[bool] = []
+
+    def learner_node() -> None:
+        time.sleep(TIMEOUT_S)
+        running_before_the_learner_ended.append(host.problem() is None and not host._stop.is_set())
+        learner.finish(learner_code)
+
+    threading.Thread(target=learner_node, daemon=True).start()
+    started = time.monotonic()
+    assert run_plan(servers_only_plan(tmp_path), grace_s=1, heartbeat=host) == launch_code
+    assert running_before_the_learner_ended == [True]  # the learner node still ran: so did the servers
+    assert time.monotonic() - started < TIMEOUT_S * 5
