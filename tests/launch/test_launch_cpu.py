@@ -208,15 +208,17 @@ def test_two_nodes_on_loopback_train_with_one_rendezvous(
 def test_killing_one_nodes_launcher_stops_the_other_naming_the_lost_node(
     launch_config: Callable[..., Path], start_launch: Callable[..., Any]
 ) -> None:
-    """Node 0 runs the rollout server, node 1 the learner (which waits for node 0's server first). A
-    SIGKILL of node 1's launcher: node 0 exits 4 within the heartbeat timeout naming node 1, and no
-    child of either launcher survives (node 1's are stopped by its watchdog)."""
+    """The two nodes of the test above (node 1's learner rank waits for node 0's server first), training
+    long. A SIGKILL of node 1's launcher: node 0 exits 4 within the heartbeat timeout naming node 1 (its
+    own learner rank is stuck in, or failed, a collective), and no child of either launcher survives
+    (node 1's are stopped by its watchdog)."""
     from rollmatch.launch.plan import free_ports
 
     port_base, rdzv, heartbeat = free_ports(3)
     timeout_s, grace_s = 5, 5
     config = launch_config(
         training={"max_steps": 10_000},
+        stage2_ab={"schedule": {"b_ratio": 0.5}, "channel_b": {"mode": "async"}},
         launch={
             "engine": "hf",
             "port_base": port_base,
@@ -225,15 +227,19 @@ def test_killing_one_nodes_launcher_stops_the_other_naming_the_lost_node(
                 "count": 2,
                 "hosts": ["127.0.0.1", "127.0.0.1"],
                 "rendezvous": f"127.0.0.1:{rdzv}",
-                "roles": ["servers", "learner"],
+                "roles": ["both", "learner"],
+                "join_timeout_s": 120,
                 "heartbeat_port": heartbeat,
                 "heartbeat_timeout_s": timeout_s,
             },
         },
     )
     nodes = [start_launch(config, f"launch.nodes.rank={rank}", "--cpu") for rank in (0, 1)]
-    nodes[1].wait_for(lambda: "started learner-0" in nodes[1].output(), 240, "node 1's learner")
+    for run in nodes:
+        run.wait_for(lambda run=run: "started learner-0" in run.output(), 240, "the node's learner")
     assert f"remote server http://127.0.0.1:{port_base} healthy" in nodes[1].output()
+    metrics = nodes[0].launch_dir.parent / "metrics.jsonl"
+    nodes[0].wait_for(metrics.exists, 240, "the first logged step")  # both ranks are in the training loop
     os.kill(nodes[1].process.pid, signal.SIGKILL)
     killed = time.monotonic()
     code = nodes[0].wait(120)
