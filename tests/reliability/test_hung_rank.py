@@ -22,7 +22,7 @@ from rollmatch.launch.plan import torchrun_command
 
 pytestmark = pytest.mark.heavy
 REPO = Path(__file__).resolve().parents[2]
-COLLECTIVE_TIMEOUT_S = 15
+COLLECTIVE_TIMEOUT_S = 10
 START_UP_S = 120  # two ranks loading torch, transformers and the model on a loaded 2-core machine
 
 

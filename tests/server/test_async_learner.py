@@ -142,6 +142,13 @@ def shapes(tmp_path: Path) -> dict[str, Path]:
     return generate_shapes(tmp_path / "shapes", n_train=24, n_val=1, size=112, seed=3)
 
 
+@pytest.fixture(scope="module")
+def vllm_server(start_server: Callable[..., Any], tiny_model_dir: Path) -> Any:
+    """One vLLM server for the runs that leave it running (each run pushes its weights first)."""
+    pytest.importorskip("vllm")
+    return start_server(tiny_model_dir, "--engine", "vllm")
+
+
 # hf: the spec's gate (no waiting: steps without packs run A). vllm: 2 micro-steps per step, and B
 # steps wait for their packs (async.max_wait_s), so every step is B and fewer steps suffice.
 # vllm-coord: the same on a model with the coordinate tokens (custom.object_format: coord_tokens); the
@@ -155,7 +162,7 @@ def test_async_learner_runs_b_steps_and_accounts_for_every_pack(
     steps: int,
     max_wait_s: float,
     gas: int,
-    hf_sync_server: Any,
+    request: pytest.FixtureRequest,
     start_server: Callable[..., Any],
     tiny_model_dir: Path,
     coord_model_dir: Path,
@@ -164,11 +171,11 @@ def test_async_learner_runs_b_steps_and_accounts_for_every_pack(
     free_port: Callable[[], int],
 ) -> None:
     model_dir = coord_model_dir if engine == "vllm-coord" else tiny_model_dir
-    if engine.startswith("vllm"):
+    if engine == "vllm-coord":
         pytest.importorskip("vllm")
         server = start_server(model_dir, "--engine", "vllm")
     else:
-        server = hf_sync_server
+        server = request.getfixturevalue("vllm_server" if engine == "vllm" else "hf_sync_server")
     if engine == "vllm-coord":
         assert server.get("/info/")["object_formats"] == ["qwen_json", "coord_tokens"]
     out = tmp_path / "out"
@@ -228,7 +235,7 @@ def trace(out: Path, rank: int) -> list[dict[str, Any]]:
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 def test_an_async_run_resumed_from_a_checkpoint_neither_repeats_nor_skips_a_record(
-    start_server: Callable[..., Any],
+    vllm_server: Any,
     tiny_model_dir: Path,
     shapes: dict[str, Path],
     tmp_path: Path,
@@ -239,7 +246,7 @@ def test_an_async_run_resumed_from_a_checkpoint_neither_repeats_nor_skips_a_reco
     skipped, ``ver`` continues and the lag stays within the window."""
     import torch
 
-    server = start_server(tiny_model_dir, "--engine", "vllm")
+    server = vllm_server
     runs = {}
     for name, steps, resume in (("first", 3, None), ("resumed", 5, tmp_path / "first" / "checkpoint-2")):
         out = tmp_path / name
