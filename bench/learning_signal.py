@@ -25,9 +25,12 @@ Design (docs/runbook.md, "Does it learn?"):
 Every unit of work (stage-1, gate, each arm x seed, each evaluation) writes its own JSON under
 ``--out``; a rerun skips what is done and resumes an interrupted arm from its last checkpoint.
 Prints ONE JSON object (also ``--out/learning_signal.json``) and a PNG; ``--docs`` copies both
-into docs/. Run (many CPU hours on 2 cores; stop and rerun at will)::
+into docs/. ``--summarize`` writes them from the units already done and runs nothing (a study in
+progress: the JSON lists what is missing, and no verdict is given on fewer than 3 seeds). Run (many
+CPU hours on 2 cores; stop and rerun at will)::
 
     .venv/bin/python bench/learning_signal.py --out runs/learning_signal --docs
+    .venv/bin/python bench/learning_signal.py --out runs/learning_signal --summarize --docs  # so far
     # coordinate tokens vs digits (docs/detection.md), same regime, stage-1 and the best rollout arm:
     .venv/bin/python bench/learning_signal.py --out runs/learning_signal_coord --object-format coord_tokens \
         --arms sft reordered_gt
@@ -69,6 +72,7 @@ ARMS: dict[str, dict[str, Any]] = {"sft": {"variant": "sft", "loss": {}}, **ROLL
 OBJECTS = {"3-5": (3, 5), "2-4": (2, 4)}
 SIDES = (44, 80)
 GAIN, MAP_SLACK = 0.03, 0.01  # decided before the run
+MIN_SEEDS = 3  # decided before the run: no verdict on fewer
 F1_GATE = (0.4, 0.8)
 DIFFERS_GATE = 0.25
 _PROCESSOR_FILES = (
@@ -86,7 +90,9 @@ def main() -> None:
     out = Path(args.out).absolute()
     out.mkdir(parents=True, exist_ok=True)
     settings = {
-        k: v for k, v in vars(args).items() if k not in ("out", "docs", "argv", "only_gate", "ignore_gate")
+        k: v
+        for k, v in vars(args).items()
+        if k not in ("out", "docs", "argv", "only_gate", "ignore_gate", "summarize")
     }
     settings_path = out / "settings.json"
     saved = json.loads(settings_path.read_text()) if settings_path.exists() else settings
@@ -94,8 +100,10 @@ def main() -> None:
         raise SystemExit(f"{out} holds a study with other settings ({settings_path}); use another --out")
     settings_path.write_text(json.dumps(settings, indent=1))
     started = time.perf_counter()
+    if args.summarize and not (out / "gate.json").exists():
+        raise SystemExit(f"{out} has no gate result yet: nothing to summarize (run the study first)")
     splits = prepare_data(out, args)
-    stage1 = stage1_checkpoint(out, splits, args)
+    stage1 = None if args.summarize else stage1_checkpoint(out, splits, args)
     gate = cached(out / "gate.json", lambda: run_gate(out, stage1, splits, args))
     result: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M"),
@@ -107,12 +115,25 @@ def main() -> None:
         "gate": gate,
     }
     if (gate["passed"] or args.ignore_gate) and not args.only_gate:
-        runs = {arm: {} for arm in [*ARMS, "sft_equal_compute"]}
+        runs: dict[str, dict[int, Any]] = {arm: {} for arm in [*ARMS, "sft_equal_compute"]}
+        missing = []
         for seed in args.seeds:
-            for arm in args.arms:
-                runs[arm][seed] = run_arm(out, arm, seed, stage1, splits, args)
+            units = list(args.arms)
             if "sft" in args.arms and len(set(args.arms) & set(ROLLOUT_ARMS)):
-                runs["sft_equal_compute"][seed] = run_equal_compute(out, seed, stage1, splits, runs, args)
+                units.append("sft_equal_compute")
+            for arm in units:
+                if args.summarize:  # only what is done
+                    done = out / "arms" / arm / f"seed{seed}.json"
+                    if done.exists():
+                        runs[arm][seed] = json.loads(done.read_text())
+                    else:
+                        missing.append(f"{arm}/seed{seed}")
+                elif arm == "sft_equal_compute":
+                    runs[arm][seed] = run_equal_compute(out, seed, stage1, splits, runs, args)
+                else:
+                    runs[arm][seed] = run_arm(out, arm, seed, stage1, splits, args)
+        result["complete"] = not missing
+        result["missing"] = missing
         result["arms"] = {arm: summarize_arm(by_seed) for arm, by_seed in runs.items() if by_seed}
         result["comparisons"] = compare(runs, splits, args)
     result["seconds_this_invocation"] = round(time.perf_counter() - started, 1)
@@ -159,6 +180,11 @@ def parse_args() -> argparse.Namespace:
         help="run the arms even if the gate fails (smoke runs; the JSON says so)",
     )
     parser.add_argument("--docs", action="store_true", help="copy the JSON and PNG into docs/")
+    parser.add_argument(
+        "--summarize",
+        action="store_true",
+        help="write the JSON and PNG from the units already done; run nothing (a study in progress)",
+    )
     args = parser.parse_args()
     args.argv = sys.argv[1:]
     if not set(args.decide_at) <= set(args.eval_at) or max(args.eval_at) != args.steps:
@@ -523,7 +549,12 @@ def compare(
             and c["delta_truncated_frac"] <= 0
             for c in equal_steps.values()
         )
-        entry: dict[str, Any] = {"seeds": seeds, "equal_steps": equal_steps, "gain_at_equal_steps": verdict}
+        entry: dict[str, Any] = {
+            "seeds": seeds,
+            "equal_steps": equal_steps,
+            # The protocol's verdict needs MIN_SEEDS seeds; fewer: the numbers, no verdict.
+            "gain_at_equal_steps": verdict if len(seeds) >= MIN_SEEDS else None,
+        }
         compute_seeds = sorted(set(seeds) & set(runs["sft_equal_compute"]))
         if compute_seeds:
             base_step = {s: str(runs["sft_equal_compute"][s]["steps"]) for s in compute_seeds}
@@ -618,7 +649,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
         ax.set(title=title, xlabel="optimizer steps after stage-1")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
-    fig.suptitle(f"learning signal, mean over seeds ({result['date']}, {result['commit']})")
+    progress = f"; in progress, missing {len(result['missing'])} arm-seeds" if result.get("missing") else ""
+    fig.suptitle(f"learning signal, mean over seeds ({result['date']}, {result['commit']}{progress})")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
