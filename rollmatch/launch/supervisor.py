@@ -220,11 +220,10 @@ class _Run:
                 )
             if (pending or remote) and now >= next_progress:
                 next_progress = now + _PROGRESS_EVERY_S
-                total = len(self.servers) + len(remote)
+                others = f", {len(remote)} on other nodes not yet" if remote else ""
                 self.console.say(
                     f"waiting for rollout servers: {len(self.servers) - len(pending)}/{len(self.servers)} of this "
-                    f"node healthy{f', {len(remote)} of the other nodes not yet' if remote else ''} after "
-                    f"{now - start:.0f}s (timeout {timeout_s:.0f}s; {total} pending at most)"
+                    f"node healthy{others} after {now - start:.0f}s (timeout {timeout_s:.0f}s)"
                 )
             self._refresh_pids()
             stop.event.wait(_POLL_S)
@@ -274,14 +273,10 @@ class _Run:
         """A node that runs only servers ends with the run: once every learner node reported done."""
         if self.heartbeat is None:
             return None
-        nodes = self.plan.learner_nodes
+        nodes = list(self.plan.learner_nodes)
         codes = self.heartbeat.learners_done(nodes)
-        if codes is None:
-            return None
-        failed = {n: c for n, c in codes.items() if c != 0}
-        if failed:
-            names = ", ".join(f"{self.heartbeat.node_name(n)} exited with {c}" for n, c in failed.items())
-            return Outcome(EXIT_NODE_LOST, f"the learner failed ({names}): stopping this node's servers")
+        if codes is None or any(codes.values()):
+            return None  # still running, or failed: a failed node is the heartbeat's problem (_node_lost)
         return Outcome(0, f"the learner finished on node(s) {nodes}: stopping this node's servers")
 
     def _server_failed(self, child: Child, when: str) -> Outcome:
