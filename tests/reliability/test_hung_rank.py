@@ -13,6 +13,7 @@ import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -26,16 +27,25 @@ COLLECTIVE_TIMEOUT_S = 10
 START_UP_S = 120  # two ranks loading torch, transformers and the model on a loaded 2-core machine
 
 
-def test_a_hung_rank_takes_the_whole_job_down_within_timeout_plus_grace(
-    tiny_model_dir: Path, tmp_path: Path, free_port: Callable[[], int]
-) -> None:
+def run_two_ranks(
+    tmp_path: Path,
+    model_dir: Path,
+    port: int,
+    *,
+    script: str,
+    env: dict[str, str],
+    collective_timeout_s: float,
+    budget_s: float,
+    sections: dict[str, Any],
+) -> tuple[subprocess.CompletedProcess[str], float]:
+    """Train 6 steps on 2 ranks under ``script`` (a fault-injecting stand-in for ``rollmatch.cli``);
+    the finished process and its wall-clock seconds."""
     from rollmatch.data.shapes import generate_shapes
 
     data = generate_shapes(tmp_path / "shapes", n_train=8, n_val=1, size=112, seed=0)
     config = {
-        "model": {"path": str(tiny_model_dir)},
+        "model": {"path": str(model_dir)},
         "data": {"train_jsonl": str(data["train"]), "val_jsonl": None},
-        "custom": {"trainer_variant": "sft"},
         "training": {
             "output_dir": str(tmp_path / "out"),
             "per_device_train_batch_size": 1,
@@ -44,19 +54,37 @@ def test_a_hung_rank_takes_the_whole_job_down_within_timeout_plus_grace(
             "save_steps": 1000,
             "packing": True,
             "global_max_length": 1024,
-            "collective_timeout_s": COLLECTIVE_TIMEOUT_S,
+            "collective_timeout_s": collective_timeout_s,
         },
+        **sections,
     }
-    config_path = tmp_path / "hang.yaml"
+    config_path = tmp_path / "faulty.yaml"
     config_path.write_text(yaml.safe_dump(config))
-    command = torchrun_command(
-        2, free_port(), str(REPO / "tests/reliability/hang_one_rank.py"), "train", str(config_path)
-    )
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), ROLLMATCH_TEST_HANG_AFTER="3")
-    budget = START_UP_S + COLLECTIVE_TIMEOUT_S + FATAL_EXIT_GRACE_S + 30
+    command = torchrun_command(2, port, str(REPO / "tests/reliability" / script), "train", str(config_path))
     started = time.monotonic()
-    run = subprocess.run(command, capture_output=True, text=True, timeout=budget, env=env)
-    elapsed = time.monotonic() - started
+    run = subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        timeout=budget_s,
+        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), **env),
+    )
+    return run, time.monotonic() - started
+
+
+def test_a_hung_rank_takes_the_whole_job_down_within_timeout_plus_grace(
+    tiny_model_dir: Path, tmp_path: Path, free_port: Callable[[], int]
+) -> None:
+    run, elapsed = run_two_ranks(
+        tmp_path,
+        tiny_model_dir,
+        free_port(),
+        script="hang_one_rank.py",
+        env={"ROLLMATCH_TEST_HANG_AFTER": "3"},
+        collective_timeout_s=COLLECTIVE_TIMEOUT_S,
+        budget_s=START_UP_S + COLLECTIVE_TIMEOUT_S + FATAL_EXIT_GRACE_S + 30,
+        sections={"custom": {"trainer_variant": "sft"}},
+    )
     output = run.stdout + run.stderr
     assert "rank 1: hanging in forward call 3" in output, output[-4000:]
     assert run.returncode != 0, output[-4000:]
@@ -73,39 +101,24 @@ def test_a_rank_that_fails_alone_takes_every_rank_down_naming_it_long_before_the
 ) -> None:
     """Rank 1 raises while building its step's rows; it still joins the step's gather with its error,
     so rank 0 raises there too, naming rank 1's error, instead of waiting out the collective timeout."""
-    from rollmatch.data.shapes import generate_shapes
-
-    data = generate_shapes(tmp_path / "shapes", n_train=8, n_val=1, size=112, seed=0)
     timeout_s = 600  # the default: a rank left waiting would take ten minutes to notice
-    config = {
-        "model": {"path": str(tiny_model_dir)},
-        "data": {"train_jsonl": str(data["train"]), "val_jsonl": None},
-        "custom": {
-            "trainer_variant": "stage2_ab_training",
-            "extra": {"rollout_matching": {"rollout_backend": "hf"}},
-        },
-        "stage2_ab": {"schedule": {"b_ratio": 0.0}},
-        "training": {
-            "output_dir": str(tmp_path / "out"),
-            "per_device_train_batch_size": 1,
-            "max_steps": 6,
-            "report_to": [],
-            "save_steps": 1000,
-            "packing": True,
-            "global_max_length": 1024,
-            "collective_timeout_s": timeout_s,
-        },
-    }
-    config_path = tmp_path / "fail.yaml"
-    config_path.write_text(yaml.safe_dump(config))
-    command = torchrun_command(
-        2, free_port(), str(REPO / "tests/reliability/fail_one_rank.py"), "train", str(config_path)
-    )
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), ROLLMATCH_TEST_FAIL_AFTER="3")
     budget = START_UP_S + 60
-    started = time.monotonic()
-    run = subprocess.run(command, capture_output=True, text=True, timeout=budget, env=env)
-    elapsed = time.monotonic() - started
+    run, elapsed = run_two_ranks(
+        tmp_path,
+        tiny_model_dir,
+        free_port(),
+        script="fail_one_rank.py",
+        env={"ROLLMATCH_TEST_FAIL_AFTER": "3"},
+        collective_timeout_s=timeout_s,
+        budget_s=budget,
+        sections={
+            "custom": {
+                "trainer_variant": "stage2_ab_training",
+                "extra": {"rollout_matching": {"rollout_backend": "hf"}},
+            },
+            "stage2_ab": {"schedule": {"b_ratio": 0.0}},
+        },
+    )
     output = run.stdout + run.stderr
     assert run.returncode != 0, output[-4000:]
     assert "rank 1: ValueError: a broken record in call 3" in output, output[-4000:]
