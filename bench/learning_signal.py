@@ -15,7 +15,9 @@ Design (docs/runbook.md, "Does it learn?"):
   (constant after a warm-up): ``sft`` (more stage-1), ``prefix_fn`` (rollout matching, prefix
   unsupervised), ``prefix_fn_supervised`` (matched prefix supervised), ``reordered_gt``,
   ``stage2_ab`` (b_ratio 0.5, Channel-B on reordered-GT targets); ``--steps`` optimizer steps.
-  ``sft_equal_compute`` continues SFT to the rollout arms' mean training wall-clock.
+  ``sft_equal_compute`` continues SFT to the rollout arms' mean training cost, run after every seed's
+  arms: each arm's cost per step from its least-disturbed seed, in CPU seconds of the training process
+  (wall-clock for runs that did not measure them; the JSON says which).
 - **Statistics**, fixed before the run: paired bootstrap over seeds x report images of the
   label-aware F1 difference to ``sft``; a *gain* is >= +0.03 at every decision step with the 95%
   interval above 0 and the same sign in most seeds, mAP not lower by more than 0.01 and the
@@ -117,21 +119,22 @@ def main() -> None:
     if (gate["passed"] or args.ignore_gate) and not args.only_gate:
         runs: dict[str, dict[int, Any]] = {arm: {} for arm in [*ARMS, "sft_equal_compute"]}
         missing = []
-        for seed in args.seeds:
-            units = list(args.arms)
-            if "sft" in args.arms and len(set(args.arms) & set(ROLLOUT_ARMS)):
-                units.append("sft_equal_compute")
-            for arm in units:
-                if args.summarize:  # only what is done
-                    done = out / "arms" / arm / f"seed{seed}.json"
-                    if done.exists():
-                        runs[arm][seed] = json.loads(done.read_text())
-                    else:
-                        missing.append(f"{arm}/seed{seed}")
-                elif arm == "sft_equal_compute":
-                    runs[arm][seed] = run_equal_compute(out, seed, stage1, splits, runs, args)
+        # Every seed's arms first, then SFT at equal compute: its step count comes from the cost per
+        # step of every arm-seed run so far (equal_compute_steps), the same for every seed.
+        units = [(seed, arm) for seed in args.seeds for arm in args.arms]
+        if "sft" in args.arms and set(args.arms) & set(ROLLOUT_ARMS):
+            units += [(seed, "sft_equal_compute") for seed in args.seeds]
+        for seed, arm in units:
+            if args.summarize:  # only what is done
+                done = out / "arms" / arm / f"seed{seed}.json"
+                if done.exists():
+                    runs[arm][seed] = json.loads(done.read_text())
                 else:
-                    runs[arm][seed] = run_arm(out, arm, seed, stage1, splits, args)
+                    missing.append(f"{arm}/seed{seed}")
+            elif arm == "sft_equal_compute":
+                runs[arm][seed] = run_equal_compute(out, seed, stage1, splits, runs, args)
+            else:
+                runs[arm][seed] = run_arm(out, arm, seed, stage1, splits, args)
         result["complete"] = not missing
         result["missing"] = missing
         result["arms"] = {arm: summarize_arm(by_seed) for arm, by_seed in runs.items() if by_seed}
@@ -412,14 +415,32 @@ def run_equal_compute(
     runs: dict[str, Any],
     args: argparse.Namespace,
 ) -> dict[str, Any]:
-    rollout_seconds = [runs[arm][seed]["train_seconds"] for arm in ROLLOUT_ARMS if seed in runs[arm]]
-    steps = round(args.steps * float(np.mean(rollout_seconds)) / runs["sft"][seed]["train_seconds"])
-    steps = max(args.steps, min(steps, 20 * args.steps))
     folder = out / "arms" / "sft_equal_compute" / f"seed{seed}"
-    return cached(
-        out / "arms" / "sft_equal_compute" / f"seed{seed}.json",
-        lambda: train_and_evaluate(folder, "sft_equal_compute", seed, stage1, splits, args, steps),
-    )
+
+    def train() -> dict[str, Any]:
+        steps, basis = equal_compute_steps(runs, args.steps)
+        return {**train_and_evaluate(folder, "sft_equal_compute", seed, stage1, splits, args, steps), **basis}
+
+    return cached(out / "arms" / "sft_equal_compute" / f"seed{seed}.json", train)
+
+
+def equal_compute_steps(runs: dict[str, Any], steps: int) -> tuple[int, dict[str, Any]]:
+    """SFT steps that cost what ``steps`` steps of the rollout arms cost on average: each arm's cost per
+    step is its cheapest seed's (the least disturbed by other work on the machine), in CPU seconds of
+    the training process when every arm has a seed that measured them, else wall-clock seconds."""
+
+    def per_step(arm: str, key: str) -> float | None:
+        costs = [run[key] / run["steps"] for run in runs[arm].values() if run.get(key)]
+        return min(costs) if costs else None
+
+    rollout_arms = [arm for arm in ROLLOUT_ARMS if runs[arm]]
+    for key in ("train_cpu_seconds", "train_seconds"):
+        sft, arms = per_step("sft", key), [per_step(arm, key) for arm in rollout_arms]
+        if sft and all(arms):
+            ratio = float(np.mean([a for a in arms if a])) / sft
+            count = max(steps, min(round(steps * ratio), 20 * steps))
+            return count, {"compute_basis": key, "rollout_over_sft_cost_per_step": round(ratio, 3)}
+    raise SystemExit("equal compute needs the sft arm and a rollout arm trained first")
 
 
 def train_and_evaluate(
@@ -434,12 +455,21 @@ def train_and_evaluate(
     from rollmatch.training.entry import run_training
 
     cfg = arm_config(folder, arm, seed, stage1, splits, args, steps)
-    seconds_log = folder / "train_seconds.jsonl"  # one line per (resumed) invocation
+    seconds_log = folder / "train_seconds.jsonl"  # one line per invocation that finished
     if not (folder / "final" / "config.json").exists():
+        start_step, cpu_start = _resume_step(folder), time.process_time()
         result = run_training(cfg)
+        line = {
+            "seconds": result.seconds,
+            "cpu_seconds": round(time.process_time() - cpu_start, 1),  # every thread of this process
+            "global_step": result.global_step,
+            "start_step": start_step,
+        }
         with seconds_log.open("a") as f:
-            f.write(json.dumps({"seconds": result.seconds, "global_step": result.global_step}) + "\n")
-    seconds = sum(json.loads(line)["seconds"] for line in seconds_log.read_text().splitlines())
+            f.write(json.dumps(line) + "\n")
+    seconds, cpu_seconds = training_cost(
+        [json.loads(line) for line in seconds_log.read_text().splitlines()], steps
+    )
     evals: dict[str, Any] = {}
     eval_steps = [steps] if arm == "sft_equal_compute" else args.eval_at
     for step in eval_steps:
@@ -455,7 +485,29 @@ def train_and_evaluate(
             )
             for split in splits_here
         }
-    return {"steps": steps, "train_seconds": round(seconds, 1), "evals": evals}
+    return {
+        "steps": steps,
+        "train_seconds": round(seconds, 1),
+        "train_cpu_seconds": None if cpu_seconds is None else round(cpu_seconds, 1),
+        "evals": evals,
+    }
+
+
+def training_cost(invocations: list[dict[str, Any]], steps: int) -> tuple[float, float | None]:
+    """Wall-clock and CPU seconds of ``steps`` steps, from the finished invocations' cost per step (an
+    interrupted invocation logs nothing; its steps are trained again by the next). CPU seconds only
+    when every invocation measured them."""
+    done = sum(line["global_step"] - line.get("start_step", 0) for line in invocations)
+    wall = sum(line["seconds"] for line in invocations) / max(done, 1) * steps
+    if not all("cpu_seconds" in line for line in invocations):
+        return wall, None
+    return wall, sum(line["cpu_seconds"] for line in invocations) / max(done, 1) * steps
+
+
+def _resume_step(folder: Path) -> int:
+    """The step training resumes from: the newest complete checkpoint's (0 for a fresh start)."""
+    complete = [int(p.parent.name.split("-")[1]) for p in folder.glob("checkpoint-*/rollmatch_complete.json")]
+    return max(complete, default=0)
 
 
 def evaluate(
@@ -592,9 +644,10 @@ def contrast(
 
 def summarize_arm(by_seed: dict[int, Any]) -> dict[str, Any]:
     """Mean over seeds of the dev curve and the report metrics at each step evaluated on report."""
-    summary: dict[str, Any] = {"seeds": sorted(by_seed), "train_seconds": {}}
+    summary: dict[str, Any] = {"seeds": sorted(by_seed), "train_seconds": {}, "train_cpu_seconds": {}}
     for seed, run in by_seed.items():
         summary["train_seconds"][str(seed)] = run["train_seconds"]
+        summary["train_cpu_seconds"][str(seed)] = run.get("train_cpu_seconds")
     steps = sorted({step for run in by_seed.values() for step in run["evals"]}, key=int)
     for split in ("dev", "report"):
         curve = {}
