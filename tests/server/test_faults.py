@@ -95,9 +95,16 @@ def test_sigterm_stops_a_server_whose_engine_is_wedged(tiny_model_dir: Path, tmp
             except requests.RequestException:
                 time.sleep(0.5)
         body = {"infer_requests": [SWIFT_CHAT], "request_config": {"max_tokens": 2}}
-        threading.Thread(
-            target=lambda: requests.post(f"{url}/infer/", json=body, timeout=60), daemon=True
-        ).start()
+        cut_off: list[requests.RequestException] = []
+
+        def call_in_flight() -> None:  # its server is stopped under it: the call must end, cut off
+            try:
+                requests.post(f"{url}/infer/", json=body, timeout=60)
+            except requests.RequestException as exc:
+                cut_off.append(exc)
+
+        caller = threading.Thread(target=call_in_flight, daemon=True)
+        caller.start()
         while "wedged" not in log_path.read_text():
             assert time.monotonic() < deadline, log_path.read_text()[-2000:]
             time.sleep(0.2)
@@ -107,6 +114,8 @@ def test_sigterm_stops_a_server_whose_engine_is_wedged(tiny_model_dir: Path, tmp
         print(
             f"server with a wedged engine gone {time.monotonic() - started:.1f}s after SIGTERM, rc {process.returncode}"
         )
+        caller.join(timeout=10)
+        assert not caller.is_alive() and len(cut_off) == 1, cut_off  # the call in flight ended, cut off
     finally:
         if process.poll() is None:
             process.kill()
