@@ -162,6 +162,39 @@ def _cmdline(pid: int) -> str:
     return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
 
 
+def two_node_config(
+    launch_config: Callable[..., Path],
+    *,
+    max_steps: int = 2,
+    grace_s: float = 10,
+    heartbeat_timeout_s: float = 30,
+) -> tuple[Path, int]:
+    """Two nodes on 127.0.0.1 (node 0: one hf server and a learner rank; node 1: a learner rank),
+    async Stage-2 AB; the config and its port base."""
+    from rollmatch.launch.plan import free_ports
+
+    port_base, rdzv, heartbeat = free_ports(3)
+    config = launch_config(
+        training={"max_steps": max_steps},
+        stage2_ab={"schedule": {"b_ratio": 0.5}, "channel_b": {"mode": "async"}},
+        launch={
+            "engine": "hf",
+            "port_base": port_base,
+            "grace_s": grace_s,
+            "nodes": {
+                "count": 2,
+                "hosts": ["127.0.0.1", "127.0.0.1"],
+                "rendezvous": f"127.0.0.1:{rdzv}",
+                "roles": ["both", "learner"],
+                "join_timeout_s": 120,
+                "heartbeat_port": heartbeat,
+                "heartbeat_timeout_s": heartbeat_timeout_s,
+            },
+        },
+    )
+    return config, port_base
+
+
 @pytest.mark.heavy
 @pytest.mark.timeout(RUN_TIMEOUT_S + 60)
 def test_two_nodes_on_loopback_train_with_one_rendezvous(
@@ -169,23 +202,7 @@ def test_two_nodes_on_loopback_train_with_one_rendezvous(
 ) -> None:
     """Two launches, node ranks 0 (one server + a learner rank) and 1 (a learner rank), one rendezvous:
     a 2-rank async Stage-2 AB run over both trains to max_steps and both exit 0."""
-    from rollmatch.launch.plan import free_ports
-
-    port_base, rdzv = free_ports(1)[0], free_ports(1)[0]
-    config = launch_config(
-        stage2_ab={"schedule": {"b_ratio": 0.5}, "channel_b": {"mode": "async"}},
-        launch={
-            "engine": "hf",
-            "port_base": port_base,
-            "nodes": {
-                "count": 2,
-                "hosts": ["127.0.0.1", "127.0.0.1"],
-                "rendezvous": f"127.0.0.1:{rdzv}",
-                "roles": ["both", "learner"],
-                "join_timeout_s": 120,
-            },
-        },
-    )
+    config, port_base = two_node_config(launch_config)
     nodes = [start_launch(config, f"launch.nodes.rank={rank}", "--cpu") for rank in (0, 1)]
     codes = [run.wait(RUN_TIMEOUT_S) for run in nodes]
     outputs = [run.output() for run in nodes]
@@ -213,27 +230,9 @@ def test_killing_one_nodes_launcher_stops_the_other_naming_the_lost_node(
     long. A SIGKILL of node 1's launcher: node 0 exits 4 within the heartbeat timeout naming node 1 (its
     own learner rank is stuck in, or failed, a collective), and no child of either launcher survives
     (node 1's are stopped by its watchdog)."""
-    from rollmatch.launch.plan import free_ports
-
-    port_base, rdzv, heartbeat = free_ports(3)
     timeout_s, grace_s = 5, 5
-    config = launch_config(
-        training={"max_steps": 10_000},
-        stage2_ab={"schedule": {"b_ratio": 0.5}, "channel_b": {"mode": "async"}},
-        launch={
-            "engine": "hf",
-            "port_base": port_base,
-            "grace_s": grace_s,
-            "nodes": {
-                "count": 2,
-                "hosts": ["127.0.0.1", "127.0.0.1"],
-                "rendezvous": f"127.0.0.1:{rdzv}",
-                "roles": ["both", "learner"],
-                "join_timeout_s": 120,
-                "heartbeat_port": heartbeat,
-                "heartbeat_timeout_s": timeout_s,
-            },
-        },
+    config, port_base = two_node_config(
+        launch_config, max_steps=10_000, grace_s=grace_s, heartbeat_timeout_s=timeout_s
     )
     nodes = [start_launch(config, f"launch.nodes.rank={rank}", "--cpu") for rank in (0, 1)]
     for run in nodes:

@@ -7,6 +7,7 @@ are tested exhaustively without a model.
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -189,21 +190,20 @@ def test_a_waiting_producer_wakes_when_the_learner_takes() -> None:
         ReadyPackQueue(limit=0)
 
 
+def room(held: int, version: int, next_step: int, window: int, every: int = 1, per_step: float = 2) -> int:
+    return admission_room(
+        held=held,
+        current_version=version,
+        next_step=next_step,
+        version_window=window,
+        sync_every_steps=every,
+        packs_per_step=per_step,
+    )
+
+
 def test_admission_starts_only_rollouts_whose_packs_will_still_be_eligible() -> None:
-    def admits(
-        held: int, version: int, next_step: int, window: int, every: int = 1, per_step: float = 2
-    ) -> bool:
-        return (
-            admission_room(
-                held=held,
-                current_version=version,
-                next_step=next_step,
-                version_window=window,
-                sync_every_steps=every,
-                packs_per_step=per_step,
-            )
-            >= 1
-        )
+    def admits(**kwargs: Any) -> bool:
+        return room(**kwargs) >= 1
 
     # On-policy (window 0, a push every step): at step 5's start (servers at v5) roll out for step 5;
     # once step 5 took its packs, anything started before the push of v6 would arrive stale.
@@ -225,26 +225,14 @@ def test_admission_starts_only_rollouts_whose_packs_will_still_be_eligible() -> 
 
 
 def test_admission_room_is_what_the_steps_within_the_window_still_take() -> None:
-    def room(
-        held: int, version: int, next_step: int, window: int, every: int = 1, per_step: float = 4
-    ) -> int:
-        return admission_room(
-            held=held,
-            current_version=version,
-            next_step=next_step,
-            version_window=window,
-            sync_every_steps=every,
-            packs_per_step=per_step,
-        )
-
     # Window 1, a push every step, 4 packs a step: during step 5 (servers at v5, next step 6) the
     # actor may fill step 6 only; with 3 held, one more pack (a short batch), not a whole batch.
-    assert room(held=0, version=5, next_step=6, window=1) == 4
-    assert room(held=3, version=5, next_step=6, window=1) == 1
-    assert room(held=4, version=5, next_step=6, window=1) == 0
+    assert room(held=0, version=5, next_step=6, window=1, per_step=4) == 4
+    assert room(held=3, version=5, next_step=6, window=1, per_step=4) == 1
+    assert room(held=4, version=5, next_step=6, window=1, per_step=4) == 0
     # Before step 5 took its packs, steps 5 and 6 both may take them.
-    assert room(held=4, version=5, next_step=5, window=1) == 4
+    assert room(held=4, version=5, next_step=5, window=1, per_step=4) == 4
     # The version moved past what the next step trains: nothing more may start.
-    assert room(held=0, version=5, next_step=7, window=0) < 0
+    assert room(held=0, version=5, next_step=7, window=0, per_step=4) < 0
     # A push every 4 steps, window 0: the steps 4-7 of v1 share it.
     assert room(held=2, version=1, next_step=5, window=0, every=4, per_step=2) == 4
