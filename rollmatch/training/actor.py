@@ -41,7 +41,8 @@ class AdmissionSettings:
     actor needs to project when a pack started now would be consumed."""
 
     sync_every_steps: int
-    packs_per_step: float  # gradient accumulation steps x b_ratio
+    gradient_accumulation_steps: int
+    b_ratio: float  # the schedule's: which steps are Channel-B (each takes one pack per micro-step)
 
 
 def actor_seed(training_seed: int, rank: int, stream_position: int) -> int:
@@ -185,7 +186,8 @@ class RolloutActor:
             next_step=self.next_step,
             version_window=self.version_window,
             sync_every_steps=self.admission.sync_every_steps,
-            packs_per_step=self.admission.packs_per_step,
+            gradient_accumulation_steps=self.admission.gradient_accumulation_steps,
+            b_ratio=self.admission.b_ratio,
         )
         if room <= 0:
             return 0

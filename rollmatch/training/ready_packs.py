@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from rollmatch.packing.binpack import select_row
+from rollmatch.training.schedule import b_steps_before
 
 _LIMIT_KEY = "stage2_ab.channel_b.async.queue_limit"
 
@@ -91,20 +92,24 @@ def admission_room(
     next_step: int,
     version_window: int,
     sync_every_steps: int,
-    packs_per_step: float,
+    gradient_accumulation_steps: int,
+    b_ratio: float,
 ) -> int:
     """Admission-time staleness control: how many more packs may the actor start rolling out now?
 
     Packs rolled out now carry at least ``current_version`` (what the servers hold) and are consumed
-    after the ``held`` packs ahead of them, ``packs_per_step`` a step (gradient accumulation x
-    ``b_ratio``) from optimizer step ``next_step`` on (the next one to take packs). The last step that
-    may still take them is the last whose version (step ``// sync_every_steps``) is within
-    ``version_window`` of ``current_version``; the room is what the steps up to it take, less ``held``.
-    A pack beyond it would be generated only to be dropped as stale. 0 or less: wait.
+    after the ``held`` packs ahead of them by the Channel-B steps from optimizer step ``next_step`` on
+    (the next one to take packs), ``gradient_accumulation_steps`` packs each; which steps are B is the
+    schedule's (``b_ratio``, deterministic), so a B step's whole need is known, not an average. The
+    last step that may still take them is the last whose version (step ``// sync_every_steps``) is
+    within ``version_window`` of ``current_version``; the room is what the B steps up to it take, less
+    ``held``. A pack beyond it would be generated only to be dropped as stale. 0 or less: wait.
     """
     last_step = (current_version + version_window + 1) * sync_every_steps - 1
-    consumable = (last_step - next_step + 1) * packs_per_step
-    return int(consumable + 1e-9) - held
+    if last_step < next_step or not b_ratio:
+        return -held
+    b_steps = b_steps_before(last_step + 1, b_ratio) - b_steps_before(next_step, b_ratio)
+    return b_steps * gradient_accumulation_steps - held
 
 
 class VersionPurePacker(Generic[S]):

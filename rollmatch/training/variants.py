@@ -218,7 +218,8 @@ def async_packs(ctx: BuildContext, backend: RolloutBackend) -> AsyncPacks:
         rank=rank,
         admission=AdmissionSettings(
             sync_every_steps=settings.sync_every_steps,
-            packs_per_step=ctx.gradient_accumulation_steps * float(cfg.stage2_ab.schedule.b_ratio or 0.0),
+            gradient_accumulation_steps=ctx.gradient_accumulation_steps,
+            b_ratio=float(cfg.stage2_ab.schedule.b_ratio or 0.0),
         )
         if settings.admission_control
         else None,

@@ -190,14 +190,17 @@ def test_a_waiting_producer_wakes_when_the_learner_takes() -> None:
         ReadyPackQueue(limit=0)
 
 
-def room(held: int, version: int, next_step: int, window: int, every: int = 1, per_step: float = 2) -> int:
+def room(
+    held: int, version: int, next_step: int, window: int, every: int = 1, gas: int = 2, b_ratio: float = 1.0
+) -> int:
     return admission_room(
         held=held,
         current_version=version,
         next_step=next_step,
         version_window=window,
         sync_every_steps=every,
-        packs_per_step=per_step,
+        gradient_accumulation_steps=gas,
+        b_ratio=b_ratio,
     )
 
 
@@ -220,19 +223,24 @@ def test_admission_starts_only_rollouts_whose_packs_will_still_be_eligible() -> 
     # A push every 4 steps: packs stay eligible across the steps that share a version.
     assert admits(held=4, version=1, next_step=5, window=0, every=4)
     assert not admits(held=6, version=1, next_step=5, window=0, every=4)
-    # b_ratio 0.5 with GAS 2: one pack a step on average, so fewer packs are worth holding.
-    assert not admits(held=2, version=5, next_step=6, window=1, per_step=1)
+    # b_ratio 0.5 with GAS 2: step 6 runs Channel-A, so nothing started during step 5 will be taken
+    # before it is stale; step 5 is B and takes two.
+    assert not admits(held=0, version=5, next_step=6, window=1, b_ratio=0.5)
+    assert room(held=0, version=4, next_step=5, window=1, b_ratio=0.5) == 2
 
 
 def test_admission_room_is_what_the_steps_within_the_window_still_take() -> None:
     # Window 1, a push every step, 4 packs a step: during step 5 (servers at v5, next step 6) the
     # actor may fill step 6 only; with 3 held, one more pack (a short batch), not a whole batch.
-    assert room(held=0, version=5, next_step=6, window=1, per_step=4) == 4
-    assert room(held=3, version=5, next_step=6, window=1, per_step=4) == 1
-    assert room(held=4, version=5, next_step=6, window=1, per_step=4) == 0
+    assert room(held=0, version=5, next_step=6, window=1, gas=4) == 4
+    assert room(held=3, version=5, next_step=6, window=1, gas=4) == 1
+    assert room(held=4, version=5, next_step=6, window=1, gas=4) == 0
     # Before step 5 took its packs, steps 5 and 6 both may take them.
-    assert room(held=4, version=5, next_step=5, window=1, per_step=4) == 4
+    assert room(held=4, version=5, next_step=5, window=1, gas=4) == 4
     # The version moved past what the next step trains: nothing more may start.
-    assert room(held=0, version=5, next_step=7, window=0, per_step=4) < 0
+    assert room(held=0, version=5, next_step=7, window=0, gas=4) <= 0
     # A push every 4 steps, window 0: the steps 4-7 of v1 share it.
-    assert room(held=2, version=1, next_step=5, window=0, every=4, per_step=2) == 4
+    assert room(held=2, version=1, next_step=5, window=0, every=4) == 4
+    # b_ratio 0.5, GAS 2: a B step's whole need counts, not the average of one pack a step. During
+    # step 4 (next step 5, a B step) the actor may fill both of step 5's micro-steps.
+    assert [room(held=0, version=4, next_step=s, window=1, b_ratio=0.5) for s in (5, 6)] == [2, 0]
