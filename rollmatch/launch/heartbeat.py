@@ -108,9 +108,9 @@ class _HubHandler(socketserver.StreamRequestHandler):
             isinstance(key, str) and hmac.compare_digest(key.encode(), self.server.key.encode())
         ):
             return {"ok": False, "error": "wrong or missing launch key (ROLLMATCH_API_KEY)"}
-        if not (isinstance(node, int) and 0 <= node < self.server.node_count):
+        if not (type(node) is int and 0 <= node < self.server.node_count):  # bool is not a node
             return {"ok": False, "error": f"node must be 0..{self.server.node_count - 1}"}
-        if state not in ("alive", "done") or not (code is None or isinstance(code, int)):
+        if state not in ("alive", "done") or not (code is None or type(code) is int):
             return {"ok": False, "error": "state must be alive or done, code an integer or null"}
         return {"ok": True, "nodes": self.server.record(node, state, code)}
 

@@ -135,6 +135,7 @@ GARBAGE = [
     b'{"node": 7, "state": "alive"}\n',
     b'{"node": 1, "state": "dead"}\n',
     b'{"node": 1, "state": "done", "code": "x"}\n',
+    b'{"node": true, "state": "alive"}\n',
     b"[1, 2]\n",
     b"x" * 10_000 + b"\n",
     b'{"node": 1, "state": "alive"}',  # no newline: the client hangs up
