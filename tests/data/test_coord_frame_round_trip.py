@@ -6,7 +6,6 @@ changes the aspect ratio: a ``pixels`` frame that scaled both sides alike would 
 
 from __future__ import annotations
 
-import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,7 @@ from PIL import Image
 from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 
 from rollmatch.config.schema import DataConfig
-from rollmatch.data.convert import from_yolo, read_yolo_names
+from rollmatch.data.convert import from_voc, from_yolo, read_yolo_names
 from rollmatch.data.prompts import EncodedPrompt, PromptEncoder
 from rollmatch.data.records import Record, RecordObject
 from rollmatch.detection.codec import build_codec
@@ -93,28 +92,16 @@ def test_gt_boxes_round_trip_in_the_family_frame(
     assert aspect_changed >= 3  # the resize distorts the aspect ratio of most test images
 
 
-def _raccoon(folder: Path, number: int) -> Record:
-    root = ET.parse(folder / "annotations" / f"raccoon-{number}.xml").getroot()
-    objects = tuple(
-        RecordObject(
-            o.findtext("name", ""),
-            tuple(float(o.findtext(f"bndbox/{k}", "")) for k in ("xmin", "ymin", "xmax", "ymax")),
-        )
-        for o in root.iter("object")
-    )
-    width, height = int(root.findtext("size/width", "")), int(root.findtext("size/height", ""))
-    return Record(
-        f"raccoon-{number}", (str(folder / "images" / f"raccoon-{number}.jpg"),), width, height, objects
-    )
-
-
 def test_real_photos_give_the_same_boxes_in_both_frames(
     tiny_model_dirs: dict[str, Path], real_data_dir: Path
 ) -> None:
     """The same predictions (each photo's GT boxes) evaluated in norm1000 and in pixels: the
     predictions JSONL boxes agree, each within one resized pixel of the source box."""
     aquarium = real_data_dir / "aquarium_combined_v2"
-    records = [_raccoon(real_data_dir / "raccoon", n) for n in (1, 119, 150)]
+    records = [
+        r for r in from_voc(real_data_dir / "raccoon") if r.id in ("raccoon-1", "raccoon-119", "raccoon-150")
+    ]
+    assert len(records) == 3
     records += [
         r for r in from_yolo(aquarium / "valid", read_yolo_names(aquarium / "data.yaml")) if r.objects
     ][:3]
