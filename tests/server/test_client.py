@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -23,6 +23,24 @@ def _backend(cfg: Any, model: Any, tokenizer: Any) -> ServerBackend:
     return ServerBackend.from_config(
         cfg, model=model, tokenizer=tokenizer, model_dir=cfg.model.path, collectives=LocalCollectives()
     )
+
+
+@pytest.fixture
+def hf_backend(
+    hf_server: Any,
+    server_config: Callable[..., Any],
+    loaded_tiny: tuple[Any, Any],
+    prompt_encoder: Any,
+    free_port: Callable[[], int],
+) -> Iterator[ServerBackend]:
+    """The trainer's client of the shared hf server (start-up checks passed), closed after the test."""
+    backend = _backend(
+        server_config(servers=[{"base_url": hf_server.url, "group_port": free_port()}]),
+        loaded_tiny[0],
+        prompt_encoder.tokenizer,
+    )
+    yield backend
+    backend.close()
 
 
 @pytest.mark.heavy
@@ -61,25 +79,17 @@ def test_requests_are_split_in_contiguous_chunks_and_reassembled_in_order(
 
 def test_sampling_is_seeded_per_chunk_and_logged(
     hf_server: Any,
-    server_config: Callable[..., Any],
+    hf_backend: ServerBackend,
     raccoon_requests: list[Any],
-    loaded_tiny: tuple[Any, Any],
-    prompt_encoder: Any,
     caplog: pytest.LogCaptureFixture,
-    free_port: Callable[[], int],
 ) -> None:
-    backend = _backend(
-        server_config(servers=[{"base_url": hf_server.url, "group_port": free_port()}]),
-        loaded_tiny[0],
-        prompt_encoder.tokenizer,
-    )
+    backend = hf_backend
     sampling = Decoding(temperature=1.0, top_p=0.95, top_k=50, max_new_tokens=6)
     with caplog.at_level("INFO", logger="rollmatch.rollout.client"):
         first = backend.generate(raccoon_requests[:2], sampling, seed=5)
     again = backend.generate(raccoon_requests[:2], sampling, seed=5)
     assert [r.response_token_ids for r in first] == [r.response_token_ids for r in again]
     assert "temperature=1.0 top_p=0.95 top_k=50" in caplog.text and f"{hf_server.url}': 5" in caplog.text
-    backend.close()
 
 
 def test_both_config_forms_and_mismatched_lists_fail_fast(server_config: Callable[..., Any]) -> None:
@@ -111,17 +121,9 @@ def test_unreachable_server_fails_within_the_timeout_naming_url_and_alternatives
 
 
 def test_server_of_another_model_is_refused_showing_both_values(
-    hf_server: Any,
-    server_config: Callable[..., Any],
-    loaded_tiny: tuple[Any, Any],
-    prompt_encoder: Any,
-    free_port: Callable[[], int],
+    hf_server: Any, hf_backend: ServerBackend
 ) -> None:
-    backend = _backend(
-        server_config(servers=[{"base_url": hf_server.url, "group_port": free_port()}]),
-        loaded_tiny[0],
-        prompt_encoder.tokenizer,
-    )
+    backend = hf_backend
     served = hf_server.get("/info/")["fingerprint"]
     local = {
         "fingerprint": dict(served, tokenizer="0123456789abcdef"),
@@ -135,22 +137,13 @@ def test_server_of_another_model_is_refused_showing_both_values(
     assert "max_model_len 4096" in message
     assert "custom.object_format coord_tokens, the server's tokenizer supports ['qwen_json']" in message
     assert "rollmatch add-coord-tokens" in message
-    backend.close()
 
 
 def test_server_of_another_family_frame_or_resize_is_refused_naming_both_values(
-    hf_server: Any,
-    server_config: Callable[..., Any],
-    loaded_tiny: tuple[Any, Any],
-    prompt_encoder: Any,
-    free_port: Callable[[], int],
+    hf_server: Any, hf_backend: ServerBackend
 ) -> None:
     # the real start-up check passed: both sides resolved `auto` on the tiny Qwen2.5-VL to pixels
-    backend = _backend(
-        server_config(servers=[{"base_url": hf_server.url, "group_port": free_port()}]),
-        loaded_tiny[0],
-        prompt_encoder.tokenizer,
-    )
+    backend = hf_backend
     info = ServerInfo.model_validate(hf_server.get("/info/"))
     assert (info.coord_frame, info.fingerprint["model_type"]) == ("pixels", "qwen2_5_vl")
     low, high = info.min_pixels, info.max_pixels
@@ -182,7 +175,6 @@ def test_server_of_another_family_frame_or_resize_is_refused_naming_both_values(
         f"probe image 1237x411: trainer resizes to 28x28 (1 image tokens) vs server {probe.resized[0]}x"
         in message
     )
-    backend.close()
 
 
 def test_a_server_without_frame_fields_still_parses_and_is_not_compared() -> None:
