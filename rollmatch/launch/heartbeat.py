@@ -26,7 +26,7 @@ import socket
 import socketserver
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from rollmatch.errors import ConfigProblem, LaunchError
@@ -46,6 +46,10 @@ class NodeReport:
     code: int | None  # the launcher's exit code once done
     age_s: float  # seconds since the report, on the hub's clock
 
+    def lost(self, timeout_s: float) -> bool:
+        """Still alive by its last report, but silent for longer than ``timeout_s``."""
+        return self.state == "alive" and self.age_s > timeout_s
+
 
 class _Hub(socketserver.ThreadingTCPServer):
     """Node 0's listener: records each node's last report and answers with every node's."""
@@ -61,20 +65,18 @@ class _Hub(socketserver.ThreadingTCPServer):
         self.reports: dict[int, tuple[str, int | None, float]] = {}
         super().__init__(address, _HubHandler)
 
-    def record(self, node: int, state: str, code: int | None) -> list[dict[str, Any] | None]:
+    def record(self, node: int, state: str, code: int | None) -> list[NodeReport | None]:
         """Keep ``node``'s report (a done report is final) and return every node's."""
         with self.lock:
             if self.reports.get(node, ("alive",))[0] != "done":
                 self.reports[node] = (state, code, time.monotonic())
         return self.view()
 
-    def view(self) -> list[dict[str, Any] | None]:
+    def view(self) -> list[NodeReport | None]:
         now = time.monotonic()
         with self.lock:
             return [
-                None
-                if (r := self.reports.get(n)) is None
-                else {"state": r[0], "code": r[1], "age_s": round(now - r[2], 3)}
+                None if (r := self.reports.get(n)) is None else NodeReport(r[0], r[1], round(now - r[2], 3))
                 for n in range(self.node_count)
             ]
 
@@ -112,7 +114,8 @@ class _HubHandler(socketserver.StreamRequestHandler):
             return {"ok": False, "error": f"node must be 0..{self.server.node_count - 1}"}
         if state not in ("alive", "done") or not (code is None or type(code) is int):
             return {"ok": False, "error": "state must be alive or done, code an integer or null"}
-        return {"ok": True, "nodes": self.server.record(node, state, code)}
+        nodes = self.server.record(node, state, code)
+        return {"ok": True, "nodes": [None if r is None else asdict(r) for r in nodes]}
 
 
 class NodeHeartbeat:
@@ -266,7 +269,7 @@ class NodeHeartbeat:
                         f"{self.node_name(rank)} never joined: no heartbeat within {JOIN_KEY}={self.join_timeout_s:g}s "
                         f"(its `rollmatch launch` did not start, or cannot reach node 0 at {self.hub_address})"
                     )
-            elif report.state == "alive" and report.age_s > self.timeout_s:
+            elif report.lost(self.timeout_s):
                 self._set_problem(
                     f"{self.node_name(rank)} lost: no heartbeat for {report.age_s:.0f}s ({TIMEOUT_KEY}="
                     f"{self.timeout_s:g}); its launcher was killed or its network failed"
@@ -288,10 +291,8 @@ class NodeHeartbeat:
 
     def _everyone_done_or_lost(self) -> bool:
         assert self._hub is not None
-        view = self._hub.view()
-        for rank, report in enumerate(view):
-            if rank == self.node_rank:
-                continue
-            if report is None or (report["state"] == "alive" and report["age_s"] <= self.timeout_s):
-                return False
-        return True
+        return all(
+            report is not None and (report.state == "done" or report.lost(self.timeout_s))
+            for rank, report in enumerate(self._hub.view())
+            if rank != self.node_rank
+        )
