@@ -33,9 +33,12 @@ CPU hours on 2 cores; stop and rerun at will)::
 
     .venv/bin/python bench/learning_signal.py --out runs/learning_signal --docs
     .venv/bin/python bench/learning_signal.py --out runs/learning_signal --summarize --docs  # so far
-    # coordinate tokens vs digits (docs/detection.md), same regime, stage-1 and the best rollout arm:
+    # coordinate tokens vs digits (docs/detection.md), same regime, stage-1 and the best rollout arm,
+    # then the two studies paired on the same images (bench/compare_studies.py):
     .venv/bin/python bench/learning_signal.py --out runs/learning_signal_coord --object-format coord_tokens \
-        --arms sft reordered_gt
+        --arms sft prefix_fn_supervised --docs
+    .venv/bin/python bench/compare_studies.py --study runs/learning_signal_coord \
+        --baseline runs/learning_signal --docs
 """
 
 from __future__ import annotations
@@ -143,12 +146,13 @@ def main() -> None:
     (out / "learning_signal.json").write_text(json.dumps(result, indent=1))
     if "arms" in result:
         plot(result, out / "learning_signal.png")
-    if args.docs:
-        shutil.copy(out / "learning_signal.json", Path(__file__).parents[1] / "docs" / "learning_signal.json")
-        if (out / "learning_signal.png").exists():
-            shutil.copy(
-                out / "learning_signal.png", Path(__file__).parents[1] / "docs" / "learning_signal.png"
-            )
+    if args.docs:  # one name per object format: the two studies' documents sit side by side
+        name = "learning_signal" + ("" if args.object_format == "qwen_json" else f"_{args.object_format}")
+        for suffix in (".json", ".png"):
+            if (out / f"learning_signal{suffix}").exists():
+                shutil.copy(
+                    out / f"learning_signal{suffix}", Path(__file__).parents[1] / "docs" / f"{name}{suffix}"
+                )
     print(json.dumps(result))
 
 
@@ -269,9 +273,12 @@ def stage1_checkpoint(out: Path, splits: dict[str, Path], args: argparse.Namespa
                 "num_decay_steps": int(0.15 * args.stage1_steps),
                 "min_lr_ratio": args.lr / args.stage1_lr,
             },
-            "save_steps": args.stage1_steps,
+            # a checkpoint every 1,000 steps: an interrupted stage-1 resumes from the newest
+            "save_steps": min(1000, args.stage1_steps),
         }
     )
+    if any((out / "stage1").glob("checkpoint-*/rollmatch_complete.json")):
+        cfg["training"]["resume_from_checkpoint"] = "latest"
     run_training(load_config_dict(cfg, [], source="bench/learning_signal.py stage-1"))
     return final
 

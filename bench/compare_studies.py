@@ -1,0 +1,127 @@
+"""Two learning-signal studies that differ only in ``--object-format``, compared on the same images.
+
+``bench/learning_signal.py`` answers "does an arm beat more SFT?" inside one study. Whether coordinate
+tokens beat digits is a question across two studies: the same data (generated from the same seeds),
+stage-1 steps, arms, seeds and learning rates, another object format. This script pairs them:
+
+- **stage-1**: both studies' stage-1 checkpoints on the dev split (the gate's evaluation; equal steps);
+- **each arm** present in both, at every decision step, on the report split, seed by seed (the same
+  records and seed on both sides).
+
+Statistics are the study's: paired bootstrap over seeds x images of label-aware F1@0.5 (study minus
+baseline), with the differences in mAP and mean matched IoU. Prints ONE JSON object; ``--docs`` writes it
+to docs/learning_signal_<format>_vs_<format>.json. Run (after both studies, or any time for the units
+done so far)::
+
+    .venv/bin/python bench/compare_studies.py --study runs/ls_coord --baseline runs/ls_9k --docs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from learning_signal import paired_bootstrap  # bench scripts share the study's statistics
+
+# Settings that may differ between the two studies; everything else must be equal.
+FREE_SETTINGS = ("object_format", "arms", "seeds", "backend", "bootstrap")
+METRICS = ("f1", "map", "mean_iou", "duplicate_rate", "fp_per_image", "truncated_frac")
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--study", required=True, help="a learning_signal.py --out folder")
+    parser.add_argument("--baseline", required=True, help="the same study with another --object-format")
+    parser.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples")
+    parser.add_argument("--docs", action="store_true", help="write the JSON into docs/")
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    result = compare_studies(Path(args.study), Path(args.baseline), args.bootstrap)
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.docs:
+        name = f"learning_signal_{result['study']['object_format']}_vs_{result['baseline']['object_format']}"
+        (Path(__file__).parents[1] / "docs" / f"{name}.json").write_text(text + "\n")
+
+
+def compare_studies(study: Path, baseline: Path, resamples: int) -> dict[str, Any]:
+    settings = {name: _settings(folder) for name, folder in (("study", study), ("baseline", baseline))}
+    differing = sorted(
+        key
+        for key in set(settings["study"]) | set(settings["baseline"])
+        if key not in FREE_SETTINGS and settings["study"].get(key) != settings["baseline"].get(key)
+    )
+    if differing:
+        raise SystemExit(
+            f"{study} and {baseline} differ in {differing}: they do not see the same data and schedule "
+            "(run the study again with the baseline's settings and another --out)"
+        )
+    rng = np.random.default_rng(0)
+    result: dict[str, Any] = {
+        name: {"folder": str(folder), "object_format": settings[name]["object_format"]}
+        for name, folder in (("study", study), ("baseline", baseline))
+    }
+    gates = [_read(folder / "gate.json") for folder in (study, baseline)]
+    if all(gates):
+        result["stage1_dev"] = contrast([gates[0]["dev"]], [gates[1]["dev"]], resamples, rng)
+    result["arms"] = {}
+    for arm in sorted(set(settings["study"]["arms"]) & set(settings["baseline"]["arms"])):
+        runs = [_arm_runs(folder, arm) for folder in (study, baseline)]
+        seeds = sorted(set(runs[0]) & set(runs[1]))
+        if not seeds:
+            continue
+        result["arms"][arm] = {"seeds": seeds}
+        for step in map(str, settings["study"]["decide_at"]):
+            sides = [[run[seed]["evals"][step]["report"] for seed in seeds] for run in runs]
+            result["arms"][arm][step] = contrast(*sides, resamples, rng)
+    return result
+
+
+def contrast(
+    study: list[dict[str, Any]], baseline: list[dict[str, Any]], resamples: int, rng: np.random.Generator
+) -> dict[str, Any]:
+    """Study minus baseline: bootstrap of F1 over seeds x images, means of the other metrics."""
+    images = {len(e["per_image"]["tp"]) for e in study + baseline}
+    if len(images) != 1:
+        raise SystemExit(f"the two studies evaluated different image counts {sorted(images)}: not paired")
+    result = paired_bootstrap(
+        [e["per_image"] for e in study], [e["per_image"] for e in baseline], resamples, rng
+    )
+    for metric in METRICS:
+        ours, theirs = (float(np.mean([e[metric] for e in side])) for side in (study, baseline))
+        result[metric] = {
+            "study": round(ours, 4),
+            "baseline": round(theirs, 4),
+            "delta": round(ours - theirs, 4),
+        }
+    return result
+
+
+def _settings(folder: Path) -> dict[str, Any]:
+    settings = _read(folder / "settings.json")
+    if settings is None:
+        raise SystemExit(f"{folder} is not a learning_signal.py study (no settings.json)")
+    return settings
+
+
+def _arm_runs(folder: Path, arm: str) -> dict[int, Any]:
+    runs = {}
+    for path in sorted((folder / "arms" / arm).glob("seed*.json")):
+        runs[int(path.stem.removeprefix("seed"))] = json.loads(path.read_text())
+    return runs
+
+
+def _read(path: Path) -> dict[str, Any] | None:
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+if __name__ == "__main__":
+    main()
