@@ -181,6 +181,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--allowed-local-media-path", default=None, help="directory images may be read from")
     p.add_argument("--max-body-bytes", type=int, default=None, help="request body cap (413)")
+    p.add_argument(
+        "--max-json-values",
+        type=int,
+        default=None,
+        help="JSON objects, arrays and strings of one /infer/ body, counted before parsing (413; default 2^20)",
+    )
     p.add_argument("--max-image-pixels", type=int, default=None, help="width*height cap per image (413)")
     p.add_argument(
         "--max-call-pixels",

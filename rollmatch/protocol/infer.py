@@ -22,7 +22,8 @@ PENALTY_MIN, PENALTY_MAX = 0.01, 100.0
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256
 MAX_SAMPLE_ID_CHARS = 256
 TOKEN_ID_MAX = 2**31 - 1
-# Counts, refused while the body is parsed (before a request object is built); the server's
+# Counts, refused while the body is parsed (a list's items are built before its length is checked:
+# the server's `--max-json-values` bounds that before parsing); the server's
 # `--max-requests-per-call` (default 256) and `--max-images-per-request` (8) may only lower them.
 MAX_INFER_REQUESTS = 4096  # per call
 MAX_MESSAGES_PER_REQUEST = 256  # detection rollouts send 1-3, multi-turn chats tens

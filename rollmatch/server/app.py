@@ -111,6 +111,7 @@ def build_app(server: RolloutServer, *, api_key: str | None = None) -> FastAPI:
 
         def prepare() -> PreparedCall:  # worker-thread hop 1: parse and prepare (images decoded)
             with times.phase("parse"):
+                call(server.limits.check_json_values, raw)
                 body = parse_json_body(InferBody, raw, content_type)
             with times.phase("prepare"):
                 return call(server.prepare, body, times)

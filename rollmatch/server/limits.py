@@ -9,6 +9,8 @@ images in ``server.media``, the rest in ``server.rollout_server``).
 
 from __future__ import annotations
 
+import itertools
+import re
 from dataclasses import dataclass
 
 from rollmatch.protocol import MAX_IMAGES_PER_REQUEST, MAX_INFER_REQUESTS
@@ -27,6 +29,11 @@ class ServerLimits:
     """Caps of one server, each a ``rollmatch serve`` flag (defaults suit detection rollouts).
 
     - ``max_body_bytes`` (``--max-body-bytes``): a request body, base64 images included (413);
+    - ``max_json_values`` (``--max-json-values``): objects, arrays and strings (keys included) of one
+      ``/infer/`` body, counted before it is parsed (413): the parser builds every value before a
+      list's length bound applies, so a body of tiny values costs 10-50x its size in memory (8 MiB
+      of ``{}`` took 184-390 MiB and up to 3 s, 14 MiB of short strings 139-205 MiB); the default,
+      2^20, is 256 for each of 4,096 requests (a detection request holds about 35);
     - ``max_image_pixels`` (``--max-image-pixels``): width x height of one image, read from its
       header before decoding (413);
     - ``max_call_pixels`` (``--max-call-pixels``): the pixels of every image of one call together,
@@ -58,6 +65,7 @@ class ServerLimits:
     """
 
     max_body_bytes: int = 64 << 20
+    max_json_values: int = 1 << 20
     max_image_pixels: int = 4096 * 4096
     max_call_pixels: int = 8 * 4096 * 4096
     max_inflight_pixels: int = 64 * 4096 * 4096
@@ -76,6 +84,7 @@ class ServerLimits:
     def __post_init__(self) -> None:
         positive = (
             "max_body_bytes",
+            "max_json_values",
             "max_image_pixels",
             "max_call_pixels",
             "max_inflight_pixels",
@@ -112,9 +121,35 @@ class ServerLimits:
                 f"{self.max_requests_per_call}: a full call could never be admitted; raise it"
             )
 
+    def check_json_values(self, raw: bytes) -> None:
+        """Refuse (413) a body with more JSON objects, arrays and strings than ``max_json_values``,
+        before the parser builds them. Counting braces, brackets and quotes (C speed) bounds the count
+        from above and settles ordinary bodies; only a body over the cap by that bound is scanned,
+        and the scan stops one past the cap (so it costs at most the cap's worth of matches)."""
+        limit = self.max_json_values
+        if raw.count(b"{") + raw.count(b"[") + raw.count(b'"') <= limit:
+            return
+        if count_json_values(raw, stop_after=limit + 1) > limit:
+            raise RequestTooLarge(
+                "--max-json-values",
+                f"request body holds more than {limit} JSON objects, arrays and strings, this server's "
+                "limit (rollmatch serve --max-json-values); send fewer requests per call",
+            )
+
     def _check_order(self, smaller: str, larger: str, what: str) -> None:
         if getattr(self, larger) < getattr(self, smaller):
             raise ValueError(
                 f"--{larger.replace('_', '-')} {getattr(self, larger)} is below --{smaller.replace('_', '-')} "
                 f"{getattr(self, smaller)}: {what} could never be served; raise it"
             )
+
+
+# One JSON value that allocates: a string literal (escapes included), or the start of an object or array.
+_JSON_VALUE = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[{\[]', re.DOTALL)
+
+
+def count_json_values(raw: bytes, stop_after: int | None = None) -> int:
+    """Objects, arrays and strings (keys included) in a JSON text, counting at most ``stop_after``.
+    Braces inside a string are text. On text that is not JSON the count is some number, never an
+    error: the parser judges the syntax."""
+    return sum(1 for _ in itertools.islice(_JSON_VALUE.finditer(raw), stop_after))

@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from PIL import Image
 
 from rollmatch.protocol import encode_image
@@ -157,6 +159,53 @@ def test_decompression_bomb_and_size_caps_are_413_or_422(
     reply = _post(client, {"infer_requests": [_chat()]})  # max_tokens null: capped, not max_model_len
     assert reply.status_code == 200 and reply.json()[0]["response"]["usage"]["completion_tokens"] <= 8
     assert server.stats().rejected_requests >= 3
+
+
+def test_a_body_of_many_tiny_values_is_refused_before_it_is_parsed(
+    hf_engine: Any, app_client: Callable[..., Any]
+) -> None:
+    client = app_client(hf_engine, max_json_values=60, max_tokens=4)[0]
+    reply = _post(client, {"infer_requests": [{}] * 100})  # 102 objects and arrays: none is built
+    assert reply.status_code == 413 and "more than 60 JSON objects, arrays and strings" in reply.text
+    assert "--max-json-values" in reply.text
+    reply = _post(client, {"infer_requests": [_chat()] * 2, "request_config": {"stop": ["a"] * 70}})
+    assert reply.status_code == 413 and "--max-json-values" in reply.text  # strings count too
+    # Braces and brackets inside a prompt are text: over the cap by the quick bound, not by the count.
+    braces = _chat("<image>answer like [{" + '"bbox": [1, 2], ' * 60 + "}]")
+    reply = _post(client, {"infer_requests": [braces], "request_config": GOOD_CONFIG})
+    assert reply.status_code == 200, reply.text
+    # The default cap against 8 MiB of `{}` (the parser would build ~3 M request objects first).
+    default = app_client(hf_engine, max_tokens=4)[0]
+    flood = b'{"infer_requests":[' + b",".join([b"{}"] * 3_000_000) + b"]}"
+    reply = default.post("/infer/", content=flood, headers={"content-type": "application/json"})
+    assert reply.status_code == 413 and "--max-json-values" in reply.text
+
+
+@given(
+    st.recursive(
+        st.none() | st.booleans() | st.integers() | st.text(alphabet='{}[]"\\ab\n\u00e9'),
+        lambda inner: (
+            st.lists(inner, max_size=4) | st.dictionaries(st.text(alphabet='{["\\x'), inner, max_size=4)
+        ),
+        max_leaves=30,
+    ),
+    st.booleans(),
+)
+def test_json_values_are_objects_arrays_and_strings_with_braces_in_strings_as_text(
+    value: Any, ascii_only: bool
+) -> None:
+    from rollmatch.server.limits import count_json_values
+
+    def values(v: Any) -> int:
+        if isinstance(v, dict):
+            return 1 + sum(1 + values(x) for x in v.values())  # each key is a string
+        if isinstance(v, list):
+            return 1 + sum(values(x) for x in v)
+        return int(isinstance(v, str))
+
+    raw = json.dumps(value, ensure_ascii=ascii_only).encode()
+    assert count_json_values(raw) == values(value)
+    assert count_json_values(raw, stop_after=2) == min(2, values(value))
 
 
 def test_local_paths_only_under_the_allowed_root_and_no_existence_probe(
