@@ -590,7 +590,9 @@ def paired_bootstrap(
 def compare(
     runs: dict[str, dict[int, Any]], splits: dict[str, Path], args: argparse.Namespace
 ) -> dict[str, Any]:
-    """Each rollout arm vs ``sft`` at equal steps (every decision step) and vs ``sft_equal_compute``."""
+    """Each rollout arm vs ``sft`` at equal steps (every decision step) and vs ``sft_equal_compute``;
+    each other rollout arm also vs ``prefix_fn`` (the default target before the study), which decides
+    the default among the targets whether or not any of them beats SFT."""
     rng = np.random.default_rng(0)
     out: dict[str, Any] = {}
     for arm in ROLLOUT_ARMS:
@@ -620,6 +622,12 @@ def compare(
             entry["equal_compute"] = contrast(
                 runs, arm, "sft_equal_compute", compute_seeds, str(args.steps), base_step, args, rng
             )
+        target_seeds = sorted(set(runs[arm]) & set(runs["prefix_fn"]))
+        if arm != "prefix_fn" and target_seeds:
+            entry["versus_prefix_fn"] = {
+                str(step): contrast(runs, arm, "prefix_fn", target_seeds, str(step), str(step), args, rng)
+                for step in args.decide_at
+            }
         out[arm] = entry
     return out
 
