@@ -1,10 +1,11 @@
 """The rollout server's size limits and the answers for requests over them.
 
-Owns: :class:`ServerLimits` (every cap ``rollmatch serve`` enforces, with its flag) and
-:class:`RequestTooLarge`, the error that becomes a 413 (payload too large) or 422 (a value over a
-cap) naming the field and the flag. Leaves out: the absolute wire ranges (``rollmatch.protocol``;
-a cap may only lower them) and where each cap is checked (the body size in ``server.gate``,
-images in ``server.media``, the rest in ``server.rollout_server``).
+Owns: :class:`ServerLimits` (every cap ``rollmatch serve`` enforces, with its flag, and the count
+of a body's JSON values, :func:`count_json_values`) and :class:`RequestTooLarge`, the error that
+becomes a 413 (payload too large) or 422 (a value over a cap) naming the field and the flag.
+Leaves out: the absolute wire ranges (``rollmatch.protocol``; a cap may only lower them) and where
+each cap is checked (the body size in ``server.gate``, JSON values in ``server.app`` before the
+body is parsed, images in ``server.media``, the rest in ``server.rollout_server``).
 """
 
 from __future__ import annotations
