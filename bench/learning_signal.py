@@ -66,7 +66,10 @@ from rollmatch.detection.objects import DetObject
 
 ROLLOUT_ARMS: dict[str, dict[str, Any]] = {
     "reordered_gt": {"variant": "rollout_matching_sft", "loss": {"target": "reordered_gt"}},
-    "prefix_fn": {"variant": "rollout_matching_sft", "loss": {"target": "prefix_fn"}},
+    "prefix_fn": {
+        "variant": "rollout_matching_sft",
+        "loss": {"target": "prefix_fn", "matched_prefix": "none"},
+    },
     "prefix_fn_supervised": {
         "variant": "rollout_matching_sft",
         "loss": {"target": "prefix_fn", "matched_prefix": "supervise"},
@@ -313,7 +316,7 @@ def target_difference(
     answers = [json.loads(line) for line in predictions.read_text().splitlines()]
     differ = dict.fromkeys(("prefix_fn", "prefix_fn_supervised", "reordered_gt"), 0)
     losses = {
-        "prefix_fn": LossConfig(),
+        "prefix_fn": LossConfig(matched_prefix="none"),
         "prefix_fn_supervised": LossConfig(matched_prefix="supervise"),
         "reordered_gt": LossConfig(target="reordered_gt"),
     }

@@ -193,7 +193,9 @@ def target_stats(model_dir: str, out: Path) -> dict[str, float]:
                 rollout_matched=len(match.pairs),
             )
             for name, builder in (("former", former_target), ("matched", build_matched_target)):
-                target = builder(parse, gts, match, loss=LossConfig(keep_prefix="matched"), **kwargs)
+                target = builder(
+                    parse, gts, match, loss=LossConfig(keep_prefix="matched", matched_prefix="none"), **kwargs
+                )
                 sums[f"{name}_target_elements"] += len(scan_json_list(target.text).elements)
                 sums[f"{name}_target_tokens"] += len(target.token_ids)
                 sums[f"{name}_target_over_budget"] += int(len(target.token_ids) > MAX_NEW_TOKENS)
@@ -226,7 +228,11 @@ def rollout_matching(stage1: str, out: Path, builder: str, steps: int) -> dict[s
             logging_steps=5,
         )
         cfg = cfg.model_copy(
-            update={"loss": LossConfig(keep_prefix="all" if builder == "all" else "matched")}
+            update={
+                "loss": LossConfig(
+                    keep_prefix="all" if builder == "all" else "matched", matched_prefix="none"
+                )
+            }
         )
         result = run_training(cfg)
     finally:

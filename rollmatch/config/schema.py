@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class Section(BaseModel):
@@ -112,9 +112,23 @@ class LossConfig(Section):
         0.0, ge=0.0, description="`coord_tokens`: weight of 1 - GIoU of the same expected and target boxes."
     )
     matched_prefix: Literal["none", "supervise"] = Field(
-        "none",
-        description="`prefix_fn` only: `supervise` rewrites each kept matched element to its GT's serialization and supervises its coordinate tokens (weight 1) and label tokens (`desc_weight`); structure tokens keep `prefix_weight`. `none`: the prefix is the rollout's own tokens, unsupervised. Needs `keep_prefix: matched` (a kept false positive has no GT to be rewritten to).",
+        "supervise",
+        description="`prefix_fn` only: `supervise` rewrites each kept matched element to its GT's serialization and supervises its coordinate tokens (weight 1) and label tokens (`desc_weight`); structure tokens keep `prefix_weight`. `none`: the prefix is the rollout's own tokens, unsupervised. Unset, it is `supervise` where it applies (`target: prefix_fn` with `keep_prefix: matched`; the learning-signal study's best target, docs/detection.md) and `none` elsewhere; set to `supervise` with another target or `keep_prefix: all`, it is refused (a kept false positive has no GT to be rewritten to).",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _matched_prefix_where_it_applies(cls, data: Any) -> Any:
+        """Unset ``matched_prefix``: ``supervise`` where it applies, else ``none``, so ``target:
+        reordered_gt`` or ``keep_prefix: all`` alone is a whole config; an explicit value is kept (and a
+        combination that cannot apply is refused by check-config)."""
+        if isinstance(data, dict) and "matched_prefix" not in data:
+            applies = (
+                data.get("target", "prefix_fn") == "prefix_fn"
+                and data.get("keep_prefix", "matched") == "matched"
+            )
+            data = {**data, "matched_prefix": "supervise" if applies else "none"}
+        return data
 
 
 class MatchingConfig(Section):

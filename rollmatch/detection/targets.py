@@ -2,7 +2,7 @@
 
 Owns: :class:`TargetSequence`, :func:`build_matched_target` (the rollout-matching target under
 ``loss.target``: ``prefix_fn`` keeps part of the rollout (``loss.keep_prefix``, its matched elements
-optionally supervised, ``loss.matched_prefix``) and appends the GT not in it; ``reordered_gt`` is the
+supervised by default, ``loss.matched_prefix``) and appends the GT not in it; ``reordered_gt`` is the
 matched GT in the rollout's order then the missed GT), the builders it dispatches to, and
 :func:`build_gt_target` (GT serialization + EOS, Channel-A / ``sft``). Leaves out: the prompt (its
 tokens carry weight 0 and are added by the trainer), loss reduction (``training.losses``) and

@@ -29,6 +29,28 @@ def server_mode(server: dict[str, Any], **vllm: Any) -> dict[str, Any]:
 SERVERS = {"servers": [{"base_url": "http://127.0.0.1:8000", "group_port": 51216}]}
 
 
+# -------------------------------------------------------------------------------------------- loss
+@pytest.mark.parametrize(
+    ("loss", "expected"),
+    [
+        ({}, "supervise"),
+        ({"target": "reordered_gt"}, "none"),
+        ({"keep_prefix": "all"}, "none"),
+        ({"matched_prefix": "none"}, "none"),
+    ],
+)
+def test_matched_prefix_is_supervised_where_it_applies_unless_set(
+    loss: dict[str, Any], expected: str
+) -> None:
+    assert load_config_dict({"loss": loss}).loss.matched_prefix == expected
+
+
+@pytest.mark.parametrize("other", [{"target": "reordered_gt"}, {"keep_prefix": "all"}])
+def test_supervision_set_where_it_cannot_apply_is_refused(problems_of, other: dict[str, Any]) -> None:
+    problem = problems_of({"loss": {"matched_prefix": "supervise", **other}}).only("loss.matched_prefix")
+    assert problem.value == "supervise" and "matched_prefix: none" in problem.fix
+
+
 # --------------------------------------------------------------------------------------- stage2_ab
 def test_stage2_ab_requires_b_ratio(problems_of) -> None:
     problem = problems_of({"custom": {"trainer_variant": "stage2_ab_training"}}).only(

@@ -104,7 +104,7 @@ def test_supervised_prefix_rewrites_matched_elements_to_their_gt(codec: QwenJson
     prefix_chars = len("[" + element(B) + ", " + element(A))
     assert t.weights == oracle_weights(codec, t, prefix_chars)
     # unsupervised, the same rollout teaches only the tail: the prefix's coordinates weigh 0
-    plain = target(codec, text, **loss)
+    plain = target(codec, text, matched_prefix="none", **loss)
     assert plain.text == "[" + ", ".join(element(o) for o in (B_SEEN, A_SEEN, C)) + "]"
     assert t.supervised_tokens > plain.supervised_tokens
 

@@ -225,7 +225,7 @@ def test_truncated_repetitive_rollout_ends_in_a_supervised_stop(
         codec=codec,
         tokenizer=codec.tokenizer,
         eos_token_id=eos_id(codec),
-        loss=LossConfig(keep_prefix=keep_prefix),
+        loss=LossConfig(keep_prefix=keep_prefix, matched_prefix="none"),  # the rollout's own prefix
     )
     elements = json.loads(target.text)
     assert elements[-1]["label"] == B.label  # the missed object is appended
