@@ -274,12 +274,19 @@ def format_table(summary: dict[str, Any]) -> str:
 
 
 def truncation_note(summary: dict[str, Any]) -> str:
-    """One line on whether rollout matching made answers run to ``max_new_tokens`` more often."""
+    """One line on whether rollout matching made answers run to ``max_new_tokens`` more often than
+    stage-1 did, and than its SFT control at equal steps (a rise both share is not rollout matching's)."""
     before = summary["phases"]["sft"]["truncated_frac"]
     after = summary["phases"]["rollout_matching_sft"]["truncated_frac"]
+    control = summary["phases"].get("sft_control", {}).get("truncated_frac")
     if after <= before:
         return (
             f"truncated fraction after rollout matching: {after:.3f} (after stage-1: {before:.3f}; no rise)"
+        )
+    if control is not None and after <= control:
+        return (
+            f"truncated fraction after rollout matching: {after:.3f} (after stage-1: {before:.3f}); as high "
+            f"after more SFT at equal steps ({control:.3f}): the rise is not rollout matching's"
         )
     return (
         f"truncated fraction ROSE after rollout matching: {before:.3f} -> {after:.3f}; see the answers in "

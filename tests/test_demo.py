@@ -43,3 +43,13 @@ def test_demo_runs_every_phase_and_writes_its_pictures(tmp_path: Path) -> None:
     assert Image.open(tmp_path / "summary.png").width > 0
     recipe = json.loads((tmp_path / "inputs.json").read_text())
     assert recipe["model"]["rope_theta"] == 10.0 and recipe["shapes"]["n_train"] == 16
+
+
+def test_truncation_note_blames_rollout_matching_only_for_a_rise_its_control_does_not_share() -> None:
+    def note(sft: float, rollout: float, control: float) -> str:
+        fractions = {"sft": sft, "rollout_matching_sft": rollout, "sft_control": control}
+        return truncation_note({"phases": {k: {"truncated_frac": v} for k, v in fractions.items()}})
+
+    assert "no rise" in note(0.02, 0.02, 0.0)
+    assert "not rollout matching's" in note(0.0, 0.016, 0.016)
+    assert "ROSE after rollout matching: 0.000 -> 0.031" in note(0.0, 0.031, 0.016)
