@@ -314,12 +314,12 @@ def target_difference(
     encoder = PromptEncoder.from_pretrained(stage1, cfg.data)
     codec = build_codec(cfg.custom.object_format, encoder.tokenizer, [encoder.eos_token_id])
     answers = [json.loads(line) for line in predictions.read_text().splitlines()]
-    differ = dict.fromkeys(("prefix_fn", "prefix_fn_supervised", "reordered_gt"), 0)
+    # the targets of the rollout arms that train on rollouts alone, with the arms' own loss settings
     losses = {
-        "prefix_fn": LossConfig(matched_prefix="none"),
-        "prefix_fn_supervised": LossConfig(matched_prefix="supervise"),
-        "reordered_gt": LossConfig(target="reordered_gt"),
+        name: LossConfig(**ROLLOUT_ARMS[name]["loss"])
+        for name in ("prefix_fn", "prefix_fn_supervised", "reordered_gt")
     }
+    differ = dict.fromkeys(losses, 0)
     for record, answer in zip(dev, answers, strict=True):
         encoded = encoder.encode(record)
         ids = encoder.tokenizer.encode(answer["text"], add_special_tokens=False)  # special tokens kept
