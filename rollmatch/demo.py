@@ -1,7 +1,7 @@
 """``rollmatch demo``: the whole pipeline on a tiny model, on CPU, in about ten minutes.
 
-build (tiny Qwen2.5-VL with text rope theta 10 + an easy synthetic shapes set, reused if present
-and built by the same recipe) -> eval before -> stage-1 ``sft`` -> eval -> ``rollout_matching_sft``
+build (tiny Qwen2.5-VL with text rope theta 10 and coordinate tokens + an easy synthetic shapes
+set, reused if present and built by the same recipe) -> eval before -> stage-1 ``sft`` -> eval -> ``rollout_matching_sft``
 from the SFT model -> eval -> ``sft_control`` (more SFT from the same model, with the rollout
 phase's steps and learning rate, so the table cannot credit rollout matching with what more
 training or a lower learning rate did) -> eval -> summary table, ``summary.json``, ``summary.png`` and
@@ -12,7 +12,9 @@ command line (``rollmatch demo training.max_steps=5``).
 
 The recipe (docs/runbook.md, "Demo"): rope theta 10 lets the tiny Qwen2.5-VL tell image-token
 positions apart (docs/models.md); 1-2 shapes of 60-110 px per image are learnable in a few
-minutes of CPU; a constant learning rate of 2e-3 after a short warm-up.
+minutes of CPU; a constant learning rate of 2e-3 after a short warm-up; boxes as coordinate tokens
+(``coord_tokens``: one token per coordinate), which the learning-signal study found far ahead of
+digits at equal steps (docs/detection.md, "What it reaches").
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from rollmatch.models.tiny import TinySize
 
 MODEL_FAMILY = "qwen2_5_vl"
 MODEL_SIZE = TinySize(rope_theta=10.0)
+OBJECT_FORMAT = "coord_tokens"
 SHAPES: dict[str, Any] = {
     "n_train": 2000,
     "n_val": 64,
@@ -54,13 +57,14 @@ DEMO_CONFIG: dict[str, Any] = {
         "coord_frame": "norm1000",
     },
     "custom": {
+        "object_format": OBJECT_FORMAT,
         "extra": {
             "rollout_matching": {
                 "rollout_backend": "{backend}",
                 "max_new_tokens": 160,
                 "vllm": {"tensor_parallel_size": 1, "enforce_eager": True},
             }
-        }
+        },
     },
     "training": {
         "per_device_train_batch_size": 8,
@@ -141,7 +145,11 @@ def run_demo(
             "f1_curve": [h["match/f1"] for h in result.log_history if "match/f1" in h],
             **eval_summary(evaluation),
         }
-    summary = {"seconds_total": round(time.perf_counter() - start, 1), "phases": phases}
+    summary = {
+        "seconds_total": round(time.perf_counter() - start, 1),
+        "object_format": sft_cfg.custom.object_format,
+        "phases": phases,
+    }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     plot_summary(summary, out / "summary.png")
     plot_pictures(val, out, out / "pictures.png", matching=sft_cfg.eval.matching)
@@ -216,12 +224,22 @@ def build_inputs(out: Path, *, with_data: bool = True, shapes: dict[str, Any] = 
     out.mkdir(parents=True, exist_ok=True)
     recipe_path = out / "inputs.json"
     recipe = {
-        "model": {"family": MODEL_FAMILY, **asdict(MODEL_SIZE)},
+        "model": {
+            "family": MODEL_FAMILY,
+            **asdict(MODEL_SIZE),
+            "coord_tokens": OBJECT_FORMAT == "coord_tokens",
+        },
         "shapes": {**shapes, "difficulty": asdict(shapes["difficulty"])},
     }
     previous = json.loads(recipe_path.read_text()) if recipe_path.exists() else {}
     if previous.get("model") != recipe["model"] or not (out / "model" / "config.json").exists():
-        build_tiny_model(MODEL_FAMILY, out / "model", seed=0, size=MODEL_SIZE)
+        build_tiny_model(
+            MODEL_FAMILY,
+            out / "model",
+            seed=0,
+            size=MODEL_SIZE,
+            coord_tokens=recipe["model"]["coord_tokens"],
+        )
     if with_data and (
         previous.get("shapes") != recipe["shapes"] or not (out / "data" / "val.jsonl").exists()
     ):
@@ -268,7 +286,8 @@ def format_table(summary: dict[str, Any]) -> str:
         )
     before = summary["phases"]["before"]
     lines.append(
-        f"scored with eval.matching: label_mode {before['label_mode']}, IoU >= {before['iou_threshold']}"
+        f"boxes as {summary['object_format']}; scored with eval.matching: label_mode {before['label_mode']}, "
+        f"IoU >= {before['iou_threshold']}"
     )
     return "\n".join(lines)
 

@@ -35,6 +35,7 @@ def test_demo_runs_every_phase_and_writes_its_pictures(tmp_path: Path) -> None:
         and "trunc" in table
         and len(table.splitlines()) == 7
         and "label_mode require" in table
+        and "boxes as coord_tokens" in table
     )
     assert "truncated fraction" in truncation_note(summary)
     assert "at equal steps" in control_note(summary)
@@ -43,6 +44,7 @@ def test_demo_runs_every_phase_and_writes_its_pictures(tmp_path: Path) -> None:
     assert Image.open(tmp_path / "summary.png").width > 0
     recipe = json.loads((tmp_path / "inputs.json").read_text())
     assert recipe["model"]["rope_theta"] == 10.0 and recipe["shapes"]["n_train"] == 16
+    assert recipe["model"]["coord_tokens"] and summary["object_format"] == "coord_tokens"
 
 
 def test_truncation_note_blames_rollout_matching_only_for_a_rise_its_control_does_not_share() -> None:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from rollmatch.config.schema import LossConfig
 from rollmatch.detection.codec import DecodedTokens, ObjectCodec, ParseResult, Tokenizer, decode_with_offsets
@@ -134,10 +135,8 @@ def build_reordered_gt_target(
     found = [gts[g] for _, g, _ in sorted(match.pairs)]
     missed = [gts[g] for g in match.fn]
     text = codec.serialize_in_order([*found, *canonical_order(missed)])
-    target = _weighted_target(
-        prefix_ids=[],
-        tail_ids=list(tokenizer.encode(text, add_special_tokens=False)),
-        expected_text=text,
+    target = _text_target(
+        text,
         codec=codec,
         tokenizer=tokenizer,
         eos_token_id=eos_token_id,
@@ -176,23 +175,14 @@ def build_supervised_prefix_target(
             f"codec {codec.name!r}: the serialization of the prefix objects is not a prefix of the whole "
             "list's; a codec must serialize a list as the concatenation of its elements"
         )
-    token_ids = list(tokenizer.encode(text, add_special_tokens=False))
-    decoded = _checked_decode(tokenizer, token_ids, text)
-    roles = codec.char_roles(decoded.text)
-    weights: list[float] = []
-    for start, stop in decoded.token_spans():
-        token_roles = roles[start:stop]
-        if TEXT in token_roles:
-            weights.append(loss.desc_weight)
-        elif stop <= boundary and all(r == STRUCTURE for r in token_roles):
-            weights.append(loss.prefix_weight)
-        else:
-            weights.append(1.0)
-    return TargetSequence(
-        token_ids=[*token_ids, int(eos_token_id)],
-        weights=[*weights, 1.0],
-        num_prefix_tokens=0,
-        text=decoded.text,
+    return _text_target(
+        text,
+        codec=codec,
+        tokenizer=tokenizer,
+        eos_token_id=eos_token_id,
+        prefix_weight=loss.prefix_weight,
+        desc_weight=loss.desc_weight,
+        rewritten_chars=boundary,
     )
 
 
@@ -291,15 +281,24 @@ def build_gt_target(
 ) -> TargetSequence:
     """The whole GT serialization (canonical order) + EOS, weighted like an appended tail."""
     text = codec.serialize(gt_objects)
-    return _weighted_target(
-        prefix_ids=[],
-        tail_ids=list(tokenizer.encode(text, add_special_tokens=False)),
-        expected_text=text,
+    return _text_target(
+        text,
         codec=codec,
         tokenizer=tokenizer,
         eos_token_id=eos_token_id,
         prefix_weight=0.0,
         desc_weight=desc_weight,
+    )
+
+
+def _text_target(text: str, **weighting: Any) -> TargetSequence:
+    """A target that is ``text`` encoded whole (no rollout tokens copied), weighted by the rules."""
+    tokenizer = weighting["tokenizer"]
+    return _weighted_target(
+        prefix_ids=[],
+        tail_ids=list(tokenizer.encode(text, add_special_tokens=False)),
+        expected_text=text,
+        **weighting,
     )
 
 
@@ -313,18 +312,25 @@ def _weighted_target(
     eos_token_id: int,
     prefix_weight: float,
     desc_weight: float,
+    rewritten_chars: int = 0,
 ) -> TargetSequence:
+    """Weights of ``prefix_ids`` (copied from the rollout) + ``tail_ids`` (encoded) by the module's
+    rules; the first ``rewritten_chars`` characters of the tail are a rewritten matched prefix."""
     token_ids = prefix_ids + tail_ids
     decoded = _checked_decode(tokenizer, token_ids, expected_text)
     roles = codec.char_roles(decoded.text)
     weights: list[float] = []
     for index, (start, stop) in enumerate(decoded.token_spans()):
         token_roles = roles[start:stop]
+        is_structure = stop > start and all(r == STRUCTURE for r in token_roles)
         if index < len(prefix_ids):
-            is_structure = stop > start and all(r == STRUCTURE for r in token_roles)
             weights.append(prefix_weight if is_structure else 0.0)
+        elif TEXT in token_roles:
+            weights.append(desc_weight)
+        elif is_structure and stop <= rewritten_chars:
+            weights.append(prefix_weight)
         else:
-            weights.append(desc_weight if TEXT in token_roles else 1.0)
+            weights.append(1.0)
     return TargetSequence(
         token_ids=[*token_ids, int(eos_token_id)],
         weights=[*weights, 1.0],
