@@ -30,7 +30,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from rollmatch.config.schema import LossConfig
 from rollmatch.detection.codec import DecodedTokens, ObjectCodec, ParseResult, Tokenizer, decode_with_offsets
@@ -291,14 +290,27 @@ def build_gt_target(
     )
 
 
-def _text_target(text: str, **weighting: Any) -> TargetSequence:
+def _text_target(
+    text: str,
+    *,
+    codec: ObjectCodec,
+    tokenizer: Tokenizer,
+    eos_token_id: int,
+    prefix_weight: float,
+    desc_weight: float,
+    rewritten_chars: int = 0,
+) -> TargetSequence:
     """A target that is ``text`` encoded whole (no rollout tokens copied), weighted by the rules."""
-    tokenizer = weighting["tokenizer"]
     return _weighted_target(
         prefix_ids=[],
         tail_ids=list(tokenizer.encode(text, add_special_tokens=False)),
         expected_text=text,
-        **weighting,
+        codec=codec,
+        tokenizer=tokenizer,
+        eos_token_id=eos_token_id,
+        prefix_weight=prefix_weight,
+        desc_weight=desc_weight,
+        rewritten_chars=rewritten_chars,
     )
 
 
