@@ -12,7 +12,7 @@ Design (docs/runbook.md, "Does it learn?"):
 - **Gate** (on dev, before any arm): label-aware F1@0.5 in [0.4, 0.8] and at least a quarter of
   the rollout targets differ from the SFT target. A failed gate stops the study and says so.
 - **Arms**, from the same checkpoint, the same records per seed and the same learning rate
-  (constant after a warm-up): ``sft`` (more stage-1), ``prefix_fn`` (rollout matching, prefix
+  (HF's ``constant`` schedule, no warm-up): ``sft`` (more stage-1), ``prefix_fn`` (rollout matching, prefix
   unsupervised), ``prefix_fn_supervised`` (matched prefix supervised), ``reordered_gt``,
   ``stage2_ab`` (b_ratio 0.5, Channel-B on reordered-GT targets); ``--steps`` optimizer steps.
   ``sft_equal_compute`` continues SFT to the rollout arms' mean training cost, run after every seed's
@@ -168,7 +168,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--report-size", type=int, default=400)
     parser.add_argument("--stage1-steps", type=int, default=9000, help="3,000 failed the gate (dev F1 0.23)")
     parser.add_argument("--stage1-lr", type=float, default=2e-3)
-    parser.add_argument("--lr", type=float, default=2e-4, help="every arm's (constant after warm-up)")
+    parser.add_argument("--lr", type=float, default=2e-4, help="every arm's (HF constant schedule, no warm-up)")
     parser.add_argument("--steps", type=int, default=1000, help="optimizer steps per arm and seed")
     parser.add_argument("--eval-at", type=int, nargs="+", default=[250, 500, 750, 1000], help="dev evals")
     parser.add_argument("--decide-at", type=int, nargs="+", default=[750, 1000], help="report evals")
@@ -382,7 +382,7 @@ def arm_config(
     args: argparse.Namespace,
     steps: int,
 ) -> RollmatchConfig:
-    """One arm: the same records (seed), learning rate and warm-up; only the variant and target differ."""
+    """One arm: the same records (seed) and learning rate; only the variant and target differ."""
     spec = ARMS["sft" if arm == "sft_equal_compute" else arm]
     config = base_config(out, str(stage1), splits, args, seed=seed)
     config["custom"]["trainer_variant"] = spec["variant"]
@@ -391,6 +391,8 @@ def arm_config(
         {
             "max_steps": steps,
             "learning_rate": args.lr,
+            # A no-op under the arms' `constant` schedule (HF's `constant` ignores it); kept so the
+            # recorded configs of earlier runs still compare equal.
             "warmup_ratio": min(0.05, 50 / steps),
             "save_steps": min(args.eval_at) if arm != "sft_equal_compute" else steps,
         }
