@@ -70,7 +70,9 @@ class SplitStats:
     failed_placements: int = 0  # labelled shapes that found no place (the image has fewer objects)
     failed_distractors: int = 0
     dropped_by_occlusion: int = 0
-    tied_rows: int = 0  # images whose second shape was put on the first one's row
+    tied_rows: int = (
+        0  # images drawn with a tied row (the 2nd shape goes on the 1st one's row if it finds room)
+    )
     same_class_rows: int = 0  # images with a same-class row
 
     def add(self, drawn: DrawnSample) -> None:
