@@ -79,11 +79,25 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--val", type=int, default=32, help="number of validation images")
     d.add_argument("--size", type=int, default=224, help="image side in pixels")
     d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--min-objects", type=int, default=1, help="fewest shapes per image")
-    d.add_argument("--max-objects", type=int, default=6, help="most shapes per image")
-    d.add_argument("--min-side", type=int, default=30, help="smallest shape side, px at 224 (scaled)")
-    d.add_argument("--max-side", type=int, default=90, help="largest shape side, px at 224 (scaled)")
-    d.add_argument("--noise", type=float, default=12.0, help="std of the pixel noise (0: clean)")
+    # Difficulty flags default to None: the preset's value (or the generator's default) applies.
+    d.add_argument("--preset", choices=["crowd"], help="named difficulty (crowd: 8-30 objects of 16-32 px)")
+    d.add_argument("--min-objects", type=int, help="fewest shapes per image (default 1)")
+    d.add_argument("--max-objects", type=int, help="most shapes per image (default 6)")
+    d.add_argument("--min-side", type=int, help="smallest shape side, px at 224, scaled (default 30)")
+    d.add_argument("--max-side", type=int, help="largest shape side, px at 224, scaled (default 90)")
+    d.add_argument("--noise", type=float, help="std of the pixel noise, 0: clean (default 12)")
+    d.add_argument("--tied-rows", type=float, help="fraction of images whose 2nd shape shares the 1st's row")
+    d.add_argument("--max-overlap", type=float, help="max box intersection / smaller box area (default 0.2)")
+    d.add_argument(
+        "--occlusion",
+        type=float,
+        help="later shapes cover earlier ones; drop a shape hidden beyond this fraction (default: no cover)",
+    )
+    d.add_argument(
+        "--same-class-rows", type=float, help="fraction of images with a row of 4-8 same-class shapes"
+    )
+    d.add_argument("--distractors", type=int, help="unlabelled shapes outside the label set per image")
+    d.add_argument("--count-dist", choices=["uniform", "zipf"], help="object count distribution")
     d = data_sub.add_parser("convert", help="Convert COCO json / Pascal VOC xml / YOLO txt to JSONL.")
     d.add_argument("--format", choices=["coco", "voc", "yolo"], required=True)
     d.add_argument("--src", required=True, help="annotation file (coco) or dataset folder (voc, yolo)")

@@ -3,9 +3,13 @@
 Owns: batching records through any rollout backend, scoring each response through the one
 scoring path of training (``detection.scoring``: strict parse + matching with ``cfg.eval.matching``,
 the evaluation's own settings whatever the run trained with; precision / recall / F1, exact-count
-accuracy, duplicates and recall by GT count), COCO-style mAP through pycocotools, and the
-predictions JSONL. Rollouts carry no confidence, so for mAP each prediction is scored by its
-position in the decoded list (earlier = higher); documented in docs/runbook.md.
+accuracy, duplicates, recall by GT count, and the count-regulation and order metrics of
+``detection.count_metrics``), COCO-style mAP through pycocotools, and the predictions JSONL.
+Answers decode with ``eval.decoding`` (default greedy), never the rollout decoding; the result
+records it. Rollouts carry no confidence, so mAP is reported twice: ``map_position_scored`` (each
+prediction scored by its position in the decoded list, earlier = higher; also under the older name
+``map``) and ``map_uniform_score`` (every box 1.0, as lmms-eval and published VLM detection numbers
+score); documented in docs/runbook.md.
 
 Without ``--config`` the engine settings are picked for this machine
 (:func:`rollmatch.rollout.build.machine_overrides`) and printed; with a config they are the
@@ -24,7 +28,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from rollmatch.config.schema import MatchingConfig, RollmatchConfig
+from rollmatch.config.schema import DEFAULT_COUNT_BUCKETS, DecodingConfig, MatchingConfig, RollmatchConfig
 from rollmatch.data.prompts import EncodedPrompt, PromptEncoder
 from rollmatch.data.records import Record
 from rollmatch.detection.codec import ObjectCodec, ParseResult
@@ -38,15 +42,22 @@ from rollmatch.rollout.types import Decoding, RolloutBackend
 @dataclass
 class EvalResult:
     num_samples: int
+    decoding: dict[str, float | int]  # the decoding that produced the scored answers (eval.decoding)
     iou_threshold: float  # the matching the numbers below were scored with (eval.matching)
     label_mode: str
     precision: float
     recall: float
     f1: float
     mean_iou: float
-    map: float
+    map: float  # = map_position_scored (the name kept from before both scorings were reported)
     map_50: float
     map_75: float
+    map_position_scored: float  # COCO mAP, each box scored by its list position (earlier = higher)
+    map_50_position_scored: float
+    map_75_position_scored: float
+    map_uniform_score: float  # COCO mAP, every box scored 1.0 (as lmms-eval and VLM detection papers)
+    map_50_uniform_score: float
+    map_75_uniform_score: float
     truncated_frac: float
     invalid: dict[str, int]
     objects_per_image: float  # valid predicted objects
@@ -55,6 +66,14 @@ class EvalResult:
     duplicate_rate: float  # per valid object: same label and IoU >= 0.7 with an earlier object
     duplicate_rate_any_label: float
     recall_by_gt_count: dict[str, float]  # images with n GT objects -> their recall
+    count_error: float  # mean signed (valid predicted - GT objects) per image
+    count_mae: float
+    recall_first_third: float  # recall of the GT objects in the first third of the canonical list
+    recall_middle_third: float
+    recall_last_third: float  # weak when answers stop early
+    kendall_tau: float  # matched predictions' order vs canonical order, mean over images with >= 2 matched
+    count_buckets: list[int]  # lower edges of the GT-count buckets below (eval.count_buckets)
+    gt_count_buckets: dict[str, dict[str, float]]  # bucket -> images, precision, recall, f1
     seconds: float
     predictions_path: str | None
 
@@ -68,6 +87,7 @@ def evaluate(
     decoding: Decoding,
     matching: MatchingConfig | None = None,
     batch_size: int = 8,
+    count_buckets: Sequence[int] = DEFAULT_COUNT_BUCKETS,
     predictions_path: str | Path | None = None,
     seed: int = 0,
     progress: bool = True,
@@ -102,7 +122,10 @@ def evaluate(
             line = prediction_line(record, enc, encoder.coord_frame, objects, rollout.text, scored.parse)
             lines.append(json.dumps(line))
     labels = sorted({o.label for gts in gts_all for o in gts} | {o.label for p in scored_preds for o, _ in p})
-    maps = coco_map(scored_preds, gts_all, labels) if records else {"map": 0.0, "map_50": 0.0, "map_75": 0.0}
+    uniform = [[(obj, 1.0) for obj, _ in image] for image in scored_preds]
+    maps = _maps(scored_preds, gts_all, labels, "position_scored") | _maps(
+        uniform, gts_all, labels, "uniform_score"
+    )
     if predictions_path is not None:
         Path(predictions_path).parent.mkdir(parents=True, exist_ok=True)
         Path(predictions_path).write_text("".join(line + "\n" for line in lines))
@@ -110,15 +133,17 @@ def evaluate(
     images = max(len(records), 1)
     return EvalResult(
         num_samples=len(records),
+        decoding=asdict(decoding),
         iou_threshold=matching.iou_threshold,
         label_mode=matching.label_mode,
         precision=detection.precision,
         recall=detection.recall,
         f1=detection.f1,
         mean_iou=detection.mean_iou,
-        map=maps["map"],
-        map_50=maps["map_50"],
-        map_75=maps["map_75"],
+        map=maps["map_position_scored"],
+        map_50=maps["map_50_position_scored"],
+        map_75=maps["map_75_position_scored"],
+        **maps,
         truncated_frac=counts.parsing.truncated_frac,
         invalid=dict(counts.parsing.invalid),
         objects_per_image=counts.parsing.valid / images,
@@ -128,9 +153,26 @@ def evaluate(
             for name, value in answers.as_metrics(counts.parsing.valid).items()
         },
         recall_by_gt_count=answers.recall_by_gt_count(),
+        **counts.count_order.summary(),
+        count_buckets=list(count_buckets),
+        gt_count_buckets={
+            label: {"images": images, "precision": c.precision, "recall": c.recall, "f1": c.f1}
+            for label, (images, c) in counts.count_order.by_bucket(count_buckets).items()
+        },
         seconds=time.perf_counter() - start,
         predictions_path=str(predictions_path) if predictions_path is not None else None,
     )
+
+
+def _maps(
+    predictions: list[list[tuple[DetObject, float]]],
+    gts: list[list[DetObject]],
+    labels: list[str],
+    scoring: str,
+) -> dict[str, float]:
+    """``map_<scoring>``, ``map_50_<scoring>``, ``map_75_<scoring>`` (0.0 with no record)."""
+    maps = coco_map(predictions, gts, labels) if gts else {"map": 0.0, "map_50": 0.0, "map_75": 0.0}
+    return {f"{name}_{scoring}": maps[name] for name in ("map", "map_50", "map_75")}
 
 
 def prediction_line(
@@ -175,6 +217,13 @@ def eval_command(args: argparse.Namespace) -> int:
     if args.max_samples is not None:
         overrides.append(f"eval.max_samples={args.max_samples}")
     cfg = load_config(args.config, [*overrides, *args.overrides])
+    if cfg.eval.decoding != cfg.rollout.decoding:
+        print(
+            f"rollmatch eval: decoding with eval.decoding ({_settings(cfg.eval.decoding)}); "
+            f"custom.extra.rollout_matching.decoding ({_settings(cfg.rollout.decoding)}) is the training "
+            "rollouts' and is not used here",
+            file=sys.stderr,
+        )
     records = load_records(args.data, max_samples=cfg.eval.max_samples)
     predictions_path = args.out or str(Path(args.model) / "predictions.jsonl")
     result = run_eval(cfg, records, predictions_path)
@@ -195,13 +244,17 @@ def eval_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _settings(section: DecodingConfig) -> str:
+    return ", ".join(f"{name} {value}" for name, value in section.model_dump().items())
+
+
 def run_eval(cfg: RollmatchConfig, records: Sequence[Record], predictions_path: str | None) -> EvalResult:
     """Evaluate ``cfg.model.path`` with the configured backend (HF or vLLM) on ``records`` (the first
     ``eval.max_samples`` of them when set)."""
     from rollmatch.collectives import LocalCollectives
     from rollmatch.detection.codec import build_codec
     from rollmatch.models.pretrained import load_pretrained
-    from rollmatch.rollout.build import build_backend, decoding_from_config
+    from rollmatch.rollout.build import build_backend, eval_decoding_from_config
 
     if cfg.eval.max_samples is not None:
         records = records[: cfg.eval.max_samples]
@@ -223,9 +276,10 @@ def run_eval(cfg: RollmatchConfig, records: Sequence[Record], predictions_path: 
             encoder,
             codec,
             records,
-            decoding=decoding_from_config(cfg, cfg.eval.max_new_tokens),
+            decoding=eval_decoding_from_config(cfg),
             matching=cfg.eval.matching,
             batch_size=cfg.eval.batch_size,
+            count_buckets=cfg.eval.count_buckets,
             predictions_path=predictions_path,
             seed=cfg.training.seed,
         )

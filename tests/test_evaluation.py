@@ -8,10 +8,12 @@ import os
 import subprocess
 import sys
 from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 
+from rollmatch.collectives import LocalCollectives
 from rollmatch.config.load import load_config
 from rollmatch.config.rules import check_runtime
 from rollmatch.config.schema import DataConfig, MatchingConfig
@@ -20,10 +22,11 @@ from rollmatch.data.records import Record, load_records
 from rollmatch.data.shapes import generate_shapes
 from rollmatch.detection.codec import build_codec
 from rollmatch.detection.objects import DetObject
-from rollmatch.evaluation import evaluate
-from rollmatch.rollout.build import machine_overrides
+from rollmatch.evaluation import evaluate, run_eval
+from rollmatch.rollout.build import decoding_from_config, eval_decoding_from_config, machine_overrides
 from rollmatch.rollout.types import Decoding, Rollout, RolloutProvenance, RolloutRequest, SyncReport
 from rollmatch.rollout.vllm_settings import vllm_colocate_problems, vllm_installed
+from rollmatch.training.periodic_eval import DetectionEval, eval_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -194,3 +197,109 @@ def test_eval_reads_each_checkpoint_frame_without_a_flag(
         )
         for box_a, box_b in pairs:  # within one resized pixel of the coarser frame (224 px -> >= 56 px)
             assert all(abs(x - y) <= record.width / 56 for x, y in zip(box_a, box_b, strict=True))
+
+
+class RecordingReplayBackend(ReplayBackend):
+    """A :class:`ReplayBackend` that keeps the decoding of every call."""
+
+    def __init__(self, tokenizer: object, texts: dict[str, str]):
+        super().__init__(tokenizer, texts)
+        self.decodings: list[Decoding] = []
+
+    def generate(self, requests: Sequence[RolloutRequest], decoding: Decoding, seed: int) -> list[Rollout]:
+        self.decodings.append(decoding)
+        return super().generate(requests, decoding, seed)
+
+
+SAMPLED_ROLLOUTS = [
+    "custom.extra.rollout_matching.decoding.temperature=1.3",
+    "custom.extra.rollout_matching.decoding.top_k=5",
+    "custom.extra.rollout_matching.max_new_tokens=40",
+]
+
+
+def test_eval_decoding_is_its_own_never_the_rollout_decoding() -> None:
+    cfg = load_config(None, SAMPLED_ROLLOUTS)
+    assert eval_decoding_from_config(cfg) == Decoding(max_new_tokens=40)  # greedy, the rollout's budget
+    cfg = load_config(None, [*SAMPLED_ROLLOUTS, "eval.decoding.temperature=0.7", "eval.max_new_tokens=12"])
+    assert eval_decoding_from_config(cfg) == Decoding(temperature=0.7, max_new_tokens=12)
+    assert decoding_from_config(cfg).temperature == 1.3  # the rollouts keep theirs
+
+
+def test_in_training_eval_decodes_with_eval_decoding_and_records_it(
+    tiny_model_dir: Path, shapes: dict[str, Path], tmp_path: Path
+) -> None:
+    cfg = load_config(None, [*SAMPLED_ROLLOUTS, f"training.output_dir={tmp_path}"])
+    encoder = PromptEncoder.from_pretrained(tiny_model_dir, DataConfig())
+    codec = build_codec("qwen_json", encoder.tokenizer, [encoder.eos_token_id])
+    records: list[Record] = load_records(shapes["val"])[:2]
+    texts = {r.id: codec.serialize(encoder.gt_objects(r, encoder.encode(r))) for r in records}
+    backend = RecordingReplayBackend(encoder.tokenizer, texts)
+    detection_eval = DetectionEval(
+        cfg=cfg,
+        backend=backend,
+        sync=None,  # type: ignore[arg-type]  # _evaluate pushes no weights
+        encoder=encoder,
+        codec=codec,
+        records=records,
+        collectives=LocalCollectives(),
+    )
+    metrics = detection_eval._evaluate(global_step=3)
+    assert backend.decodings == [Decoding(max_new_tokens=40)]
+    assert metrics["eval/f1"] == 1.0
+    result = evaluate(backend, encoder, codec, records, decoding=Decoding(temperature=0.5), progress=False)
+    assert result.decoding == asdict(Decoding(temperature=0.5))
+
+
+@pytest.mark.heavy
+def test_eval_json_records_greedy_decoding_whatever_the_rollouts_sample(
+    tiny_model_dir: Path, shapes: dict[str, Path], tmp_path: Path
+) -> None:
+    records = load_records(shapes["val"])[:2]
+    base = [f"model.path={tiny_model_dir}", "custom.extra.rollout_matching.rollout_backend=hf"]
+    base += ["custom.extra.rollout_matching.max_new_tokens=12"]
+    sampled = run_eval(load_config(None, [*base, *SAMPLED_ROLLOUTS[:2]]), records, str(tmp_path / "a.jsonl"))
+    greedy = run_eval(load_config(None, base), records, str(tmp_path / "b.jsonl"))
+    assert sampled.decoding == greedy.decoding == asdict(Decoding(max_new_tokens=12))
+    assert (tmp_path / "a.jsonl").read_text() == (tmp_path / "b.jsonl").read_text()
+
+
+def test_eval_reports_count_regulation_order_and_both_maps(
+    tiny_model_dir: Path, shapes: dict[str, Path]
+) -> None:
+    encoder = PromptEncoder.from_pretrained(tiny_model_dir, DataConfig())
+    codec = build_codec("qwen_json", encoder.tokenizer, [encoder.eos_token_id])
+    records: list[Record] = sorted(load_records(shapes["val"]), key=lambda r: -len(r.objects))
+    gts = [encoder.gt_objects(r, encoder.encode(r)) for r in records]
+    assert len(gts[0]) >= 2 and len(gts[1]) >= 2, "the test needs two records with >= 2 objects"
+    # record 0 listed in reverse order; record 1 stops after its first object; the rest exact
+    answers = [gts[0][::-1], gts[1][:1], *gts[2:]]
+    texts = {r.id: codec.serialize_in_order(a) for r, a in zip(records, answers, strict=True)}
+    result = evaluate(
+        ReplayBackend(encoder.tokenizer, texts),
+        encoder,
+        codec,
+        records,
+        decoding=Decoding(),
+        count_buckets=[1, 3],
+        progress=False,
+    )
+    n = len(records)
+    assert result.count_error == pytest.approx(-(len(gts[1]) - 1) / n)
+    assert result.count_mae == pytest.approx((len(gts[1]) - 1) / n)
+    taus = [-1.0] + [1.0 for g in gts[2:] if len(g) >= 2]  # record 1 has one matched object: no tau
+    assert result.kendall_tau == pytest.approx(sum(taus) / len(taus))
+    assert result.recall_first_third == 1.0 and result.recall_last_third < 1.0  # record 1 stopped early
+    assert result.count_buckets == [1, 3]
+    assert sum(b["images"] for b in result.gt_count_buckets.values()) == n
+    assert set(result.gt_count_buckets) <= {"1-2", "3+"}
+    missed_bucket = "3+" if len(gts[1]) >= 3 else "1-2"
+    assert result.gt_count_buckets[missed_bucket]["recall"] < 1.0
+    assert result.map_position_scored == result.map and result.map_50_position_scored == result.map_50
+    assert 0.0 < result.map_uniform_score <= 1.0
+    metrics = eval_metrics(result, weight_version=0)
+    assert metrics["eval/map_uniform_score"] == result.map_uniform_score
+    assert metrics["eval/kendall_tau"] == result.kendall_tau
+    assert (
+        metrics[f"eval/gt_count_{missed_bucket}/recall"] == result.gt_count_buckets[missed_bucket]["recall"]
+    )

@@ -95,6 +95,10 @@ BEST_MODEL_METRICS: dict[str, bool] = {
     "eval/map": True,
     "eval/map_50": True,
     "eval/map_75": True,
+    "eval/map_uniform_score": True,
+    "eval/map_50_uniform_score": True,
+    "eval/map_75_uniform_score": True,
+    "eval/count_mae": False,
     "eval/truncated_frac": False,
 }
 

@@ -8,10 +8,11 @@ those are known, with the same :class:`~rollmatch.errors.ConfigProblem` shape).
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class Section(BaseModel):
@@ -392,16 +393,44 @@ class TrainingConfig(Section):
         return max(1, math.ceil(self.effective_batch_size / (self.per_device_train_batch_size * world_size)))
 
 
+# Lower edges of the GT-count buckets of the per-bucket metrics (eval.count_buckets): 1-3, 4-7, 8-12,
+# 13-19, 20-25, 26-30, 31+, suited to 1-30 objects per image.
+DEFAULT_COUNT_BUCKETS: tuple[int, ...] = (1, 4, 8, 13, 20, 26, 31)
+
+
 class EvalConfig(Section):
     """Evaluation rollouts (`rollmatch eval` and end-of-training evaluation)."""
 
     max_new_tokens: int | None = Field(None, gt=0, description="Default: rollout_matching.max_new_tokens.")
     batch_size: int = Field(8, gt=0, description="Samples per rollout call during evaluation.")
     max_samples: int | None = Field(None, gt=0, description="Evaluate only the first N records (null: all).")
+    decoding: DecodingConfig = Field(
+        default_factory=DecodingConfig,
+        description="How evaluation decodes (default greedy): its own settings, never "
+        "custom.extra.rollout_matching.decoding, so runs that sample their rollouts are scored alike; the "
+        "eval JSON records it. Sampled: request i of a call is seeded training.seed + batch offset + i.",
+    )
+    count_buckets: list[int] = Field(
+        default_factory=lambda: list(DEFAULT_COUNT_BUCKETS),
+        description="Lower edges of the GT-count buckets of the per-bucket precision / recall / F1 (eval JSON "
+        "`gt_count_buckets`, `eval/gt_count_<bucket>/*`, and the rollouts' `match/gt_count_<bucket>/*`): "
+        "[1, 4, 8, 13, 20, 26, 31] gives 1-3, 4-7, 8-12, 13-19, 20-25, 26-30, 31+. Strictly increasing, >= 0; "
+        "images below the first edge form a bucket of their own.",
+    )
     matching: MatchingConfig = Field(
         default_factory=MatchingConfig,
         description="How evaluation matches predictions to GT (its own section, so runs trained with other `matching.*` settings are scored alike; every report states it).",
     )
+
+    @field_validator("count_buckets")
+    @classmethod
+    def _increasing_edges(cls, edges: list[int]) -> list[int]:
+        if not edges or edges[0] < 0 or any(b <= a for a, b in itertools.pairwise(edges)):
+            raise ValueError(
+                f"eval.count_buckets = {edges}: give the buckets' lower edges, non-empty, >= 0 and strictly "
+                "increasing, e.g. [1, 4, 8, 13, 20, 26, 31]"
+            )
+        return edges
 
 
 # -------------------------------------------------------------------------------------------- launch

@@ -11,10 +11,12 @@ from __future__ import annotations
 import argparse
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
 
 from rollmatch.data.convert import from_coco, from_voc, from_yolo, read_yolo_names
 from rollmatch.data.records import Record, validate_records, write_records
-from rollmatch.data.shapes import ShapesDifficulty, generate_shapes
+from rollmatch.data.shapes import SHAPES_PRESETS, STATS_FILE, ShapesDifficulty, SplitStats, generate_shapes
 from rollmatch.errors import DataError
 
 
@@ -30,19 +32,41 @@ def data_command(args: argparse.Namespace) -> int:
 
 
 def _shapes(args: argparse.Namespace) -> int:
-    difficulty = ShapesDifficulty(
-        min_objects=args.min_objects,
-        max_objects=args.max_objects,
-        min_side=args.min_side,
-        max_side=args.max_side,
-        noise_std=args.noise,
-    )
+    stats: dict[str, SplitStats] = {}
     paths = generate_shapes(
-        args.out, n_train=args.train, n_val=args.val, size=args.size, seed=args.seed, difficulty=difficulty
+        args.out,
+        n_train=args.train,
+        n_val=args.val,
+        size=args.size,
+        seed=args.seed,
+        difficulty=shapes_difficulty(args),
+        stats=stats,
     )
     for split, path in paths.items():
         print(f"{split}: {path}")
+    for split, split_stats in stats.items():
+        print(split_stats.line(split))
+    print(f"statistics: {Path(args.out).absolute() / STATS_FILE}")
     return 0
+
+
+def shapes_difficulty(args: argparse.Namespace) -> ShapesDifficulty:
+    """The preset's difficulty (or the default one) with every flag given on the command line applied."""
+    base = SHAPES_PRESETS[args.preset] if args.preset else ShapesDifficulty()
+    flags = {
+        "min_objects": args.min_objects,
+        "max_objects": args.max_objects,
+        "min_side": args.min_side,
+        "max_side": args.max_side,
+        "noise_std": args.noise,
+        "tied_row_frac": args.tied_rows,
+        "max_overlap": args.max_overlap,
+        "occlusion": args.occlusion,
+        "same_class_row_frac": args.same_class_rows,
+        "distractors": args.distractors,
+        "count_dist": args.count_dist,
+    }
+    return replace(base, **{name: value for name, value in flags.items() if value is not None})
 
 
 def _convert(args: argparse.Namespace) -> int:

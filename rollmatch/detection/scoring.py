@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from rollmatch.config.schema import MatchingConfig
 from rollmatch.detection.codec import ObjectCodec, ParseResult
+from rollmatch.detection.count_metrics import CountOrderCounts
 from rollmatch.detection.matching import MatchResult, hungarian_match
 from rollmatch.detection.metrics import AnswerCounts, DetectionCounts, ParseCounts
 from rollmatch.detection.objects import DetObject
@@ -64,16 +65,24 @@ class ScoreCounts:
     parsing: ParseCounts = field(default_factory=ParseCounts)
     detection: DetectionCounts = field(default_factory=DetectionCounts)
     answers: AnswerCounts = field(default_factory=AnswerCounts)
+    count_order: CountOrderCounts = field(default_factory=CountOrderCounts)
 
     def add(self, scored: ScoredResponse) -> None:
         self.parsing.add(scored.parse)
         self.detection.add(scored.match, len(scored.parse.objects), len(scored.gt_objects))
         self.answers.add(scored.parse.objects, scored.match, len(scored.gt_objects))
+        self.count_order.add(scored.match, len(scored.parse.objects), len(scored.gt_objects))
 
     def to_sums(self) -> dict[str, float]:
         """Additive sums: ``parse/*`` (:meth:`ParseCounts.to_sums`), ``match/*``
-        (:meth:`DetectionCounts.to_sums`) and ``answers/*`` (:meth:`AnswerCounts.to_sums`)."""
-        return {**self.parsing.to_sums(), **self.detection.to_sums(), **self.answers.to_sums()}
+        (:meth:`DetectionCounts.to_sums`), ``answers/*`` (:meth:`AnswerCounts.to_sums`) and ``count/*``
+        (:meth:`CountOrderCounts.to_sums`)."""
+        return {
+            **self.parsing.to_sums(),
+            **self.detection.to_sums(),
+            **self.answers.to_sums(),
+            **self.count_order.to_sums(),
+        }
 
     @classmethod
     def from_sums(cls, sums: Mapping[str, float]) -> ScoreCounts:
@@ -81,4 +90,5 @@ class ScoreCounts:
             parsing=ParseCounts.from_sums(sums),
             detection=DetectionCounts.from_sums(sums),
             answers=AnswerCounts.from_sums(sums),
+            count_order=CountOrderCounts.from_sums(sums),
         )

@@ -1,6 +1,6 @@
 """Pick the rollout backend once, from the config; nothing else branches on the backend name.
 
-Owns: :func:`build_backend`, :func:`decoding_from_config` (the rollout :class:`Decoding` of the
+Owns: :func:`build_backend`, :func:`decoding_from_config` / :func:`eval_decoding_from_config` (the rollout / evaluation :class:`Decoding` of the
 config) and :func:`machine_overrides` (engine settings that run on this machine, for commands
 that take no config file: ``rollmatch eval`` without ``--config``).
 """
@@ -64,6 +64,19 @@ def decoding_from_config(cfg: RollmatchConfig, max_new_tokens: int | None = None
         top_k=rm.decoding.top_k,
         repetition_penalty=rm.decoding.repetition_penalty,
         max_new_tokens=max_new_tokens or rm.max_new_tokens,
+    )
+
+
+def eval_decoding_from_config(cfg: RollmatchConfig) -> Decoding:
+    """The evaluation's :class:`Decoding`: ``eval.decoding`` (default greedy, never the rollout
+    decoding) with ``eval.max_new_tokens`` (default: the rollout's ``max_new_tokens``)."""
+    settings = cfg.eval.decoding
+    return Decoding(
+        temperature=settings.temperature,
+        top_p=settings.top_p,
+        top_k=settings.top_k,
+        repetition_penalty=settings.repetition_penalty,
+        max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens,
     )
 
 

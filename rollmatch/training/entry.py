@@ -8,6 +8,7 @@ rollout servers can load. Works the same under ``torchrun`` (DDP over gloo/NCCL)
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import time
@@ -116,7 +117,7 @@ def run_training(cfg: RollmatchConfig) -> TrainResult:
             planner=parts.planner,
             stateful=parts.stateful,
             detection_eval=detection_eval,
-            summarize=summarize,
+            summarize=functools.partial(summarize, count_buckets=cfg.eval.count_buckets),
             collectives=collectives,
             coord_loss=coord_loss_for(cfg, codec),
             callbacks=[JsonlMetricsCallback(os.path.join(cfg.training.output_dir, "metrics.jsonl"))],

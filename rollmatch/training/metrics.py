@@ -7,18 +7,20 @@ metrics path of ``detection`` (``ScoreCounts.from_sums``), so training, evaluati
 compute precision / recall / F1 alike (empty case included).
 
 :func:`summarize` runs one function per metric family (:data:`METRIC_FAMILIES`); a new family is a
-new ``(sums, steps) -> {name: value}`` function added to that tuple.
+new ``(sums, steps) -> {name: value}`` function added to that tuple. The per-GT-count-bucket rollout
+metrics also need the bucket edges, which :func:`summarize` takes as a keyword.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from transformers import TrainerCallback
 
+from rollmatch.detection.count_metrics import DEFAULT_COUNT_BUCKETS, CountOrderCounts
 from rollmatch.detection.scoring import ScoreCounts
 
 Sums = Mapping[str, float]
@@ -26,11 +28,15 @@ Sums = Mapping[str, float]
 TARGET_SUMS = ("target/dropped_elements", "target/over_max_new_tokens", "target/differs_from_sft")
 
 
-def summarize(sums: Sums, steps: int) -> dict[str, float]:
-    """Metric values of ``steps`` optimizer steps from their aggregated sums."""
+def summarize(
+    sums: Sums, steps: int, *, count_buckets: Sequence[int] = DEFAULT_COUNT_BUCKETS
+) -> dict[str, float]:
+    """Metric values of ``steps`` optimizer steps from their aggregated sums; the rollouts' per-GT-count
+    metrics use ``count_buckets`` (lower edges; the trainer passes ``eval.count_buckets``)."""
     out: dict[str, float] = {}
     for family in METRIC_FAMILIES:
         out.update(family(sums, steps))
+    out.update(count_bucket_metrics(sums, steps, count_buckets))
     return out
 
 
@@ -52,8 +58,17 @@ def rollout_metrics(sums: Sums, steps: int) -> dict[str, float]:
         **scores.detection.as_metrics("match/", per=steps),
         **scores.parsing.as_metrics("parse/", per=steps),
         **scores.answers.as_metrics(scores.parsing.valid, "rollout/"),
+        **{f"rollout/{name}": value for name, value in scores.count_order.summary().items()},
         **{name: float(sums.get(name, 0)) / steps for name in TARGET_SUMS},
     }
+
+
+def count_bucket_metrics(sums: Sums, steps: int, count_buckets: Sequence[int]) -> dict[str, float]:
+    """``match/gt_count_<bucket>/{precision,recall,f1,images}`` of the rollouts, per GT-count bucket
+    (images per step); nothing for steps without rollouts."""
+    if not sums.get("rollout/count", 0):
+        return {}
+    return CountOrderCounts.from_sums(sums).bucket_metrics("match/", count_buckets, per=steps)
 
 
 def packing_metrics(sums: Sums, steps: int) -> dict[str, float]:

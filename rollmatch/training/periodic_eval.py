@@ -7,7 +7,8 @@ strategy says so:
    Channel-B step would make; a collective, and under ZeRO-3 / FSDP a gather every rank takes part in),
    so the rollout engine serves the weights being evaluated (async mode: the version its policy pushes);
 2. **evaluate** — rank 0 alone rolls out the validation records (``data.val_jsonl``, the first
-   ``eval.max_samples``) with the run's rollout backend and scores them with ``rollmatch.evaluation``
+   ``eval.max_samples``) with the run's rollout backend, decoding with ``eval.decoding`` (never the
+   rollout decoding), and scores them with ``rollmatch.evaluation``
    (the scoring of ``rollmatch eval``), writing ``<output_dir>/eval/step-N.predictions.jsonl``; the other
    ranks wait in a broadcast bounded by ``training.collective_timeout_s``;
 3. **agree** — every rank receives the metrics (or rank 0's error, raised everywhere), so HF's
@@ -33,7 +34,7 @@ from rollmatch.data.records import Record, load_records
 from rollmatch.detection.codec import ObjectCodec
 from rollmatch.errors import BackendError
 from rollmatch.evaluation import EvalResult, evaluate
-from rollmatch.rollout.build import decoding_from_config
+from rollmatch.rollout.build import eval_decoding_from_config
 from rollmatch.rollout.types import RolloutBackend, SyncReport
 from rollmatch.training.step import SyncPolicy
 
@@ -95,15 +96,21 @@ class DetectionEval:
             self.encoder,
             self.codec,
             self.records,
-            decoding=decoding_from_config(self.cfg, self.cfg.eval.max_new_tokens),
+            decoding=eval_decoding_from_config(self.cfg),
             matching=self.cfg.eval.matching,
             batch_size=self.cfg.eval.batch_size,
+            count_buckets=self.cfg.eval.count_buckets,
             predictions_path=os.path.join(out_dir, f"step-{global_step}.predictions.jsonl"),
             seed=self.cfg.training.seed,
             progress=False,
         )
         metrics = eval_metrics(result, weight_version=self.backend.weight_version)
-        log.info("evaluation at step %d: %s", global_step, {k: round(v, 4) for k, v in metrics.items()})
+        log.info(
+            "evaluation at step %d (decoding %s): %s",
+            global_step,
+            result.decoding,
+            {k: round(v, 4) for k, v in metrics.items()},
+        )
         return metrics
 
 
@@ -119,6 +126,18 @@ def eval_metrics(result: EvalResult, *, weight_version: int) -> dict[str, float]
             "map",
             "map_50",
             "map_75",
+            "map_position_scored",
+            "map_50_position_scored",
+            "map_75_position_scored",
+            "map_uniform_score",
+            "map_50_uniform_score",
+            "map_75_uniform_score",
+            "count_error",
+            "count_mae",
+            "recall_first_third",
+            "recall_middle_third",
+            "recall_last_third",
+            "kendall_tau",
             "truncated_frac",
             "objects_per_image",
             "fp_per_image",
@@ -128,6 +147,8 @@ def eval_metrics(result: EvalResult, *, weight_version: int) -> dict[str, float]
         )
     }
     metrics.update({f"{PREFIX}recall_gt_{n}": value for n, value in result.recall_by_gt_count.items()})
+    for bucket, values in result.gt_count_buckets.items():
+        metrics.update({f"{PREFIX}gt_count_{bucket}/{name}": float(v) for name, v in values.items()})
     metrics[f"{PREFIX}samples"] = float(result.num_samples)
     metrics[f"{PREFIX}seconds"] = float(result.seconds)
     metrics[f"{PREFIX}weight_version"] = float(weight_version)

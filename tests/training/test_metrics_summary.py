@@ -80,3 +80,25 @@ def test_steps_without_rollouts_log_no_rollout_metrics() -> None:
     out = summarize({"samples": 8, "loss/weight": 40.0}, steps=2)
     assert out == {"samples": 4.0, "loss/weight": 20.0}
     assert len(METRIC_FAMILIES) >= 4
+
+
+def test_rollout_count_regulation_and_bucket_metrics() -> None:
+    """Two rollouts: one stops after the first of four GT objects, one finds its single GT and repeats it."""
+    four = [DetObject("fish", (i * 100, 0, i * 100 + 90, 90)) for i in range(4)]
+    responses = [
+        scored([four[0]], four, MatchResult(pairs=[(0, 0, 0.9)], fn=[1, 2, 3], fp=[])),
+        scored([FISH, FISH], [FISH], MatchResult(pairs=[(0, 0, 1.0)], fn=[], fp=[1])),
+    ]
+    out = summarize(rollout_sums(responses), steps=2, count_buckets=[1, 2])
+    assert out["rollout/count_error"] == pytest.approx((-3 + 1) / 2)
+    assert out["rollout/count_mae"] == pytest.approx((3 + 1) / 2)
+    # thirds of 4 GT: [first, middle, middle, last]; the single GT is middle
+    assert out["rollout/recall_first_third"] == 1.0
+    assert out["rollout/recall_middle_third"] == pytest.approx(1 / 3)
+    assert out["rollout/recall_last_third"] == 0.0
+    assert out["rollout/kendall_tau"] == 0.0  # no rollout has two matched objects
+    assert out["match/gt_count_1/precision"] == 0.5 and out["match/gt_count_1/recall"] == 1.0
+    assert out["match/gt_count_2+/recall"] == 0.25 and out["match/gt_count_2+/images"] == 0.5
+    default = summarize(rollout_sums(responses), steps=2)  # default edges: 1-3, 4-7, ...
+    assert default["match/gt_count_4-7/f1"] == pytest.approx(2 / (2 + 3))
+    assert "match/gt_count_1-3/f1" in default and "match/gt_count_1/f1" not in default
