@@ -213,14 +213,17 @@ def push_adapter(
     with the trainer's LoRA id convention (``lora_int_id = version + 1``)."""
     client, server = app_client(adapter_engine)
     port = free_port()
-    lease = _init(client, port).json()["lease"]
+    init = _init(client, port).json()
     trainer = GroupTransport(host="127.0.0.1", port=port, rank=1, world_size=2, timeout_s=10)
+    lease, key = init["lease"], bytes.fromhex(init["digest_key"])
     channel = _AppChannel(client, lease)
 
     def push(version: int) -> None:
         tensors = [("base_model.model.lm_head.lora_A.weight", torch.full((2, 4), float(version)))]
         payload = AdapterPayload({"r": 2, "lora_alpha": 4}, lora_int_id=version + 1)
-        push_update([(channel, trainer)], tensors, version=version, mode="adapter", adapter=payload)
+        push_update(
+            [(channel, trainer)], tensors, version=version, mode="adapter", digest_key=key, adapter=payload
+        )
 
     yield client, server, push
     client.post("/close_communicator/", headers={LEASE: lease})
