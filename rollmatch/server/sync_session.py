@@ -8,7 +8,10 @@ that keys the update's checksums (``sync.digest``); every bucket, finish and clo
 lease (``X-Rollmatch-Sync-Lease``), so only the trainer that formed the current group can push or
 close it (a close while no lease is held is a no-op). A later ``/init_communicator/`` (a restarted
 trainer) cancels a pending init and replaces the group, the lease and the key; the previous holder
-then gets a 409 naming why. ``/close_communicator/`` cancels a pending init too. The group listens
+then gets a 409 naming why. ``/close_communicator/`` cancels a pending init too. Versions: within
+one group they only increase (a bucket 0 of a version at or below the group's last loaded one is a
+409), and a new group whose first update goes below the version served before is logged as such,
+since a new trainer run starts again at 0. The group listens
 only on the interface the request names (never on all interfaces), and every wait is bounded:
 the rendezvous by the request's ``timeout_s`` (at most ``MAX_GROUP_TIMEOUT_S``), and an update
 whose sender goes quiet for that long is abandoned: logged, counted, and its buckets freed.
@@ -63,6 +66,8 @@ class SyncSession:
         self._generation = 0  # bumped by every init and close; a stale init thread discards its group
         self._lease: str | None = None
         self._digest_key = b""
+        self._group_version: int | None = None  # the last version this group loaded
+        self._served_version: int | None = None  # the last version any group loaded
         self._lease_note = "no init_communicator yet"
         self._idle_limit_s = 0.0
         self._transport: GroupTransport | None = None
@@ -98,6 +103,7 @@ class SyncSession:
             self._generation += 1
             self._lease = secrets.token_hex(16)
             self._digest_key = bytes.fromhex(body.digest_key) if body.digest_key else new_digest_key()
+            self._group_version = None
             self._lease_note = f"held by the trainer at {requester} since {time.strftime('%H:%M:%S')}"
             self._idle_limit_s = body.timeout_s
             self._init_error = None
@@ -199,8 +205,16 @@ class SyncSession:
                 raise SyncError("this engine does not serve adapters; use sync.mode: full")
             adapter = AdapterPayload(peft_config=body.peft_config, lora_int_id=body.lora_int_id)
         receiver = self._ready_receiver(lease)
+        header = body.transaction
+        last = self._group_version
+        if header.bucket_index == 0 and last is not None and header.version <= last:
+            raise SyncError(
+                f"weight version {header.version} refused: this trainer's group already loaded version {last}, "
+                "and the versions of one group only increase; a new run starts with a new group "
+                "(POST /init_communicator/)"
+            )
         with self._lock:
-            receiver.receive_bucket(body.transaction, body.metadatas, adapter)
+            receiver.receive_bucket(header, body.metadatas, adapter)
 
     def finish(
         self, body: FinishUpdateBody, lease: str | None, load: Callable[[VerifiedUpdate], None]
@@ -216,6 +230,20 @@ class SyncSession:
                 self.failed_pushes += 1
                 log.error("weight version %s rejected: %s", body.version, exc)
                 return str(exc)
+            served, self._served_version, self._group_version = (
+                self._served_version,
+                body.version,
+                body.version,
+            )
+        if served is not None and body.version < served:
+            log.warning(
+                "weight version went back from %d to %d: a new trainer group (lease %s) replaced the one that "
+                "pushed %d",
+                served,
+                body.version,
+                self._lease_note,
+                served,
+            )
         return None
 
     def _ready_receiver(self, lease: str | None) -> UpdateReceiver:

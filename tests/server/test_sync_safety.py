@@ -325,3 +325,39 @@ def test_the_vllm_engine_tells_a_refused_adapter_from_a_failed_switch() -> None:
     engine._engine = _VllmAdapterSurface(fail_removing=True)  # type: ignore[assignment]
     with pytest.raises(RuntimeError, match="remove_lora failed"):  # not a refusal: the server stops serving
         engine.load_adapter([], payload)
+
+
+def test_versions_of_one_group_only_increase_and_a_new_group_going_back_is_logged(
+    push_adapter: tuple[Any, Any, Callable[[int], None]],
+    free_port: Callable[[], int],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    client, server, push = push_adapter
+    push(3)
+    for stale in (3, 2):  # the same group: refused at bucket 0, before any byte moves
+        with pytest.raises(
+            BackendError, match=rf"HTTP 409.*weight version {stale} refused: .*loaded version 3"
+        ):
+            push(stale)
+    assert server.weight_version == 3 and server.stats().failed_pushes == 0
+    push(4)  # the group still works
+    assert server.weight_version == 4
+
+    port = free_port()  # a new run: a new group starts again at version 0, and says so in the log
+    init = _init(client, port).json()
+    trainer = GroupTransport(host="127.0.0.1", port=port, rank=1, world_size=2, timeout_s=10)
+    tensors = [("base_model.model.lm_head.lora_A.weight", torch.zeros(2, 4))]
+    payload = AdapterPayload({"r": 2, "lora_alpha": 4}, lora_int_id=1)
+    with caplog.at_level("WARNING", logger="rollmatch.server.sync_session"):
+        push_update(
+            [(_AppChannel(client, init["lease"]), trainer)],
+            tensors,
+            version=0,
+            mode="adapter",
+            digest_key=bytes.fromhex(init["digest_key"]),
+            adapter=payload,
+        )
+    assert server.weight_version == 0
+    assert "weight version went back from 4 to 0" in caplog.text
+    client.post("/close_communicator/", headers={LEASE: init["lease"]})
+    trainer.close()
