@@ -9,8 +9,8 @@ lease (``X-Rollmatch-Sync-Lease``), so only the trainer that formed the current 
 close it (a close while no lease is held is a no-op). A later ``/init_communicator/`` (a restarted
 trainer) cancels a pending init and replaces the group, the lease and the key; the previous holder
 then gets a 409 naming why. ``/close_communicator/`` cancels a pending init too. Versions: within
-one group they only increase (a bucket 0 of a version at or below the group's last loaded one is a
-409), and a new group whose first update goes below the version served before is logged as such,
+one group they never go back (a bucket 0 of a version below the group's last loaded one is a 409;
+the same version may be sent again), and a new group whose first update goes below the version served before is logged as such,
 since a new trainer run starts again at 0. The group listens
 only on the interface the request names (never on all interfaces), and every wait is bounded:
 the rendezvous by the request's ``timeout_s`` (at most ``MAX_GROUP_TIMEOUT_S``), and an update
@@ -207,10 +207,10 @@ class SyncSession:
         receiver = self._ready_receiver(lease)
         header = body.transaction
         last = self._group_version
-        if header.bucket_index == 0 and last is not None and header.version <= last:
+        if header.bucket_index == 0 and last is not None and header.version < last:
             raise SyncError(
                 f"weight version {header.version} refused: this trainer's group already loaded version {last}, "
-                "and the versions of one group only increase; a new run starts with a new group "
+                "and the versions of one group never go back; a new run starts with a new group "
                 "(POST /init_communicator/)"
             )
         with self._lock:
