@@ -3,7 +3,8 @@
 Owns: :class:`ServerConnection` (reachability, calls with explicit timeouts, the API token and the
 sync lease on every request and the sync key on the calls that change the sync state, ``/health/``
 watching of calls without a timeout, 429 backoff within the call's time, one resend of an
-idempotent call whose connection closed before any answer, errors that name the URL and the phase). Leaves out: what is sent (``rollmatch.protocol``), chunking and weight sync
+idempotent call whose connection closed before any answer, errors that name the URL and the
+phase). Leaves out: what is sent (``rollmatch.protocol``), chunking and weight sync
 (``rollout.client``), and how images are encoded (``rollout.image_wire``).
 
 Connections are reused: every call of one ``ServerConnection`` goes through one

@@ -10,11 +10,11 @@ close it (a close while no lease is held is a no-op). A later ``/init_communicat
 trainer) cancels a pending init and replaces the group, the lease and the key; the previous holder
 then gets a 409 naming why. ``/close_communicator/`` cancels a pending init too. Versions: within
 one group they never go back (a bucket 0 of a version below the group's last loaded one is a 409;
-the same version may be sent again), and a new group whose first update goes below the version served before is logged as such,
-since a new trainer run starts again at 0. The group listens
-only on the interface the request names (never on all interfaces), and every wait is bounded:
-the rendezvous by the request's ``timeout_s`` (at most ``MAX_GROUP_TIMEOUT_S``), and an update
-whose sender goes quiet for that long is abandoned: logged, counted, and its buckets freed.
+the same version may be sent again), and a new group whose first update goes below the version
+served before is logged as such, since a new trainer run starts again at 0. The group listens only
+on the interface the request names (never on all interfaces), and every wait is bounded: the
+rendezvous by the request's ``timeout_s`` (at most ``MAX_GROUP_TIMEOUT_S``), and an update whose
+sender goes quiet for that long is abandoned: logged, counted, and its buckets freed.
 Leaves out: loading verified weights into the engine (``server.rollout_server``) and HTTP.
 """
 
@@ -261,7 +261,11 @@ class SyncSession:
         compared in constant time, as bytes (a header is latin-1 text), never echoed."""
         if self._sync_key is None:
             return
-        if given is not None and hmac.compare_digest(given.encode("latin-1"), self._sync_key):
+        try:
+            given_bytes = None if given is None else given.encode("latin-1")
+        except UnicodeEncodeError:  # not from an HTTP header; no key has such characters
+            given_bytes = b""
+        if given_bytes is not None and hmac.compare_digest(given_bytes, self._sync_key):
             return
         raise SyncKeyRefused(
             f"{'missing' if given is None else 'wrong'} sync key: forming the weight-sync group needs "
