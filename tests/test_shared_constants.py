@@ -21,7 +21,14 @@ def test_each_shared_constant_is_defined_once_in_its_module() -> None:
     defined: dict[str, list[str]] = defaultdict(list)
     for path in sorted(PACKAGE.rglob("*.py")):
         for node in ast.parse(path.read_text(encoding="utf-8")).body:
-            constant = isinstance(node, ast.Assign | ast.AnnAssign) and isinstance(node.value, ast.Constant)
-            if constant and node.value.value in SHARED:  # type: ignore[union-attr]
-                defined[node.value.value].append(str(path.relative_to(PACKAGE.parent)))  # type: ignore[union-attr]
+            text = _assigned_text(node)
+            if text in SHARED:
+                defined[text].append(str(path.relative_to(PACKAGE.parent)))
     assert dict(defined) == {text: [module] for text, module in SHARED.items()}
+
+
+def _assigned_text(node: ast.stmt) -> object:
+    """The constant a module-level ``NAME = <constant>`` assigns (``None`` for anything else)."""
+    if isinstance(node, ast.Assign | ast.AnnAssign) and isinstance(node.value, ast.Constant):
+        return node.value.value
+    return None
