@@ -65,7 +65,7 @@ from rollmatch.rollout.types import Decoding, Rollout, RolloutRequest
 from rollmatch.rollout.vllm_colocate import VllmColocateBackend
 from rollmatch.rollout.vllm_engine import VllmEngine
 from rollmatch.rollout.vllm_settings import VllmEngineSettings
-from rollmatch.sync.transaction import bucket_checksum
+from rollmatch.sync.digest import bucket_checksum
 from rollmatch.sync.weights import flatten_buckets, iter_sync_tensors
 
 DEFAULT_DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
@@ -323,7 +323,7 @@ def _sync_cost(backend: VllmColocateBackend, model: torch.nn.Module, repeats: in
     flatten_s = time.perf_counter() - start
     start = time.perf_counter()
     for bucket in buckets:
-        bucket_checksum(bucket.metas, bucket.flat)
+        bucket_checksum(bytes(32), bucket.metas, bucket.flat)
     checksum_s = time.perf_counter() - start
     return {
         "sync_mb": megabytes,

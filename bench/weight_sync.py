@@ -59,6 +59,7 @@ from server_process import free_port, start_server  # bench scripts share the se
 IMAGE_WIRES = ("png", "resized_bmp")
 RACCOON = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "raccoon" / "images"
 MB = 1 << 20
+DIGEST_KEY = bytes(range(32))  # the key /init_communicator/ would hand out (fixed: a benchmark)
 
 
 # ------------------------------------------------------------------------- 1. transaction vs raw
@@ -78,7 +79,7 @@ def _synthetic_weights(payload_mb: int) -> list[tuple[str, torch.Tensor]]:
 def _receiver_main(port: int, conn: Connection) -> None:
     """Rank 0 of the group: answers raw receives and transaction messages sent over the pipe."""
     transport = GroupTransport(host="127.0.0.1", port=port, rank=0, world_size=2, timeout_s=120)
-    receiver = UpdateReceiver(transport, source_rank=1)
+    receiver = UpdateReceiver(transport, source_rank=1, digest_key=DIGEST_KEY)
     while True:
         kind, payload = conn.recv()
         if kind == "raw":
@@ -132,7 +133,14 @@ def bench_transaction(payload_mb: int, bucket_mb: int, repeats: int) -> dict[str
         parent.recv()
         raw = time.perf_counter() - start
         start = time.perf_counter()
-        push_update([(channel, transport)], named, version=round_, mode="full", bucket_bytes=bucket_mb * MB)
+        push_update(
+            [(channel, transport)],
+            named,
+            version=round_,
+            mode="full",
+            digest_key=DIGEST_KEY,
+            bucket_bytes=bucket_mb * MB,
+        )
         txn = time.perf_counter() - start
         if round_:
             raw_s.append(raw)

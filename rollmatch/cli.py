@@ -190,6 +190,18 @@ def build_parser() -> argparse.ArgumentParser:
     key.add_argument(
         "--api-key-file", default=None, help="read the token from this file (kept out of the process list)"
     )
+    sync_key = p.add_mutually_exclusive_group()
+    sync_key.add_argument(
+        "--sync-key",
+        default=None,
+        help="key /init_communicator/ needs (X-Rollmatch-Sync-Key), apart from the API key, so API-key "
+        "holders can generate but not replace the weights (default: $ROLLMATCH_SYNC_KEY; none: the API key suffices)",
+    )
+    sync_key.add_argument(
+        "--sync-key-file",
+        default=None,
+        help="read the sync key from this file (kept out of the process list)",
+    )
     p.add_argument(
         "--insecure-no-auth", action="store_true", help="allow a non-loopback --host without a key"
     )

@@ -32,6 +32,8 @@ if TYPE_CHECKING:
     from rollmatch.config.schema import DataConfig
     from rollmatch.data.records import Record
 
+IMAGE_TOKEN = "<|image_pad|>"  # Qwen-VL's image placeholder; a prompt holds one run per image
+
 
 def load_rgb(path: str | Path) -> Image.Image:
     """Open an image file fully decoded as RGB (grayscale, palette and RGBA images are converted).
@@ -104,7 +106,7 @@ class PromptEncoder:
         self.coord_frame: CoordFrame = coord_frame
         self.patch_size = int(processor.image_processor.patch_size)
         self.merge_size = int(processor.image_processor.merge_size)
-        self.image_token_id = int(self.tokenizer.convert_tokens_to_ids("<|image_pad|>"))
+        self.image_token_id = int(self.tokenizer.convert_tokens_to_ids(IMAGE_TOKEN))
 
     @classmethod
     def from_pretrained(

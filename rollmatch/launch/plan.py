@@ -32,8 +32,8 @@ from rollmatch.config.rules import resolve_servers
 from rollmatch.config.schema import RollmatchConfig, ServerEndpoint
 from rollmatch.errors import ConfigError
 from rollmatch.launch.layout import SERVERS_KEY, LaunchRequest, Layout, derive_layout, server_hosts
+from rollmatch.protocol import API_KEY_ENV
 
-API_KEY_ENV = "ROLLMATCH_API_KEY"
 REDACTED = "<redacted>"
 LEARNER_CONFIG_NAME = "learner.yaml"
 LOCALHOST = "127.0.0.1"

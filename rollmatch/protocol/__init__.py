@@ -4,7 +4,8 @@ Owns, one module per concern, every name re-exported here: the JSON shapes of ev
 (pydantic) with the range of every number, checked at the wire before anything reaches an engine
 (``wire``: the base model; ``infer``: ``/infer/`` bodies and replies, and conversion between
 :class:`~rollmatch.rollout.types.Decoding` and ms-swift's ``request_config``; ``sync``: the
-weight-sync bodies; ``info``: ``/info/``, ``/health/``, ``/stats/``), base64 and the default image
+weight-sync bodies; ``info``: ``/info/``, ``/health/``, ``/stats/``; ``auth``: credential header and
+environment-variable names), base64 and the default image
 encoding (``media``), the ``Server-Timing`` header of ``/infer/`` answers (``timing``) and the
 model fingerprint the trainer and a server compare (``fingerprint``).
 Leaves out: engines, HTTP plumbing, the server's configurable caps and media policy
@@ -22,6 +23,12 @@ carry the trainer's ``prompt_token_ids`` (used verbatim, never re-tokenized), ev
 
 from __future__ import annotations
 
+from rollmatch.protocol.auth import (
+    API_KEY_ENV,
+    LEASE_HEADER,
+    SYNC_KEY_ENV,
+    SYNC_KEY_HEADER,
+)
 from rollmatch.protocol.fingerprint import (
     FINGERPRINT_KEYS,
     fingerprint_mismatches,
@@ -76,10 +83,12 @@ from rollmatch.protocol.sync import (
     MAX_BUCKET_BYTES,
     MAX_GROUP_TIMEOUT_S,
     MAX_WEIGHT_VERSION,
+    SYNC_STATE_CHANGES,
     FinishUpdateBody,
     FinishUpdateReply,
     FlattenedTensorMeta,
     InitCommunicatorBody,
+    InitCommunicatorReply,
     TransactionHeader,
     UpdateAdapterBody,
     UpdateFlattenedParamsBody,
@@ -94,8 +103,10 @@ from rollmatch.protocol.wire import (
 )
 
 __all__ = [
+    "API_KEY_ENV",
     "FINGERPRINT_KEYS",
     "INFER_REPLY",
+    "LEASE_HEADER",
     "MAX_BUCKET_BYTES",
     "MAX_CONTENT_PARTS",
     "MAX_GROUP_TIMEOUT_S",
@@ -112,6 +123,9 @@ __all__ = [
     "PROTOCOL_VERSION",
     "SEED_MAX",
     "SERVER_TIMING_HEADER",
+    "SYNC_KEY_ENV",
+    "SYNC_KEY_HEADER",
+    "SYNC_STATE_CHANGES",
     "TEMPERATURE_MAX",
     "TEMPERATURE_MIN",
     "TEMPLATE_FLAGS",
@@ -130,6 +144,7 @@ __all__ = [
     "InferBody",
     "InferRequest",
     "InitCommunicatorBody",
+    "InitCommunicatorReply",
     "RequestConfig",
     "RolloutOutput",
     "ServerHealth",

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: keyed weight digests (the key comes with the sync lease)
 
 
 class ImageProbe(BaseModel):

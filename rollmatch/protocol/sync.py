@@ -1,5 +1,6 @@
-"""The weight-sync endpoints' bodies: communicator init, bucket announcements (a transaction header
-per bucket), adapter updates and the finishing call with its checksums."""
+"""The weight-sync endpoints' bodies: communicator init and its reply (the lease and the digest key),
+bucket announcements (a transaction header per bucket), adapter updates and the finishing call with
+its checksums; which of these calls change the server's sync state (never sent twice)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,16 @@ MAX_GROUP_TIMEOUT_S = 3600.0  # no init or transfer may hold the sync state long
 MAX_BUCKET_BYTES = 1 << 36  # 64 GiB: larger announcements are refused before any allocation
 MAX_WEIGHT_VERSION = 2**62
 _NAME_CHARS = 1024
+# Calls that change the sync state: each posts a receive on the group or moves the lease, so one that
+# may have reached the server is never sent again (a second copy would desynchronise the group).
+SYNC_STATE_CHANGES = frozenset(
+    {
+        "/init_communicator/",
+        "/update_flattened_params/",
+        "/update_adapter_flattened_param/",
+        "/finish_weight_update/",
+    }
+)
 
 
 class InitCommunicatorBody(WireModel):
@@ -29,6 +40,19 @@ class InitCommunicatorBody(WireModel):
     client_device_uuid: str | None = Field(None, max_length=256)
     backend: Literal["gloo", "nccl"] = "gloo"
     timeout_s: float = Field(240.0, gt=0.0, le=MAX_GROUP_TIMEOUT_S)
+    # The key of the update checksums (64 hex digits); absent: the server makes one. A trainer that
+    # pushes to several servers gives them all one key, so it digests each bucket once.
+    digest_key: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
+
+
+class InitCommunicatorReply(BaseModel):
+    """``/init_communicator/``'s answer: swift's ``message`` plus the sync lease (sent with every bucket,
+    finish and close) and the digest key (hex) that keys the update's checksums (the request's, or a
+    fresh one); both die with the group."""
+
+    message: str
+    lease: str
+    digest_key: str
 
 
 class FlattenedTensorMeta(WireModel):

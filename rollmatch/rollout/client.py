@@ -42,6 +42,7 @@ from rollmatch.protocol import (
     InferBody,
     InferRequest,
     InitCommunicatorBody,
+    InitCommunicatorReply,
     RolloutOutput,
     ServerInfo,
     fingerprint_mismatches,
@@ -49,14 +50,15 @@ from rollmatch.protocol import (
     request_config_from_decoding,
 )
 from rollmatch.rollout.chunking import contiguous_chunks
-from rollmatch.rollout.connection import API_KEY_ENV, KEY, LEASE_HEADER, ServerConnection, encode_body
+from rollmatch.rollout.connection import KEY, ServerConnection, encode_body
 from rollmatch.rollout.image_wire import ImageWire, OriginalPng, build_image_wire
 from rollmatch.rollout.types import Decoding, Rollout, RolloutProvenance, RolloutRequest, SyncReport
+from rollmatch.sync.digest import new_digest_key, parse_digest_key
 from rollmatch.sync.transaction import AdapterPayload, push_update
 from rollmatch.sync.transport import GroupTransport, default_backend
 from rollmatch.sync.weights import SyncTensors, peft_adapter_config
 
-__all__ = ["API_KEY_ENV", "LEASE_HEADER", "InferTiming", "ServerBackend", "ServerConnection"]
+__all__ = ["InferTiming", "ServerBackend", "ServerConnection"]
 log = logging.getLogger(__name__)
 _KEY = KEY
 
@@ -114,6 +116,7 @@ class ServerBackend:
         self.image_wire: ImageWire = image_wire if image_wire is not None else OriginalPng()
         self._version = 0
         self._transports: list[GroupTransport] = []
+        self._digest_key = b""  # the groups' checksum key, sent with every init (sync.digest)
         self._group_stale = True
         self._closed = False
         self.last_infer_timings: list[InferTiming] = []  # one per server of the latest generate()
@@ -378,6 +381,7 @@ class ServerBackend:
                 tensors,
                 version=version,
                 mode=mode,  # type: ignore[arg-type]
+                digest_key=self._digest_key,
                 bucket_bytes=self.bucket_bytes,
                 adapter=adapter,
             )
@@ -389,10 +393,12 @@ class ServerBackend:
         return SyncReport(version=version, num_bytes=result.num_bytes, seconds=result.seconds, mode=mode)  # type: ignore[arg-type]
 
     def _open_groups(self, model: Any) -> None:
-        """Close stale groups, then form one private group per server (trainer = last rank)."""
+        """Close stale groups, then form one private group per server (trainer = last rank), every one
+        with the same fresh digest key, so each bucket is digested once."""
         self._close_groups(notify=True)
         device = next(strip_parallel_wrappers(model).parameters()).device
         backend = default_backend(device)
+        self._digest_key = new_digest_key()
         for conn in self.connections:
             server_ranks = int(conn.get("/get_world_size/", "communicator init")["world_size"])
             group_host = socket.gethostbyname(conn.host)  # the server listens on the address we reach it at
@@ -402,10 +408,16 @@ class ServerBackend:
                 world_size=server_ranks + 1,
                 backend=backend,
                 timeout_s=min(conn.timeout_s, MAX_GROUP_TIMEOUT_S),
+                digest_key=self._digest_key.hex(),
             )
             conn.sync_lease = None
-            reply = conn.post("/init_communicator/", body, "communicator init")
-            conn.sync_lease = reply.get("lease") if isinstance(reply, dict) else None
+            reply = _init_reply(conn, conn.post("/init_communicator/", body, "communicator init"))
+            if parse_digest_key(reply.digest_key, f"{conn.url} /init_communicator/") != self._digest_key:
+                raise SyncError(
+                    f"rollout server {conn.url}: /init_communicator/ answered another digest key than the trainer "
+                    "sent; is it a rollmatch server of the same protocol version?"
+                )
+            conn.sync_lease = reply.lease
             self._transports.append(
                 GroupTransport(
                     host=group_host,
@@ -424,6 +436,8 @@ class ServerBackend:
             transport.close()
         if notify and self.collectives.is_main:
             for conn in self.connections:
+                if conn.sync_lease is None:  # no group of ours there: nothing to close
+                    continue
                 try:
                     conn.post(
                         "/close_communicator/",
@@ -436,6 +450,18 @@ class ServerBackend:
                 conn.sync_lease = None
         self._transports = []
         self._group_stale = True
+
+
+def _init_reply(conn: ServerConnection, answer: Any) -> InitCommunicatorReply:
+    try:
+        return InitCommunicatorReply.model_validate(answer)
+    except ValidationError as exc:
+        first = exc.errors(include_input=False, include_url=False)[0]
+        raise SyncError(
+            f"rollout server {conn.url}: /init_communicator/ answered no sync lease and digest key "
+            f"({'.'.join(map(str, first['loc'])) or 'answer'}: {first['msg']}); is it a rollmatch server of the "
+            "same protocol version?"
+        ) from None
 
 
 def _rollout(

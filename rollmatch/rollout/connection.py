@@ -1,14 +1,20 @@
 """One rollout server as the trainer sees it: JSON calls over a kept-alive HTTP session.
 
 Owns: :class:`ServerConnection` (reachability, calls with explicit timeouts, the API token and the
-sync lease on every request, ``/health/`` watching of calls without a timeout, 429 backoff within
-the call's time, one resend of a call whose connection closed before any answer, errors that name
-the URL and the phase). Leaves out: what is sent (``rollmatch.protocol``), chunking and weight sync
+sync lease on every request and the sync key on the calls that change the sync state, ``/health/``
+watching of calls without a timeout, 429 backoff within the call's time, one resend of an
+idempotent call whose connection closed before any answer, errors that name the URL and the
+phase). Leaves out: what is sent (``rollmatch.protocol``), chunking and weight sync
 (``rollout.client``), and how images are encoded (``rollout.image_wire``).
 
 Connections are reused: every call of one ``ServerConnection`` goes through one
 ``requests.Session`` (HTTP keep-alive), so a rollout call costs no TCP handshake while the server
-keeps the connection open.
+keeps the connection open. The exception are the calls that change the sync state
+(``protocol.SYNC_STATE_CHANGES``: init, bucket announcements, finish): each posts a receive on the
+group or moves the lease, so a second copy would desynchronise the group. Each goes out on a fresh
+connection (a kept-alive one the server closed while idle cannot swallow it), and is never sent
+again: a connection closed before its answer fails the call, naming the phase, and the next push
+forms a fresh group.
 """
 
 from __future__ import annotations
@@ -23,10 +29,15 @@ from urllib.parse import urlparse
 import requests
 
 from rollmatch.errors import BackendError, ServerBusy, SyncError
-from rollmatch.protocol import WireModel
+from rollmatch.protocol import (
+    API_KEY_ENV,
+    LEASE_HEADER,
+    SYNC_KEY_ENV,
+    SYNC_KEY_HEADER,
+    SYNC_STATE_CHANGES,
+    WireModel,
+)
 
-API_KEY_ENV = "ROLLMATCH_API_KEY"  # the same variable `rollmatch serve` reads for --api-key
-LEASE_HEADER = "X-Rollmatch-Sync-Lease"  # server.sync_session.LEASE_HEADER
 _HEALTH_POLL_S = 5.0
 KEY = "custom.extra.rollout_matching.vllm"
 ALTERNATIVES = f"or set `{KEY}.mode: colocate` / `custom.extra.rollout_matching.rollout_backend: hf`"
@@ -38,7 +49,8 @@ class ServerConnection:
     """One rollout server: JSON over HTTP with explicit timeouts; implements ``ControlChannel``.
 
     Every request carries ``Authorization: Bearer $ROLLMATCH_API_KEY`` when that variable is set,
-    and, once ``/init_communicator/`` handed one out, the sync lease. A call made without an HTTP
+    and, once ``/init_communicator/`` handed one out, the sync lease; the calls that change the sync
+    state carry ``$ROLLMATCH_SYNC_KEY`` when it is set. A call made without an HTTP
     timeout (``/infer/`` with ``infer_timeout_s: null``) is watched: ``/health/`` is polled while it
     is outstanding, and the call fails naming the URL once the server stops answering for
     ``timeout_s`` or reports itself unhealthy.
@@ -54,6 +66,7 @@ class ServerConnection:
         api_key = os.environ.get(API_KEY_ENV)
         if api_key:
             self.session.headers["Authorization"] = f"Bearer {api_key}"
+        self.sync_key = os.environ.get(SYNC_KEY_ENV) or None
         self.sync_lease: str | None = None
 
     def wait_healthy(self) -> None:
@@ -99,23 +112,33 @@ class ServerConnection:
         self, method: str, path: str, payload: bytes | None, phase: str, timeout: float | None
     ) -> requests.Response:
         """One call; a 429 (server full) is retried after its ``Retry-After`` with backoff while the
-        call's time (``timeout``, else ``timeout_s``) lasts, and a connection closed before any byte
-        of the answer (the server closed an idle kept-alive connection as it was reused) once."""
+        call's time (``timeout``, else ``timeout_s``) lasts, and an idempotent call whose connection
+        closed before any byte of the answer (the server closed an idle kept-alive connection as it
+        was reused) once. A call that changes the sync state goes out on a fresh connection and is
+        never sent again (see the module docstring)."""
         headers = {"Content-Type": "application/json"} if payload is not None else {}
         if self.sync_lease:
             headers[LEASE_HEADER] = self.sync_lease
+        once = method == "POST" and path in SYNC_STATE_CHANGES
+        if once and self.sync_key:
+            headers[SYNC_KEY_HEADER] = self.sync_key
         deadline = time.monotonic() + (timeout if timeout is not None else self.timeout_s)
         busy_wait_s, reconnected = _FIRST_BUSY_WAIT_S, False
         while True:
             try:
-                reply = self.session.request(
-                    method, f"{self.url}{path}", data=payload, timeout=timeout, headers=headers
-                )
+                reply = self._send(method, path, payload, timeout, headers, fresh_connection=once)
             except requests.Timeout as exc:
                 raise BackendError(
                     f"rollout server {self.url}: {phase} ({method} {path}) got no answer within {timeout}s"
                 ) from exc
             except requests.RequestException as exc:
+                if once and closed_before_answer(exc):
+                    raise SyncError(
+                        f"rollout server {self.url}: {phase} ({method} {path}): the connection closed before "
+                        "any answer, after the request may have reached the server; a weight-sync call is not "
+                        "sent twice (a second copy would desynchronise the group), so this push fails and the "
+                        "next one forms a fresh group"
+                    ) from exc
                 if not reconnected and closed_before_answer(exc):
                     reconnected = True
                     continue
@@ -138,11 +161,34 @@ class ServerConnection:
         if reply.status_code != 200:
             detail = detail_of(reply)
             error = SyncError if reply.status_code == 409 else BackendError
-            hint = f" (set {API_KEY_ENV} to the server's --api-key)" if reply.status_code == 401 else ""
+            hint = {
+                401: f" (set {API_KEY_ENV} to the server's --api-key)",
+                403: f" (set {SYNC_KEY_ENV} to the server's --sync-key)",
+            }.get(reply.status_code, "")
             raise error(
                 f"rollout server {self.url}: {phase} ({method} {path}) -> HTTP {reply.status_code}: {detail}{hint}"
             )
         return reply
+
+    def _send(
+        self,
+        method: str,
+        path: str,
+        payload: bytes | None,
+        timeout: float | None,
+        headers: dict[str, str],
+        *,
+        fresh_connection: bool,
+    ) -> requests.Response:
+        if not fresh_connection:
+            return self.session.request(
+                method, f"{self.url}{path}", data=payload, timeout=timeout, headers=headers
+            )
+        with requests.Session() as session:  # its own connection, closed after the answer
+            session.headers.update(self.session.headers)
+            return session.request(
+                method, f"{self.url}{path}", data=payload, timeout=timeout, headers=headers
+            )
 
     def _watched_call(self, method: str, path: str, payload: bytes | None, phase: str) -> requests.Response:
         """A call without an HTTP timeout, run in a daemon thread while ``/health/`` is polled here."""

@@ -34,11 +34,11 @@ from typing import Any
 
 import torch
 
+from rollmatch.data.prompts import IMAGE_TOKEN
 from rollmatch.errors import BackendError
 from rollmatch.rollout.types import Decoding, FinishReason, RolloutRequest
 from rollmatch.rollout.vllm_settings import INSTALL_HINT, VllmEngineSettings, vllm_installed
 
-IMAGE_TOKEN = "<|image_pad|>"
 STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
 _GIB = 1 << 30
 

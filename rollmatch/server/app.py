@@ -11,8 +11,9 @@ unusable engine a 503. Leaves out: behaviour (``server.rollout_server``) and the
 Endpoints: ``GET /health/`` (503 when a weight load failed half-way or the engine is stalled),
 ``/get_world_size/``, ``/info/``, ``/stats/``; ``POST /infer/``, ``/get_engine_type/``,
 ``/init_communicator/`` (returns the sync lease), ``/update_flattened_params/``,
-``/update_adapter_flattened_param/``, ``/finish_weight_update/`` (these need the lease in
-``X-Rollmatch-Sync-Lease``), ``/reset_prefix_cache/``, ``/close_communicator/``.
+``/update_adapter_flattened_param/``, ``/finish_weight_update/``, ``/close_communicator/`` (these
+need the lease in ``X-Rollmatch-Sync-Lease``; ``/init_communicator/`` needs the sync key in
+``X-Rollmatch-Sync-Key`` when the server has one: 403 without), ``/reset_prefix_cache/``.
 ``/health/``, ``/info/`` and ``/stats/`` are ``async`` routes that read lock-free state on the event
 loop: they never wait for the engine or for a worker thread. ``/infer/`` reads its body itself,
 parses and prepares it in one worker-thread hop (the JSON validated exactly as a declared body
@@ -37,11 +38,14 @@ from pydantic import BaseModel, ValidationError
 from rollmatch.errors import BackendError, RollmatchError, ServerBusy, SyncError
 from rollmatch.protocol import (
     INFER_REPLY,
+    LEASE_HEADER,
     SERVER_TIMING_HEADER,
+    SYNC_KEY_HEADER,
     FinishUpdateBody,
     FinishUpdateReply,
     InferBody,
     InitCommunicatorBody,
+    InitCommunicatorReply,
     ServerHealth,
     ServerInfo,
     ServerStats,
@@ -53,7 +57,7 @@ from rollmatch.server.gate import RequestGate
 from rollmatch.server.limits import RequestTooLarge
 from rollmatch.server.rollout_server import PreparedCall, RolloutServer
 from rollmatch.server.scheduler import CallTicket
-from rollmatch.server.sync_session import LEASE_HEADER
+from rollmatch.server.sync_session import SyncKeyRefused
 from rollmatch.server.timing import PhaseTimes
 
 log = logging.getLogger(__name__)
@@ -140,10 +144,13 @@ def build_app(server: RolloutServer, *, api_key: str | None = None) -> FastAPI:
         return Response(payload, media_type="application/json", headers=headers)
 
     @app.post("/init_communicator/")
-    def init_communicator(body: InitCommunicatorBody, request: Request) -> dict[str, str]:
+    def init_communicator(
+        body: InitCommunicatorBody,
+        request: Request,
+        sync_key: str | None = Header(None, alias=SYNC_KEY_HEADER),
+    ) -> InitCommunicatorReply:
         requester = request.client.host if request.client else "?"
-        lease = call(server.init_communicator, body, requester)
-        return {"message": "initializing communicator", "lease": lease}
+        return call(server.init_communicator, body, requester, sync_key)
 
     @app.post("/update_flattened_params/")
     def update_flattened_params(
@@ -172,8 +179,8 @@ def build_app(server: RolloutServer, *, api_key: str | None = None) -> FastAPI:
 
     @app.post("/close_communicator/")
     def close_communicator(lease: str | None = Header(None, alias=LEASE_HEADER)) -> dict[str, str]:
-        call(server.close_communicator, lease)
-        return {"message": "communicator closed"}
+        closed = call(server.close_communicator, lease)
+        return {"message": "communicator closed" if closed else "no communicator to close"}
 
     return app
 
@@ -209,10 +216,12 @@ def _http_error(exc: Exception) -> HTTPException:
 
 
 def _status(exc: Exception) -> int:
-    """413/422: over a cap; 409: weight-sync state; 429: the server is full for now; 503: the server
-    cannot serve; 400: the request is wrong."""
+    """413/422: over a cap; 403: weight sync without the sync key; 409: weight-sync state; 429: the
+    server is full for now; 503: the server cannot serve; 400: the request is wrong."""
     if isinstance(exc, RequestTooLarge):
         return exc.status
+    if isinstance(exc, SyncKeyRefused):
+        return 403
     if isinstance(exc, ServerBusy):
         return 429
     if isinstance(exc, SyncError):

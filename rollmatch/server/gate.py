@@ -1,7 +1,7 @@
 """Who may call the rollout server, and what every request passes before a route sees it.
 
 Owns: the API key's sources and checks (:func:`server_api_key`: ``--api-key``, ``--api-key-file`` or
-``$ROLLMATCH_API_KEY``), the start-up rule that a server bound to a non-loopback address has a key
+``$ROLLMATCH_API_KEY``; the weight-sync key's likewise, :func:`server_sync_key`), the start-up rule that a server bound to a non-loopback address has a key
 (:func:`check_exposure`, ``--insecure-no-auth`` to override; loopback stays open for local work),
 and :class:`RequestGate`, a plain ASGI middleware: the token check, then the body-size cap.
 
@@ -28,6 +28,7 @@ from typing import Any
 from fastapi import HTTPException
 
 from rollmatch.errors import ConfigError, ConfigProblem
+from rollmatch.protocol import API_KEY_ENV, SYNC_KEY_ENV
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -35,7 +36,6 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
-API_KEY_ENV = "ROLLMATCH_API_KEY"  # also read by the trainer (rollout.connection) and set by launch
 OPEN_PATHS = frozenset({"/health/", "/health"})  # "/health" only answers the redirect to "/health/"
 OPEN_METHODS = frozenset({"GET", "HEAD"})
 _NEW_KEY = "python -c 'import secrets; print(secrets.token_urlsafe(32))'"
@@ -47,22 +47,49 @@ def server_api_key(api_key: str | None, api_key_file: str | None, environ: Mappi
     an empty / missing / unreadable file, both flags together or a key that cannot travel unchanged
     in an HTTP header (whitespace, non-ASCII) is a :class:`ConfigError`. A file's trailing newline
     is not part of the key."""
-    if api_key is not None and api_key_file is not None:
+    return _server_key("--api-key", API_KEY_ENV, api_key, api_key_file, environ)
+
+
+def server_sync_key(
+    sync_key: str | None, sync_key_file: str | None, environ: Mapping[str, str], api_key: str | None
+) -> str | None:
+    """The weight-sync key from ``--sync-key``, else ``--sync-key-file``, else ``$ROLLMATCH_SYNC_KEY``
+    (``None``: none), with the API key's rules; one equal to ``api_key`` separates nothing and is a
+    :class:`ConfigError`."""
+    key = _server_key("--sync-key", SYNC_KEY_ENV, sync_key, sync_key_file, environ)
+    if key is not None and api_key is not None and hmac.compare_digest(key.encode(), api_key.encode()):
         raise ConfigError(
             [
                 ConfigProblem(
-                    "--api-key / --api-key-file",
-                    "both given",
-                    "give one: --api-key-file PATH keeps the key out of the process list",
+                    "--sync-key-file",
+                    "<redacted>",
+                    "the sync key equals the API key, so every API-key holder could replace the served "
+                    f"weights; give a distinct key (e.g. from `{_NEW_KEY}`)",
                 )
             ]
         )
-    if api_key_file is not None:
-        return _checked("--api-key-file", api_key_file, _read_key_file(api_key_file))
-    if api_key is not None:
-        return _checked("--api-key", "<redacted>", api_key)
-    from_env = environ.get(API_KEY_ENV)
-    return _checked(f"${API_KEY_ENV}", "<redacted>", from_env) if from_env else None
+    return key
+
+
+def _server_key(
+    flag: str, env_name: str, value: str | None, file: str | None, environ: Mapping[str, str]
+) -> str | None:
+    if value is not None and file is not None:
+        raise ConfigError(
+            [
+                ConfigProblem(
+                    f"{flag} / {flag}-file",
+                    "both given",
+                    f"give one: {flag}-file PATH keeps the key out of the process list",
+                )
+            ]
+        )
+    if file is not None:
+        return _checked(f"{flag}-file", file, _read_key_file(f"{flag}-file", file))
+    if value is not None:
+        return _checked(flag, "<redacted>", value)
+    from_env = environ.get(env_name)
+    return _checked(f"${env_name}", "<redacted>", from_env) if from_env else None
 
 
 def check_exposure(host: str, api_key: str | None, *, insecure_no_auth: bool) -> None:
@@ -153,7 +180,7 @@ def _open_route(scope: Scope) -> bool:
     return scope.get("method") in OPEN_METHODS and scope.get("path") in OPEN_PATHS
 
 
-def _read_key_file(path: str) -> str:
+def _read_key_file(flag: str, path: str) -> str:
     try:
         text = Path(path).read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -162,7 +189,7 @@ def _read_key_file(path: str) -> str:
         fix = f"cannot be read ({type(exc).__name__}: {exc}); give a readable UTF-8 file holding only the key"
     else:
         return text.removesuffix("\n").removesuffix("\r")
-    raise ConfigError([ConfigProblem("--api-key-file", path, fix)])
+    raise ConfigError([ConfigProblem(flag, path, fix)])
 
 
 def _checked(source: str, shown: str, key: str) -> str:

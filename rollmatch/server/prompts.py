@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from rollmatch.data.prompts import IMAGE_TOKEN
 from rollmatch.protocol import ChatTurn, InferRequest, TextPart
 from rollmatch.server.chat_template import ChatTemplate
 from rollmatch.server.limits import RequestTooLarge
@@ -28,7 +29,6 @@ from rollmatch.server.timing import PhaseTimes
 if TYPE_CHECKING:
     from PIL.Image import Image
 
-IMAGE_TOKEN = "<|image_pad|>"
 VIDEO_TOKEN = "<|video_pad|>"
 VISION_START = "<|vision_start|>"
 EOS_TOKEN = "<|im_end|>"

@@ -35,6 +35,7 @@ from rollmatch.protocol import (
     InferBody,
     InferRequest,
     InitCommunicatorBody,
+    InitCommunicatorReply,
     RequestConfig,
     RolloutOutput,
     ServerHealth,
@@ -78,7 +79,12 @@ class RolloutServer:
     """The server's state; every public method is one endpoint's behaviour (HTTP-free, testable)."""
 
     def __init__(
-        self, engine: ServerEngine, limits: ServerLimits | None = None, *, coord_frame: str | None = None
+        self,
+        engine: ServerEngine,
+        limits: ServerLimits | None = None,
+        *,
+        coord_frame: str | None = None,
+        sync_key: str | None = None,
     ):
         self.engine = engine
         self.coord_frame = coord_frame  # reported by /info/ (resolved by `rollmatch serve`), not used here
@@ -97,7 +103,7 @@ class RolloutServer:
             max_queued_prompt_tokens=self.limits.max_queued_prompt_tokens,
             on_failure=_engine_failure,
         )
-        self.sync = SyncSession(engine.world_size, "adapter" in engine.sync_modes)
+        self.sync = SyncSession(engine.world_size, "adapter" in engine.sync_modes, sync_key)
         self._counter_lock = threading.Lock()
         self.pushes_by_version: dict[int, int] = {}
         self.infer_requests = 0
@@ -274,9 +280,12 @@ class RolloutServer:
             self.busy_refusals += busy
 
     # ---------------------------------------------------------------------------- weight sync
-    def init_communicator(self, body: InitCommunicatorBody, requester: str = "?") -> str:
-        """Start forming the weight-sync group; returns the sync lease the trainer must send."""
-        return self.sync.init(body, requester)
+    def init_communicator(
+        self, body: InitCommunicatorBody, requester: str = "?", sync_key: str | None = None
+    ) -> InitCommunicatorReply:
+        """Start forming the weight-sync group (``sync_key``: the caller's, checked when the server has
+        one); returns the sync lease the trainer must send and the digest key of its checksums."""
+        return self.sync.init(body, requester, sync_key)
 
     def update_bucket(self, body: UpdateFlattenedParamsBody | UpdateAdapterBody, lease: str | None) -> None:
         self.sync.receive_bucket(body, lease)
@@ -355,8 +364,9 @@ class RolloutServer:
                 raise BackendError(self.broken) from exc
         return update.version
 
-    def close_communicator(self, lease: str | None = None) -> None:
-        self.sync.close(lease)
+    def close_communicator(self, lease: str | None = None) -> bool:
+        """Drop the group (the lease holder only); False when there was none to drop."""
+        return self.sync.close(lease)
 
     # ----------------------------------------------------------------------------------- facts
     def info(self) -> ServerInfo:

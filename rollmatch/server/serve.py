@@ -26,10 +26,11 @@ import uvicorn
 
 from rollmatch.config.frames import resolve_coord_frame
 from rollmatch.errors import ConfigError
+from rollmatch.protocol import API_KEY_ENV
 from rollmatch.server.app import build_app
 from rollmatch.server.connections import guarded_h11_protocol, raise_open_file_limit
 from rollmatch.server.engines import build_engine
-from rollmatch.server.gate import API_KEY_ENV, check_exposure, server_api_key
+from rollmatch.server.gate import check_exposure, server_api_key, server_sync_key
 from rollmatch.server.limits import ServerLimits
 from rollmatch.server.media import MediaPolicy
 from rollmatch.server.rollout_server import RolloutServer
@@ -44,6 +45,9 @@ def serve_command(args: argparse.Namespace) -> int:
     """``rollmatch serve``: load the engine, then serve until SIGTERM / SIGINT (see the module docstring)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     api_key = server_access(args)
+    sync_key = server_sync_key(
+        getattr(args, "sync_key", None), getattr(args, "sync_key_file", None), os.environ, api_key
+    )
     limits = server_limits(args)
     media_root = getattr(args, "allowed_local_media_path", None)
     media = MediaPolicy(
@@ -65,7 +69,7 @@ def serve_command(args: argparse.Namespace) -> int:
         media=media,
         max_images=limits.max_images_per_request,
     )
-    server = RolloutServer(engine, limits, coord_frame=served_coord_frame(args))
+    server = RolloutServer(engine, limits, coord_frame=served_coord_frame(args), sync_key=sync_key)
     if api_key is None:
         log.warning(
             "no API key: every endpoint, weight sync included, is open to anyone who can reach %s:%d; "

@@ -1,18 +1,26 @@
-"""The server's side of weight sync: one trainer's group, its lease, staged updates and counters.
+"""The server's side of weight sync: who may form the group, its lease and digest key, staged updates.
 
-Owns: :class:`SyncSession`. ``/init_communicator/`` starts forming a group in the background and
-hands out a *sync lease*; every bucket and finish must carry it (``X-Rollmatch-Sync-Lease``), so
-only the trainer that formed the current group can push. A later ``/init_communicator/`` (a
-restarted trainer) cancels a pending init and replaces the group and the lease; the previous holder
-then gets a 409 naming why. ``/close_communicator/`` cancels a pending init too. The group listens
-only on the interface the request names (never on all interfaces), and every wait is bounded:
-the rendezvous by the request's ``timeout_s`` (at most ``MAX_GROUP_TIMEOUT_S``), and an update
-whose sender goes quiet for that long is abandoned: logged, counted, and its buckets freed.
+Owns: :class:`SyncSession`. Weight sync is administration, apart from generation: with a *sync key*
+(``rollmatch serve --sync-key-file``), ``/init_communicator/`` needs it (``X-Rollmatch-Sync-Key``;
+403 without), so a client that holds only the API key can generate but never form the group. An
+init starts forming the group in the background and hands out a *sync lease* and the *digest key*
+that keys the update's checksums (``sync.digest``); every bucket, finish and close must carry the
+lease (``X-Rollmatch-Sync-Lease``), so only the trainer that formed the current group can push or
+close it (a close while no lease is held is a no-op). A later ``/init_communicator/`` (a restarted
+trainer) cancels a pending init and replaces the group, the lease and the key; the previous holder
+then gets a 409 naming why. ``/close_communicator/`` cancels a pending init too. Versions: within
+one group they never go back (a bucket 0 of a version below the group's last loaded one is a 409;
+the same version may be sent again), and a new group whose first update goes below the version
+served before is logged as such, since a new trainer run starts again at 0. The group listens only
+on the interface the request names (never on all interfaces), and every wait is bounded: the
+rendezvous by the request's ``timeout_s`` (at most ``MAX_GROUP_TIMEOUT_S``), and an update whose
+sender goes quiet for that long is abandoned: logged, counted, and its buckets freed.
 Leaves out: loading verified weights into the engine (``server.rollout_server``) and HTTP.
 """
 
 from __future__ import annotations
 
+import hmac
 import logging
 import secrets
 import socket
@@ -22,30 +30,44 @@ from collections.abc import Callable
 
 from rollmatch.errors import CollectiveTimeoutError, RollmatchError, SyncError
 from rollmatch.protocol import (
+    LEASE_HEADER,
+    SYNC_KEY_HEADER,
     FinishUpdateBody,
     InitCommunicatorBody,
+    InitCommunicatorReply,
     TransactionHeader,
     UpdateAdapterBody,
     UpdateFlattenedParamsBody,
 )
+from rollmatch.sync.digest import new_digest_key
 from rollmatch.sync.transaction import AdapterPayload, UpdateReceiver, VerifiedUpdate
 from rollmatch.sync.transport import GroupCancelled, GroupTransport, bind_listener
 
 log = logging.getLogger(__name__)
-LEASE_HEADER = "X-Rollmatch-Sync-Lease"
 _REAP_EVERY_S = 1.0
 _CANCEL_JOIN_S = 5.0
 
 
-class SyncSession:
-    """Communicator state of one rollout server (see the module docstring); thread-safe."""
+class SyncKeyRefused(SyncError):
+    """``/init_communicator/`` without the server's sync key (a 403: the caller may generate, not sync)."""
 
-    def __init__(self, receiving_ranks: int, adapter_modes: bool):
+
+class SyncSession:
+    """Communicator state of one rollout server (see the module docstring); thread-safe.
+
+    ``sync_key``: the key ``/init_communicator/`` needs (``None``: every caller that passed the API
+    key may form the group)."""
+
+    def __init__(self, receiving_ranks: int, adapter_modes: bool, sync_key: str | None = None):
         self.receiving_ranks = receiving_ranks
         self.adapter_modes = adapter_modes
+        self._sync_key = sync_key.encode() if sync_key else None
         self._lock = threading.Lock()
         self._generation = 0  # bumped by every init and close; a stale init thread discards its group
         self._lease: str | None = None
+        self._digest_key = b""
+        self._group_version: int | None = None  # the last version this group loaded
+        self._served_version: int | None = None  # the last version any group loaded
         self._lease_note = "no init_communicator yet"
         self._idle_limit_s = 0.0
         self._transport: GroupTransport | None = None
@@ -59,8 +81,12 @@ class SyncSession:
         threading.Thread(target=self._reap_forever, name="sync-reaper", daemon=True).start()
 
     # ----------------------------------------------------------------------------------- group
-    def init(self, body: InitCommunicatorBody, requester: str) -> str:
-        """Start forming the group (the trainer joins right after this returns); returns the lease."""
+    def init(
+        self, body: InitCommunicatorBody, requester: str, sync_key: str | None = None
+    ) -> InitCommunicatorReply:
+        """Start forming the group (the trainer joins right after this returns); returns the lease and
+        the digest key. ``sync_key``: the request's ``X-Rollmatch-Sync-Key``."""
+        self._check_sync_key(sync_key)
         expected = self.receiving_ranks + 1
         if body.world_size != expected:
             raise SyncError(
@@ -76,31 +102,46 @@ class SyncSession:
                 raise SyncError(f"init_communicator: {exc}") from exc
             self._generation += 1
             self._lease = secrets.token_hex(16)
+            self._digest_key = bytes.fromhex(body.digest_key) if body.digest_key else new_digest_key()
+            self._group_version = None
             self._lease_note = f"held by the trainer at {requester} since {time.strftime('%H:%M:%S')}"
             self._idle_limit_s = body.timeout_s
             self._init_error = None
             self._cancel = threading.Event()
             self._init_thread = threading.Thread(
                 target=self._form_group,
-                args=(body, listener, self._cancel, self._generation),
+                args=(body, listener, self._cancel, self._generation, self._digest_key),
                 name="sync-init",
                 daemon=True,
             )
             self._init_thread.start()
-            return self._lease
+            return InitCommunicatorReply(
+                message="initializing communicator", lease=self._lease, digest_key=self._digest_key.hex()
+            )
 
-    def close(self, lease: str | None) -> None:
-        """Cancel a pending init and drop the group (a lease, when given, must be the current one)."""
-        if lease is not None:
-            self._check_lease(lease)
+    def close(self, lease: str | None) -> bool:
+        """Cancel a pending init and drop the group; needs the current lease while one is held (a 409
+        otherwise). Returns False when no lease was held (nothing to close: closing is idempotent)."""
+        if self._lease is None:
+            return False
+        self._check_lease(lease)
+        self._drop("released by /close_communicator/")
+        return True
+
+    def _drop(self, note: str) -> None:
         self._cancel_pending()
         with self._lock:
             self._generation += 1
             self._close_locked("the communicator was closed")
-            self._lease, self._lease_note = None, "released by /close_communicator/"
+            self._lease, self._lease_note, self._digest_key = None, note, b""
 
     def _form_group(
-        self, body: InitCommunicatorBody, listener: socket.socket, cancel: threading.Event, generation: int
+        self,
+        body: InitCommunicatorBody,
+        listener: socket.socket,
+        cancel: threading.Event,
+        generation: int,
+        digest_key: bytes,
     ) -> None:
         device = "cuda" if body.backend == "nccl" else "cpu"
         try:
@@ -130,7 +171,11 @@ class SyncSession:
                 return
             self._transport = transport
             self._receiver = UpdateReceiver(
-                transport, source_rank=body.world_size - 1, device=device, on_abandon=self._abandoned
+                transport,
+                source_rank=body.world_size - 1,
+                digest_key=digest_key,
+                device=device,
+                on_abandon=self._abandoned,
             )
 
     def _cancel_pending(self) -> None:
@@ -160,8 +205,16 @@ class SyncSession:
                 raise SyncError("this engine does not serve adapters; use sync.mode: full")
             adapter = AdapterPayload(peft_config=body.peft_config, lora_int_id=body.lora_int_id)
         receiver = self._ready_receiver(lease)
+        header = body.transaction
+        last = self._group_version
+        if header.bucket_index == 0 and last is not None and header.version < last:
+            raise SyncError(
+                f"weight version {header.version} refused: this trainer's group already loaded version {last}, "
+                "and the versions of one group never go back; a new run starts with a new group "
+                "(POST /init_communicator/)"
+            )
         with self._lock:
-            receiver.receive_bucket(body.transaction, body.metadatas, adapter)
+            receiver.receive_bucket(header, body.metadatas, adapter)
 
     def finish(
         self, body: FinishUpdateBody, lease: str | None, load: Callable[[VerifiedUpdate], None]
@@ -177,6 +230,20 @@ class SyncSession:
                 self.failed_pushes += 1
                 log.error("weight version %s rejected: %s", body.version, exc)
                 return str(exc)
+            served, self._served_version, self._group_version = (
+                self._served_version,
+                body.version,
+                body.version,
+            )
+        if served is not None and body.version < served:
+            log.warning(
+                "weight version went back from %d to %d: a new trainer group (lease %s) replaced the one that "
+                "pushed %d",
+                served,
+                body.version,
+                self._lease_note,
+                served,
+            )
         return None
 
     def _ready_receiver(self, lease: str | None) -> UpdateReceiver:
@@ -188,6 +255,23 @@ class SyncSession:
             reason = self._init_error or "no communicator: POST /init_communicator/ first"
             raise SyncError(f"weight update refused: {reason}")
         return self._receiver
+
+    def _check_sync_key(self, given: str | None) -> None:
+        """Refuse (``SyncKeyRefused``: a 403) an init without the server's sync key, when it has one;
+        compared in constant time, as bytes (a header is latin-1 text), never echoed."""
+        if self._sync_key is None:
+            return
+        try:
+            given_bytes = None if given is None else given.encode("latin-1")
+        except UnicodeEncodeError:  # not from an HTTP header; no key has such characters
+            given_bytes = b""
+        if given_bytes is not None and hmac.compare_digest(given_bytes, self._sync_key):
+            return
+        raise SyncKeyRefused(
+            f"{'missing' if given is None else 'wrong'} sync key: forming the weight-sync group needs "
+            f"`{SYNC_KEY_HEADER}: <key>` with the key the server was started with (rollmatch serve "
+            "--sync-key-file); the API key alone allows generation, not weight sync"
+        )
 
     def _check_lease(self, lease: str | None) -> None:
         """Refuse (``SyncError``: a 409) unless ``lease`` is the current lease. A header arrives as any
@@ -203,9 +287,9 @@ class SyncSession:
         else:
             given = "another"
         raise SyncError(
-            f"weight update refused: the request carries {given} sync lease ({LEASE_HEADER}); only the "
-            f"trainer that formed the current group may push, sending the lease /init_communicator/ returned "
-            f"(lease {self._lease_note})"
+            f"weight sync refused: the request carries {given} sync lease ({LEASE_HEADER}); only the "
+            f"trainer that formed the current group may push or close it, sending the lease "
+            f"/init_communicator/ returned (lease {self._lease_note})"
         )
 
     # ------------------------------------------------------------------------------ abandoned
@@ -237,4 +321,4 @@ class SyncSession:
 
     def shutdown(self) -> None:
         self._stopped.set()
-        self.close(None)
+        self._drop("the server shut down")

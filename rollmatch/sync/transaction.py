@@ -9,20 +9,16 @@ so a failed update leaves the receiver serving its previous version. The sender 
 receiver's reported checksum and version in turn.
 Leaves out: which tensors to send (``sync.weights``), HTTP (``rollout.client`` / ``server.app``).
 
-Checksums (:func:`bucket_checksum`): per bucket, a digest of its layout (names, dtypes, shapes,
-offsets) and of exactly the transmitted bytes (padding included); the update checksum is sha256
-over the bucket digests. The byte digest reads the buffer as 64-bit words and reduces it, on the
-buffer's device, to their wrapping sum and a chunk-position-weighted sum (512 KiB chunks): integer
-arithmetic, so CPU and GPU agree bit for bit; memory-bandwidth fast (tens of GB/s, no host copy on
-GPU; CRC-32 runs at ~4 GB/s). It is the one checksum scheme of a weight sync. It
-catches any changed, missing or extra word and misplaced chunks; it is an integrity check against
-transport and layout faults, not a cryptographic hash. The receiver digests each bucket in a
-background thread as soon as it lands, overlapping the next bucket's transfer.
+Checksums (``sync.digest``): per bucket, an HMAC-SHA256 tree over its layout and exactly the
+transmitted bytes (padding included), keyed with the digest key the server handed out with the
+sync lease; the update checksum is a keyed MAC over the version, the mode and the bucket checksums.
+Without the key no changed, missing, extra or moved byte passes. The sender digests each bucket
+while it is in flight; the receiver digests each bucket in a background thread as soon as it lands,
+overlapping the next bucket's transfer.
 """
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -41,11 +37,9 @@ from rollmatch.protocol import (
     UpdateFlattenedParamsBody,
     WireModel,
 )
+from rollmatch.sync.digest import bucket_checksum, combine_checksums
 from rollmatch.sync.transport import PendingTransfer, WeightTransport
 from rollmatch.sync.weights import Bucket, TensorMeta, flatten_buckets, unflatten_bucket
-
-_DIGEST_CHUNK_WORDS = 1 << 16  # 512 KiB of 64-bit words per positional chunk
-_MASK64 = (1 << 64) - 1
 
 
 class ControlChannel(Protocol):
@@ -78,41 +72,19 @@ class PushResult:
     replies: list[FinishUpdateReply] = field(default_factory=list)
 
 
-def combine_checksums(bucket_checksums: Sequence[str]) -> str:
-    """The update checksum: sha256 over the ordered bucket digests."""
-    return hashlib.sha256("|".join(bucket_checksums).encode()).hexdigest()[:16]
-
-
-def bucket_checksum(metas: Sequence[TensorMeta], flat: torch.Tensor) -> str:
-    """The digest of one bucket: its layout and every byte of its flat ``uint8`` buffer."""
-    layout = ";".join(f"{m.name}|{m.dtype}|{tuple(m.shape)}|{m.offset}" for m in metas)
-    return hashlib.sha256(f"{layout}#{int(flat.numel())}#{content_digest(flat)}".encode()).hexdigest()[:16]
-
-
-@torch.no_grad()
-def content_digest(flat: torch.Tensor) -> str:
-    """Wrapping sum and chunk-weighted sum of a ``uint8`` buffer's 64-bit words (see module docstring)."""
-    whole = flat.numel() // 8 * 8
-    words = flat[:whole].view(torch.int64)
-    full = words.numel() // _DIGEST_CHUNK_WORDS
-    chunk_sums = words[: full * _DIGEST_CHUNK_WORDS].view(full, _DIGEST_CHUNK_WORDS).sum(dim=1)
-    tail = words[full * _DIGEST_CHUNK_WORDS :].sum() + flat[whole:].to(torch.int64).sum()
-    positions = torch.arange(1, full + 1, dtype=torch.int64, device=flat.device)
-    plain = int(chunk_sums.sum() + tail)
-    weighted = int((chunk_sums * positions).sum() + tail * (full + 1))
-    return f"{plain & _MASK64:016x}{weighted & _MASK64:016x}"
-
-
 def push_update(
     targets: Sequence[tuple[ControlChannel, WeightTransport]],
     named_tensors: Iterable[tuple[str, torch.Tensor]],
     *,
     version: int,
     mode: str,
+    digest_key: bytes,
     bucket_bytes: int = 64 << 20,
     adapter: AdapterPayload | None = None,
 ) -> PushResult:
     """Send one update to every target and return once all of them verified and acknowledged it.
+
+    ``digest_key``: the key every target's group was initialised with (``sync.digest``).
 
     Raises :class:`~rollmatch.errors.SyncError` naming the receiver on any rejection or checksum
     disagreement; receivers keep their previous version in that case.
@@ -126,7 +98,7 @@ def push_update(
         pending = [
             _send_bucket(channel, transport, bucket, header, adapter) for channel, transport in targets
         ]
-        checksums.append(bucket_checksum(bucket.metas, bucket.flat))  # overlaps this bucket's transfer
+        checksums.append(bucket_checksum(digest_key, bucket.metas, bucket.flat))  # overlaps the transfer
         if in_flight is not None:
             _wait_sent(targets, *in_flight, version)
         in_flight = (index, bucket, pending)
@@ -136,7 +108,10 @@ def push_update(
         raise SyncError(f"weight update of version {version} ({mode}) has no tensors to send")
     _wait_sent(targets, *in_flight, version)
     finish = FinishUpdateBody(
-        version=version, mode=mode, bucket_checksums=checksums, checksum=combine_checksums(checksums)
+        version=version,
+        mode=mode,
+        bucket_checksums=checksums,
+        checksum=combine_checksums(digest_key, version, mode, checksums),
     )
     replies = [_finish(channel, finish) for channel, _ in targets]
     return PushResult(version, num_bytes, num_tensors, finish.checksum, time.perf_counter() - start, replies)
@@ -241,10 +216,13 @@ class UpdateReceiver:
         self,
         transport: WeightTransport,
         source_rank: int,
+        *,
+        digest_key: bytes,
         device: torch.device | str = "cpu",
         on_abandon: Callable[[TransactionHeader, str], None] | None = None,
     ):
         self.transport, self.source_rank, self.device = transport, source_rank, torch.device(device)
+        self._digest_key = digest_key
         self._header: TransactionHeader | None = None
         self._buckets: list[_StagedBucket] = []
         self._adapter: AdapterPayload | None = None
@@ -294,7 +272,11 @@ class UpdateReceiver:
         transfer = self.transport.broadcast_async(flat, self.source_rank)
         phase = f"receive bucket {header.bucket_index} of version {header.version}"
         self._buckets.append(
-            _StagedBucket(plan, flat, self._digester.submit(_landed_checksum, transfer, phase, plan, flat))
+            _StagedBucket(
+                plan,
+                flat,
+                self._digester.submit(_landed_checksum, self._digest_key, transfer, phase, plan, flat),
+            )
         )
 
     def finish(self, body: FinishUpdateBody) -> VerifiedUpdate:
@@ -311,7 +293,7 @@ class UpdateReceiver:
         reply = FinishUpdateReply(
             ok=True,
             version=body.version,
-            checksum=combine_checksums(received),
+            checksum=combine_checksums(self._digest_key, body.version, body.mode, received),
             bucket_checksums=received,
             num_bytes=sum(int(b.flat.numel()) for b in buckets),
             num_tensors=sum(len(b.metas) for b in buckets),
@@ -346,10 +328,10 @@ class UpdateReceiver:
 
 
 def _landed_checksum(
-    transfer: PendingTransfer, phase: str, metas: list[TensorMeta], flat: torch.Tensor
+    key: bytes, transfer: PendingTransfer, phase: str, metas: list[TensorMeta], flat: torch.Tensor
 ) -> str:
     transfer.wait(phase)
-    return bucket_checksum(metas, flat)
+    return bucket_checksum(key, metas, flat)
 
 
 def _verify(body: FinishUpdateBody, reply: FinishUpdateReply, buckets: list[_StagedBucket]) -> None:

@@ -98,8 +98,8 @@ def hf_engine(tiny_model_dir: Path) -> Any:
 
 @pytest.fixture
 def app_client() -> Iterator[Callable[..., Any]]:
-    """``app_client(engine, api_key=None, **limits)``: the real FastAPI app around a fresh
-    ``RolloutServer`` on ``engine``, driven in process (httpx); returns ``(client, server)``."""
+    """``app_client(engine, api_key=None, sync_key=None, **limits)``: the real FastAPI app around a
+    fresh ``RolloutServer`` on ``engine``, driven in process (httpx); returns ``(client, server)``."""
     from fastapi.testclient import TestClient
 
     from rollmatch.server.app import build_app
@@ -108,8 +108,10 @@ def app_client() -> Iterator[Callable[..., Any]]:
 
     made: list[tuple[Any, Any]] = []
 
-    def make(engine: Any, api_key: str | None = None, **limits: Any) -> tuple[Any, Any]:
-        server = RolloutServer(engine, ServerLimits(**limits))
+    def make(
+        engine: Any, api_key: str | None = None, sync_key: str | None = None, **limits: Any
+    ) -> tuple[Any, Any]:
+        server = RolloutServer(engine, ServerLimits(**limits), sync_key=sync_key)
         client = TestClient(build_app(server, api_key=api_key), raise_server_exceptions=False)
         made.append((client, server))
         return client, server

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from rollmatch.errors import BackendError, ServerBusy
+from rollmatch.errors import BackendError, ServerBusy, SyncError
 from rollmatch.rollout.connection import ServerConnection
 
 Script = Callable[[int], str]  # call number -> "close" | "busy" | "ok"
@@ -86,3 +86,20 @@ def test_a_busy_server_is_waited_out_within_the_calls_time(scripted_server: Call
     with pytest.raises(ServerBusy, match="HTTP 429 until the call's time ran out"):
         conn.post_bytes("/infer/", b"{}", "rollout", timeout_s=3)
     assert time.monotonic() - started < 3.5 and len(seen) >= 2
+
+
+def test_a_weight_sync_call_that_may_have_reached_the_server_is_never_sent_twice(
+    scripted_server: Callable[..., Any],
+) -> None:
+    """Each sync-state call posts a receive on the group or moves the lease: a second copy would
+    desynchronise the group, so a connection closed before the answer fails the call, naming it."""
+    url, seen = scripted_server(lambda n: "close")
+    conn = ServerConnection(url, 0, timeout_s=5, infer_timeout_s=None)
+    with pytest.raises(
+        SyncError, match=r"announce bucket 0 of version 3 \(POST /update_flattened_params/\).*not sent twice"
+    ):
+        conn.post_bytes("/update_flattened_params/", b"{}", "announce bucket 0 of version 3", timeout_s=5)
+    assert len(seen) == 1
+    with pytest.raises(SyncError, match=r"finish version 3 \(POST /finish_weight_update/\)"):
+        conn.post_bytes("/finish_weight_update/", b"{}", "finish version 3", timeout_s=5)
+    assert len(seen) == 2

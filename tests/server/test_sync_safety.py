@@ -213,14 +213,17 @@ def push_adapter(
     with the trainer's LoRA id convention (``lora_int_id = version + 1``)."""
     client, server = app_client(adapter_engine)
     port = free_port()
-    lease = _init(client, port).json()["lease"]
+    init = _init(client, port).json()
     trainer = GroupTransport(host="127.0.0.1", port=port, rank=1, world_size=2, timeout_s=10)
+    lease, key = init["lease"], bytes.fromhex(init["digest_key"])
     channel = _AppChannel(client, lease)
 
     def push(version: int) -> None:
         tensors = [("base_model.model.lm_head.lora_A.weight", torch.full((2, 4), float(version)))]
         payload = AdapterPayload({"r": 2, "lora_alpha": 4}, lora_int_id=version + 1)
-        push_update([(channel, trainer)], tensors, version=version, mode="adapter", adapter=payload)
+        push_update(
+            [(channel, trainer)], tensors, version=version, mode="adapter", digest_key=key, adapter=payload
+        )
 
     yield client, server, push
     client.post("/close_communicator/", headers={LEASE: lease})
@@ -322,3 +325,40 @@ def test_the_vllm_engine_tells_a_refused_adapter_from_a_failed_switch() -> None:
     engine._engine = _VllmAdapterSurface(fail_removing=True)  # type: ignore[assignment]
     with pytest.raises(RuntimeError, match="remove_lora failed"):  # not a refusal: the server stops serving
         engine.load_adapter([], payload)
+
+
+def test_versions_of_one_group_never_go_back_and_a_new_group_going_back_is_logged(
+    push_adapter: tuple[Any, Any, Callable[[int], None]],
+    free_port: Callable[[], int],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    client, server, push = push_adapter
+    push(3)
+    for stale in (2, 0):  # the same group: refused at bucket 0, before any byte moves
+        with pytest.raises(
+            BackendError, match=rf"HTTP 409.*weight version {stale} refused: .*loaded version 3"
+        ):
+            push(stale)
+    assert server.weight_version == 3 and server.stats().failed_pushes == 0
+    push(3)  # the same version again (a learner's first step re-pushes what start-up pushed)
+    push(4)  # the group still works
+    assert server.weight_version == 4
+
+    port = free_port()  # a new run: a new group starts again at version 0, and says so in the log
+    init = _init(client, port).json()
+    trainer = GroupTransport(host="127.0.0.1", port=port, rank=1, world_size=2, timeout_s=10)
+    tensors = [("base_model.model.lm_head.lora_A.weight", torch.zeros(2, 4))]
+    payload = AdapterPayload({"r": 2, "lora_alpha": 4}, lora_int_id=1)
+    with caplog.at_level("WARNING", logger="rollmatch.server.sync_session"):
+        push_update(
+            [(_AppChannel(client, init["lease"]), trainer)],
+            tensors,
+            version=0,
+            mode="adapter",
+            digest_key=bytes.fromhex(init["digest_key"]),
+            adapter=payload,
+        )
+    assert server.weight_version == 0
+    assert "weight version went back from 4 to 0" in caplog.text
+    client.post("/close_communicator/", headers={LEASE: init["lease"]})
+    trainer.close()

@@ -56,14 +56,14 @@ def test_close_cancels_a_pending_init_and_frees_its_port(
 ) -> None:
     client, server = app_client(hf_engine)
     port = free_port()
-    assert _init(client, port, timeout_s=3600).status_code == 200  # nobody will join
+    lease = _init(client, port, timeout_s=3600).json()["lease"]  # nobody will join
     started = time.monotonic()
-    assert client.post("/close_communicator/").status_code == 200
+    assert client.post("/close_communicator/", headers={LEASE: lease}).status_code == 200
     assert time.monotonic() - started < 3 and server.stats().communicator == "none"
     assert _listeners(port) == []
     assert _init(client, port, timeout_s=3600).status_code == 200  # the port is free again
-    assert _init(client, port, timeout_s=3600).status_code == 200  # a new init replaces a pending one
-    client.post("/close_communicator/")
+    lease = _init(client, port, timeout_s=3600).json()["lease"]  # a new init replaces a pending one
+    client.post("/close_communicator/", headers={LEASE: lease})
 
 
 def _join_and_send(port: int, payload: torch.Tensor) -> GroupTransport:

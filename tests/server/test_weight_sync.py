@@ -44,6 +44,18 @@ def _train_steps(model: torch.nn.Module, prompt_encoder: Any, requests: list[Any
     model.eval()
 
 
+def _flip_first_bit(flat: torch.Tensor) -> torch.Tensor:
+    flat[0] ^= 0x01
+    return flat
+
+
+def _compensating_words(flat: torch.Tensor) -> torch.Tensor:
+    words = flat[:16].view(torch.int64)
+    words[0] += 1
+    words[1] -= 1
+    return flat
+
+
 def _ids(rollouts: list[Any]) -> list[list[int]]:
     return [r.response_token_ids for r in rollouts]
 
@@ -80,22 +92,22 @@ def test_sync_after_training_makes_server_greedy_equal_trainer_greedy(
     pushed = str(start_version + 1)
     assert stats["pushes_by_version"][pushed] - before["pushes_by_version"].get(pushed, 0) == 1
 
-    # A byte flipped in transit: detected at finish, the server keeps serving the previous version.
+    # Bytes altered in transit on the real gloo stream (a flipped bit; +1 / -1 on two 64-bit words,
+    # which a sum of words cannot see): detected at finish, the server keeps the previous version.
     _train_steps(model, prompt_encoder, requests, steps=1)
     original = GroupTransport.broadcast_async
+    for tamper in (_flip_first_bit, _compensating_words):
 
-    def corrupt(self: GroupTransport, tensor: torch.Tensor, src: int) -> Any:
-        tensor = tensor.clone()
-        tensor[0] ^= 0x01
-        return original(self, tensor, src)
+        def corrupt(self: GroupTransport, tensor: torch.Tensor, src: int, tamper: Any = tamper) -> Any:
+            return original(self, tamper(tensor.clone()), src)
 
-    monkeypatch.setattr(GroupTransport, "broadcast_async", corrupt)
-    with pytest.raises(SyncError, match=r"checksum mismatch in bucket 0 .*keeps its previous weights"):
-        backend.sync_weights(model, start_version + 2)
-    monkeypatch.setattr(GroupTransport, "broadcast_async", original)
-    stats = hf_sync_server.get("/stats/")
-    assert stats["weight_version"] == start_version + 1 and stats["failed_pushes"] >= 1
-    assert _ids(backend.generate(requests, DECODING, seed=0)) == trained  # still the previous weights
+        monkeypatch.setattr(GroupTransport, "broadcast_async", corrupt)
+        with pytest.raises(SyncError, match=r"checksum mismatch in bucket 0 .*keeps its previous weights"):
+            backend.sync_weights(model, start_version + 2)
+        monkeypatch.setattr(GroupTransport, "broadcast_async", original)
+        stats = hf_sync_server.get("/stats/")
+        assert stats["weight_version"] == start_version + 1 and stats["failed_pushes"] >= 1
+        assert _ids(backend.generate(requests, DECODING, seed=0)) == trained  # still the previous weights
 
     backend.sync_weights(model, start_version + 2)  # the group is re-formed; the push goes through
     assert hf_sync_server.get("/info/")["weight_version"] == start_version + 2

@@ -15,8 +15,12 @@ from rollmatch.protocol import (
     UpdateFlattenedParamsBody,
     WireModel,
 )
-from rollmatch.sync.transaction import PushResult, UpdateReceiver, VerifiedUpdate, content_digest, push_update
+from rollmatch.sync.digest import LEAF_BYTES, bucket_checksum, new_digest_key
+from rollmatch.sync.transaction import PushResult, UpdateReceiver, VerifiedUpdate, push_update
 from rollmatch.sync.transport import LocalTransport, PendingTransfer
+from rollmatch.sync.weights import TensorMeta
+
+KEY = bytes(range(32))  # the digest key both halves got at init (fixed: tests reproduce)
 
 
 class DirectChannel:
@@ -55,16 +59,23 @@ class DirectChannel:
 
 
 class CorruptingTransport:
-    """Flips one byte of the ``corrupt_call``-th broadcast after the sender computed its checksums."""
+    """Alters the ``corrupt_call``-th broadcast after the sender computed its checksums: flips its last
+    byte, or (``compensating``) adds 1 to one 64-bit word and subtracts 1 from the next, which leaves
+    every sum of words (and a chunk-position-weighted sum) unchanged."""
 
-    def __init__(self, inner: LocalTransport, corrupt_call: int):
+    def __init__(self, inner: LocalTransport, corrupt_call: int, compensating: bool = False):
         self.inner, self.rank, self.world_size = inner, inner.rank, inner.world_size
-        self.corrupt_call, self.calls = corrupt_call, 0
+        self.corrupt_call, self.calls, self.compensating = corrupt_call, 0, compensating
 
     def broadcast_async(self, tensor: torch.Tensor, src: int) -> PendingTransfer:
         if self.calls == self.corrupt_call:
             tensor = tensor.clone()
-            tensor[-1] ^= 0xFF
+            if self.compensating:
+                words = tensor[: tensor.numel() // 8 * 8].view(torch.int64)
+                words[0] += 1
+                words[1] -= 1
+            else:
+                tensor[-1] ^= 0xFF
         self.calls += 1
         return self.inner.broadcast_async(tensor, src)
 
@@ -85,15 +96,17 @@ def _tensors() -> list[tuple[str, torch.Tensor]]:
     ]
 
 
-def _pair() -> tuple[LocalTransport, UpdateReceiver]:
+def _pair(key: bytes = KEY) -> tuple[LocalTransport, UpdateReceiver]:
     server_side, trainer_side = LocalTransport.group(2, timeout_s=5)
-    return trainer_side, UpdateReceiver(server_side, source_rank=1)
+    return trainer_side, UpdateReceiver(server_side, source_rank=1, digest_key=key)
 
 
 def test_update_arrives_exactly_in_several_buckets() -> None:
     trainer, receiver = _pair()
     channel = DirectChannel(receiver)
-    result = push_update([(channel, trainer)], _tensors(), version=3, mode="full", bucket_bytes=4096)
+    result = push_update(
+        [(channel, trainer)], _tensors(), version=3, mode="full", digest_key=KEY, bucket_bytes=4096
+    )
     assert isinstance(result, PushResult) and result.version == 3 and result.num_tensors == 4
     (update,) = channel.applied
     assert len(update.reply.bucket_checksums) == 3  # 4 KiB | 32 B + 1 KiB | 4 KiB
@@ -110,10 +123,12 @@ def test_corruption_in_transit_is_detected_and_nothing_is_applied() -> None:
         SyncError,
         match=r"rejected weight version 4: .*checksum mismatch in bucket 1 \(model.layer.bias, model.layer.weight\)",
     ):
-        push_update([(channel, corrupting)], _tensors(), version=4, mode="full", bucket_bytes=4096)
+        push_update(
+            [(channel, corrupting)], _tensors(), version=4, mode="full", digest_key=KEY, bucket_bytes=4096
+        )
     assert channel.applied == []
     # the staging was dropped; the next clean update goes through
-    push_update([(channel, trainer)], _tensors(), version=4, mode="full", bucket_bytes=4096)
+    push_update([(channel, trainer)], _tensors(), version=4, mode="full", digest_key=KEY, bucket_bytes=4096)
     assert [u.version for u in channel.applied] == [4]
 
 
@@ -121,14 +136,19 @@ def test_sender_rejects_an_acknowledgement_with_another_checksum() -> None:
     trainer, receiver = _pair()
     with pytest.raises(SyncError, match="not trustworthy"):
         push_update(
-            [(DirectChannel(receiver, tamper_reply=True), trainer)], _tensors(), version=1, mode="full"
+            [(DirectChannel(receiver, tamper_reply=True), trainer)],
+            _tensors(),
+            version=1,
+            mode="full",
+            digest_key=KEY,
         )
 
 
 def test_every_receiver_gets_the_same_update() -> None:
     (trainer_a, receiver_a), (trainer_b, receiver_b) = _pair(), _pair()  # one private group per server
     channels = [DirectChannel(receiver_a), DirectChannel(receiver_b)]
-    push_update(list(zip(channels, [trainer_a, trainer_b], strict=True)), _tensors(), version=2, mode="full")
+    targets = list(zip(channels, [trainer_a, trainer_b], strict=True))
+    push_update(targets, _tensors(), version=2, mode="full", digest_key=KEY)
     assert channels[0].applied[0].reply.checksum == channels[1].applied[0].reply.checksum
 
 
@@ -145,26 +165,55 @@ def test_receiver_rejects_out_of_order_buckets_and_unmatched_finish() -> None:
 def test_an_empty_update_is_an_error() -> None:
     trainer, receiver = _pair()
     with pytest.raises(SyncError, match="has no tensors"):
-        push_update([(DirectChannel(receiver), trainer)], [], version=1, mode="full")
+        push_update([(DirectChannel(receiver), trainer)], [], version=1, mode="full", digest_key=KEY)
 
 
-def test_content_digest_sees_flips_moves_and_length_but_not_thread_count() -> None:
+def test_compensating_word_changes_in_transit_are_detected() -> None:
+    """A sum of words (the checksum before keyed digests) cannot see +1 / -1 on two words of one
+    chunk; the keyed MAC must."""
+    trainer, receiver = _pair()
+    channel = DirectChannel(receiver)
+    tampering = CorruptingTransport(trainer, corrupt_call=0, compensating=True)
+    with pytest.raises(SyncError, match=r"checksum mismatch in bucket 0"):
+        push_update(
+            [(channel, tampering)], _tensors(), version=5, mode="full", digest_key=KEY, bucket_bytes=4096
+        )
+    assert channel.applied == []
+
+
+def test_a_receiver_with_another_digest_key_accepts_nothing() -> None:
+    trainer, receiver = _pair(key=new_digest_key())
+    channel = DirectChannel(receiver)
+    with pytest.raises(SyncError, match=r"checksum mismatch in bucket 0"):
+        push_update([(channel, trainer)], _tensors(), version=1, mode="full", digest_key=KEY)
+    assert channel.applied == []
+
+
+def test_bucket_checksum_sees_flips_moved_leaves_length_layout_and_key() -> None:
     data = torch.randint(
-        0, 256, ((3 << 19) + 5,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)
+        0, 256, (2 * LEAF_BYTES + 5,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)
     )
-    digest = content_digest(data)
+    metas = [TensorMeta("w", "uint8", (data.numel(),), 0, data.numel())]
+    digest = bucket_checksum(KEY, metas, data)
+    assert len(digest) == 32 and bucket_checksum(KEY, metas, data.clone()) == digest
     flipped = data.clone()
-    flipped[123_456] ^= 0x10
+    flipped[LEAF_BYTES + 123] ^= 0x10
     swapped = data.clone()
-    chunk = 8 << 16  # bytes per positional chunk
-    swapped[:chunk], swapped[chunk : 2 * chunk] = data[chunk : 2 * chunk].clone(), data[:chunk].clone()
-    odd_tail = data.clone()
-    odd_tail[-1] ^= 0x01
-    assert len({digest, content_digest(flipped), content_digest(swapped), content_digest(odd_tail)}) == 4
-    assert content_digest(data[:-1]) != digest
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        assert content_digest(data.clone()) == digest
-    finally:
-        torch.set_num_threads(threads)
+    swapped[:LEAF_BYTES], swapped[LEAF_BYTES : 2 * LEAF_BYTES] = (
+        data[LEAF_BYTES : 2 * LEAF_BYTES],
+        data[:LEAF_BYTES],
+    )
+    compensated = data.clone()
+    words = compensated[:16].view(torch.int64)
+    words[0] += 1
+    words[1] -= 1
+    variants = {
+        bucket_checksum(KEY, metas, flipped),
+        bucket_checksum(KEY, metas, swapped),
+        bucket_checksum(KEY, metas, compensated),
+        bucket_checksum(KEY, [TensorMeta("v", "uint8", (data.numel(),), 0, data.numel())], data),
+        bucket_checksum(new_digest_key(), metas, data),
+        digest,
+    }
+    assert len(variants) == 6
+    assert bucket_checksum(KEY, metas, data[:-1]) != digest

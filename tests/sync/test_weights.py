@@ -11,7 +11,7 @@ from transformers import AutoModelForImageTextToText
 
 from rollmatch.errors import SyncError
 from rollmatch.models.tiny import build_tiny_model
-from rollmatch.sync.transaction import bucket_checksum
+from rollmatch.sync.digest import bucket_checksum
 from rollmatch.sync.weights import (
     flatten_buckets,
     iter_sync_tensors,
@@ -168,12 +168,12 @@ def test_unflatten_rejects_a_layout_mismatch() -> None:
 
 
 def test_bucket_checksum_sees_layout_and_bytes() -> None:
-    """The one checksum of a sync (``sync.transaction.bucket_checksum``) on flattened real buckets."""
+    """The one checksum of a sync (``sync.digest.bucket_checksum``) on flattened real buckets."""
     tensors = _mixed_tensors()
 
     def digest(named: list[tuple[str, torch.Tensor]]) -> str:
         (bucket,) = flatten_buckets(named, bucket_bytes=1 << 20)
-        return bucket_checksum(bucket.metas, bucket.flat)
+        return bucket_checksum(bytes(32), bucket.metas, bucket.flat)
 
     reference = digest(tensors)
     assert digest([(n, t.clone()) for n, t in tensors]) == reference
