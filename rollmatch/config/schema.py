@@ -56,7 +56,7 @@ class DataConfig(Section):
     val_jsonl: str | None = Field("runs/demo/data/val.jsonl", description="Validation records, or null.")
     coord_frame: Literal["auto", "norm1000", "pixels"] = Field(
         "auto",
-        description="Box coordinate frame: `norm1000` (0..1000 of the image), `pixels` (pixels of the processor-resized image) or `auto`: the frame the checkpoint's family was pretrained in, from `model_type` in model.path's config.json (Qwen2.5-VL: pixels; Qwen2-VL, Qwen3-VL: norm1000; with `custom.object_format: coord_tokens`: norm1000). `check-config` prints the resolved frame.",
+        description="Box coordinate frame: `norm1000` (0..1000 of the image), `pixels` (pixels of the processor-resized image) or `auto`: the frame the checkpoint's family was pretrained in, from `model_type` in model.path's config.json (Qwen2.5-VL: pixels; Qwen2-VL, Qwen3-VL, Qwen3-VL-MoE: norm1000; with `custom.object_format: coord_tokens`: norm1000). `check-config` prints the resolved frame.",
     )
     prompt: str = Field(
         "Detect every object in the image. Answer with a JSON list of "
