@@ -22,7 +22,8 @@ def _model_dir(root: Path, model_type: str) -> Path:
 
 
 @pytest.mark.parametrize(
-    ("model_type", "frame"), [
+    ("model_type", "frame"),
+    [
         ("qwen2_vl", "norm1000"),
         ("qwen2_5_vl", "pixels"),
         ("qwen3_vl", "norm1000"),
