@@ -52,7 +52,7 @@ from rollmatch.launch.plan import (
     sequential_ports,
 )
 from rollmatch.launch.processes import previous_launch, write_pids
-from rollmatch.launch.slurm import slurm_script
+from rollmatch.launch.slurm import slurm_placeholders, slurm_script
 from rollmatch.launch.supervisor import PIDS_NAME, run_plan
 from rollmatch.launch.watchdog import stop_trees
 
@@ -61,9 +61,10 @@ API_KEY_FILE = "api_key"
 
 def launch_command(args: argparse.Namespace) -> int:
     """Build -> check -> plan -> run (or print, with ``--dry-run``); the exit code (see ``launch.supervisor``)."""
-    launch = load_launch_config(args.config, tuple(args.overrides))
-    request = with_settings(request_from_args(args, launch.cfg.launch), launch.cfg.launch)
     emit = getattr(args, "emit", None)
+    placeholders = slurm_placeholders(args.config, args.overrides) if emit == "slurm" else []
+    launch = load_launch_config(args.config, (*args.overrides, *placeholders))
+    request = with_settings(request_from_args(args, launch.cfg.launch), launch.cfg.launch)
     planned = request.dry_run or request.cpu or emit is not None  # no devices needed here
     device_count, visible = (None, None) if planned else cuda_devices()
     problems = request_problems(

@@ -1,6 +1,7 @@
 """``rollmatch launch --emit slurm``: the sbatch script that runs one launch per node of a config.
 
-Owns: :func:`slurm_script` and :func:`node_devices`. The script asks Slurm for ``launch.nodes.count``
+Owns: :func:`slurm_script`, :func:`slurm_placeholders` (a config may leave hosts and rendezvous to
+the script) and :func:`node_devices`. The script asks Slurm for ``launch.nodes.count``
 nodes with the CPUs, memory and GPUs each node's launch uses (``launch.slurm``; GPUs: the highest
 device index any node uses, plus one), and starts one ``srun`` step per node (its role in a comment),
 each running ``rollmatch launch`` on the same config with its node rank. When the job runs, the node
@@ -22,8 +23,11 @@ from __future__ import annotations
 
 import shlex
 import sys
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
+from rollmatch.config.load import deep_merge, parse_overrides, read_config_layers
 from rollmatch.config.schema import RollmatchConfig
 from rollmatch.launch.layout import LaunchRequest, derive_layout, with_settings
 from rollmatch.launch.supervisor import EXIT_PREEMPTED
@@ -32,6 +36,8 @@ from rollmatch.launch.supervisor import EXIT_PREEMPTED
 # jobs sharing a host rarely meet at one port (and, with their own ids, never join each other).
 RDZV_PORT_SPAN = 10_000
 _RDZV_PORT_BASES = (20_000, 40_000)  # the first whose range (and heartbeat port) misses the server ports
+_PLACEHOLDER_HOST = "slurm-node-"
+_PLACEHOLDER_PORT = 1  # never a rendezvous port anyone writes (below 1024)
 _ROLE_TEXT = {"servers": "rollout servers", "learner": "learner", "both": "rollout servers + learner"}
 
 
@@ -49,8 +55,32 @@ def node_devices(cfg: RollmatchConfig, request: LaunchRequest) -> list[tuple[int
     return used
 
 
+def slurm_placeholders(config: str, overrides: Sequence[str]) -> list[str]:
+    """Overrides that stand in for what the script fills in when the job runs, where the config leaves
+    it out: ``launch.nodes.hosts`` (from ``SLURM_JOB_NODELIST``) and ``launch.nodes.rendezvous`` (the
+    first learner node, at a port derived from the job id). Never written into the script."""
+    merged: dict[str, Any] = {}
+    for _, layer in read_config_layers(Path(config)):
+        merged = deep_merge(merged, layer)
+    merged = deep_merge(merged, parse_overrides(overrides)[0])
+    nodes = (merged.get("launch") or {}).get("nodes") or {}
+    count, roles = nodes.get("count") or 1, nodes.get("roles") or []
+    if not isinstance(count, int) or count < 2:
+        return []
+    placeholders = []
+    if not nodes.get("hosts"):
+        placeholders.append(
+            f"launch.nodes.hosts=[{','.join(f'{_PLACEHOLDER_HOST}{r}' for r in range(count))}]"
+        )
+    if not nodes.get("rendezvous"):
+        first = next((r for r, role in enumerate(roles) if role != "servers"), 0)
+        placeholders.append(f"launch.nodes.rendezvous={_PLACEHOLDER_HOST}{first}:{_PLACEHOLDER_PORT}")
+    return placeholders
+
+
 def slurm_script(cfg: RollmatchConfig, request: LaunchRequest, *, python: str = sys.executable) -> str:
-    """The sbatch script of ``request`` (its flags written as ``launch.*`` overrides of the same config)."""
+    """The sbatch script of ``request`` (its flags written as ``launch.*`` overrides of the same config);
+    ``cfg`` may hold :func:`slurm_placeholders`."""
     nodes, slurm = cfg.launch.nodes, cfg.launch.slurm
     count = nodes.count
     layout = derive_layout(request, cfg)
@@ -146,7 +176,7 @@ def _resource_lines(cfg: RollmatchConfig, gpus: int) -> list[str]:
 def _rendezvous_lines(cfg: RollmatchConfig, first_learner: int, servers_per_node: int) -> list[str]:
     """``RDZV`` at the first learner node: the config's port, else one derived from the job id."""
     nodes = cfg.launch.nodes
-    if nodes.rendezvous:
+    if nodes.rendezvous and nodes.rendezvous.rpartition(":")[2] != str(_PLACEHOLDER_PORT):
         return [f'RDZV="${{HOSTS[{first_learner}]}}:{nodes.rendezvous.rpartition(":")[2]}"']
     used = set()
     if cfg.launch.port_base is not None:  # the servers' HTTP + group ports

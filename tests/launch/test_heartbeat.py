@@ -15,7 +15,7 @@ import pytest
 
 from rollmatch.config.schema import RollmatchConfig
 from rollmatch.errors import LaunchError
-from rollmatch.launch.heartbeat import STALE_S, NodeHeartbeat, report_mac
+from rollmatch.launch.heartbeat import EXIT_PREEMPTED, STALE_S, NodeHeartbeat, report_mac
 from rollmatch.launch.layout import Layout
 from rollmatch.launch.plan import LaunchPlan, free_ports
 from rollmatch.launch.supervisor import run_plan
@@ -217,7 +217,8 @@ def servers_only_plan(tmp_path: Path) -> LaunchPlan:
     )
 
 
-@pytest.mark.parametrize(("learner_code", "launch_code"), [(0, 0), (1, 4)])
+# 5: the learner nodes stopped on the warning signal with a checkpoint: not a failure, the job requeues
+@pytest.mark.parametrize(("learner_code", "launch_code"), [(0, 0), (1, 4), (EXIT_PREEMPTED, 0)])
 def test_a_servers_only_node_ends_with_the_learner_nodes(
     beat, tmp_path: Path, learner_code: int, launch_code: int
 ) -> None:

@@ -156,6 +156,8 @@ SPLIT_2X8 = {  # 8 single-GPU servers on node 0, an 8-rank learner on node 1: ev
         "roles": ["servers", "learner"],
     },
 }
+# what a Slurm user writes: hosts and rendezvous are the script's (the job's nodes, a port from its id)
+SPLIT_2X8_SLURM = {**SPLIT_2X8, "nodes": {"count": 2, "roles": ["servers", "learner"]}}
 SPLIT_6_2 = {
     **TWO_NODES,
     "nodes": {**SPLIT_2X8["nodes"]},
@@ -183,7 +185,7 @@ def check_script(script: str, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("golden", "launch"),
-    [("two_nodes.sbatch", TWO_NODES), ("split_2x8.sbatch", SPLIT_2X8), ("split_6_2.sbatch", SPLIT_6_2)],
+    [("two_nodes.sbatch", TWO_NODES), ("split_2x8.sbatch", SPLIT_2X8_SLURM), ("split_6_2.sbatch", SPLIT_6_2)],
 )
 def test_emit_slurm_writes_the_golden_sbatch_script(
     write: Callable[..., Path], capsys: Any, tmp_path: Path, golden: str, launch: dict[str, Any]
@@ -295,3 +297,63 @@ def test_the_learners_world_size_spans_every_learner_node(write: Callable[..., P
     config = write(port_base=8000, nodes={**TWO_NODES["nodes"], "roles": ["both", "learner"]})
     assert main(["launch", str(config), "stage2_ab.channel_b.mode=step", "--cpu", "--dry-run"]) == 2
     assert "world_size=2" in capsys.readouterr().err
+
+
+STUB_SRUN = """#!/bin/bash
+for arg in "$@"; do case "$arg" in --relative=*) node="${arg#--relative=}";; esac; done
+echo "$*" >> "$STUB_DIR/srun-$node.args"
+code_var="STUB_CODE_$node"
+exit "${!code_var}"
+"""
+STUB_SCONTROL = """#!/bin/bash
+case "$1" in
+  show) printf 'gpu-a\\ngpu-b\\n';;
+  requeue) echo "$2" >> "$STUB_DIR/requeued";;
+esac
+"""
+
+
+@pytest.mark.parametrize(
+    ("codes", "restart", "status", "requeued"),
+    [((0, 5), "0", 0, True), ((0, 0), "0", 0, False), ((4, 5), "1", 4, False), ((0, 5), "1", 0, True)],
+)
+def test_the_script_requeues_a_job_whose_learner_stopped_on_the_warning(
+    write: Callable[..., Path],
+    capsys: Any,
+    tmp_path: Path,
+    codes: tuple[int, int],
+    restart: str,
+    status: int,
+    requeued: bool,
+) -> None:
+    """The emitted script run by bash, with ``srun`` / ``scontrol`` stand-ins (no Slurm here): exit 5 from
+    a launch (a checkpoint on the warning) requeues the job; a restarted job resumes from ``latest``."""
+    if shutil.which("bash") is None:
+        pytest.skip("no bash")
+    assert main(["launch", str(write(**SPLIT_2X8_SLURM)), "--emit", "slurm"]) == 0
+    script = tmp_path / "job.sbatch"
+    script.write_text(capsys.readouterr().out)
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    for name, text in (("srun", STUB_SRUN), ("scontrol", STUB_SCONTROL)):
+        (stubs / name).write_text(text)
+        (stubs / name).chmod(0o755)
+    env = {
+        "PATH": f"{stubs}:/usr/bin:/bin",
+        "STUB_DIR": str(tmp_path),
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NODELIST": "gpu-[a-b]",
+        "SLURM_RESTART_COUNT": restart,
+        "ROLLMATCH_API_KEY": "k",
+        "STUB_CODE_0": str(codes[0]),
+        "STUB_CODE_1": str(codes[1]),
+    }
+    done = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == status, done.stdout + done.stderr
+    assert (tmp_path / "requeued").exists() == requeued, done.stdout
+    if requeued:
+        assert (tmp_path / "requeued").read_text() == "4242\n"
+    args = (tmp_path / "srun-0.args").read_text()  # node 0 never is the one stopped (node 1 only exits 5)
+    assert "launch.nodes.hosts=[gpu-a,gpu-b] " in args and "launch.nodes.rank=0" in args
+    assert f"launch.nodes.rendezvous=gpu-b:{20000 + 4242} launch.nodes.rendezvous_id=rollmatch-4242" in args
+    assert ("training.resume_from_checkpoint=latest" in args) == (restart != "0")
