@@ -290,18 +290,22 @@ class _Run:
             stop.event.wait(_POLL_S)
 
     def _warn(self, learner: Child | None) -> None:
-        """SIGUSR1 to every process of the learner's tree: torchrun ignores it (``launch.processes``), its
-        ranks save a checkpoint at the end of the current step and stop."""
+        """SIGUSR1 to torchrun's ranks (its direct children), which save a checkpoint at the end of the
+        current step and stop; torchrun itself ignores it (``launch.processes``)."""
         if learner is None:
             self.console.say(
                 "received SIGUSR1 (the scheduler's warning): the learner nodes save a checkpoint and stop; "
                 "this node's servers run until they do"
             )
             return
-        for proc in [learner.process, *learner.descendants()]:
+        try:
+            ranks = psutil.Process(learner.pid).children(recursive=False)
+        except psutil.NoSuchProcess:
+            ranks = []  # torchrun exited meanwhile: its exit code tells the rest
+        for rank in ranks:
             try:
-                proc.send_signal(signal.SIGUSR1)
-            except (ProcessLookupError, psutil.Error):
+                rank.send_signal(signal.SIGUSR1)
+            except psutil.Error:
                 continue  # exited meanwhile
         self.console.say(
             "received SIGUSR1 (the scheduler's warning): forwarded to the learner, which saves a complete "
