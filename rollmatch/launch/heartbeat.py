@@ -145,8 +145,9 @@ class _HubHandler(socketserver.StreamRequestHandler):
         if abs(skew) > STALE_S:
             return {
                 "ok": False,
-                "error": f"stale report: sent {-skew:.0f}s before the hub's clock (more than {STALE_S:g}s: a "
-                "replayed report, or clocks that differ: run NTP on every node)",
+                "error": f"stale report: its time is {abs(skew):.0f}s {'behind' if skew < 0 else 'ahead of'} "
+                f"the hub's clock (more than {STALE_S:g}s: a replayed report, or clocks that differ: run NTP "
+                "on every node)",
             }
         nodes = self.server.record(node, state, code, float(sent_at))
         if isinstance(nodes, str):
