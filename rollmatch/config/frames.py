@@ -10,7 +10,7 @@ Rules: an explicit ``norm1000`` / ``pixels`` always wins. ``auto`` with ``custom
 coord_tokens`` is ``norm1000`` whatever the family: the coordinate tokens are a frame of their own
 (bin ``k`` = ``k/999`` of the side), new to every checkpoint, so no pretraining frame applies.
 Otherwise ``auto`` is the family's pretraining frame: Qwen2.5-VL pixels of the processor-resized
-image, Qwen2-VL and Qwen3-VL 0..1000. Another ``model_type`` is refused with the fix (set it).
+image, Qwen2-VL and Qwen3-VL (dense and MoE: ``qwen3_vl_moe``) 0..1000. Another ``model_type`` is refused with the fix (set it).
 """
 
 from __future__ import annotations
@@ -23,7 +23,12 @@ from rollmatch.errors import ConfigError, ConfigProblem
 
 Frame = Literal["norm1000", "pixels"]  # = rollmatch.detection.objects.CoordFrame
 FrameSetting = Literal["auto", "norm1000", "pixels"]
-FAMILY_FRAMES: dict[str, Frame] = {"qwen2_vl": "norm1000", "qwen2_5_vl": "pixels", "qwen3_vl": "norm1000"}
+FAMILY_FRAMES: dict[str, Frame] = {
+    "qwen2_vl": "norm1000",
+    "qwen2_5_vl": "pixels",
+    "qwen3_vl": "norm1000",
+    "qwen3_vl_moe": "norm1000",  # Qwen3-VL 30B-A3B / 235B-A22B: the Qwen3-VL frame
+}
 
 
 def resolve_coord_frame(

@@ -17,11 +17,12 @@ _KEY = "launch"
 
 
 def launch_problems(cfg: RollmatchConfig) -> list[ConfigProblem]:
-    """`launch`: server and learner devices disjoint, each listed once, server devices a multiple of
-    `tensor_parallel_size`; with `nodes.count` > 1: `nodes.rank` < count, one concrete host per node,
-    `nodes.rendezvous` HOST:PORT, `port_base` set, `nodes.roles` one per node."""
+    """`launch`: server and learner devices each listed once, disjoint where a node runs both roles, server
+    devices a multiple of `tensor_parallel_size`; with `nodes.count` > 1: `nodes.rank` < count, one concrete
+    host per node, `nodes.rendezvous` HOST:PORT on a learner node, `port_base` set, `nodes.roles` one per
+    node; `slurm`: CPUs asked for one way or the other."""
     launch = cfg.launch
-    return _device_problems(launch) + _node_problems(launch)
+    return _device_problems(launch) + _node_problems(launch) + _slurm_problems(launch)
 
 
 def endpoint_problem(key: str, value: str) -> str | None:
@@ -44,13 +45,15 @@ def _device_problems(launch: LaunchSettings) -> list[ConfigProblem]:
                 )
             )
     shared = sorted(set(launch.server_devices) & set(launch.learner_devices))
-    if shared:
+    both = [r for r in range(launch.nodes.count) if launch.nodes.role(r) == "both"]
+    if shared and both:  # disjoint per node: a node that runs one role may use the same indices
         problems.append(
             ConfigProblem(
                 f"{_KEY}.learner_devices",
                 launch.learner_devices,
-                f"device(s) {shared} are also in {_KEY}.server_devices {launch.server_devices}; give each role "
-                "its own devices",
+                f"device(s) {shared} are also in {_KEY}.server_devices {launch.server_devices}, and node(s) "
+                f"{both} run both roles; give each role its own devices (or split the roles over the nodes "
+                f"with {_KEY}.nodes.roles)",
             )
         )
     tp, count = launch.tensor_parallel_size, len(launch.server_devices)
@@ -142,6 +145,24 @@ def _node_problems(launch: LaunchSettings) -> list[ConfigProblem]:
                     f"rendezvous {nodes.rendezvous}: set {key}.heartbeat_port to another port",
                 )
             )
+    if (
+        nodes.rendezvous is not None
+        and nodes.roles
+        and len(nodes.roles) == nodes.count == len(nodes.hosts)
+        and not endpoint_problem(f"{key}.rendezvous", nodes.rendezvous)
+    ):
+        rdzv_host = nodes.rendezvous.rpartition(":")[0].strip("[]")
+        servers_only = [r for r, h in enumerate(nodes.hosts) if h == rdzv_host and nodes.role(r) == "servers"]
+        learner_hosts = [h for r, h in enumerate(nodes.hosts) if nodes.role(r) != "servers"]
+        if servers_only and rdzv_host not in learner_hosts:
+            problems.append(
+                ConfigProblem(
+                    f"{key}.rendezvous",
+                    nodes.rendezvous,
+                    f"{rdzv_host} is node {servers_only[0]}, which runs only servers: nothing hosts the learner's "
+                    f"rendezvous there; name a learner node, e.g. {learner_hosts[0]}:{nodes.rendezvous.rpartition(':')[2]}",
+                )
+            )
     if launch.port_base is None:
         problems.append(
             ConfigProblem(
@@ -151,6 +172,28 @@ def _node_problems(launch: LaunchSettings) -> list[ConfigProblem]:
                 "e.g. 8000",
             )
         )
+    return problems
+
+
+def _slurm_problems(launch: LaunchSettings) -> list[ConfigProblem]:
+    slurm, key = launch.slurm, f"{_KEY}.slurm"
+    problems: list[ConfigProblem] = []
+    if not slurm.exclusive and slurm.cpus_per_task is None:
+        problems.append(
+            ConfigProblem(
+                f"{key}.cpus_per_task",
+                None,
+                f"{key}.exclusive is false: set the CPUs each node's launch gets (e.g. 64); Slurm's default of "
+                "one CPU would run every server, rank and actor thread of a node on one core",
+            )
+        )
+    for option in slurm.options:
+        if not option.startswith("--") or "\n" in option:
+            problems.append(
+                ConfigProblem(
+                    f"{key}.options", option, "write one long sbatch option each, e.g. --partition=gpu"
+                )
+            )
     return problems
 
 

@@ -57,7 +57,7 @@ class DataConfig(Section):
     val_jsonl: str | None = Field("runs/demo/data/val.jsonl", description="Validation records, or null.")
     coord_frame: Literal["auto", "norm1000", "pixels"] = Field(
         "auto",
-        description="Box coordinate frame: `norm1000` (0..1000 of the image), `pixels` (pixels of the processor-resized image) or `auto`: the frame the checkpoint's family was pretrained in, from `model_type` in model.path's config.json (Qwen2.5-VL: pixels; Qwen2-VL, Qwen3-VL: norm1000; with `custom.object_format: coord_tokens`: norm1000). `check-config` prints the resolved frame.",
+        description="Box coordinate frame: `norm1000` (0..1000 of the image), `pixels` (pixels of the processor-resized image) or `auto`: the frame the checkpoint's family was pretrained in, from `model_type` in model.path's config.json (Qwen2.5-VL: pixels; Qwen2-VL, Qwen3-VL, Qwen3-VL-MoE: norm1000; with `custom.object_format: coord_tokens`: norm1000). `check-config` prints the resolved frame.",
     )
     prompt: str = Field(
         "Detect every object in the image. Answer with a JSON list of "
@@ -454,6 +454,13 @@ class NodesConfig(Section):
         description="HOST:PORT of the learner's torchrun c10d rendezvous (a learner node's address); needed when "
         "count > 1. null on one node: 127.0.0.1 and a free port (or the last of --port-base's).",
     )
+    rendezvous_id: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9_.-]+$",
+        description="torchrun's `--rdzv-id`: two jobs whose learners meet at one HOST:PORT join only their own "
+        "rendezvous. null: a random id on one node; on several nodes `rollmatch-<hash of training.output_dir "
+        "and the rendezvous>` (the same on every node). The script of `--emit slurm` sets the Slurm job id.",
+    )
     roles: list[NodeRole] = Field(
         default_factory=list,
         description="What each node runs, in rank order: `servers`, `learner` or `both`. Empty: every node runs both.",
@@ -487,6 +494,45 @@ class NodesConfig(Section):
     def role(self, rank: int) -> NodeRole:
         """What node ``rank`` runs (``both`` when ``roles`` is empty)."""
         return self.roles[rank] if self.roles else "both"
+
+
+class SlurmSettings(Section):
+    """What the script of `rollmatch launch --emit slurm` asks Slurm for, per node (docs/runbook.md, "Slurm").
+    `sbatch --<option>=... job.sbatch` still overrides any of them at submission."""
+
+    exclusive: bool = Field(
+        True,
+        description="`#SBATCH --exclusive`: every CPU of each node for its servers, learner ranks and actor "
+        "threads. false: set cpus_per_task (Slurm's default is one CPU for the whole node's launch).",
+    )
+    cpus_per_task: int | None = Field(
+        None,
+        gt=0,
+        description="`#SBATCH --cpus-per-task`: CPUs per node (one task per node). null: not written.",
+    )
+    mem: str | None = Field(
+        "0",
+        pattern=r"^[0-9]+[KMGT]?$",
+        description="`#SBATCH --mem` per node, e.g. `480G`; `0`: all of each node's memory. null: not written "
+        "(the partition's default, often a few GB per CPU).",
+    )
+    signal_warning_s: int | None = Field(
+        120,
+        gt=0,
+        description="`#SBATCH --signal=B:USR1@<s>`: this long before the time limit the script tells every node; "
+        "the learner saves a complete checkpoint and stops, and the job requeues itself (`requeue`). null: no "
+        "warning signal.",
+    )
+    requeue: bool = Field(
+        True,
+        description="`#SBATCH --requeue`: a preempted job, or one stopped by the warning signal, goes back to the "
+        "queue and resumes from its latest complete checkpoint (`training.resume_from_checkpoint=latest`).",
+    )
+    options: list[str] = Field(
+        default_factory=list,
+        description="Further `#SBATCH` options, written as given, e.g. [--partition=gpu, --time=24:00:00, "
+        "--account=vision].",
+    )
 
 
 class LaunchSettings(Section):
@@ -528,6 +574,7 @@ class LaunchSettings(Section):
         10.0, ge=0.0, description="Seconds between SIGTERM and SIGKILL at teardown (`--grace-s`)."
     )
     nodes: NodesConfig = Field(default_factory=NodesConfig)
+    slurm: SlurmSettings = Field(default_factory=SlurmSettings)
 
 
 # -------------------------------------------------------------------------------------------- root

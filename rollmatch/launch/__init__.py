@@ -8,5 +8,7 @@
 - ``console``: the prefixed, rate-limited merge of the children's logs on the console.
 - ``supervisor``: running a plan: start, wait for ``/health/``, watch, tear down, exit code.
 - ``watchdog``: the process that stops every child tree when the launcher dies without its teardown.
+- ``heartbeat``: node liveness across a multi-node launch (signed reports to node 0's hub).
+- ``slurm``: the sbatch script of ``--emit slurm`` (resources, requeue on the warning signal).
 - ``command``: the CLI entry (``rollmatch launch``).
 """

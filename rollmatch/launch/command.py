@@ -22,9 +22,11 @@ reused pid is never signalled).
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 import secrets
 import socket
+import sys
 from pathlib import Path
 
 from rollmatch.config.schema import LaunchSettings, RollmatchConfig
@@ -50,7 +52,7 @@ from rollmatch.launch.plan import (
     sequential_ports,
 )
 from rollmatch.launch.processes import previous_launch, write_pids
-from rollmatch.launch.slurm import slurm_script
+from rollmatch.launch.slurm import slurm_placeholders, slurm_script
 from rollmatch.launch.supervisor import PIDS_NAME, run_plan
 from rollmatch.launch.watchdog import stop_trees
 
@@ -59,9 +61,10 @@ API_KEY_FILE = "api_key"
 
 def launch_command(args: argparse.Namespace) -> int:
     """Build -> check -> plan -> run (or print, with ``--dry-run``); the exit code (see ``launch.supervisor``)."""
-    launch = load_launch_config(args.config, tuple(args.overrides))
-    request = with_settings(request_from_args(args, launch.cfg.launch), launch.cfg.launch)
     emit = getattr(args, "emit", None)
+    placeholders = slurm_placeholders(args.config, args.overrides) if emit == "slurm" else []
+    launch = load_launch_config(args.config, (*args.overrides, *placeholders))
+    request = with_settings(request_from_args(args, launch.cfg.launch), launch.cfg.launch)
     planned = request.dry_run or request.cpu or emit is not None  # no devices needed here
     device_count, visible = (None, None) if planned else cuda_devices()
     problems = request_problems(
@@ -70,7 +73,12 @@ def launch_command(args: argparse.Namespace) -> int:
     if problems:
         raise LaunchError(problems)
     if emit == "slurm":
-        print(slurm_script(launch.cfg, request), end="", flush=True)
+        script = slurm_script(launch.cfg, request)
+        # sbatch opens --output before the job runs: its folder must exist at submission
+        log_dir = Path(launch.cfg.training.output_dir).resolve() / "launch"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        print(script, end="", flush=True)
+        print(f"[launch] {log_dir} holds the job's log (#SBATCH --output)", file=sys.stderr, flush=True)
         return 0
 
     if request.dry_run:
@@ -82,6 +90,10 @@ def launch_command(args: argparse.Namespace) -> int:
             print(render_plan(_node_plan(launch, node, check_ports=False)[0]), end="", flush=True)
         print("dry run: nothing started, nothing written")
         return 0
+    if launch.cfg.launch.nodes.count > 1:
+        problems = own_host_problems(list(launch.cfg.launch.nodes.hosts), request.node_rank)
+        if problems:
+            raise LaunchError(problems)
     plan, launch_dir = _node_plan(launch, request, check_ports=True)
     print(render_plan(plan), end="", flush=True)
     pids_name = "pids-learner.json" if request.learner_only else PIDS_NAME
@@ -176,7 +188,40 @@ def claim_launch_dir(pids_path: Path, *, grace_s: float) -> None:
     write_pids(pids_path, [], {})  # claimed: a launch started from now on sees this one
 
 
+def own_host_problems(hosts: list[str], rank: int) -> list[ConfigProblem]:
+    """This node's address as this node resolves it: one that resolves to loopback (Debian maps the
+    machine's own name to 127.0.1.1 in /etc/hosts) while the other nodes are elsewhere would bind the
+    heartbeat hub, servers and rendezvous where no other node reaches them, and fail only after
+    ``launch.nodes.join_timeout_s``; refused at start, naming the host. Every host on loopback (one
+    machine playing several nodes) is fine."""
+    host = hosts[rank]
+    mine = _resolved(host)
+    if not mine or not all(ipaddress.ip_address(a).is_loopback for a in mine):
+        return []
+    if all(_resolved(h) and all(ipaddress.ip_address(a).is_loopback for a in _resolved(h)) for h in hosts):
+        return []
+    return [
+        ConfigProblem(
+            "launch.nodes.hosts",
+            host,
+            f"node {rank}'s address {host!r} resolves to {', '.join(sorted(mine))} (loopback) on this node, so "
+            "its servers, heartbeat hub and rendezvous would listen where the other nodes cannot reach them: "
+            "name an address the other nodes reach (its IP, or a name that resolves to it here too; check "
+            f"`getent hosts {host}` and /etc/hosts)",
+        )
+    ]
+
+
 # ------------------------------------------------------------------------------------ private helpers
+def _resolved(host: str) -> set[str]:
+    """The IPv4/IPv6 addresses ``host`` resolves to here (empty when it does not resolve)."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError):
+        return set()
+    return {str(info[4][0]).split("%")[0] for info in infos}
+
+
 def _check_port_base(base: int, ports: list[int], *, check_free: bool) -> None:
     if base < 1024 or ports[-1] > 65535:
         raise LaunchError(

@@ -11,14 +11,21 @@ with a non-zero code; node 0 is lost when its hub stops answering for the timeou
 reported done with 0 is never lost. Node 0 keeps the hub up after its own end until every node has
 reported done or is lost (at most one timeout), so the others learn how it ended.
 
-Reports carry the launch's API key when it has one (compared in constant time): a stranger on the
-network cannot fake a node's report. Every socket operation has a timeout; the hub answers one line
-per connection and refuses lines over :data:`_MAX_LINE` bytes.
+Reports are signed when the launch has an API key: an HMAC-SHA256, keyed with it, over the node, its
+state, its code and the report's wall-clock time; the key itself never crosses the network. The hub
+refuses a report whose signature does not match (a stranger cannot fake one), whose time is more than
+:data:`STALE_S` from the hub's clock, or not later than the last report it took from that node (a
+captured report replayed, e.g. a forged ``done, code 1`` that would stop every node). The hub answers
+every line, malformed ones included (bad JSON, too deep, wrong types), with an error, never a traceback.
+Every socket operation has a timeout; the hub answers one line per connection and refuses lines over
+:data:`_MAX_LINE` bytes. A node that reports done with :data:`EXIT_PREEMPTED` stopped on the warning
+signal with a complete checkpoint: that is not a failure.
 Leaves out: what a lost node means for this node's processes (``launch.supervisor`` stops them).
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
 import logging
@@ -36,6 +43,14 @@ PORT_KEY = "launch.nodes.heartbeat_port"
 TIMEOUT_KEY = "launch.nodes.heartbeat_timeout_s"
 JOIN_KEY = "launch.nodes.join_timeout_s"
 _MAX_LINE = 4096
+STALE_S = 300.0  # how far a report's time may be from the hub's clock (the nodes' clocks run NTP)
+EXIT_PREEMPTED = 5  # a launch stopped on the warning signal with a complete checkpoint (launch.supervisor)
+
+
+def report_mac(key: str, node: object, state: object, code: object, sent_at: object) -> str:
+    """The HMAC-SHA256 (hex) of one report under the launch key."""
+    body = json.dumps([node, state, code, sent_at], separators=(",", ":"))
+    return hmac.new(key.encode(), body.encode(), hashlib.sha256).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -63,11 +78,19 @@ class _Hub(socketserver.ThreadingTCPServer):
         self.io_timeout_s = io_timeout_s
         self.lock = threading.Lock()
         self.reports: dict[int, tuple[str, int | None, float]] = {}
+        self.sent_at: dict[int, float] = {}  # each node's last accepted report time (its clock)
         super().__init__(address, _HubHandler)
 
-    def record(self, node: int, state: str, code: int | None) -> list[NodeReport | None]:
-        """Keep ``node``'s report (a done report is final) and return every node's."""
+    def record(
+        self, node: int, state: str, code: int | None, sent_at: float
+    ) -> list[NodeReport | None] | str:
+        """Keep ``node``'s report (a done report is final) and return every node's; a report not later
+        than the last one taken from ``node`` is a replay: the reason it is refused."""
         with self.lock:
+            last = self.sent_at.get(node)
+            if last is not None and sent_at <= last:
+                return f"replayed report: node {node} already reported at {last:.6f}, this one says {sent_at:.6f}"
+            self.sent_at[node] = sent_at
             if self.reports.get(node, ("alive",))[0] != "done":
                 self.reports[node] = (state, code, time.monotonic())
         return self.view()
@@ -91,8 +114,8 @@ class _HubHandler(socketserver.StreamRequestHandler):
             reply = self._answer(line)
             if len(line) > _MAX_LINE:  # read what is left (bounded) so closing does not reset the reply
                 self.rfile.read(_MAX_LINE * 16)
-        except (OSError, ValueError) as exc:  # a client that vanished or sent garbage: answer and move on
-            reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        except (OSError, ValueError, RecursionError) as exc:  # garbage, too deep, a vanished client: answer
+            reply = {"ok": False, "error": f"malformed report ({type(exc).__name__}: {str(exc)[:200]})"}
         try:
             self.wfile.write((json.dumps(reply) + "\n").encode())
         except OSError:
@@ -105,16 +128,30 @@ class _HubHandler(socketserver.StreamRequestHandler):
         if not isinstance(message, dict):
             return {"ok": False, "error": "send a JSON object"}
         node, state, code = message.get("node"), message.get("state"), message.get("code")
-        key = message.get("key")
-        if self.server.key is not None and not (
-            isinstance(key, str) and hmac.compare_digest(key.encode(), self.server.key.encode())
+        sent_at, mac = message.get("sent_at"), message.get("mac")
+        if type(sent_at) not in (int, float):  # bool is not a time
+            return {"ok": False, "error": "sent_at must be the report's time (seconds since the epoch)"}
+        key = self.server.key
+        if key is not None and not (
+            isinstance(mac, str)
+            and hmac.compare_digest(mac.encode(), report_mac(key, node, state, code, sent_at).encode())
         ):
-            return {"ok": False, "error": "wrong or missing launch key (ROLLMATCH_API_KEY)"}
-        if not (type(node) is int and 0 <= node < self.server.node_count):  # bool is not a node
+            return {"ok": False, "error": "report not signed with the launch key (ROLLMATCH_API_KEY)"}
+        if not (type(node) is int and 0 <= node < self.server.node_count):
             return {"ok": False, "error": f"node must be 0..{self.server.node_count - 1}"}
         if state not in ("alive", "done") or not (code is None or type(code) is int):
             return {"ok": False, "error": "state must be alive or done, code an integer or null"}
-        nodes = self.server.record(node, state, code)
+        skew = sent_at - time.time()
+        if abs(skew) > STALE_S:
+            return {
+                "ok": False,
+                "error": f"stale report: its time is {abs(skew):.0f}s {'behind' if skew < 0 else 'ahead of'} "
+                f"the hub's clock (more than {STALE_S:g}s: a replayed report, or clocks that differ: run NTP "
+                "on every node)",
+            }
+        nodes = self.server.record(node, state, code, float(sent_at))
+        if isinstance(nodes, str):
+            return {"ok": False, "error": nodes}
         return {"ok": True, "nodes": [None if r is None else asdict(r) for r in nodes]}
 
 
@@ -146,6 +183,7 @@ class NodeHeartbeat:
         self._problem: str | None = None
         self._started = 0.0
         self._last_answer = 0.0
+        self._sent_at = 0.0
 
     @property
     def hub_address(self) -> str:
@@ -238,7 +276,12 @@ class NodeHeartbeat:
 
     def _exchange(self, state: str, code: int | None) -> None:
         """One report and the view it returns (raises OSError when the hub cannot be reached or refuses)."""
-        message = json.dumps({"node": self.node_rank, "state": state, "code": code, "key": self.key}) + "\n"
+        with self._lock:  # strictly later than this node's last report: the hub refuses replays
+            self._sent_at = sent_at = max(time.time(), self._sent_at + 1e-6)
+        report = {"node": self.node_rank, "state": state, "code": code, "sent_at": sent_at}
+        if self.key is not None:
+            report["mac"] = report_mac(self.key, self.node_rank, state, code, sent_at)
+        message = json.dumps(report) + "\n"
         with socket.create_connection((self.hosts[0], self.port), timeout=self.interval_s * 2) as conn:
             conn.settimeout(self.interval_s * 2)
             conn.sendall(message.encode())
@@ -274,7 +317,7 @@ class NodeHeartbeat:
                     f"{self.node_name(rank)} lost: no heartbeat for {report.age_s:.0f}s ({TIMEOUT_KEY}="
                     f"{self.timeout_s:g}); its launcher was killed or its network failed"
                 )
-            elif report.state == "done" and report.code != 0:
+            elif report.state == "done" and report.code not in (0, EXIT_PREEMPTED):
                 self._set_problem(
                     f"{self.node_name(rank)} failed: its launcher exited with code {report.code}"
                 )

@@ -244,7 +244,7 @@ def _flag_problems(request: LaunchRequest, cfg: RollmatchConfig) -> list[ConfigP
             )
         )
     shared = sorted(set(request.server_devices) & set(request.learner_devices))
-    if shared:
+    if shared and request.starts_servers and request.starts_learner:  # disjoint per node
         problems.append(
             ConfigProblem(
                 "--learner-devices",

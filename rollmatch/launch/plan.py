@@ -18,6 +18,7 @@ directory) and ``--enable-lora`` when ``vllm.enable_lora`` is set.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shlex
 import socket
@@ -37,7 +38,6 @@ from rollmatch.protocol import API_KEY_ENV
 REDACTED = "<redacted>"
 LEARNER_CONFIG_NAME = "learner.yaml"
 LOCALHOST = "127.0.0.1"
-RDZV_ID = "rollmatch"
 # Stands in for the servers while the config is validated; never reaches a written config.
 _PLACEHOLDER_SERVERS = f"{SERVERS_KEY}=[{{base_url: 'http://launch.invalid:1', group_port: 1}}]"
 
@@ -57,6 +57,7 @@ class Rendezvous:
     """torchrun's c10d rendezvous of one learner node: the same ``endpoint`` on every node."""
 
     endpoint: str  # HOST:PORT
+    rdzv_id: str = "rollmatch"  # build_plan: rendezvous_id()
     nnodes: int = 1
     node_rank: int = 0  # this node's index among the learner nodes
     local_addr: str = LOCALHOST  # this node's address: rank 0's is every worker's MASTER_ADDR
@@ -73,7 +74,7 @@ class Rendezvous:
             "--rdzv-endpoint",
             self.endpoint,
             "--rdzv-id",
-            RDZV_ID,
+            self.rdzv_id,
             "--rdzv-conf",
             f"join_timeout={self.join_timeout_s:g}",
             "--local-addr",
@@ -223,8 +224,10 @@ def build_plan(
             if layout.on_cpu
             else {"CUDA_VISIBLE_DEVICES": _csv(layout.learner_devices), **common}
         )
+        endpoint = nodes.rendezvous or f"{LOCALHOST}:{ports[-1]}"
         rendezvous = Rendezvous(
-            endpoint=nodes.rendezvous or f"{LOCALHOST}:{ports[-1]}",
+            endpoint=endpoint,
+            rdzv_id=rendezvous_id(cfg, endpoint),
             nnodes=len(learner_nodes),
             node_rank=learner_nodes.index(request.node_rank),
             local_addr=here,
@@ -255,6 +258,17 @@ def build_plan(
         node_count=nodes.count,
         learner_nodes=tuple(learner_nodes),
     )
+
+
+def rendezvous_id(cfg: RollmatchConfig, endpoint: str) -> str:
+    """torchrun's ``--rdzv-id``: ``launch.nodes.rendezvous_id`` (the Slurm script sets the job id), else
+    ``rollmatch-<hash>`` of ``training.output_dir`` as written and ``endpoint``: the same on every node,
+    different for two runs that share a rendezvous host and port (which torch would otherwise join to
+    each other's rendezvous: a taken port makes torchrun a client of the store already there)."""
+    if cfg.launch.nodes.rendezvous_id:
+        return cfg.launch.nodes.rendezvous_id
+    digest = hashlib.sha256(f"{cfg.training.output_dir}\0{endpoint}".encode()).hexdigest()
+    return f"rollmatch-{digest[:12]}"
 
 
 def node_launch_dir(cfg: RollmatchConfig, node_rank: int) -> Path:

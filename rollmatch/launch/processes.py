@@ -89,7 +89,7 @@ def start_child(spec: ProcessSpec) -> Child:
             stderr=subprocess.STDOUT,
             env={**os.environ, **spec.env},
             start_new_session=True,
-            preexec_fn=_parent_death_signal(signal.SIGTERM),
+            preexec_fn=_child_setup(signal.SIGTERM),
         )
     try:
         created = psutil.Process(process.pid).create_time()
@@ -218,22 +218,30 @@ def survivors(pids_record: dict[str, Any]) -> list[str]:
     return alive
 
 
-def _parent_death_signal(sig: signal.Signals) -> Callable[[], None] | None:
-    """A ``preexec_fn`` that arms ``sig`` for the child when this process dies; None where it cannot.
+def _child_setup(sig: signal.Signals) -> Callable[[], None]:
+    """A ``preexec_fn``: the child ignores SIGUSR1 (Slurm's warning may reach every process of a step;
+    the launcher forwards it to the learner's ranks, which handle it, and nothing else may die of it:
+    an ignored signal stays ignored across exec) and, where it can, gets ``sig`` when this process dies.
 
-    prctl is looked up before the fork: the child, a copy of a threaded process, only calls it.
+    libc is looked up before the fork: the child, a copy of a threaded process, only calls into it.
     """
-    if not sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():
-        return None  # PDEATHSIG follows the forking thread: another thread's exit would fire it
-    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.signal.argtypes = [ctypes.c_int, ctypes.c_void_p]
+    libc.signal.restype = ctypes.c_void_p
+    usr1, ignore = int(signal.SIGUSR1), ctypes.c_void_p(int(signal.SIG_IGN))
+    # PDEATHSIG follows the forking thread: another thread's exit would fire it
+    arm_death = sys.platform.startswith("linux") and threading.current_thread() is threading.main_thread()
     parent = os.getpid()
 
-    def arm() -> None:
-        prctl(_PR_SET_PDEATHSIG, ctypes.c_ulong(int(sig)))
+    def setup() -> None:
+        libc.signal(usr1, ignore)
+        if not arm_death:
+            return
+        libc.prctl(_PR_SET_PDEATHSIG, ctypes.c_ulong(int(sig)))
         if os.getppid() != parent:  # the launcher died before the signal was armed
             os._exit(128 + int(sig))
 
-    return arm
+    return setup
 
 
 def _record(proc: psutil.Process) -> dict[str, Any]:

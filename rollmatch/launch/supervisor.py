@@ -9,7 +9,13 @@ Owns: :func:`run_plan` and the exit-code contract of ``rollmatch launch``:
   (``launch.heartbeat``: the message names the node), whether or not this node's learner failed first;
   a node that runs only servers exits 0 once every learner node finished with 0;
 - 128 + N when the launcher itself gets signal N (Ctrl-C: 130, SIGTERM: 143), except ``--servers-only``,
-  for which a signal is the normal way to stop (0).
+  for which a signal is the normal way to stop (0);
+- :data:`EXIT_PREEMPTED` (5) after SIGUSR1, the warning a scheduler sends before it stops the job
+  (Slurm's ``--signal=USR1@120``): the launcher forwards it to the learner's ranks, which save a complete
+  checkpoint at the end of their current step and stop (``training.preemption``); the servers run until
+  then. A learner that finished its run in the meantime (``<output_dir>/final`` written) gives 0. A node
+  that runs only servers keeps running until the learner nodes end (0); before the learner started, the
+  launch stops at once (5: nothing to save).
 Whatever ends the run, every child tree gets SIGTERM, then SIGKILL after the grace period. A launcher
 that dies without its teardown (SIGKILL, out of memory) takes its children with it: each gets SIGTERM
 from the kernel and the watchdog (``launch.watchdog``, log ``watchdog.log``) stops every tree it was
@@ -27,11 +33,12 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+import psutil
 import requests
 
 from rollmatch.config.load import config_to_yaml
 from rollmatch.launch.console import ConsoleMerge
-from rollmatch.launch.heartbeat import NodeHeartbeat
+from rollmatch.launch.heartbeat import EXIT_PREEMPTED, NodeHeartbeat
 from rollmatch.launch.plan import API_KEY_ENV, LaunchPlan, ProcessSpec
 from rollmatch.launch.processes import Child, start_child, terminate_all, write_pids
 from rollmatch.launch.watchdog import Watchdog
@@ -85,12 +92,14 @@ def run_plan(
 
 
 class _StopSignals:
-    """SIGINT / SIGTERM / SIGHUP only record the signal; the supervisor's loops act on it."""
+    """SIGINT / SIGTERM / SIGHUP (stop) and SIGUSR1 (the scheduler's warning: checkpoint, then stop) only
+    record the signal; the supervisor's loops act on it."""
 
-    _SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    _SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
 
     def __init__(self) -> None:
         self.received: int | None = None
+        self.warned = False
         self.event = threading.Event()
         self._previous: dict[int, object] = {}
 
@@ -104,7 +113,9 @@ class _StopSignals:
             signal.signal(sig, handler)  # type: ignore[arg-type]
 
     def _record(self, signum: int, frame: FrameType | None) -> None:
-        if self.received is None:
+        if signum == signal.SIGUSR1:
+            self.warned = True
+        elif self.received is None:
             self.received = signum
         self.event.set()
 
@@ -190,6 +201,12 @@ class _Run:
         while pending or remote:
             if stop.received is not None:
                 return self._signalled(stop.received)
+            if stop.warned and self.plan.learner is not None:
+                return Outcome(
+                    EXIT_PREEMPTED,
+                    "received SIGUSR1 (the scheduler's warning) before the learner started: stopped every "
+                    "process; nothing was trained, so a requeued run starts where the last one left off",
+                )
             if (lost := self._node_lost()) is not None:
                 return lost
             for url in list(remote):
@@ -230,10 +247,14 @@ class _Run:
         return None
 
     def _watch(self, stop: _StopSignals, learner: Child | None) -> Outcome:
-        started = time.monotonic()
+        started, started_at = time.monotonic(), time.time()
+        warned = False
         while True:
             if stop.received is not None:
                 return self._signalled(stop.received)
+            if stop.warned and not warned:
+                warned = True
+                self._warn(learner)
             if (lost := self._node_lost()) is not None:
                 return lost
             if learner is None and (done := self._learners_done()) is not None:
@@ -250,6 +271,12 @@ class _Run:
                     if dead is not None:
                         return self._server_failed(dead, "while the learner was running")
                 elapsed = time.monotonic() - started
+                if warned and code == 0 and not self._final_written_since(started_at):
+                    return Outcome(
+                        EXIT_PREEMPTED,
+                        f"learner stopped on the warning signal after {elapsed:.0f}s with a complete checkpoint "
+                        f"(log {learner.spec.log_path}): resume with training.resume_from_checkpoint=latest",
+                    )
                 status = "finished" if code == 0 else "failed"
                 message = f"learner {status} with exit code {code} after {elapsed:.0f}s (log {learner.spec.log_path})"
                 if code != 0 and self.heartbeat is not None:
@@ -261,6 +288,37 @@ class _Run:
                 return Outcome(code if code >= 0 else 128 - code, message)
             self._refresh_pids()
             stop.event.wait(_POLL_S)
+
+    def _warn(self, learner: Child | None) -> None:
+        """SIGUSR1 to torchrun's ranks (its direct children), which save a checkpoint at the end of the
+        current step and stop; torchrun itself ignores it (``launch.processes``)."""
+        if learner is None:
+            self.console.say(
+                "received SIGUSR1 (the scheduler's warning): the learner nodes save a checkpoint and stop; "
+                "this node's servers run until they do"
+            )
+            return
+        try:
+            ranks = psutil.Process(learner.pid).children(recursive=False)
+        except psutil.NoSuchProcess:
+            ranks = []  # torchrun exited meanwhile: its exit code tells the rest
+        for rank in ranks:
+            try:
+                rank.send_signal(signal.SIGUSR1)
+            except psutil.Error:
+                continue  # exited meanwhile
+        self.console.say(
+            "received SIGUSR1 (the scheduler's warning): forwarded to the learner, which saves a complete "
+            "checkpoint at the end of its current step and stops"
+        )
+
+    def _final_written_since(self, since: float) -> bool:
+        """The learner wrote ``<output_dir>/final`` (its run ended) after ``since`` (wall clock)."""
+        final = Path(self.plan.learner_config.training.output_dir) / "final" / "config.json"
+        try:
+            return final.stat().st_mtime >= since
+        except OSError:
+            return False
 
     # ------------------------------------------------------------------------------------ outcomes
     def _node_lost(self) -> Outcome | None:
@@ -275,9 +333,10 @@ class _Run:
             return None
         nodes = list(self.plan.learner_nodes)
         codes = self.heartbeat.learners_done(nodes)
-        if codes is None or any(codes.values()):
+        if codes is None or any(code not in (0, EXIT_PREEMPTED) for code in codes.values()):
             return None  # still running, or failed: a failed node is the heartbeat's problem (_node_lost)
-        return Outcome(0, f"the learner finished on node(s) {nodes}: stopping this node's servers")
+        how = "stopped with a checkpoint on the warning signal" if any(codes.values()) else "finished"
+        return Outcome(0, f"the learner {how} on node(s) {nodes}: stopping this node's servers")
 
     def _server_failed(self, child: Child, when: str) -> Outcome:
         return Outcome(

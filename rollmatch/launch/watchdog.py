@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spare-group", type=int, required=True)
     parser.add_argument("--grace-s", type=float, required=True)
     args = parser.parse_args(argv)
-    for sig in (signal.SIGINT, signal.SIGHUP):  # only the launcher's exit ends the watch
+    for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):  # only the launcher's exit ends the watch
         signal.signal(sig, signal.SIG_IGN)
     records: list[dict[str, Any]] = []
     clean = False

@@ -33,6 +33,7 @@ from rollmatch.training.checkpoints import resolve_resume
 from rollmatch.training.coord_loss import CoordLoss
 from rollmatch.training.metrics import JsonlMetricsCallback, summarize
 from rollmatch.training.periodic_eval import DetectionEval, build_detection_eval
+from rollmatch.training.preemption import CheckpointOnWarning
 from rollmatch.training.sizing import check_row_sizing
 from rollmatch.training.step import SyncBeforeRollouts
 from rollmatch.training.trainer import RecordDataset, RollmatchTrainer, keep_records
@@ -44,7 +45,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class TrainResult:
     output_dir: str
-    final_model_dir: str
+    final_model_dir: str | None  # None: stopped on the warning signal (a checkpoint, no final model)
     global_step: int
     seconds: float
     log_history: list[dict[str, Any]]
@@ -55,6 +56,12 @@ def train_command(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     with exit_hard_on_fatal_distributed_error():  # a hung peer must not hang this rank's teardown
         result = run_training(cfg)
+    if result.final_model_dir is None:
+        print(
+            f"stopped on the warning signal (SIGUSR1) after step {result.global_step}: checkpoint-"
+            f"{result.global_step} saved under {result.output_dir}; resume with training.resume_from_checkpoint=latest"
+        )
+        return 0
     print(
         f"trained {result.global_step} steps in {result.seconds:.1f}s; final model: {result.final_model_dir}"
     )
@@ -106,6 +113,7 @@ def run_training(cfg: RollmatchConfig) -> TrainResult:
     )
     parts = build_variant(ctx)
     start = time.perf_counter()
+    warning = CheckpointOnWarning(collectives)
     try:
         detection_eval = eval_for_variant(ctx, parts)
         trainer = RollmatchTrainer(
@@ -120,14 +128,18 @@ def run_training(cfg: RollmatchConfig) -> TrainResult:
             summarize=functools.partial(summarize, count_buckets=cfg.eval.count_buckets),
             collectives=collectives,
             coord_loss=coord_loss_for(cfg, codec),
-            callbacks=[JsonlMetricsCallback(os.path.join(cfg.training.output_dir, "metrics.jsonl"))],
+            callbacks=[JsonlMetricsCallback(os.path.join(cfg.training.output_dir, "metrics.jsonl")), warning],
         )
         holder["trainer"] = trainer
         if resume is not None:
             trainer.load_rank_state(resume)
+        warning.install()
         trainer.train(resume_from_checkpoint=resume)
-        final_dir = save_final_model(trainer, encoder, cfg)
+        warning.uninstall()
+        stopped = warning.stopped_at_step is not None
+        final_dir = None if stopped else save_final_model(trainer, encoder, cfg)
     finally:
+        warning.uninstall()
         parts.close()  # async actors stop before the weight-sync groups close
     return TrainResult(
         output_dir=cfg.training.output_dir,

@@ -22,7 +22,13 @@ def _model_dir(root: Path, model_type: str) -> Path:
 
 
 @pytest.mark.parametrize(
-    ("model_type", "frame"), [("qwen2_vl", "norm1000"), ("qwen2_5_vl", "pixels"), ("qwen3_vl", "norm1000")]
+    ("model_type", "frame"),
+    [
+        ("qwen2_vl", "norm1000"),
+        ("qwen2_5_vl", "pixels"),
+        ("qwen3_vl", "norm1000"),
+        ("qwen3_vl_moe", "norm1000"),  # Qwen3-VL 30B-A3B / 235B-A22B
+    ],
 )
 def test_auto_is_the_family_pretraining_frame(tmp_path: Path, model_type: str, frame: str) -> None:
     folder = _model_dir(tmp_path, model_type)

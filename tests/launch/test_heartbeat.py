@@ -5,6 +5,7 @@ finished is never lost; the hub refuses strangers and garbage and keeps answerin
 from __future__ import annotations
 
 import json
+import re
 import socket
 import threading
 import time
@@ -15,7 +16,7 @@ import pytest
 
 from rollmatch.config.schema import RollmatchConfig
 from rollmatch.errors import LaunchError
-from rollmatch.launch.heartbeat import NodeHeartbeat
+from rollmatch.launch.heartbeat import EXIT_PREEMPTED, STALE_S, NodeHeartbeat, report_mac
 from rollmatch.launch.layout import Layout
 from rollmatch.launch.plan import LaunchPlan, free_ports
 from rollmatch.launch.supervisor import run_plan
@@ -126,7 +127,7 @@ def test_a_node_whose_launcher_failed_is_named_with_its_code(beat) -> None:
 def test_a_report_without_the_launch_key_is_refused(beat) -> None:
     host, stranger = beat(0, key="secret"), beat(1, key="guess")
     problem, _ = wait_problem(stranger, TIMEOUT_S * 5)
-    assert "refused this node's report: wrong or missing launch key" in problem
+    assert "refused this node's report: report not signed with the launch key" in problem
     assert host._hub is not None and host._hub.reports.keys() == {0}  # the stranger was never recorded
 
 
@@ -139,6 +140,8 @@ GARBAGE = [
     b"[1, 2]\n",
     b"x" * 10_000 + b"\n",
     b'{"node": 1, "state": "alive"}',  # no newline: the client hangs up
+    b"[" * 4000 + b"\n",  # too deep for the parser (RecursionError)
+    b'{"node": 1, "state": "alive", "code": null, "sent_at": true}\n',
 ]
 
 
@@ -154,6 +157,34 @@ def test_the_hub_answers_garbage_with_an_error_and_keeps_serving(beat) -> None:
     beat(1)
     time.sleep(TIMEOUT_S)
     assert host._hub.reports.keys() == {0, 1} and host.problem() is None
+
+
+def send(port: int, report: dict[str, object]) -> dict[str, object]:
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as conn:
+        conn.sendall((json.dumps(report) + "\n").encode())
+        return json.loads(conn.makefile("rb").readline())
+
+
+def test_reports_are_signed_and_a_replayed_or_forged_one_is_refused(beat) -> None:
+    host = beat(0, key="secret")
+    beat(1, key="secret")
+    time.sleep(TIMEOUT_S)
+    assert host._hub is not None and host._hub.reports.keys() == {0, 1}
+    # the key never travels: what a node sends is a signature over node, state, code and time
+    sent = host._hub.sent_at[1]
+    # a forged "done, code 1" for node 1 (the old form: the key in cleartext, or no signature at all)
+    for forged in ({"key": "secret"}, {"mac": "0" * 64}):
+        reply = send(host.port, {"node": 1, "state": "done", "code": 1, "sent_at": time.time(), **forged})
+        assert reply == {"ok": False, "error": "report not signed with the launch key (ROLLMATCH_API_KEY)"}
+    # a captured genuine report, replayed
+    old = {"node": 1, "state": "done", "code": 1, "sent_at": sent}
+    reply = send(host.port, {**old, "mac": report_mac("secret", 1, "done", 1, sent)})
+    assert reply["ok"] is False and str(reply["error"]).startswith("replayed report: node 1 already reported")
+    stale = time.time() - STALE_S - 60
+    reply = send(host.port, {**old, "sent_at": stale, "mac": report_mac("secret", 1, "done", 1, stale)})
+    assert reply["ok"] is False and re.match(r"stale report: its time is 3\d\ds behind", str(reply["error"]))
+    time.sleep(TIMEOUT_S)
+    assert host._hub.reports[1][0] == "alive" and host.problem() is None  # nothing stopped the run
 
 
 def test_a_taken_hub_port_is_refused_naming_the_key(beat) -> None:
@@ -187,7 +218,8 @@ def servers_only_plan(tmp_path: Path) -> LaunchPlan:
     )
 
 
-@pytest.mark.parametrize(("learner_code", "launch_code"), [(0, 0), (1, 4)])
+# 5: the learner nodes stopped on the warning signal with a checkpoint: not a failure, the job requeues
+@pytest.mark.parametrize(("learner_code", "launch_code"), [(0, 0), (1, 4), (EXIT_PREEMPTED, 0)])
 def test_a_servers_only_node_ends_with_the_learner_nodes(
     beat, tmp_path: Path, learner_code: int, launch_code: int
 ) -> None:

@@ -25,6 +25,7 @@ from rollmatch.launch.plan import (
     load_launch_config,
     ports_needed,
     render_plan,
+    rendezvous_id,
     shell_line,
 )
 
@@ -57,6 +58,9 @@ def test_dry_run_prints_the_exact_gpu_plan_and_starts_nothing(tmp_path: Path) ->
     env = "PYTHONUNBUFFERED=1 ROLLMATCH_API_KEY='<redacted>'"
     serve = "-m rollmatch.cli serve --model /ckpt/stage1 --host 127.0.0.1"
     pinned = "--engine vllm --tensor-parallel-size 2 --max-model-len 4096 --dtype bfloat16"
+    # this run's own rendezvous id: another run meeting at 127.0.0.1:8006 never joins this one
+    cfg = load_launch_config(str(SHIPPED_SERVER_CONFIG), [f"training.output_dir={out}"]).cfg
+    rdzv_id = rendezvous_id(cfg, "127.0.0.1:8006")
     expected = f"""\
 rollmatch launch plan: 3 rollout server(s) (vllm engine, tensor parallel 2) + learner (torchrun, 2 process(es))
 learner config: {launch_dir}/learner.yaml
@@ -72,7 +76,7 @@ server-2 (log {launch_dir}/server-2.log):
   CUDA_VISIBLE_DEVICES=4,5 {env} {py} {serve} --port 8004 {pinned}
 learner-0 (log {launch_dir}/learner-0.log):
   CUDA_VISIBLE_DEVICES=6,7 {env} {py} -m torch.distributed.run --nproc_per_node 2 --nnodes 1 --node-rank 0 \
---rdzv-backend c10d --rdzv-endpoint 127.0.0.1:8006 --rdzv-id rollmatch --rdzv-conf join_timeout=600 \
+--rdzv-backend c10d --rdzv-endpoint 127.0.0.1:8006 --rdzv-id {rdzv_id} --rdzv-conf join_timeout=600 \
 --local-addr 127.0.0.1 -m rollmatch.cli train {launch_dir}/learner.yaml
 dry run: nothing started, nothing written
 """

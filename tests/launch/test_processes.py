@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -70,3 +72,19 @@ def test_children_get_the_plan_environment_and_their_own_session(tmp_path: Path)
     assert child.process.wait(timeout=30) == 0
     assert child.spec.log_path.read_text().strip() == "1 True"
     assert "1 True" in child.log_tail()
+
+
+def test_children_and_their_children_survive_the_schedulers_warning_signal(tmp_path: Path) -> None:
+    # Slurm may send SIGUSR1 to every process of a step: servers, torchrun and their children ignore it
+    # (only the learner's ranks install a handler); without that, its default action kills them.
+    grandchild = "import time; print('grandchild up', flush=True); time.sleep(600)"
+    script = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {grandchild!r}]); time.sleep(600)"
+    child = start_child(_spec(tmp_path, "server-3", script))
+    _wait_for_text(child.spec.log_path, "grandchild up")
+    tree = [child.process.pid, *(p.pid for p in child.descendants())]
+    assert len(tree) == 2
+    for pid in tree:
+        os.kill(pid, signal.SIGUSR1)
+    time.sleep(1.0)
+    assert child.exit_code() is None and all(p.is_running() for p in child.descendants())
+    assert terminate_all([child], grace_s=20.0) == []
