@@ -128,7 +128,7 @@ def build_app(server: RolloutServer, *, api_key: str | None = None) -> FastAPI:
         with times.phase("engine"):
             if ticket is not None:
                 try:
-                    await server.scheduler.wait_async(ticket)
+                    await server.scheduler.wait_async(ticket, request.is_disconnected)
                 except (ValueError, RollmatchError) as exc:
                     raise _http_error(exc) from exc
         payload = await run_in_threadpool(respond, prepared, ticket)
@@ -166,8 +166,11 @@ def build_app(server: RolloutServer, *, api_key: str | None = None) -> FastAPI:
         return call(server.finish_update, body, lease)
 
     @app.post("/reset_prefix_cache/")
-    def reset_prefix_cache() -> dict[str, str]:
-        call(server.reset_prefix_cache)
+    async def reset_prefix_cache() -> dict[str, str]:  # waits on the loop: no worker thread held
+        try:
+            await server.reset_prefix_cache()
+        except (ValueError, RollmatchError) as exc:
+            raise _http_error(exc) from exc
         return {"message": "prefix cache reset"}
 
     @app.post("/close_communicator/")

@@ -53,7 +53,7 @@ from rollmatch.server.prompts import PreparedPrompt, chat_messages, trim_at_stop
 from rollmatch.server.scheduler import CallTicket, EngineScheduler
 from rollmatch.server.sync_session import SyncSession
 from rollmatch.server.timing import PhaseTimes
-from rollmatch.server.watchdog import CACHE_RESET, WEIGHT_LOAD, EngineWatch
+from rollmatch.server.watchdog import WEIGHT_LOAD, EngineWatch
 from rollmatch.sync.transaction import VerifiedUpdate
 
 log = logging.getLogger(__name__)
@@ -95,6 +95,7 @@ class RolloutServer:
             drain_timeout_s=self.limits.drain_timeout_s,
             max_queued_prompts=self.limits.max_queued_prompts,
             max_queued_prompt_tokens=self.limits.max_queued_prompt_tokens,
+            max_reruns=self.limits.max_reruns,
             on_failure=_engine_failure,
         )
         self.sync = SyncSession(engine.world_size, "adapter" in engine.sync_modes)
@@ -104,11 +105,16 @@ class RolloutServer:
         self.infer_calls = 0
         self.rejected_requests = 0
         self.busy_refusals = 0
-        self.broken: str | None = None  # a load failed half-way or after the engine took it: never serve it
 
     @property
     def weight_version(self) -> int:
         return self.scheduler.version
+
+    @property
+    def broken(self) -> str | None:
+        """Why nothing is served (a load failed after the engine may have changed), or ``None``:
+        a scheduler state (``server.scheduler``), cleared by the next complete load."""
+        return self.scheduler.broken
 
     def unhealthy(self) -> str | None:
         """Why the server cannot serve (a half-applied load, a stalled engine), or ``None``."""
@@ -151,8 +157,7 @@ class RolloutServer:
     def prepare(self, body: InferBody, times: PhaseTimes | None = None) -> PreparedCall:
         """Caps, cross-field checks and the prepared prompts (images decoded): a ``ValueError`` (4xx)
         names what is wrong; nothing reaches the engine."""
-        if self.broken is not None:
-            raise BackendError(f"this rollout server stopped serving: {self.broken}; restart it")
+        self.scheduler.refuse_if_broken()  # before decoding any image
         pixels: PixelLease | None = None
         try:
             config, prompts, pixels = self._checked(body, times if times is not None else PhaseTimes())
@@ -262,9 +267,10 @@ class RolloutServer:
             return out
         return EngineOutput(out.prompt_token_ids, trimmed[0], trimmed[1], "stop")
 
-    def reset_prefix_cache(self) -> None:
-        """Reset every engine cache once in-flight calls finished (new calls wait behind it)."""
-        self.scheduler.run_operation(CACHE_RESET, self.engine.reset_caches, is_load=False)
+    async def reset_prefix_cache(self) -> None:
+        """Reset every engine cache once in-flight calls finished (new calls wait behind it); waits on
+        the event loop, joins a pending reset, and is a no-op when nothing changed since the last."""
+        await self.scheduler.reset_caches()
 
     def _count(self, *, calls: int = 0, requests: int = 0, rejected: int = 0, busy: int = 0) -> None:
         with self._counter_lock:
@@ -282,32 +288,15 @@ class RolloutServer:
         self.sync.receive_bucket(body, lease)
 
     def finish_update(self, body: FinishUpdateBody, lease: str | None) -> FinishUpdateReply:
-        """Verify the staged update, load it, then acknowledge; any rejection keeps the old version."""
-        if self.broken is not None:
-            raise BackendError(f"this rollout server stopped serving: {self.broken}; restart it")
+        """Verify the staged update, load it, then acknowledge; any rejection keeps the old version.
+        A broken server accepts a load: a complete one serves again (see ``server.scheduler``)."""
         replies: list[FinishUpdateReply] = []
 
         def load(update: VerifiedUpdate) -> None:
-            # On the engine thread, fair against new calls (in-flight calls per the update mode).
-            loaded = threading.Event()  # set on the engine thread once the engine took the update
-
-            def apply() -> int:
-                version = self._load(update)
-                loaded.set()
-                return version
-
-            try:
-                self.scheduler.run_operation(WEIGHT_LOAD, apply, is_load=True)
-            except Exception as exc:
-                if not loaded.is_set() or self.broken is not None:
-                    raise  # refused before the engine changed (the old version stays), or already broken
-                # The engine took the update (the scheduler moved the version with it), then the step
-                # after it failed (the cache reset): stop serving rather than roll the engine back.
-                self.broken = (
-                    f"weight version {update.version} ({update.mode}) was loaded, then resetting the engine's "
-                    f"caches failed ({type(exc).__name__}: {exc})"
-                )
-                raise BackendError(self.broken) from exc
+            # On the engine thread, fair against new calls (in-flight calls per the update mode). A
+            # failure after the engine may have changed breaks the scheduler there, atomically.
+            label = f"weight version {update.version} ({update.mode})"
+            self.scheduler.run_operation(WEIGHT_LOAD, lambda: self._load(update), is_load=True, label=label)
             replies.append(update.reply)
 
         rejected = self.sync.finish(body, lease, load)
@@ -328,8 +317,9 @@ class RolloutServer:
 
     def _load(self, update: VerifiedUpdate) -> int:
         """Engines validate names and shapes before changing anything (a ``SyncError`` is clean, and
-        so is an adapter's ``BackendError``); any other failure leaves the engine's weights unknown and
-        marks the server broken. Returns the new version (the scheduler then resets the caches)."""
+        so is an adapter's ``BackendError``); any other failure leaves the engine's weights unknown:
+        raised as a ``BackendError`` naming it, which breaks the scheduler. Returns the new version
+        (the scheduler then resets the caches)."""
         if update.adapter is not None:
             try:
                 self.engine.load_adapter(update.tensors, update.adapter)
@@ -338,21 +328,19 @@ class RolloutServer:
             except BackendError as exc:  # refused before the switch: the previous adapter is still served
                 raise SyncError(f"adapter of version {update.version} could not be loaded: {exc}") from exc
             except Exception as exc:  # failed after the switch (or unknown where): stop serving
-                self.broken = (
+                raise BackendError(
                     f"switching to the adapter of weight version {update.version} failed ({type(exc).__name__}: "
                     f"{exc})"
-                )
-                raise BackendError(self.broken) from exc
+                ) from exc
         else:
             try:
                 self.engine.load_weights(update.tensors)
             except SyncError:
                 raise
-            except Exception as exc:  # a half-applied load: mark the server broken, then report
-                self.broken = (
+            except Exception as exc:  # a half-applied load: the scheduler breaks, then this reports
+                raise BackendError(
                     f"loading weight version {update.version} failed half-way ({type(exc).__name__}: {exc})"
-                )
-                raise BackendError(self.broken) from exc
+                ) from exc
         return update.version
 
     def close_communicator(self, lease: str | None = None) -> None:

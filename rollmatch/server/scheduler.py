@@ -24,7 +24,18 @@ then follows the update mode:
   calls are admitted once those finish and the caches are reset, so they see only new weights.
 
 Every other call reports one version: all its outputs come from the weights it was admitted
-under (a re-run call is admitted again). A cache reset always drains (engines refuse it mid-run).
+under (a re-run call is admitted again). A call is re-run at most ``max_reruns`` times: an update
+that finds such a call running waits for it (as ``drain`` would, without its timeout), so a call
+longer than the push interval still finishes (no re-run livelock).
+
+A load that fails after the engine may have changed (anything but a ``SyncError`` refusal, or the
+cache reset after a load) leaves the weights unknown: the scheduler is then *broken*. Every pending
+and running call fails at once with a 503 naming the cause, new calls are refused, and only a load
+that completes (weights taken, caches reset) serves again.
+
+Cache resets coalesce: a reset requested while another is pending joins it, and one requested with
+nothing generated or loaded since the last reset returns at once. Every reset drains (engines
+refuse it mid-run).
 """
 
 from __future__ import annotations
@@ -35,12 +46,12 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
-from rollmatch.errors import BackendError, ServerBusy
+from rollmatch.errors import BackendError, ServerBusy, SyncError
 from rollmatch.rollout.types import Decoding
 from rollmatch.server.limits import RequestTooLarge
 from rollmatch.server.watchdog import CACHE_RESET, GENERATION, EngineWatch
@@ -52,11 +63,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 UpdateMode = Literal["drain", "abort", "keep"]
 UPDATE_MODES: tuple[UpdateMode, ...] = ("drain", "abort", "keep")
-ServingState = Literal["idle", "generating", "updating", "stalled", "stopped"]
+ServingState = Literal["idle", "generating", "updating", "stalled", "broken", "stopped"]
 _POLL_S = 0.25
 
 
-@dataclass
+@dataclass(eq=False)  # identity: a ticket is one call, found in the queues by ``is``
 class CallTicket:
     """One submitted call: its prompts, where it stands, and (once done) its outputs or error."""
 
@@ -99,15 +110,33 @@ class CallTicket:
             callback()
 
 
-@dataclass
+@dataclass(eq=False)
 class _Operation:
-    """An exclusive engine operation; ``fn`` returns the new weight version (a load) or ``None``."""
+    """An exclusive engine operation; ``fn`` returns the new weight version (a load) or ``None``.
+    ``label`` names a load in the broken reason (e.g. ``weight version 3 (full)``)."""
 
     what: str
     fn: Callable[[], int | None]
     is_load: bool
+    label: str = ""
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
+    _callbacks: list[Callable[[], None]] = field(default_factory=list)
+
+    def on_done(self, callback: Callable[[], None]) -> None:
+        self._callbacks.append(callback)
+        if self.done.is_set():
+            callback()
+
+    def forget(self, callback: Callable[[], None]) -> None:
+        if callback in self._callbacks:
+            self._callbacks.remove(callback)
+
+    def _finish(self, error: BaseException | None = None) -> None:
+        self.error = error
+        self.done.set()
+        for callback in list(self._callbacks):
+            callback()
 
 
 class EngineScheduler:
@@ -122,6 +151,7 @@ class EngineScheduler:
         drain_timeout_s: float = 60.0,
         max_queued_prompts: int = 4096,
         max_queued_prompt_tokens: int = 1 << 22,
+        max_reruns: int = 2,
         on_failure: Callable[[BaseException], BaseException] = lambda exc: exc,
     ):
         if update_mode not in UPDATE_MODES:
@@ -129,6 +159,7 @@ class EngineScheduler:
         self.engine, self.watch = engine, watch
         self.update_mode, self.drain_timeout_s = update_mode, float(drain_timeout_s)
         self.max_queued_prompts, self.max_queued_prompt_tokens = max_queued_prompts, max_queued_prompt_tokens
+        self.max_reruns = int(max_reruns)
         self._on_failure = on_failure
         self.version = 0
         self._cond = threading.Condition()
@@ -139,6 +170,9 @@ class EngineScheduler:
         self._outstanding_prompts = 0
         self._outstanding_tokens = 0
         self._caches_stale = False  # ``keep`` mode: reset once the kept sequences finish
+        self._caches_dirty = False  # generated or loaded since the last cache reset
+        self._broken: str | None = None  # weights unknown after a failed load: nothing is served
+        self._cancelled: list[tuple[CallTicket, str]] = []  # running calls to abort on the engine thread
         self._drain_since: float | None = None
         self._ids = itertools.count()
         self._arriving = 0  # calls being prepared (see :meth:`arrival`)
@@ -192,14 +226,44 @@ class EngineScheduler:
                 self._arriving -= 1
                 self._cond.notify_all()
 
+    def cancel(self, ticket: CallTicket, why: str) -> None:
+        """Give up a call (its client left): a queued call is dropped at once, a running one is aborted
+        by the engine thread before its next step; either way it fails naming ``why`` and its prompts
+        and pixels are released. A call already done is left as it is."""
+        error = BackendError(f"call cancelled: {why}; nothing of it is answered")
+        with self._cond:
+            if ticket.done.is_set():
+                return
+            queued = any(t is ticket for t in self._pending)
+            if queued:
+                self._pending = deque(t for t in self._pending if t is not ticket)
+            else:
+                self._cancelled.append((ticket, why))
+                self._cond.notify_all()
+        if queued:
+            self._done(ticket, error)
+
     def wait(self, ticket: CallTicket) -> list[EngineOutput]:
         """Block until ``ticket`` is done; fails once the engine is stalled (never waits forever)."""
         while not ticket.done.wait(_POLL_S):
             self._fail_if_stalled()
         return self._result(ticket)
 
-    async def wait_async(self, ticket: CallTicket) -> list[EngineOutput]:
-        """:meth:`wait` for the event loop: no thread is held while the call waits."""
+    async def wait_async(
+        self, ticket: CallTicket, gone: Callable[[], Awaitable[bool]] | None = None
+    ) -> list[EngineOutput]:
+        """:meth:`wait` for the event loop: no thread is held while the call waits. ``gone`` (the
+        client disconnected?) is polled every quarter second; once true the call is cancelled
+        (:meth:`cancel`) and this raises its error."""
+        await self._await_done(ticket, gone, lambda: self.cancel(ticket, "the client disconnected"))
+        return self._result(ticket)
+
+    async def _await_done(
+        self,
+        holder: CallTicket | _Operation,
+        gone: Callable[[], Awaitable[bool]] | None = None,
+        on_gone: Callable[[], None] | None = None,
+    ) -> None:
         loop = asyncio.get_running_loop()
         done = loop.create_future()
 
@@ -209,30 +273,59 @@ class EngineScheduler:
             except RuntimeError:  # the waiter's loop is closed (its client left): nobody to wake
                 return
 
-        ticket.on_done(wake)
+        holder.on_done(wake)
         try:
             while True:
                 try:
                     await asyncio.wait_for(asyncio.shield(done), _POLL_S)
-                    return self._result(ticket)
+                    return
                 except TimeoutError:
                     self._fail_if_stalled()
+                    if gone is not None and on_gone is not None and await gone():
+                        on_gone()
+                        await asyncio.wait_for(asyncio.shield(done), 5.0)  # a cancel ends it at the next step
+                        return
         finally:
-            ticket.forget(wake)
+            holder.forget(wake)
 
     # ------------------------------------------------------------------------------ operations
-    def run_operation(self, what: str, fn: Callable[[], int | None], *, is_load: bool) -> None:
+    def run_operation(
+        self, what: str, fn: Callable[[], int | None], *, is_load: bool, label: str = ""
+    ) -> None:
         """Run ``fn`` on the engine thread with no generation running (see the update modes);
-        a load's ``fn`` returns the new weight version. Blocks until done; raises what ``fn`` raised."""
-        operation = _Operation(what, fn, is_load)
+        a load's ``fn`` returns the new weight version and raises ``SyncError`` only when it refused
+        before changing anything (any other error breaks the scheduler, see the module docstring).
+        Blocks until done; raises what ``fn`` raised. Allowed while broken (a complete load heals)."""
+        operation = _Operation(what, fn, is_load, label or what)
         with self._cond:
-            self._refuse_if_unusable()
+            self._refuse_if_stopped()
             self._operations.append(operation)
             self._cond.notify_all()
         while not operation.done.wait(_POLL_S):
             self._fail_if_stalled()
         if operation.error is not None:
             raise operation.error
+
+    async def reset_caches(self) -> None:
+        """Reset the engine's caches once in-flight calls finished, waiting on the event loop (no
+        thread held). Joins a reset already pending; returns at once when nothing was generated or
+        loaded since the last reset."""
+        with self._cond:
+            self._refuse_if_stopped()
+            operation = next((op for op in self._operations if op.what == CACHE_RESET), None)
+            if operation is None:
+                if not self._caches_dirty and not self._operations and not self._running:
+                    return
+                operation = _Operation(CACHE_RESET, self._reset_now, is_load=False, label=CACHE_RESET)
+                self._operations.append(operation)
+                self._cond.notify_all()
+        await self._await_done(operation)
+        if operation.error is not None:
+            raise operation.error
+
+    def _reset_now(self) -> None:
+        self.engine.reset_caches()
+        self._caches_dirty = False
 
     # ----------------------------------------------------------------------------------- state
     @property
@@ -241,6 +334,8 @@ class EngineScheduler:
             return "stopped"
         if self.watch.stalled() is not None:
             return "stalled"
+        if self._broken is not None:
+            return "broken"
         if self._operations or self.watch.current not in (None, GENERATION):
             return "updating"
         return "generating" if self._running_calls else "idle"
@@ -249,6 +344,11 @@ class EngineScheduler:
     def stopped(self) -> str | None:
         """Why the engine thread stopped serving (shut down, or failed unexpectedly), or ``None``."""
         return self._closed_reason
+
+    @property
+    def broken(self) -> str | None:
+        """Why nothing is served (a load failed after the engine may have changed), or ``None``."""
+        return self._broken
 
     def depth(self) -> dict[str, int]:
         """Queue depth, lock-free (a snapshot for health and stats)."""
@@ -271,12 +371,16 @@ class EngineScheduler:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not (self._stopping or self._pending or self._operations or self._running):
+                while not (
+                    self._stopping or self._pending or self._operations or self._running or self._cancelled
+                ):
                     self._cond.wait(1.0)
                 if self._stopping:
                     return
                 operation = self._operations[0] if self._operations else None
+                cancelled, self._cancelled = self._cancelled, []
             try:
+                self._drop_cancelled(cancelled)
                 if operation is not None:
                     self._serve_operation(operation)
                 elif self._caches_stale and not self._running:
@@ -296,25 +400,69 @@ class EngineScheduler:
             return
         self._drain_since = None
         keep = operation.is_load and bool(self._running)
+        loaded = False
+        error: BaseException | None = None
         try:
             with self.watch.operation(operation.what):
                 version = operation.fn()
             if version is not None:
                 self.version = version
             if operation.is_load:
-                self._caches_stale = True
+                loaded = True
+                self._caches_stale = self._caches_dirty = True
                 if not keep:
                     self._reset_caches()
+                self._broken = None  # a complete load: the weights are known again
         except BaseException as exc:
-            operation.error = exc
+            error = exc
+            if operation.is_load and (loaded or not isinstance(exc, SyncError)):
+                self._break(_broken_reason(operation.label, exc, loaded))
+                error = (
+                    BackendError(f"this rollout server stopped serving: {self._broken}") if loaded else exc
+                )
         with self._cond:
             self._operations.popleft()
-        operation.done.set()
+        operation._finish(error)
+
+    def _break(self, reason: str) -> None:
+        """The weights are unknown: fail every pending and running call, refuse new ones (503)."""
+        with self._cond:
+            self._broken = reason
+            calls = list(self._pending) + list(self._running_calls.values())
+            self._pending.clear()
+        if self._running:
+            self.engine.abort(list(self._running))
+        self._running.clear()
+        self._running_calls.clear()
+        error = BackendError(_broken_message(reason))
+        for ticket in calls:
+            self._done(ticket, error)
+        log.error(
+            "rollout server broken: %s; %d call(s) failed, nothing is served until a complete load",
+            reason,
+            len(calls),
+        )
+
+    def _drop_cancelled(self, cancelled: list[tuple[CallTicket, str]]) -> None:
+        for ticket, why in cancelled:
+            if ticket.done.is_set():
+                continue
+            ids = [i for i, (t, _) in self._running.items() if t is ticket]
+            if ids:
+                self.engine.abort(ids)
+                for request_id in ids:
+                    self._running.pop(request_id, None)
+            self._running_calls.pop(ticket.call_id, None)
+            with self._cond:
+                self._pending = deque(t for t in self._pending if t is not ticket)
+            self._done(ticket, BackendError(f"call cancelled: {why}; nothing of it is answered"))
 
     def _ready_for(self, operation: _Operation) -> bool:
         """May ``operation`` run now, with calls in flight? Aborts them when the mode says so."""
         if operation.is_load and self.update_mode == "keep":
             return True
+        if operation.is_load and any(t.attempts >= self.max_reruns for t in self._running_calls.values()):
+            return False  # a call re-run max_reruns times already: this update waits for it to finish
         if operation.is_load and self.update_mode == "abort":
             self._abort_running("the abort update mode")
             return True
@@ -341,7 +489,7 @@ class EngineScheduler:
     def _reset_caches(self) -> None:
         with self.watch.operation(CACHE_RESET):
             self.engine.reset_caches()
-        self._caches_stale = False
+        self._caches_stale = self._caches_dirty = False
 
     def _admit_pending(self) -> None:
         window = self.engine.join_window_s
@@ -374,6 +522,7 @@ class EngineScheduler:
         self._running_calls[ticket.call_id] = ticket
 
     def _step(self) -> None:
+        self._caches_dirty = True
         try:
             with self.watch.operation(GENERATION):
                 finished = self.engine.step()
@@ -416,8 +565,7 @@ class EngineScheduler:
             if not ticket.done.is_set():
                 self._done(ticket, error)
         for operation in operations:
-            operation.error = error
-            operation.done.set()
+            operation._finish(error)
 
     # ---------------------------------------------------------------------------------- checks
     def _result(self, ticket: CallTicket) -> list[EngineOutput]:
@@ -425,7 +573,16 @@ class EngineScheduler:
             raise ticket.error
         return [o for o in ticket.outputs if o is not None]
 
+    def refuse_if_broken(self) -> None:
+        """Raise the 503 of a broken (or stopped, or stalled) scheduler; nothing when it serves."""
+        self._refuse_if_unusable()
+
     def _refuse_if_unusable(self) -> None:
+        self._refuse_if_stopped()
+        if self._broken is not None:
+            raise BackendError(_broken_message(self._broken))
+
+    def _refuse_if_stopped(self) -> None:
         if self._closed_reason is not None:
             raise BackendError(f"the rollout engine stopped: {self._closed_reason}")
         self._fail_if_stalled()
@@ -434,3 +591,18 @@ class EngineScheduler:
         stalled = self.watch.stalled()
         if stalled is not None:
             raise BackendError(f"the rollout engine is stalled ({stalled}); restart the server")
+
+
+def _broken_reason(label: str, exc: BaseException, loaded: bool) -> str:
+    if loaded:
+        return f"{label} was loaded, then resetting the engine's caches failed ({type(exc).__name__}: {exc})"
+    if isinstance(exc, BackendError):
+        return str(exc)  # the loader named what failed
+    return f"{label} failed after the engine may have changed ({type(exc).__name__}: {exc})"
+
+
+def _broken_message(reason: str) -> str:
+    return (
+        f"this rollout server stopped serving: {reason}; its weights are unknown, so nothing is generated "
+        "until a complete weight update is loaded (push one, or restart the server)"
+    )

@@ -14,6 +14,7 @@ import pytest
 import torch
 from load_clients import prepared_prompts
 
+from rollmatch.errors import BackendError
 from rollmatch.rollout.types import Decoding
 from rollmatch.server.limits import ServerLimits
 from rollmatch.server.rollout_server import RolloutServer
@@ -119,3 +120,46 @@ def test_abort_drain_and_keep_modes_on_a_call_in_flight(
 
     # vLLM's harmless per-reload warnings for computed-state layers were replaced by one explanation
     assert _ComputedStateReloadNote.explained and not [m for m in shown if "Failed to load weights" in m]
+
+
+@pytest.mark.parametrize("mode", ["abort", "drain"])
+def test_a_call_longer_than_the_push_interval_is_rerun_at_most_max_reruns_times(
+    server: RolloutServer, loaded_tiny: tuple[Any, Any], raccoon_requests: list[Any], mode: str
+) -> None:
+    # Pins the re-run livelock fix: pushes arriving faster than a call lasts abort it max_reruns
+    # times, then the next push waits for it, so it finishes (before: it was re-run at every push).
+    scheduler = server.scheduler
+    scheduler.update_mode = mode
+    weights = _weight_sets(loaded_tiny)["A"]
+    prompts = prepared_prompts(server, raccoon_requests[:1])
+    ticket = scheduler.submit(prompts, LONG, 0)
+    try:
+        first = scheduler.version + 1
+        for version in range(first, first + scheduler.max_reruns):
+            _running(server)
+            _load(server, weights, version)
+            assert not ticket.done.is_set() and ticket.attempts == version - first + 1
+        _running(server)
+        _load(server, weights, first + scheduler.max_reruns)  # waits for the call instead of aborting it
+        assert ticket.done.is_set() and ticket.error is None
+        last_rerun = first + scheduler.max_reruns - 1
+        assert ticket.attempts == scheduler.max_reruns and ticket.versions == (last_rerun, last_rerun)
+    finally:
+        scheduler.update_mode = "drain"
+
+
+def test_a_cancelled_running_call_is_aborted_in_the_engine_and_releases_admission(
+    server: RolloutServer, raccoon_requests: list[Any]
+) -> None:
+    # Pins: cancelling a running call (its client left) aborts its requests before the next step
+    # and releases its prompts (before: nothing cancelled a call; it ran to the end).
+    scheduler = server.scheduler
+    prompts = prepared_prompts(server, raccoon_requests[:1])
+    ticket = scheduler.submit(prompts, LONG, 0)
+    _running(server)
+    started = time.monotonic()
+    scheduler.cancel(ticket, "the client disconnected")
+    with pytest.raises(BackendError, match="call cancelled: the client disconnected"):
+        scheduler.wait(ticket)
+    assert time.monotonic() - started < 0.5 and scheduler.depth()["outstanding_prompts"] == 0
+    assert scheduler.wait(scheduler.submit(prompts, SHORT, 0))  # the engine serves on
