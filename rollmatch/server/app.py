@@ -20,7 +20,7 @@ would be), then waits for the engine thread on the event loop (no thread held wh
 any number of calls can wait), and serialises the reply in a second hop. A full server answers
 429 with ``Retry-After``. The answer carries the weight version (``X-Weight-Version``, the oldest
 when ``keep`` mode mixed two) and the phase times in a ``Server-Timing`` header (``receive``,
-``parse``, ``prepare``, ``decode``, ``engine``, ``outputs``, ``respond``).
+``parse``, ``prepare``, ``decode``, ``preprocess``, ``engine``, ``outputs``, ``respond``).
 """
 
 from __future__ import annotations

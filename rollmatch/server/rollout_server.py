@@ -105,6 +105,7 @@ class RolloutServer:
         self.infer_calls = 0
         self.rejected_requests = 0
         self.busy_refusals = 0
+        self.preprocess_in_prepare = True  # False restores the engine-thread preprocessing (benchmarks)
 
     @property
     def weight_version(self) -> int:
@@ -190,7 +191,9 @@ class RolloutServer:
             call.release()
             return None
         try:
-            ticket = self.scheduler.submit(call.prompts, call.decoding, call.config.seed)
+            ticket = self.scheduler.submit(
+                call.prompts, call.decoding, call.config.seed, tuple(call.config.stop or ())
+            )
         except ValueError:  # the call alone is over what the server queues (413)
             call.release()
             self._count(rejected=1)
@@ -256,10 +259,24 @@ class RolloutServer:
         try:
             prompts = [preparer.prepare(r, i, times) for i, r in enumerate(body.infer_requests)]
             pixels.cover(sum(image.width * image.height for p in prompts for image in p.images))
+            if self.preprocess_in_prepare:
+                with times.phase("preprocess"):
+                    self._preprocess(prompts)
         except BaseException:
             pixels.release()
             raise
         return config, prompts, pixels
+
+    def _preprocess(self, prompts: list[PreparedPrompt]) -> None:
+        """The engine's image processing, here in the prepare hop so the engine thread only decodes;
+        what the engine refuses is the request's fault (400), anything else the engine's (503)."""
+        for prompt in prompts:
+            try:
+                self.engine.preprocess(prompt)
+            except BackendError:
+                raise
+            except Exception as exc:
+                raise _engine_failure(exc) from exc
 
     def _apply_stops(self, out: EngineOutput, stops: list[str]) -> EngineOutput:
         trimmed = trim_at_stop_strings(out.token_ids, out.text, stops, self.engine.preparer.tokenizer)

@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, Literal
 from rollmatch.errors import BackendError, ServerBusy, SyncError
 from rollmatch.rollout.types import Decoding
 from rollmatch.server.limits import RequestTooLarge
-from rollmatch.server.watchdog import CACHE_RESET, GENERATION, EngineWatch
+from rollmatch.server.watchdog import ADMISSION, CACHE_RESET, GENERATION, EngineWatch
 
 if TYPE_CHECKING:
     from rollmatch.server.engines import EngineOutput, ServerEngine
@@ -65,6 +65,7 @@ UpdateMode = Literal["drain", "abort", "keep"]
 UPDATE_MODES: tuple[UpdateMode, ...] = ("drain", "abort", "keep")
 ServingState = Literal["idle", "generating", "updating", "stalled", "broken", "stopped"]
 _POLL_S = 0.25
+ADMIT_PROMPTS_PER_STEP = 8
 
 
 @dataclass(eq=False)  # identity: a ticket is one call, found in the queues by ``is``
@@ -76,6 +77,7 @@ class CallTicket:
     decoding: Decoding
     seed: int | None
     prompt_tokens: int
+    stop: tuple[str, ...] = ()  # stop strings the engine stops at (the server trims at them too)
     outputs: list[EngineOutput | None] = field(default_factory=list)
     first_version: int = -1
     last_version: int = -1
@@ -160,6 +162,9 @@ class EngineScheduler:
         self.update_mode, self.drain_timeout_s = update_mode, float(drain_timeout_s)
         self.max_queued_prompts, self.max_queued_prompt_tokens = max_queued_prompts, max_queued_prompt_tokens
         self.max_reruns = int(max_reruns)
+        # Prompts admitted between two steps while others decode (whole calls, at least one): running
+        # sequences never wait for a whole burst of arrivals. ``None`` admits everything pending.
+        self.admit_prompts_per_step: int | None = ADMIT_PROMPTS_PER_STEP
         self._on_failure = on_failure
         self.version = 0
         self._cond = threading.Condition()
@@ -183,7 +188,9 @@ class EngineScheduler:
         self._thread.start()
 
     # ----------------------------------------------------------------------------------- calls
-    def submit(self, prompts: list[PreparedPrompt], decoding: Decoding, seed: int | None) -> CallTicket:
+    def submit(
+        self, prompts: list[PreparedPrompt], decoding: Decoding, seed: int | None, stop: tuple[str, ...] = ()
+    ) -> CallTicket:
         """Queue a call; :class:`ServerBusy` when the server holds too much already."""
         tokens = sum(len(p.prompt_token_ids) for p in prompts)
         if len(prompts) > self.max_queued_prompts or tokens > self.max_queued_prompt_tokens:
@@ -205,7 +212,7 @@ class EngineScheduler:
                     f"--max-queued-prompt-tokens {self.max_queued_prompt_tokens}); retry later or add servers",
                     retry_after_s=1.0,
                 )
-            ticket = CallTicket(next(self._ids), list(prompts), decoding, seed, tokens)
+            ticket = CallTicket(next(self._ids), list(prompts), decoding, seed, tokens, tuple(stop))
             ticket.outputs = [None] * len(prompts)
             self._outstanding_prompts += len(prompts)
             self._outstanding_tokens += tokens
@@ -498,10 +505,20 @@ class EngineScheduler:
                 deadline = time.monotonic() + window
                 while self._arriving > 0 and (left := deadline - time.monotonic()) > 0:
                     self._cond.wait(left)
-            admitted = list(self._pending)
-            self._pending.clear()
-        for ticket in admitted:
-            self._admit(ticket)
+            admitted: list[CallTicket] = []
+            budget = self.admit_prompts_per_step if self._running else None
+            while self._pending and (
+                budget is None or not admitted or budget >= len(self._pending[0].prompts)
+            ):
+                ticket = self._pending.popleft()
+                admitted.append(ticket)
+                if budget is not None:
+                    budget -= len(ticket.prompts)
+        if not admitted:
+            return
+        with self.watch.operation(ADMISSION):  # watched: a hang while adding shows as a stall
+            for ticket in admitted:
+                self._admit(ticket)
 
     def _admit(self, ticket: CallTicket) -> None:
         ticket.first_version = self.version
@@ -510,7 +527,8 @@ class EngineScheduler:
             for index, prompt in enumerate(ticket.prompts):
                 request_id = ticket.request_id(index)
                 seed = None if ticket.seed is None else ticket.seed + index
-                self.engine.add(request_id, prompt, ticket.decoding, seed)
+                self.engine.add(request_id, prompt, ticket.decoding, seed, ticket.stop)
+                self.watch.progress()
                 added.append(request_id)
                 self._running[request_id] = (ticket, index)
         except Exception as exc:  # this call's values: only this call fails

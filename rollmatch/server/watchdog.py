@@ -18,6 +18,7 @@ from contextlib import contextmanager
 GENERATION = "generation"
 WEIGHT_LOAD = "weight load"
 CACHE_RESET = "cache reset"
+ADMISSION = "admission"
 
 
 class EngineWatch:

@@ -15,12 +15,13 @@ import requests
 import torch
 from load_clients import prepared_prompts
 
-from rollmatch.errors import BackendError
+from rollmatch.errors import BackendError, SyncError
 from rollmatch.protocol import FinishUpdateBody, FinishUpdateReply, InferRequest, encode_image
 from rollmatch.rollout.types import Decoding
 from rollmatch.server.engines import HFServerEngine
 from rollmatch.server.limits import ServerLimits
 from rollmatch.server.rollout_server import RolloutServer
+from rollmatch.server.watchdog import WEIGHT_LOAD
 from rollmatch.sync.transaction import VerifiedUpdate
 
 GREEDY = Decoding(max_new_tokens=4)
@@ -229,3 +230,49 @@ def test_a_client_that_leaves_cancels_its_call_and_frees_its_prompts_and_pixels(
         release.set()
         wedge.join(30)
     assert requests.post(f"{url}/infer/", json=body(4), timeout=60).status_code == 200
+
+
+def test_a_full_update_missing_weights_is_refused_and_the_version_kept(
+    server: RolloutServer, own_engine: HFServerEngine
+) -> None:
+    # Pins: a "full" update must carry every weight (before: a partial one loaded and was labelled
+    # with the new version, serving a mix of two versions); refused cleanly, before any change.
+    state = [(k, v.detach().clone()) for k, v in own_engine.model.state_dict().items()]
+    with pytest.raises(SyncError, match=f"3 missing: .*{state[-1][0]}") as refused:  # sync.finish: ok=False
+        _push(server, [(k, v + 1.0) for k, v in state[:-3]], 7)
+    assert "whole model" in str(refused.value)
+    assert all(torch.equal(v, own_engine.model.state_dict()[k]) for k, v in state)
+    assert server.health().status == "ok" and server.weight_version == 0
+
+
+def test_a_weight_load_ticks_the_watchdog_per_tensor(own_engine: HFServerEngine) -> None:
+    # Pins: a load reports progress per tensor, so a load longer than --engine-stall-timeout-s that
+    # is still copying is not reported stalled (before: no progress until it finished).
+    ticks: list[int] = []
+    own_engine.observe_progress(lambda: ticks.append(1))
+    state = [(k, v.detach().clone()) for k, v in own_engine.model.state_dict().items()]
+    own_engine.load_weights(state)
+    assert len(ticks) == len(state)
+
+
+def test_an_hf_weight_update_waits_for_one_capped_step_not_for_a_whole_big_call(
+    own_engine: HFServerEngine, raccoon_requests: list[Any]
+) -> None:
+    # Pins: an HF step runs at most max_step_prompts prompts, so an update (drain timeout 0.3 s)
+    # aborts a big call at the next step boundary and re-runs it (before: one step ran the whole
+    # call, and the update waited for all of it whatever --drain-timeout-s said).
+    server = RolloutServer(own_engine, ServerLimits(drain_timeout_s=0.3))
+    try:
+        prompts = prepared_prompts(server, raccoon_requests[:1]) * (2 * own_engine.max_step_prompts)
+        ticket = server.scheduler.submit(prompts, GREEDY, 0)
+        deadline = time.monotonic() + 30
+        while server.health().running_calls == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        server.scheduler.run_operation(WEIGHT_LOAD, lambda: 1, is_load=True)
+        assert not ticket.done.is_set(), "the update waited for the whole call"
+        assert len(server.scheduler.wait(ticket)) == len(prompts)
+        assert ticket.versions == (1, 1) and ticket.attempts == 1
+    finally:
+        server.scheduler.close()
+        server.sync.shutdown()

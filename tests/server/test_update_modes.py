@@ -163,3 +163,21 @@ def test_a_cancelled_running_call_is_aborted_in_the_engine_and_releases_admissio
         scheduler.wait(ticket)
     assert time.monotonic() - started < 0.5 and scheduler.depth()["outstanding_prompts"] == 0
     assert scheduler.wait(scheduler.submit(prompts, SHORT, 0))  # the engine serves on
+
+
+def test_stop_strings_end_generation_in_the_engine(
+    server: RolloutServer, raccoon_requests: list[Any]
+) -> None:
+    # Pins: vLLM stops generating at a stop string (before: it generated max_tokens, and the server
+    # cut the text afterwards); the cut text is the full response's text up to the stop string.
+    scheduler = server.scheduler
+    prompts = prepared_prompts(server, raccoon_requests[:1])
+    full = scheduler.wait(scheduler.submit(prompts, LONG, 0))[0]
+    assert len(full.token_ids) == LONG.max_new_tokens
+    start = len(full.text) // 4
+    stop = full.text[start : start + 6]
+    assert stop.strip(), "the random model's text has no usable stop string here"
+    stopped = scheduler.wait(scheduler.submit(prompts, LONG, 0, (stop,)))[0]
+    assert len(stopped.token_ids) < LONG.max_new_tokens // 2, len(stopped.token_ids)
+    assert stopped.token_ids == full.token_ids[: len(stopped.token_ids)]
+    assert stop in server.engine.preparer.tokenizer.decode(stopped.token_ids)
