@@ -31,6 +31,7 @@ Run: ``.venv/bin/python bench/decode_gap.py [--arrivals 64] [--images 4] [--long
 from __future__ import annotations
 
 import argparse
+import asyncio
 import itertools
 import json
 import statistics
@@ -158,10 +159,10 @@ def _measure(
         tickets = list(pool.map(lambda body: _submit(server, body), arrivals))
     submitted = time.perf_counter() - started
     for arrival in tickets:
-        server.scheduler.wait(arrival)
+        asyncio.run(server.scheduler.wait_async(arrival))
     admitted_at = time.perf_counter()
     long_done = not ticket.done.is_set()
-    server.scheduler.wait(ticket)
+    asyncio.run(server.scheduler.wait_async(ticket))
     window = [t for t in steps[first:] if t <= admitted_at] or steps[first : first + 2]
     times = [steps[first - 1], *window]
     gaps = [b - a for a, b in itertools.pairwise(times)]
@@ -182,7 +183,7 @@ def _submit(server: RolloutServer, body: InferBody) -> Any:
 def _call(server: RolloutServer, body: InferBody) -> None:
     ticket = server.submit(server.prepare(body))
     if ticket is not None:
-        server.scheduler.wait(ticket)
+        asyncio.run(server.scheduler.wait_async(ticket))
 
 
 def _body(encoder: PromptEncoder, photos: list[str], start: int, images: int, max_tokens: int) -> InferBody:

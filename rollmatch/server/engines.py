@@ -58,6 +58,7 @@ class ServerEngine(Protocol):
     fingerprint: dict[str, str]
     preparer: PromptPreparer
     join_window_s: float  # from idle, the most the engine thread waits for calls still being prepared
+    required_weights: set[str]  # what a full update must carry (``check_weight_coverage``)
 
     def preprocess(self, prompt: PreparedPrompt) -> None:
         """Run the engine's input processing (the image processor) on ``prompt`` now, in the caller's
@@ -161,7 +162,7 @@ class HFServerEngine:
             batch_size=batch_size,
         )
         self._params = dict(self.model.state_dict())
-        self._required = required_weights(self._params)
+        self.required_weights = required_weights(self._params)
         self._progress_hook: torch.utils.hooks.RemovableHandle | None = None
         self._on_tensor: Callable[[], None] = lambda: None
         self._queued: dict[str, tuple[RolloutRequest, Decoding, int]] = {}
@@ -213,7 +214,6 @@ class HFServerEngine:
     @torch.no_grad()
     def load_weights(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
         check_weight_shapes(tensors, {k: tuple(v.shape) for k, v in self._params.items()}, self.model_dir)
-        check_weight_coverage(tensors, self._required, self.model_dir)
         for name, tensor in tensors:
             self._params[name].copy_(tensor.to(self._params[name].dtype))
             self._on_tensor()  # a long load ticks the watchdog per tensor, like generation per forward
@@ -307,7 +307,7 @@ class VllmServerEngine:
             getattr(config, "tie_word_embeddings", False)
             or getattr(getattr(config, "text_config", None), "tie_word_embeddings", False)
         )
-        self._required = {n for n in self._shapes if not (tied and n.startswith("lm_head."))}
+        self.required_weights = {n for n in self._shapes if not (tied and n.startswith("lm_head."))}
         self._on_tensor: Callable[[], None] = lambda: None
         on_cpu = not torch.cuda.is_available()
         self._engine = VllmEngine(
@@ -361,7 +361,6 @@ class VllmServerEngine:
 
     def load_weights(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
         check_weight_shapes(tensors, self._shapes, self.model_dir)
-        check_weight_coverage(tensors, self._required, self.model_dir)
         self._engine.drop_adapter()  # merged weights already contain the adapter
         self._engine.load_weights(_ticking(tensors, self._on_tensor), reset_caches=False)
 

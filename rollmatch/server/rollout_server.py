@@ -11,7 +11,7 @@ Leaves out: HTTP (``server.app``), request preparation (``server.prompts``), the
 A call goes through three steps, so the HTTP layer can wait for the engine without holding a
 thread: :meth:`RolloutServer.prepare` (caps, ids, images: a worker thread), :meth:`RolloutServer.submit`
 (admission: 429 when the server holds too much), then :meth:`RolloutServer.outputs` once the ticket
-is done. :meth:`RolloutServer.infer` does all three for in-process callers.
+is done (``EngineScheduler.wait_async``).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from rollmatch.protocol import (
     decoding_from_request_config,
 )
 from rollmatch.rollout.types import Decoding
-from rollmatch.server.engines import EngineOutput, ServerEngine
+from rollmatch.server.engines import EngineOutput, ServerEngine, check_weight_coverage
 from rollmatch.server.limits import RequestTooLarge, ServerLimits
 from rollmatch.server.media import PixelBudget, PixelLease
 from rollmatch.server.prompts import PreparedPrompt, chat_messages, trim_at_stop_strings
@@ -140,21 +140,6 @@ class RolloutServer:
         )
 
     # ------------------------------------------------------------------------------- inference
-    def infer(self, body: InferBody, times: PhaseTimes | None = None) -> list[RolloutOutput]:
-        """Roll out every request of ``body`` (blocking); ``times`` (optional) gets the phases
-        ``prepare`` (caps, id checks; ``decode`` for the images inside it), ``engine`` (queueing and
-        generation) and ``outputs``."""
-        times = times if times is not None else PhaseTimes()
-        with self.scheduler.arrival():
-            with times.phase("prepare"):
-                call = self.prepare(body, times)
-            ticket = self.submit(call)
-        with times.phase("engine"):
-            if ticket is not None:
-                self.scheduler.wait(ticket)
-        with times.phase("outputs"):
-            return self.outputs(call, ticket)
-
     def prepare(self, body: InferBody, times: PhaseTimes | None = None) -> PreparedCall:
         """Caps, cross-field checks and the prepared prompts (images decoded): a ``ValueError`` (4xx)
         names what is wrong; nothing reaches the engine."""
@@ -350,6 +335,7 @@ class RolloutServer:
                     f"{exc})"
                 ) from exc
         else:
+            check_weight_coverage(update.tensors, self.engine.required_weights, self.engine.model_dir)
             try:
                 self.engine.load_weights(update.tensors)
             except SyncError:

@@ -121,6 +121,7 @@ class _Operation:
     fn: Callable[[], int | None]
     is_load: bool
     label: str = ""
+    queued_at: float = field(default_factory=time.monotonic)
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
     _callbacks: list[Callable[[], None]] = field(default_factory=list)
@@ -178,7 +179,6 @@ class EngineScheduler:
         self._caches_dirty = False  # generated or loaded since the last cache reset
         self._broken: str | None = None  # weights unknown after a failed load: nothing is served
         self._cancelled: list[tuple[CallTicket, str]] = []  # running calls to abort on the engine thread
-        self._drain_since: float | None = None
         self._ids = itertools.count()
         self._arriving = 0  # calls being prepared (see :meth:`arrival`)
         self._stopping = False
@@ -250,19 +250,16 @@ class EngineScheduler:
         if queued:
             self._done(ticket, error)
 
-    def wait(self, ticket: CallTicket) -> list[EngineOutput]:
-        """Block until ``ticket`` is done; fails once the engine is stalled (never waits forever)."""
-        while not ticket.done.wait(_POLL_S):
-            self._fail_if_stalled()
-        return self._result(ticket)
-
     async def wait_async(
         self, ticket: CallTicket, gone: Callable[[], Awaitable[bool]] | None = None
     ) -> list[EngineOutput]:
-        """:meth:`wait` for the event loop: no thread is held while the call waits. ``gone`` (the
+        """Wait for ``ticket`` on the event loop (no thread held); fails once the engine is stalled
+        (never waits forever) and raises the call's error. ``gone`` (the
         client disconnected?) is polled every quarter second; once true the call is cancelled
         (:meth:`cancel`) and this raises its error."""
         await self._await_done(ticket, gone, lambda: self.cancel(ticket, "the client disconnected"))
+        if not ticket.done.is_set():  # cancelled: the engine thread aborts it at its next step
+            raise BackendError("call cancelled: the client disconnected; nothing of it is answered")
         return self._result(ticket)
 
     async def _await_done(
@@ -290,7 +287,6 @@ class EngineScheduler:
                     self._fail_if_stalled()
                     if gone is not None and on_gone is not None and await gone():
                         on_gone()
-                        await asyncio.wait_for(asyncio.shield(done), 5.0)  # a cancel ends it at the next step
                         return
         finally:
             holder.forget(wake)
@@ -405,7 +401,6 @@ class EngineScheduler:
         if self._running and not self._ready_for(operation):
             self._step()  # drain: in-flight calls finish under the current weights
             return
-        self._drain_since = None
         keep = operation.is_load and bool(self._running)
         loaded = False
         error: BaseException | None = None
@@ -473,9 +468,7 @@ class EngineScheduler:
         if operation.is_load and self.update_mode == "abort":
             self._abort_running("the abort update mode")
             return True
-        now = time.monotonic()
-        self._drain_since = self._drain_since or now
-        if now - self._drain_since < self.drain_timeout_s:
+        if time.monotonic() - operation.queued_at < self.drain_timeout_s:  # counted from the request
             return False
         self._abort_running(f"the drain timeout ({self.drain_timeout_s:g}s, --drain-timeout-s)")
         return True

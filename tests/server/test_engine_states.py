@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import requests
 import torch
-from load_clients import prepared_prompts
+from load_clients import prepared_prompts, wait_for
 
 from rollmatch.errors import BackendError, SyncError
 from rollmatch.protocol import FinishUpdateBody, FinishUpdateReply, InferRequest, encode_image
@@ -63,12 +63,12 @@ def test_a_half_applied_load_fails_queued_calls_and_serves_again_only_after_a_co
     # cause; a complete load serves again under its version.
     prompts = prepared_prompts(server, raccoon_requests[:1])
     pristine = [(k, v.detach().clone()) for k, v in own_engine.model.state_dict().items()]
-    reference = server.scheduler.wait(server.scheduler.submit(prompts, GREEDY, 0))[0].token_ids
+    reference = wait_for(server.scheduler, server.scheduler.submit(prompts, GREEDY, 0))[0].token_ids
     loading, release = threading.Event(), threading.Event()
     real_load = own_engine.load_weights
 
-    def half_applied(tensors: list[tuple[str, torch.Tensor]]) -> None:  # fault: copies some, then fails
-        real_load(tensors[:2])
+    def half_applied(tensors: list[tuple[str, torch.Tensor]]) -> None:  # fault: copies, then fails
+        real_load(tensors)
         loading.set()
         release.wait(30)
         raise RuntimeError("injected device error mid-load")
@@ -85,7 +85,7 @@ def test_a_half_applied_load_fails_queued_calls_and_serves_again_only_after_a_co
     assert errors and "failed half-way" in str(errors[0]) and "injected device error" in str(errors[0])
     for ticket in queued:
         with pytest.raises(BackendError, match="stopped serving: loading weight version 1 failed half-way"):
-            server.scheduler.wait(ticket)
+            wait_for(server.scheduler, ticket)
     health = server.health()
     assert health.status == "broken" and health.engine == "broken" and "half-way" in (health.detail or "")
     with pytest.raises(BackendError, match=r"stopped serving.*complete weight update"):
@@ -94,7 +94,7 @@ def test_a_half_applied_load_fails_queued_calls_and_serves_again_only_after_a_co
     assert _push(server, pristine, 2).version == 2
     assert server.health().status == "ok"
     ticket = server.scheduler.submit(prompts, GREEDY, 0)
-    assert server.scheduler.wait(ticket)[0].token_ids == reference and ticket.versions == (2, 2)
+    assert wait_for(server.scheduler, ticket)[0].token_ids == reference and ticket.versions == (2, 2)
 
 
 def _catch(errors: list[BaseException], fn: Callable[[], Any]) -> None:
@@ -271,7 +271,7 @@ def test_an_hf_weight_update_waits_for_one_capped_step_not_for_a_whole_big_call(
             time.sleep(0.01)
         server.scheduler.run_operation(WEIGHT_LOAD, lambda: 1, is_load=True)
         assert not ticket.done.is_set(), "the update waited for the whole call"
-        assert len(server.scheduler.wait(ticket)) == len(prompts)
+        assert len(wait_for(server.scheduler, ticket)) == len(prompts)
         assert ticket.versions == (1, 1) and ticket.attempts == 1
     finally:
         server.scheduler.close()

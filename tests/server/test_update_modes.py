@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from load_clients import prepared_prompts
+from load_clients import prepared_prompts, wait_for
 
 from rollmatch.errors import BackendError
 from rollmatch.rollout.types import Decoding
@@ -80,7 +80,7 @@ def test_abort_drain_and_keep_modes_on_a_call_in_flight(
     scheduler = server.scheduler
 
     def alone(decoding: Decoding) -> list[int]:
-        return scheduler.wait(scheduler.submit(prompts, decoding, 0))[0].token_ids
+        return wait_for(scheduler, scheduler.submit(prompts, decoding, 0))[0].token_ids
 
     _load(server, weights["A"], 1)
     reference = {"A": {"long": alone(LONG), "short": alone(SHORT)}}
@@ -98,7 +98,7 @@ def test_abort_drain_and_keep_modes_on_a_call_in_flight(
         ticket = scheduler.submit(prompts, LONG, 0)
         _running(server)
         took = _load(server, weights[name], version)
-        outputs = scheduler.wait(ticket)
+        outputs = wait_for(scheduler, ticket)
         assert ticket.versions == (version, version), (mode, ticket.versions)
         assert outputs[0].token_ids == reference[name]["long"], mode  # re-run whole under the new weights
         assert scheduler.rerun_calls == reruns + 1
@@ -109,11 +109,11 @@ def test_abort_drain_and_keep_modes_on_a_call_in_flight(
     _running(server)
     took = _load(server, weights["A"], 5)
     after = scheduler.submit(prompts, SHORT, 0)  # admitted once the kept call is done
-    kept = scheduler.wait(ticket)[0].token_ids
+    kept = wait_for(scheduler, ticket)[0].token_ids
     assert ticket.versions == (4, 5) and took < long_call_s
     assert kept not in (reference["A"]["long"], reference["B"]["long"])  # tokens from both weight sets
     assert kept[:3] == reference["B"]["long"][:3]
-    assert scheduler.wait(after)[0].token_ids == reference["A"]["short"] and after.versions == (5, 5)
+    assert wait_for(scheduler, after)[0].token_ids == reference["A"]["short"] and after.versions == (5, 5)
     scheduler.update_mode = "drain"
     reload_log.removeHandler(recorder)
     from rollmatch.rollout.vllm_engine import _ComputedStateReloadNote
@@ -160,9 +160,9 @@ def test_a_cancelled_running_call_is_aborted_in_the_engine_and_releases_admissio
     started = time.monotonic()
     scheduler.cancel(ticket, "the client disconnected")
     with pytest.raises(BackendError, match="call cancelled: the client disconnected"):
-        scheduler.wait(ticket)
+        wait_for(scheduler, ticket)
     assert time.monotonic() - started < 0.5 and scheduler.depth()["outstanding_prompts"] == 0
-    assert scheduler.wait(scheduler.submit(prompts, SHORT, 0))  # the engine serves on
+    assert wait_for(scheduler, scheduler.submit(prompts, SHORT, 0))  # the engine serves on
 
 
 def test_stop_strings_end_generation_in_the_engine(
@@ -172,12 +172,12 @@ def test_stop_strings_end_generation_in_the_engine(
     # cut the text afterwards); the cut text is the full response's text up to the stop string.
     scheduler = server.scheduler
     prompts = prepared_prompts(server, raccoon_requests[:1])
-    full = scheduler.wait(scheduler.submit(prompts, LONG, 0))[0]
+    full = wait_for(scheduler, scheduler.submit(prompts, LONG, 0))[0]
     assert len(full.token_ids) == LONG.max_new_tokens
     start = len(full.text) // 4
     stop = full.text[start : start + 6]
     assert stop.strip(), "the random model's text has no usable stop string here"
-    stopped = scheduler.wait(scheduler.submit(prompts, LONG, 0, (stop,)))[0]
+    stopped = wait_for(scheduler, scheduler.submit(prompts, LONG, 0, (stop,)))[0]
     assert len(stopped.token_ids) < LONG.max_new_tokens // 2, len(stopped.token_ids)
     assert stopped.token_ids == full.token_ids[: len(stopped.token_ids)]
     assert stop in server.engine.preparer.tokenizer.decode(stopped.token_ids)
