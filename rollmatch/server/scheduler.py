@@ -7,10 +7,15 @@ preparation (``server.rollout_server``), what an engine is (``server.engines``) 
 How calls share the engine: a call is *submitted* (admission: bounded prompts and prompt tokens
 outstanding, else :class:`~rollmatch.errors.ServerBusy`, a 429), then *admitted* by the engine
 thread, which adds every prompt as its own engine request with its own decoding and seed
-(``seed + j`` for prompt ``j``). The vLLM engine schedules all admitted requests together
-(continuous batching: a call arriving mid-generation joins at the next engine step); the HF engine
-runs everything admitted as one batch per step, calls arriving while a batch runs join the next
-one, and from idle it waits (at most ``join_window_s``) for calls still being prepared. A call's outputs do not depend on what else runs, because seeds are per request.
+(``seed + j`` for prompt ``j``); the images were already through the engine's processor (the
+prepare hop, ``ServerEngine.preprocess``), and while calls decode at most ``ADMIT_PROMPTS_PER_STEP``
+new prompts are added between two steps, as a watched ``admission`` operation. A call whose
+client left is cancelled (:meth:`EngineScheduler.cancel`). The vLLM engine schedules all
+admitted requests together (continuous batching: a call arriving mid-generation joins at the next
+engine step); the HF engine runs up to ``max_step_prompts`` admitted prompts as one batch per step,
+calls arriving while a batch runs join the next one, and from idle it waits (at most
+``join_window_s``) for calls still being prepared. A call's outputs do not depend on what else
+runs, because seeds are per request.
 
 Exclusive operations (weight loads, cache resets) are queued like calls but go first: once one is
 pending, no new call is admitted (fair against new calls; an update cannot starve). A weight load
@@ -48,12 +53,12 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from rollmatch.errors import BackendError, ServerBusy, SyncError
 from rollmatch.rollout.types import Decoding
 from rollmatch.server.limits import RequestTooLarge
+from rollmatch.server.tickets import CallTicket, EngineOperation
 from rollmatch.server.watchdog import ADMISSION, CACHE_RESET, GENERATION, EngineWatch
 
 if TYPE_CHECKING:
@@ -66,80 +71,6 @@ UPDATE_MODES: tuple[UpdateMode, ...] = ("drain", "abort", "keep")
 ServingState = Literal["idle", "generating", "updating", "stalled", "broken", "stopped"]
 _POLL_S = 0.25
 ADMIT_PROMPTS_PER_STEP = 8
-
-
-@dataclass(eq=False)  # identity: a ticket is one call, found in the queues by ``is``
-class CallTicket:
-    """One submitted call: its prompts, where it stands, and (once done) its outputs or error."""
-
-    call_id: int
-    prompts: list[PreparedPrompt]
-    decoding: Decoding
-    seed: int | None
-    prompt_tokens: int
-    stop: tuple[str, ...] = ()  # stop strings the engine stops at (the server trims at them too)
-    outputs: list[EngineOutput | None] = field(default_factory=list)
-    first_version: int = -1
-    last_version: int = -1
-    attempts: int = 0  # admissions: a call aborted by a weight update is admitted again
-    error: BaseException | None = None
-    done: threading.Event = field(default_factory=threading.Event)
-    _callbacks: list[Callable[[], None]] = field(default_factory=list)
-
-    @property
-    def versions(self) -> tuple[int, int]:
-        """(first, last) weight version that produced the outputs; equal except in ``keep`` mode."""
-        return self.first_version, self.last_version
-
-    def request_id(self, index: int) -> str:
-        return f"c{self.call_id}.{self.attempts}.{index}"
-
-    def on_done(self, callback: Callable[[], None]) -> None:
-        """Run ``callback`` (from the engine thread) once the call is done; at once if it is."""
-        self._callbacks.append(callback)
-        if self.done.is_set():
-            callback()
-
-    def forget(self, callback: Callable[[], None]) -> None:
-        """Drop a callback registered with :meth:`on_done` (its waiter gave up)."""
-        if callback in self._callbacks:
-            self._callbacks.remove(callback)
-
-    def _finish(self, error: BaseException | None = None) -> None:
-        self.error = error
-        self.done.set()
-        for callback in list(self._callbacks):
-            callback()
-
-
-@dataclass(eq=False)
-class _Operation:
-    """An exclusive engine operation; ``fn`` returns the new weight version (a load) or ``None``.
-    ``label`` names a load in the broken reason (e.g. ``weight version 3 (full)``)."""
-
-    what: str
-    fn: Callable[[], int | None]
-    is_load: bool
-    label: str = ""
-    queued_at: float = field(default_factory=time.monotonic)
-    done: threading.Event = field(default_factory=threading.Event)
-    error: BaseException | None = None
-    _callbacks: list[Callable[[], None]] = field(default_factory=list)
-
-    def on_done(self, callback: Callable[[], None]) -> None:
-        self._callbacks.append(callback)
-        if self.done.is_set():
-            callback()
-
-    def forget(self, callback: Callable[[], None]) -> None:
-        if callback in self._callbacks:
-            self._callbacks.remove(callback)
-
-    def _finish(self, error: BaseException | None = None) -> None:
-        self.error = error
-        self.done.set()
-        for callback in list(self._callbacks):
-            callback()
 
 
 class EngineScheduler:
@@ -170,7 +101,7 @@ class EngineScheduler:
         self.version = 0
         self._cond = threading.Condition()
         self._pending: deque[CallTicket] = deque()
-        self._operations: deque[_Operation] = deque()
+        self._operations: deque[EngineOperation] = deque()
         self._running: dict[str, tuple[CallTicket, int]] = {}  # engine request id -> (call, prompt index)
         self._running_calls: dict[int, CallTicket] = {}
         self._outstanding_prompts = 0
@@ -264,7 +195,7 @@ class EngineScheduler:
 
     async def _await_done(
         self,
-        holder: CallTicket | _Operation,
+        holder: CallTicket | EngineOperation,
         gone: Callable[[], Awaitable[bool]] | None = None,
         on_gone: Callable[[], None] | None = None,
     ) -> None:
@@ -299,7 +230,7 @@ class EngineScheduler:
         a load's ``fn`` returns the new weight version and raises ``SyncError`` only when it refused
         before changing anything (any other error breaks the scheduler, see the module docstring).
         Blocks until done; raises what ``fn`` raised. Allowed while broken (a complete load heals)."""
-        operation = _Operation(what, fn, is_load, label or what)
+        operation = EngineOperation(what, fn, is_load, label or what)
         with self._cond:
             self._refuse_if_stopped()
             self._operations.append(operation)
@@ -319,7 +250,7 @@ class EngineScheduler:
             if operation is None:
                 if not self._caches_dirty and not self._operations and not self._running:
                     return
-                operation = _Operation(CACHE_RESET, self._reset_now, is_load=False, label=CACHE_RESET)
+                operation = EngineOperation(CACHE_RESET, self._reset_now, is_load=False, label=CACHE_RESET)
                 self._operations.append(operation)
                 self._cond.notify_all()
         await self._await_done(operation)
@@ -397,7 +328,7 @@ class EngineScheduler:
                 log.exception("rollout engine thread: unexpected failure")
                 self._fail_everything(BackendError(f"the rollout engine thread failed: {exc}"))
 
-    def _serve_operation(self, operation: _Operation) -> None:
+    def _serve_operation(self, operation: EngineOperation) -> None:
         if self._running and not self._ready_for(operation):
             self._step()  # drain: in-flight calls finish under the current weights
             return
@@ -459,7 +390,7 @@ class EngineScheduler:
                 self._pending = deque(t for t in self._pending if t is not ticket)
             self._done(ticket, BackendError(f"call cancelled: {why}; nothing of it is answered"))
 
-    def _ready_for(self, operation: _Operation) -> bool:
+    def _ready_for(self, operation: EngineOperation) -> bool:
         """May ``operation`` run now, with calls in flight? Aborts them when the mode says so."""
         if operation.is_load and self.update_mode == "keep":
             return True
