@@ -50,8 +50,8 @@ class ServerLimits:
     - ``max_tokens`` (``--max-tokens``): new tokens of one response; ``max_tokens: null`` gets
       ``min(room, cap)``, a larger explicit value a 422;
     - ``engine_stall_timeout_s`` (``--engine-stall-timeout-s``): an engine operation (generation,
-      weight load, cache reset) that makes no progress for this long makes ``/health/`` answer 503
-      naming it, and calls waiting for the engine fail with a 503;
+      admission, weight load, cache reset) that makes no progress for this long makes ``/health/``
+      answer 503 naming it, and calls waiting for the engine fail with a 503;
     - ``max_queued_prompts`` / ``max_queued_prompt_tokens`` (``--max-queued-prompts``,
       ``--max-queued-prompt-tokens``): prompts (and their tokens) queued or running on the engine;
       a call over either is a 429 with ``Retry-After`` (the client waits and retries);
