@@ -245,6 +245,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--drain-timeout-s", type=float, default=None, help="drain mode: abort and re-run after this"
     )
     p.add_argument(
+        "--max-reruns",
+        type=int,
+        default=None,
+        help="a call re-run this often is waited for by the next update",
+    )
+    p.add_argument(
         "--max-queued-prompts", type=int, default=None, help="prompts queued or running (429 above)"
     )
     p.add_argument(

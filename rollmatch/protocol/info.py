@@ -42,7 +42,8 @@ class ServerHealth(BaseModel):
     """``GET /health/`` (200 when ``status`` is ``ok``, else 503): engine state and queue depth.
 
     ``engine`` is ``idle``, ``generating``, ``updating`` (a weight load or cache reset pending or
-    running), ``stalled`` or ``stopped``; ``operation`` the engine operation under way, if any."""
+    running), ``stalled``, ``broken`` (a load failed half-way) or ``stopped``; ``operation`` the
+    engine operation under way, if any."""
 
     status: Literal["ok", "stalled", "broken"]
     engine: str

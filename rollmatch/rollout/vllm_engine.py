@@ -24,6 +24,7 @@ import gc
 import json
 import logging
 import os
+import shutil
 import sys
 import tempfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -143,6 +144,36 @@ class VllmEngine:
         )
         self._stepped[request_id] = request
 
+    def render(self, request: RolloutRequest) -> Any:
+        """The engine input of ``request``: vLLM's multimodal processor (the HF image processor) run
+        here, in the calling thread, so :meth:`add_request` on the engine thread does no image work.
+        Bypasses vLLM's mirrored processor cache (its sender and receiver must see requests in the
+        same order, which threads preparing calls do not keep)."""
+        from vllm.renderers.inputs.preprocess import parse_model_prompt
+
+        self.start()
+        engine = self._llm.llm_engine
+        parsed = parse_model_prompt(engine.model_config, self._token_prompt(request))
+        (rendered,) = engine.renderer.render_cmpl([parsed], skip_mm_cache=True)
+        return rendered
+
+    def add_rendered(
+        self,
+        request_id: str,
+        request: RolloutRequest,
+        rendered: Any,
+        decoding: Decoding,
+        seed: int | None,
+        stop: Sequence[str] = (),
+    ) -> None:
+        """:meth:`add_request` for an input made by :meth:`render` (each rendered input is added once);
+        generation ends at the first of the ``stop`` strings (the caller cuts the text there)."""
+        self.start()
+        self.wake_up()
+        params = self._sampling_params(decoding, seed, stop)
+        self._llm.llm_engine.add_request(request_id, rendered, params, lora_request=self._lora_request)
+        self._stepped[request_id] = request
+
     def step(self) -> list[tuple[str, VllmOutput]]:
         """One engine step over every queued request; returns the requests that finished in it."""
         finished = []
@@ -195,10 +226,18 @@ class VllmEngine:
         save_file(tensors, str(path / "adapter_model.safetensors"))
         (path / "adapter_config.json").write_text(json.dumps(peft_config))
         request = LoRARequest(f"rollmatch-{lora_int_id}", int(lora_int_id), str(path), load_inplace=True)
-        self._llm.llm_engine.add_lora(request)
-        previous, self._lora_request = self._lora_request, request
+        served = self._lora_request
+        try:
+            self._llm.llm_engine.add_lora(request)
+        except BaseException:
+            if served is None or served.lora_path != str(path):
+                _remove_adapter_files(str(path))  # never served: its files go with it
+            raise
+        previous, self._lora_request = served, request
         if previous is not None and previous.lora_int_id != request.lora_int_id:
             self._llm.llm_engine.remove_lora(previous.lora_int_id)
+            if previous.lora_path != request.lora_path:
+                _remove_adapter_files(previous.lora_path)  # superseded: one adapter on disk at a time
         if reset_caches:
             self.reset_caches()
         return sum(t.numel() * t.element_size() for t in tensors.values())
@@ -207,6 +246,7 @@ class VllmEngine:
         """Generate with the base (or fully synced) weights only, without any adapter."""
         if self._lora_request is not None and self._llm is not None:
             self._llm.llm_engine.remove_lora(self._lora_request.lora_int_id)
+            _remove_adapter_files(self._lora_request.lora_path)
         self._lora_request = None
 
     def reset_caches(self) -> None:
@@ -314,7 +354,9 @@ class VllmEngine:
             kwargs.update(enable_lora=True, max_lora_rank=s.max_lora_rank, max_loras=1)
         return kwargs
 
-    def _sampling_params(self, decoding: Decoding, seed: int | None) -> Any:
+    def _sampling_params(self, decoding: Decoding, seed: int | None, stop: Sequence[str] = ()) -> Any:
+        """vLLM's parameters; ``stop`` strings switch on its incremental detokenization (where it
+        finds them), which the rollouts without stop strings skip."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -326,7 +368,8 @@ class VllmEngine:
             max_tokens=decoding.max_new_tokens,
             stop_token_ids=self.stop_token_ids,
             seed=seed,
-            detokenize=False,
+            stop=list(stop) or None,
+            detokenize=bool(stop),
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
 
@@ -357,6 +400,19 @@ class VllmEngine:
             )
         text = self._llm.get_tokenizer().decode(ids, skip_special_tokens=False)
         return VllmOutput(list(out.prompt_token_ids), ids, text, finish)
+
+
+_log = logging.getLogger(__name__)
+
+
+def _remove_adapter_files(path: str) -> None:
+    """Delete a superseded adapter's directory; a failure is logged (the server keeps serving)."""
+    try:
+        shutil.rmtree(path)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        _log.warning("could not delete the superseded adapter directory %s: %s", path, exc)
 
 
 def executor_backend(tensor_parallel_size: int, *, learner_world_size: int) -> str:

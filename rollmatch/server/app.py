@@ -21,7 +21,7 @@ would be), then waits for the engine thread on the event loop (no thread held wh
 any number of calls can wait), and serialises the reply in a second hop. A full server answers
 429 with ``Retry-After``. The answer carries the weight version (``X-Weight-Version``, the oldest
 when ``keep`` mode mixed two) and the phase times in a ``Server-Timing`` header (``receive``,
-``parse``, ``prepare``, ``decode``, ``engine``, ``outputs``, ``respond``).
+``parse``, ``prepare``, ``decode``, ``preprocess``, ``engine``, ``outputs``, ``respond``).
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ def build_app(server: RolloutServer, *, api_key: str | None = None) -> FastAPI:
         with times.phase("engine"):
             if ticket is not None:
                 try:
-                    await server.scheduler.wait_async(ticket)
+                    await server.scheduler.wait_async(ticket, request.is_disconnected)
                 except (ValueError, RollmatchError) as exc:
                     raise _http_error(exc) from exc
         payload = await run_in_threadpool(respond, prepared, ticket)
@@ -173,8 +173,11 @@ def build_app(server: RolloutServer, *, api_key: str | None = None) -> FastAPI:
         return call(server.finish_update, body, lease)
 
     @app.post("/reset_prefix_cache/")
-    def reset_prefix_cache() -> dict[str, str]:
-        call(server.reset_prefix_cache)
+    async def reset_prefix_cache() -> dict[str, str]:  # waits on the loop: no worker thread held
+        try:
+            await server.reset_prefix_cache()
+        except (ValueError, RollmatchError) as exc:
+            raise _http_error(exc) from exc
         return {"message": "prefix cache reset"}
 
     @app.post("/close_communicator/")

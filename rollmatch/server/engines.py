@@ -14,8 +14,9 @@ steps, aborts and loads weights.
 
 from __future__ import annotations
 
+import itertools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -57,9 +58,25 @@ class ServerEngine(Protocol):
     fingerprint: dict[str, str]
     preparer: PromptPreparer
     join_window_s: float  # from idle, the most the engine thread waits for calls still being prepared
+    required_weights: set[str]  # what a full update must carry (``check_weight_coverage``)
 
-    def add(self, request_id: str, prompt: PreparedPrompt, decoding: Decoding, seed: int | None) -> None:
-        """Queue one request (sampling from its own ``seed``); a bad prompt raises here, adding nothing."""
+    def preprocess(self, prompt: PreparedPrompt) -> None:
+        """Run the engine's input processing (the image processor) on ``prompt`` now, in the caller's
+        thread (the prepare hop), into ``prompt.engine_input``; a bad prompt raises here."""
+        ...
+
+    def add(
+        self,
+        request_id: str,
+        prompt: PreparedPrompt,
+        decoding: Decoding,
+        seed: int | None,
+        stop: tuple[str, ...] = (),
+    ) -> None:
+        """Queue one request (sampling from its own ``seed``); a bad prompt raises here, adding nothing.
+        Uses (and consumes) ``prompt.engine_input`` when set, else preprocesses here. ``stop``: stop
+        strings the engine may stop at (``vllm``; ``hf`` generates to ``max_new_tokens``); the server
+        cuts the response at them either way."""
         ...
 
     def step(self) -> list[tuple[str, EngineOutput]]:
@@ -100,8 +117,10 @@ class ServerEngine(Protocol):
 class HFServerEngine:
     """HF ``generate`` on a model loaded from the directory (any machine; the reference engine).
 
-    A step runs every queued request to completion as one batch (``batch_size`` rows per forward),
-    one group per decoding setting; requests queued while it runs wait for the next step.
+    A step runs at most ``max_step_prompts`` queued requests (oldest first; 4 forwards' worth of
+    ``batch_size`` rows) to completion, one group per decoding setting; requests queued while it runs
+    wait for the next step. The cap bounds how long a new call, a weight update or a drain timeout
+    waits for the step in progress (HF ``generate`` cannot be interrupted mid-step).
     """
 
     name = "hf"
@@ -143,15 +162,29 @@ class HFServerEngine:
             batch_size=batch_size,
         )
         self._params = dict(self.model.state_dict())
+        self.required_weights = required_weights(self._params)
         self._progress_hook: torch.utils.hooks.RemovableHandle | None = None
+        self._on_tensor: Callable[[], None] = lambda: None
         self._queued: dict[str, tuple[RolloutRequest, Decoding, int]] = {}
+        self.max_step_prompts = 4 * int(batch_size)
 
-    def add(self, request_id: str, prompt: PreparedPrompt, decoding: Decoding, seed: int | None) -> None:
-        request = pixel_inputs(self.preparer, prompt)  # the processor runs here: a bad image fails its call
+    def preprocess(self, prompt: PreparedPrompt) -> None:
+        prompt.engine_input = pixel_inputs(self.preparer, prompt)
+
+    def add(
+        self,
+        request_id: str,
+        prompt: PreparedPrompt,
+        decoding: Decoding,
+        seed: int | None,
+        stop: tuple[str, ...] = (),
+    ) -> None:
+        request = prompt.engine_input or pixel_inputs(self.preparer, prompt)  # a bad image fails its call
         self._queued[request_id] = (request, decoding, int(seed) if seed is not None else _fresh_seed())
 
     def step(self) -> list[tuple[str, EngineOutput]]:
-        queued, self._queued = self._queued, {}
+        taken = list(itertools.islice(self._queued, self.max_step_prompts))
+        queued = {request_id: self._queued.pop(request_id) for request_id in taken}
         groups: dict[Decoding, list[str]] = {}
         for request_id, (_, decoding, _) in queued.items():
             groups.setdefault(decoding, []).append(request_id)
@@ -173,6 +206,7 @@ class HFServerEngine:
         if self._progress_hook is not None:  # one observer: a newer server replaces an older one
             self._progress_hook.remove()
         self._progress_hook = self.model.register_forward_hook(lambda *_: callback())
+        self._on_tensor = callback
 
     def recover(self) -> None:
         self._queued.clear()  # HF generate keeps no other state across steps
@@ -182,6 +216,7 @@ class HFServerEngine:
         check_weight_shapes(tensors, {k: tuple(v.shape) for k, v in self._params.items()}, self.model_dir)
         for name, tensor in tensors:
             self._params[name].copy_(tensor.to(self._params[name].dtype))
+            self._on_tensor()  # a long load ticks the watchdog per tensor, like generation per forward
 
     def load_adapter(self, tensors: list[tuple[str, torch.Tensor]], adapter: AdapterPayload) -> None:
         raise SyncError(
@@ -268,6 +303,12 @@ class VllmServerEngine:
         with torch.device("meta"):  # names and shapes a full sync must match, without allocating weights
             skeleton = AutoModelForImageTextToText.from_config(config)
         self._shapes = {name: tuple(t.shape) for name, t in skeleton.state_dict().items()}
+        tied = bool(
+            getattr(config, "tie_word_embeddings", False)
+            or getattr(getattr(config, "text_config", None), "tie_word_embeddings", False)
+        )
+        self.required_weights = {n for n in self._shapes if not (tied and n.startswith("lm_head."))}
+        self._on_tensor: Callable[[], None] = lambda: None
         on_cpu = not torch.cuda.is_available()
         self._engine = VllmEngine(
             self.model_dir,
@@ -285,11 +326,22 @@ class VllmServerEngine:
         )
         self._engine.start()  # start now: a healthy server is a ready server
 
-    def add(self, request_id: str, prompt: PreparedPrompt, decoding: Decoding, seed: int | None) -> None:
-        request = RolloutRequest(
-            sample_id=prompt.sample_id, prompt_token_ids=prompt.prompt_token_ids, images=prompt.images
-        )
-        self._engine.add_request(request_id, request, decoding, seed)
+    def preprocess(self, prompt: PreparedPrompt) -> None:
+        prompt.engine_input = self._engine.render(_rollout_request(prompt))
+
+    def add(
+        self,
+        request_id: str,
+        prompt: PreparedPrompt,
+        decoding: Decoding,
+        seed: int | None,
+        stop: tuple[str, ...] = (),
+    ) -> None:
+        request = _rollout_request(prompt)
+        rendered, prompt.engine_input = prompt.engine_input, None  # vLLM owns a rendered input once added
+        if rendered is None:
+            rendered = self._engine.render(request)  # a re-run, or a caller that skipped preprocess
+        self._engine.add_rendered(request_id, request, rendered, decoding, seed, stop)
 
     def step(self) -> list[tuple[str, EngineOutput]]:
         return [
@@ -302,6 +354,7 @@ class VllmServerEngine:
 
     def observe_progress(self, callback: Callable[[], None]) -> None:
         self._engine.observe_forward(callback)
+        self._on_tensor = callback  # and per tensor of a weight load
 
     def recover(self) -> None:
         self._engine.abort_unfinished()
@@ -309,7 +362,7 @@ class VllmServerEngine:
     def load_weights(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
         check_weight_shapes(tensors, self._shapes, self.model_dir)
         self._engine.drop_adapter()  # merged weights already contain the adapter
-        self._engine.load_weights(tensors, reset_caches=False)
+        self._engine.load_weights(_ticking(tensors, self._on_tensor), reset_caches=False)
 
     def load_adapter(self, tensors: list[tuple[str, torch.Tensor]], adapter: AdapterPayload) -> None:
         served = self._engine.adapter_request
@@ -328,6 +381,20 @@ class VllmServerEngine:
 
     def close(self) -> None:
         self._engine.close()
+
+
+def _ticking(
+    tensors: list[tuple[str, torch.Tensor]], tick: Callable[[], None]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    for item in tensors:
+        yield item
+        tick()
+
+
+def _rollout_request(prompt: PreparedPrompt) -> RolloutRequest:
+    return RolloutRequest(
+        sample_id=prompt.sample_id, prompt_token_ids=prompt.prompt_token_ids, images=prompt.images
+    )
 
 
 def load_processor(model_dir: str, pixel_bounds: PixelBounds) -> Any:
@@ -355,6 +422,32 @@ def check_weight_shapes(
                 f"weight {name!r}: received shape {tuple(tensor.shape)}, the served model has {shape}: "
                 "trainer and server load different models"
             )
+
+
+def required_weights(params: dict[str, torch.Tensor]) -> set[str]:
+    """Names a full update must carry: every parameter and buffer but a second name of a shared
+    storage (a tied ``lm_head``: the trainer sends the embedding once)."""
+    seen: set[int] = set()
+    required = set()
+    for name, tensor in params.items():
+        if tensor.data_ptr() not in seen:
+            required.add(name)
+        seen.add(tensor.data_ptr())
+    return required
+
+
+def check_weight_coverage(
+    tensors: list[tuple[str, torch.Tensor]], required: set[str], model_dir: str
+) -> None:
+    """A ``full`` update replaces every weight: one that leaves some out would be served as complete
+    while mixing two versions, so it is refused (before anything changes) naming what is missing."""
+    missing = required - {name for name, _ in tensors}
+    if missing:
+        shown = ", ".join(sorted(missing)[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
+        raise SyncError(
+            f"a full weight update of {model_dir} must carry every weight; {len(missing)} missing: {shown}. "
+            "Send the whole model (iter_sync_tensors(model, 'full'))"
+        )
 
 
 def build_engine(

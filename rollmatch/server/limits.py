@@ -50,14 +50,16 @@ class ServerLimits:
     - ``max_tokens`` (``--max-tokens``): new tokens of one response; ``max_tokens: null`` gets
       ``min(room, cap)``, a larger explicit value a 422;
     - ``engine_stall_timeout_s`` (``--engine-stall-timeout-s``): an engine operation (generation,
-      weight load, cache reset) that makes no progress for this long makes ``/health/`` answer 503
-      naming it, and calls waiting for the engine fail with a 503;
+      admission, weight load, cache reset) that makes no progress for this long makes ``/health/``
+      answer 503 naming it, and calls waiting for the engine fail with a 503;
     - ``max_queued_prompts`` / ``max_queued_prompt_tokens`` (``--max-queued-prompts``,
       ``--max-queued-prompt-tokens``): prompts (and their tokens) queued or running on the engine;
       a call over either is a 429 with ``Retry-After`` (the client waits and retries);
     - ``update_mode`` (``--update-mode``): ``drain`` | ``abort`` | ``keep``, what a weight update
       does to in-flight calls (``server.scheduler``); ``drain_timeout_s`` (``--drain-timeout-s``):
-      how long ``drain`` lets them finish before aborting and re-running them;
+      how long ``drain`` lets them finish before aborting and re-running them; ``max_reruns``
+      (``--max-reruns``): a call aborted this many times is not aborted again: the next update
+      waits for it (no re-run livelock when calls outlast the push interval);
     - ``request_read_timeout_s`` (``--request-read-timeout-s``): a request's head and body must
       arrive within this time of its first byte (or of the connection), else the connection is
       closed; ``keep_alive_timeout_s`` (``--keep-alive-timeout-s``): an idle kept-alive connection
@@ -78,6 +80,7 @@ class ServerLimits:
     max_queued_prompt_tokens: int = 1 << 23
     update_mode: str = "drain"
     drain_timeout_s: float = 60.0
+    max_reruns: int = 2
     request_read_timeout_s: float = 30.0
     keep_alive_timeout_s: float = 15.0
     max_connections: int = 512
@@ -103,6 +106,8 @@ class ServerLimits:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
+        if self.max_reruns < 0:
+            raise ValueError(f"--max-reruns must be >= 0, got {self.max_reruns}")
         if self.update_mode not in ("drain", "abort", "keep"):
             raise ValueError(f"--update-mode must be drain, abort or keep, got {self.update_mode!r}")
         self._check_order("max_image_pixels", "max_call_pixels", "a single image at the per-image cap")

@@ -38,11 +38,14 @@ MAX_TEXT_CHARS = 1 << 21  # per prompt: over 500k tokens of English, twice a 256
 
 @dataclass
 class PreparedPrompt:
-    """A request ready for an engine: the prompt ids it will use and the decoded images."""
+    """A request ready for an engine: the prompt ids it will use and the decoded images;
+    ``engine_input`` holds what the engine made of them in the prepare hop (its image processor
+    run off the engine thread, ``ServerEngine.preprocess``), or ``None``."""
 
     sample_id: str
     prompt_token_ids: list[int]
     images: list[Image]
+    engine_input: Any = None
 
 
 class PromptPreparer:
@@ -213,16 +216,26 @@ def trim_at_stop_strings(
     """The response cut before the first ``stop`` string, or ``None`` when none occurs.
 
     The text ends right before the stop string (OpenAI / vLLM semantics); the token ids keep only
-    the tokens that end before it, so they never contain any part of the stop string.
+    the tokens that end before it, so they never contain any part of the stop string. The cut is
+    found by bisection on the decoded length (O(log N) decodes of the prefix, not one per token),
+    then stepped back over tokens that end mid-character (they decode to U+FFFD, not a prefix).
     """
     cut = min((i for i in (text.find(stop) for stop in stops) if i >= 0), default=-1)
     if cut < 0:
         return None
-    kept, before = 0, text[:cut]
-    for n in range(1, len(token_ids) + 1):
-        decoded = tokenizer.decode(token_ids[:n], skip_special_tokens=False)
-        if before.startswith(decoded):  # a token split mid-character decodes to U+FFFD: not a prefix yet
-            kept = n
-        elif len(decoded) > cut + 4:
-            break
+    before = text[:cut]
+
+    def decoded(n: int) -> str:
+        return str(tokenizer.decode(token_ids[:n], skip_special_tokens=False))
+
+    low, high = 0, len(token_ids)  # the most tokens whose text is not longer than the cut
+    while low < high:
+        middle = (low + high + 1) // 2
+        if len(decoded(middle)) <= cut:
+            low = middle
+        else:
+            high = middle - 1
+    kept = low
+    while kept > 0 and not before.startswith(decoded(kept)):
+        kept -= 1
     return token_ids[:kept], before

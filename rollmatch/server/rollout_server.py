@@ -11,7 +11,7 @@ Leaves out: HTTP (``server.app``), request preparation (``server.prompts``), the
 A call goes through three steps, so the HTTP layer can wait for the engine without holding a
 thread: :meth:`RolloutServer.prepare` (caps, ids, images: a worker thread), :meth:`RolloutServer.submit`
 (admission: 429 when the server holds too much), then :meth:`RolloutServer.outputs` once the ticket
-is done. :meth:`RolloutServer.infer` does all three for in-process callers.
+is done (``EngineScheduler.wait_async``).
 """
 
 from __future__ import annotations
@@ -47,14 +47,14 @@ from rollmatch.protocol import (
     decoding_from_request_config,
 )
 from rollmatch.rollout.types import Decoding
-from rollmatch.server.engines import EngineOutput, ServerEngine
+from rollmatch.server.engines import EngineOutput, ServerEngine, check_weight_coverage
 from rollmatch.server.limits import RequestTooLarge, ServerLimits
 from rollmatch.server.media import PixelBudget, PixelLease
 from rollmatch.server.prompts import PreparedPrompt, chat_messages, trim_at_stop_strings
 from rollmatch.server.scheduler import CallTicket, EngineScheduler
 from rollmatch.server.sync_session import SyncSession
 from rollmatch.server.timing import PhaseTimes
-from rollmatch.server.watchdog import CACHE_RESET, WEIGHT_LOAD, EngineWatch
+from rollmatch.server.watchdog import WEIGHT_LOAD, EngineWatch
 from rollmatch.sync.transaction import VerifiedUpdate
 
 log = logging.getLogger(__name__)
@@ -101,6 +101,7 @@ class RolloutServer:
             drain_timeout_s=self.limits.drain_timeout_s,
             max_queued_prompts=self.limits.max_queued_prompts,
             max_queued_prompt_tokens=self.limits.max_queued_prompt_tokens,
+            max_reruns=self.limits.max_reruns,
             on_failure=_engine_failure,
         )
         self.sync = SyncSession(engine.world_size, "adapter" in engine.sync_modes, sync_key)
@@ -110,11 +111,17 @@ class RolloutServer:
         self.infer_calls = 0
         self.rejected_requests = 0
         self.busy_refusals = 0
-        self.broken: str | None = None  # a load failed half-way or after the engine took it: never serve it
+        self.preprocess_in_prepare = True  # False restores the engine-thread preprocessing (benchmarks)
 
     @property
     def weight_version(self) -> int:
         return self.scheduler.version
+
+    @property
+    def broken(self) -> str | None:
+        """Why nothing is served (a load failed after the engine may have changed), or ``None``:
+        a scheduler state (``server.scheduler``), cleared by the next complete load."""
+        return self.scheduler.broken
 
     def unhealthy(self) -> str | None:
         """Why the server cannot serve (a half-applied load, a stalled engine), or ``None``."""
@@ -139,26 +146,10 @@ class RolloutServer:
         )
 
     # ------------------------------------------------------------------------------- inference
-    def infer(self, body: InferBody, times: PhaseTimes | None = None) -> list[RolloutOutput]:
-        """Roll out every request of ``body`` (blocking); ``times`` (optional) gets the phases
-        ``prepare`` (caps, id checks; ``decode`` for the images inside it), ``engine`` (queueing and
-        generation) and ``outputs``."""
-        times = times if times is not None else PhaseTimes()
-        with self.scheduler.arrival():
-            with times.phase("prepare"):
-                call = self.prepare(body, times)
-            ticket = self.submit(call)
-        with times.phase("engine"):
-            if ticket is not None:
-                self.scheduler.wait(ticket)
-        with times.phase("outputs"):
-            return self.outputs(call, ticket)
-
     def prepare(self, body: InferBody, times: PhaseTimes | None = None) -> PreparedCall:
         """Caps, cross-field checks and the prepared prompts (images decoded): a ``ValueError`` (4xx)
         names what is wrong; nothing reaches the engine."""
-        if self.broken is not None:
-            raise BackendError(f"this rollout server stopped serving: {self.broken}; restart it")
+        self.scheduler.refuse_if_broken()  # before decoding any image
         pixels: PixelLease | None = None
         try:
             config, prompts, pixels = self._checked(body, times if times is not None else PhaseTimes())
@@ -191,7 +182,9 @@ class RolloutServer:
             call.release()
             return None
         try:
-            ticket = self.scheduler.submit(call.prompts, call.decoding, call.config.seed)
+            ticket = self.scheduler.submit(
+                call.prompts, call.decoding, call.config.seed, tuple(call.config.stop or ())
+            )
         except ValueError:  # the call alone is over what the server queues (413)
             call.release()
             self._count(rejected=1)
@@ -257,10 +250,24 @@ class RolloutServer:
         try:
             prompts = [preparer.prepare(r, i, times) for i, r in enumerate(body.infer_requests)]
             pixels.cover(sum(image.width * image.height for p in prompts for image in p.images))
+            if self.preprocess_in_prepare:
+                with times.phase("preprocess"):
+                    self._preprocess(prompts)
         except BaseException:
             pixels.release()
             raise
         return config, prompts, pixels
+
+    def _preprocess(self, prompts: list[PreparedPrompt]) -> None:
+        """The engine's image processing, here in the prepare hop so the engine thread only decodes;
+        what the engine refuses is the request's fault (400), anything else the engine's (503)."""
+        for prompt in prompts:
+            try:
+                self.engine.preprocess(prompt)
+            except BackendError:
+                raise
+            except Exception as exc:
+                raise _engine_failure(exc) from exc
 
     def _apply_stops(self, out: EngineOutput, stops: list[str]) -> EngineOutput:
         trimmed = trim_at_stop_strings(out.token_ids, out.text, stops, self.engine.preparer.tokenizer)
@@ -268,9 +275,10 @@ class RolloutServer:
             return out
         return EngineOutput(out.prompt_token_ids, trimmed[0], trimmed[1], "stop")
 
-    def reset_prefix_cache(self) -> None:
-        """Reset every engine cache once in-flight calls finished (new calls wait behind it)."""
-        self.scheduler.run_operation(CACHE_RESET, self.engine.reset_caches, is_load=False)
+    async def reset_prefix_cache(self) -> None:
+        """Reset every engine cache once in-flight calls finished (new calls wait behind it); waits on
+        the event loop, joins a pending reset, and is a no-op when nothing changed since the last."""
+        await self.scheduler.reset_caches()
 
     def _count(self, *, calls: int = 0, requests: int = 0, rejected: int = 0, busy: int = 0) -> None:
         with self._counter_lock:
@@ -291,32 +299,15 @@ class RolloutServer:
         self.sync.receive_bucket(body, lease)
 
     def finish_update(self, body: FinishUpdateBody, lease: str | None) -> FinishUpdateReply:
-        """Verify the staged update, load it, then acknowledge; any rejection keeps the old version."""
-        if self.broken is not None:
-            raise BackendError(f"this rollout server stopped serving: {self.broken}; restart it")
+        """Verify the staged update, load it, then acknowledge; any rejection keeps the old version.
+        A broken server accepts a load: a complete one serves again (see ``server.scheduler``)."""
         replies: list[FinishUpdateReply] = []
 
         def load(update: VerifiedUpdate) -> None:
-            # On the engine thread, fair against new calls (in-flight calls per the update mode).
-            loaded = threading.Event()  # set on the engine thread once the engine took the update
-
-            def apply() -> int:
-                version = self._load(update)
-                loaded.set()
-                return version
-
-            try:
-                self.scheduler.run_operation(WEIGHT_LOAD, apply, is_load=True)
-            except Exception as exc:
-                if not loaded.is_set() or self.broken is not None:
-                    raise  # refused before the engine changed (the old version stays), or already broken
-                # The engine took the update (the scheduler moved the version with it), then the step
-                # after it failed (the cache reset): stop serving rather than roll the engine back.
-                self.broken = (
-                    f"weight version {update.version} ({update.mode}) was loaded, then resetting the engine's "
-                    f"caches failed ({type(exc).__name__}: {exc})"
-                )
-                raise BackendError(self.broken) from exc
+            # On the engine thread, fair against new calls (in-flight calls per the update mode). A
+            # failure after the engine may have changed breaks the scheduler there, atomically.
+            label = f"weight version {update.version} ({update.mode})"
+            self.scheduler.run_operation(WEIGHT_LOAD, lambda: self._load(update), is_load=True, label=label)
             replies.append(update.reply)
 
         rejected = self.sync.finish(body, lease, load)
@@ -337,8 +328,9 @@ class RolloutServer:
 
     def _load(self, update: VerifiedUpdate) -> int:
         """Engines validate names and shapes before changing anything (a ``SyncError`` is clean, and
-        so is an adapter's ``BackendError``); any other failure leaves the engine's weights unknown and
-        marks the server broken. Returns the new version (the scheduler then resets the caches)."""
+        so is an adapter's ``BackendError``); any other failure leaves the engine's weights unknown:
+        raised as a ``BackendError`` naming it, which breaks the scheduler. Returns the new version
+        (the scheduler then resets the caches)."""
         if update.adapter is not None:
             try:
                 self.engine.load_adapter(update.tensors, update.adapter)
@@ -347,21 +339,20 @@ class RolloutServer:
             except BackendError as exc:  # refused before the switch: the previous adapter is still served
                 raise SyncError(f"adapter of version {update.version} could not be loaded: {exc}") from exc
             except Exception as exc:  # failed after the switch (or unknown where): stop serving
-                self.broken = (
+                raise BackendError(
                     f"switching to the adapter of weight version {update.version} failed ({type(exc).__name__}: "
                     f"{exc})"
-                )
-                raise BackendError(self.broken) from exc
+                ) from exc
         else:
+            check_weight_coverage(update.tensors, self.engine.required_weights, self.engine.model_dir)
             try:
                 self.engine.load_weights(update.tensors)
             except SyncError:
                 raise
-            except Exception as exc:  # a half-applied load: mark the server broken, then report
-                self.broken = (
+            except Exception as exc:  # a half-applied load: the scheduler breaks, then this reports
+                raise BackendError(
                     f"loading weight version {update.version} failed half-way ({type(exc).__name__}: {exc})"
-                )
-                raise BackendError(self.broken) from exc
+                ) from exc
         return update.version
 
     def close_communicator(self, lease: str | None = None) -> bool:

@@ -7,10 +7,15 @@ preparation (``server.rollout_server``), what an engine is (``server.engines``) 
 How calls share the engine: a call is *submitted* (admission: bounded prompts and prompt tokens
 outstanding, else :class:`~rollmatch.errors.ServerBusy`, a 429), then *admitted* by the engine
 thread, which adds every prompt as its own engine request with its own decoding and seed
-(``seed + j`` for prompt ``j``). The vLLM engine schedules all admitted requests together
-(continuous batching: a call arriving mid-generation joins at the next engine step); the HF engine
-runs everything admitted as one batch per step, calls arriving while a batch runs join the next
-one, and from idle it waits (at most ``join_window_s``) for calls still being prepared. A call's outputs do not depend on what else runs, because seeds are per request.
+(``seed + j`` for prompt ``j``); the images were already through the engine's processor (the
+prepare hop, ``ServerEngine.preprocess``), and while calls decode at most ``ADMIT_PROMPTS_PER_STEP``
+new prompts are added between two steps, as a watched ``admission`` operation. A call whose
+client left is cancelled (:meth:`EngineScheduler.cancel`). The vLLM engine schedules all
+admitted requests together (continuous batching: a call arriving mid-generation joins at the next
+engine step); the HF engine runs up to ``max_step_prompts`` admitted prompts as one batch per step,
+calls arriving while a batch runs join the next one, and from idle it waits (at most
+``join_window_s``) for calls still being prepared. A call's outputs do not depend on what else
+runs, because seeds are per request.
 
 Exclusive operations (weight loads, cache resets) are queued like calls but go first: once one is
 pending, no new call is admitted (fair against new calls; an update cannot starve). A weight load
@@ -24,7 +29,18 @@ then follows the update mode:
   calls are admitted once those finish and the caches are reset, so they see only new weights.
 
 Every other call reports one version: all its outputs come from the weights it was admitted
-under (a re-run call is admitted again). A cache reset always drains (engines refuse it mid-run).
+under (a re-run call is admitted again). A call is re-run at most ``max_reruns`` times: an update
+that finds such a call running waits for it (as ``drain`` would, without its timeout), so a call
+longer than the push interval still finishes (no re-run livelock).
+
+A load that fails after the engine may have changed (anything but a ``SyncError`` refusal, or the
+cache reset after a load) leaves the weights unknown: the scheduler is then *broken*. Every pending
+and running call fails at once with a 503 naming the cause, new calls are refused, and only a load
+that completes (weights taken, caches reset) serves again.
+
+Cache resets coalesce: a reset requested while another is pending joins it, and one requested with
+nothing generated or loaded since the last reset returns at once. Every reset drains (engines
+refuse it mid-run).
 """
 
 from __future__ import annotations
@@ -35,15 +51,15 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
-from rollmatch.errors import BackendError, ServerBusy
+from rollmatch.errors import BackendError, ServerBusy, SyncError
 from rollmatch.rollout.types import Decoding
 from rollmatch.server.limits import RequestTooLarge
-from rollmatch.server.watchdog import CACHE_RESET, GENERATION, EngineWatch
+from rollmatch.server.tickets import CallTicket, EngineOperation
+from rollmatch.server.watchdog import ADMISSION, CACHE_RESET, GENERATION, EngineWatch
 
 if TYPE_CHECKING:
     from rollmatch.server.engines import EngineOutput, ServerEngine
@@ -52,62 +68,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 UpdateMode = Literal["drain", "abort", "keep"]
 UPDATE_MODES: tuple[UpdateMode, ...] = ("drain", "abort", "keep")
-ServingState = Literal["idle", "generating", "updating", "stalled", "stopped"]
+ServingState = Literal["idle", "generating", "updating", "stalled", "broken", "stopped"]
 _POLL_S = 0.25
-
-
-@dataclass
-class CallTicket:
-    """One submitted call: its prompts, where it stands, and (once done) its outputs or error."""
-
-    call_id: int
-    prompts: list[PreparedPrompt]
-    decoding: Decoding
-    seed: int | None
-    prompt_tokens: int
-    outputs: list[EngineOutput | None] = field(default_factory=list)
-    first_version: int = -1
-    last_version: int = -1
-    attempts: int = 0  # admissions: a call aborted by a weight update is admitted again
-    error: BaseException | None = None
-    done: threading.Event = field(default_factory=threading.Event)
-    _callbacks: list[Callable[[], None]] = field(default_factory=list)
-
-    @property
-    def versions(self) -> tuple[int, int]:
-        """(first, last) weight version that produced the outputs; equal except in ``keep`` mode."""
-        return self.first_version, self.last_version
-
-    def request_id(self, index: int) -> str:
-        return f"c{self.call_id}.{self.attempts}.{index}"
-
-    def on_done(self, callback: Callable[[], None]) -> None:
-        """Run ``callback`` (from the engine thread) once the call is done; at once if it is."""
-        self._callbacks.append(callback)
-        if self.done.is_set():
-            callback()
-
-    def forget(self, callback: Callable[[], None]) -> None:
-        """Drop a callback registered with :meth:`on_done` (its waiter gave up)."""
-        if callback in self._callbacks:
-            self._callbacks.remove(callback)
-
-    def _finish(self, error: BaseException | None = None) -> None:
-        self.error = error
-        self.done.set()
-        for callback in list(self._callbacks):
-            callback()
-
-
-@dataclass
-class _Operation:
-    """An exclusive engine operation; ``fn`` returns the new weight version (a load) or ``None``."""
-
-    what: str
-    fn: Callable[[], int | None]
-    is_load: bool
-    done: threading.Event = field(default_factory=threading.Event)
-    error: BaseException | None = None
+ADMIT_PROMPTS_PER_STEP = 8
 
 
 class EngineScheduler:
@@ -122,6 +85,7 @@ class EngineScheduler:
         drain_timeout_s: float = 60.0,
         max_queued_prompts: int = 4096,
         max_queued_prompt_tokens: int = 1 << 22,
+        max_reruns: int = 2,
         on_failure: Callable[[BaseException], BaseException] = lambda exc: exc,
     ):
         if update_mode not in UPDATE_MODES:
@@ -129,17 +93,23 @@ class EngineScheduler:
         self.engine, self.watch = engine, watch
         self.update_mode, self.drain_timeout_s = update_mode, float(drain_timeout_s)
         self.max_queued_prompts, self.max_queued_prompt_tokens = max_queued_prompts, max_queued_prompt_tokens
+        self.max_reruns = int(max_reruns)
+        # Prompts admitted between two steps while others decode (whole calls, at least one): running
+        # sequences never wait for a whole burst of arrivals. ``None`` admits everything pending.
+        self.admit_prompts_per_step: int | None = ADMIT_PROMPTS_PER_STEP
         self._on_failure = on_failure
         self.version = 0
         self._cond = threading.Condition()
         self._pending: deque[CallTicket] = deque()
-        self._operations: deque[_Operation] = deque()
+        self._operations: deque[EngineOperation] = deque()
         self._running: dict[str, tuple[CallTicket, int]] = {}  # engine request id -> (call, prompt index)
         self._running_calls: dict[int, CallTicket] = {}
         self._outstanding_prompts = 0
         self._outstanding_tokens = 0
         self._caches_stale = False  # ``keep`` mode: reset once the kept sequences finish
-        self._drain_since: float | None = None
+        self._caches_dirty = False  # generated or loaded since the last cache reset
+        self._broken: str | None = None  # weights unknown after a failed load: nothing is served
+        self._cancelled: list[tuple[CallTicket, str]] = []  # running calls to abort on the engine thread
         self._ids = itertools.count()
         self._arriving = 0  # calls being prepared (see :meth:`arrival`)
         self._stopping = False
@@ -149,7 +119,9 @@ class EngineScheduler:
         self._thread.start()
 
     # ----------------------------------------------------------------------------------- calls
-    def submit(self, prompts: list[PreparedPrompt], decoding: Decoding, seed: int | None) -> CallTicket:
+    def submit(
+        self, prompts: list[PreparedPrompt], decoding: Decoding, seed: int | None, stop: tuple[str, ...] = ()
+    ) -> CallTicket:
         """Queue a call; :class:`ServerBusy` when the server holds too much already."""
         tokens = sum(len(p.prompt_token_ids) for p in prompts)
         if len(prompts) > self.max_queued_prompts or tokens > self.max_queued_prompt_tokens:
@@ -171,7 +143,7 @@ class EngineScheduler:
                     f"--max-queued-prompt-tokens {self.max_queued_prompt_tokens}); retry later or add servers",
                     retry_after_s=1.0,
                 )
-            ticket = CallTicket(next(self._ids), list(prompts), decoding, seed, tokens)
+            ticket = CallTicket(next(self._ids), list(prompts), decoding, seed, tokens, tuple(stop))
             ticket.outputs = [None] * len(prompts)
             self._outstanding_prompts += len(prompts)
             self._outstanding_tokens += tokens
@@ -192,14 +164,41 @@ class EngineScheduler:
                 self._arriving -= 1
                 self._cond.notify_all()
 
-    def wait(self, ticket: CallTicket) -> list[EngineOutput]:
-        """Block until ``ticket`` is done; fails once the engine is stalled (never waits forever)."""
-        while not ticket.done.wait(_POLL_S):
-            self._fail_if_stalled()
+    def cancel(self, ticket: CallTicket, why: str) -> None:
+        """Give up a call (its client left): a queued call is dropped at once, a running one is aborted
+        by the engine thread before its next step; either way it fails naming ``why`` and its prompts
+        and pixels are released. A call already done is left as it is."""
+        error = BackendError(f"call cancelled: {why}; nothing of it is answered")
+        with self._cond:
+            if ticket.done.is_set():
+                return
+            queued = any(t is ticket for t in self._pending)
+            if queued:
+                self._pending = deque(t for t in self._pending if t is not ticket)
+            else:
+                self._cancelled.append((ticket, why))
+                self._cond.notify_all()
+        if queued:
+            self._done(ticket, error)
+
+    async def wait_async(
+        self, ticket: CallTicket, gone: Callable[[], Awaitable[bool]] | None = None
+    ) -> list[EngineOutput]:
+        """Wait for ``ticket`` on the event loop (no thread held); fails once the engine is stalled
+        (never waits forever) and raises the call's error. ``gone`` (the
+        client disconnected?) is polled every quarter second; once true the call is cancelled
+        (:meth:`cancel`) and this raises its error."""
+        await self._await_done(ticket, gone, lambda: self.cancel(ticket, "the client disconnected"))
+        if not ticket.done.is_set():  # cancelled: the engine thread aborts it at its next step
+            raise BackendError("call cancelled: the client disconnected; nothing of it is answered")
         return self._result(ticket)
 
-    async def wait_async(self, ticket: CallTicket) -> list[EngineOutput]:
-        """:meth:`wait` for the event loop: no thread is held while the call waits."""
+    async def _await_done(
+        self,
+        holder: CallTicket | EngineOperation,
+        gone: Callable[[], Awaitable[bool]] | None = None,
+        on_gone: Callable[[], None] | None = None,
+    ) -> None:
         loop = asyncio.get_running_loop()
         done = loop.create_future()
 
@@ -209,30 +208,58 @@ class EngineScheduler:
             except RuntimeError:  # the waiter's loop is closed (its client left): nobody to wake
                 return
 
-        ticket.on_done(wake)
+        holder.on_done(wake)
         try:
             while True:
                 try:
                     await asyncio.wait_for(asyncio.shield(done), _POLL_S)
-                    return self._result(ticket)
+                    return
                 except TimeoutError:
                     self._fail_if_stalled()
+                    if gone is not None and on_gone is not None and await gone():
+                        on_gone()
+                        return
         finally:
-            ticket.forget(wake)
+            holder.forget(wake)
 
     # ------------------------------------------------------------------------------ operations
-    def run_operation(self, what: str, fn: Callable[[], int | None], *, is_load: bool) -> None:
+    def run_operation(
+        self, what: str, fn: Callable[[], int | None], *, is_load: bool, label: str = ""
+    ) -> None:
         """Run ``fn`` on the engine thread with no generation running (see the update modes);
-        a load's ``fn`` returns the new weight version. Blocks until done; raises what ``fn`` raised."""
-        operation = _Operation(what, fn, is_load)
+        a load's ``fn`` returns the new weight version and raises ``SyncError`` only when it refused
+        before changing anything (any other error breaks the scheduler, see the module docstring).
+        Blocks until done; raises what ``fn`` raised. Allowed while broken (a complete load heals)."""
+        operation = EngineOperation(what, fn, is_load, label or what)
         with self._cond:
-            self._refuse_if_unusable()
+            self._refuse_if_stopped()
             self._operations.append(operation)
             self._cond.notify_all()
         while not operation.done.wait(_POLL_S):
             self._fail_if_stalled()
         if operation.error is not None:
             raise operation.error
+
+    async def reset_caches(self) -> None:
+        """Reset the engine's caches once in-flight calls finished, waiting on the event loop (no
+        thread held). Joins a reset already pending; returns at once when nothing was generated or
+        loaded since the last reset."""
+        with self._cond:
+            self._refuse_if_stopped()
+            operation = next((op for op in self._operations if op.what == CACHE_RESET), None)
+            if operation is None:
+                if not self._caches_dirty and not self._operations and not self._running:
+                    return
+                operation = EngineOperation(CACHE_RESET, self._reset_now, is_load=False, label=CACHE_RESET)
+                self._operations.append(operation)
+                self._cond.notify_all()
+        await self._await_done(operation)
+        if operation.error is not None:
+            raise operation.error
+
+    def _reset_now(self) -> None:
+        self.engine.reset_caches()
+        self._caches_dirty = False
 
     # ----------------------------------------------------------------------------------- state
     @property
@@ -241,6 +268,8 @@ class EngineScheduler:
             return "stopped"
         if self.watch.stalled() is not None:
             return "stalled"
+        if self._broken is not None:
+            return "broken"
         if self._operations or self.watch.current not in (None, GENERATION):
             return "updating"
         return "generating" if self._running_calls else "idle"
@@ -249,6 +278,11 @@ class EngineScheduler:
     def stopped(self) -> str | None:
         """Why the engine thread stopped serving (shut down, or failed unexpectedly), or ``None``."""
         return self._closed_reason
+
+    @property
+    def broken(self) -> str | None:
+        """Why nothing is served (a load failed after the engine may have changed), or ``None``."""
+        return self._broken
 
     def depth(self) -> dict[str, int]:
         """Queue depth, lock-free (a snapshot for health and stats)."""
@@ -271,12 +305,16 @@ class EngineScheduler:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not (self._stopping or self._pending or self._operations or self._running):
+                while not (
+                    self._stopping or self._pending or self._operations or self._running or self._cancelled
+                ):
                     self._cond.wait(1.0)
                 if self._stopping:
                     return
                 operation = self._operations[0] if self._operations else None
+                cancelled, self._cancelled = self._cancelled, []
             try:
+                self._drop_cancelled(cancelled)
                 if operation is not None:
                     self._serve_operation(operation)
                 elif self._caches_stale and not self._running:
@@ -290,37 +328,78 @@ class EngineScheduler:
                 log.exception("rollout engine thread: unexpected failure")
                 self._fail_everything(BackendError(f"the rollout engine thread failed: {exc}"))
 
-    def _serve_operation(self, operation: _Operation) -> None:
+    def _serve_operation(self, operation: EngineOperation) -> None:
         if self._running and not self._ready_for(operation):
             self._step()  # drain: in-flight calls finish under the current weights
             return
-        self._drain_since = None
         keep = operation.is_load and bool(self._running)
+        loaded = False
+        error: BaseException | None = None
         try:
             with self.watch.operation(operation.what):
                 version = operation.fn()
             if version is not None:
                 self.version = version
             if operation.is_load:
-                self._caches_stale = True
+                loaded = True
+                self._caches_stale = self._caches_dirty = True
                 if not keep:
                     self._reset_caches()
+                self._broken = None  # a complete load: the weights are known again
         except BaseException as exc:
-            operation.error = exc
+            error = exc
+            if operation.is_load and (loaded or not isinstance(exc, SyncError)):
+                self._break(_broken_reason(operation.label, exc, loaded))
+                error = (
+                    BackendError(f"this rollout server stopped serving: {self._broken}") if loaded else exc
+                )
         with self._cond:
             self._operations.popleft()
-        operation.done.set()
+        operation._finish(error)
 
-    def _ready_for(self, operation: _Operation) -> bool:
+    def _break(self, reason: str) -> None:
+        """The weights are unknown: fail every pending and running call, refuse new ones (503)."""
+        with self._cond:
+            self._broken = reason
+            calls = list(self._pending) + list(self._running_calls.values())
+            self._pending.clear()
+        if self._running:
+            self.engine.abort(list(self._running))
+        self._running.clear()
+        self._running_calls.clear()
+        error = BackendError(_broken_message(reason))
+        for ticket in calls:
+            self._done(ticket, error)
+        log.error(
+            "rollout server broken: %s; %d call(s) failed, nothing is served until a complete load",
+            reason,
+            len(calls),
+        )
+
+    def _drop_cancelled(self, cancelled: list[tuple[CallTicket, str]]) -> None:
+        for ticket, why in cancelled:
+            if ticket.done.is_set():
+                continue
+            ids = [i for i, (t, _) in self._running.items() if t is ticket]
+            if ids:
+                self.engine.abort(ids)
+                for request_id in ids:
+                    self._running.pop(request_id, None)
+            self._running_calls.pop(ticket.call_id, None)
+            with self._cond:
+                self._pending = deque(t for t in self._pending if t is not ticket)
+            self._done(ticket, BackendError(f"call cancelled: {why}; nothing of it is answered"))
+
+    def _ready_for(self, operation: EngineOperation) -> bool:
         """May ``operation`` run now, with calls in flight? Aborts them when the mode says so."""
         if operation.is_load and self.update_mode == "keep":
             return True
+        if operation.is_load and any(t.attempts >= self.max_reruns for t in self._running_calls.values()):
+            return False  # a call re-run max_reruns times already: this update waits for it to finish
         if operation.is_load and self.update_mode == "abort":
             self._abort_running("the abort update mode")
             return True
-        now = time.monotonic()
-        self._drain_since = self._drain_since or now
-        if now - self._drain_since < self.drain_timeout_s:
+        if time.monotonic() - operation.queued_at < self.drain_timeout_s:  # counted from the request
             return False
         self._abort_running(f"the drain timeout ({self.drain_timeout_s:g}s, --drain-timeout-s)")
         return True
@@ -341,7 +420,7 @@ class EngineScheduler:
     def _reset_caches(self) -> None:
         with self.watch.operation(CACHE_RESET):
             self.engine.reset_caches()
-        self._caches_stale = False
+        self._caches_stale = self._caches_dirty = False
 
     def _admit_pending(self) -> None:
         window = self.engine.join_window_s
@@ -350,10 +429,20 @@ class EngineScheduler:
                 deadline = time.monotonic() + window
                 while self._arriving > 0 and (left := deadline - time.monotonic()) > 0:
                     self._cond.wait(left)
-            admitted = list(self._pending)
-            self._pending.clear()
-        for ticket in admitted:
-            self._admit(ticket)
+            admitted: list[CallTicket] = []
+            budget = self.admit_prompts_per_step if self._running else None
+            while self._pending and (
+                budget is None or not admitted or budget >= len(self._pending[0].prompts)
+            ):
+                ticket = self._pending.popleft()
+                admitted.append(ticket)
+                if budget is not None:
+                    budget -= len(ticket.prompts)
+        if not admitted:
+            return
+        with self.watch.operation(ADMISSION):  # watched: a hang while adding shows as a stall
+            for ticket in admitted:
+                self._admit(ticket)
 
     def _admit(self, ticket: CallTicket) -> None:
         ticket.first_version = self.version
@@ -362,7 +451,8 @@ class EngineScheduler:
             for index, prompt in enumerate(ticket.prompts):
                 request_id = ticket.request_id(index)
                 seed = None if ticket.seed is None else ticket.seed + index
-                self.engine.add(request_id, prompt, ticket.decoding, seed)
+                self.engine.add(request_id, prompt, ticket.decoding, seed, ticket.stop)
+                self.watch.progress()
                 added.append(request_id)
                 self._running[request_id] = (ticket, index)
         except Exception as exc:  # this call's values: only this call fails
@@ -374,6 +464,7 @@ class EngineScheduler:
         self._running_calls[ticket.call_id] = ticket
 
     def _step(self) -> None:
+        self._caches_dirty = True
         try:
             with self.watch.operation(GENERATION):
                 finished = self.engine.step()
@@ -416,8 +507,7 @@ class EngineScheduler:
             if not ticket.done.is_set():
                 self._done(ticket, error)
         for operation in operations:
-            operation.error = error
-            operation.done.set()
+            operation._finish(error)
 
     # ---------------------------------------------------------------------------------- checks
     def _result(self, ticket: CallTicket) -> list[EngineOutput]:
@@ -425,7 +515,16 @@ class EngineScheduler:
             raise ticket.error
         return [o for o in ticket.outputs if o is not None]
 
+    def refuse_if_broken(self) -> None:
+        """Raise the 503 of a broken (or stopped, or stalled) scheduler; nothing when it serves."""
+        self._refuse_if_unusable()
+
     def _refuse_if_unusable(self) -> None:
+        self._refuse_if_stopped()
+        if self._broken is not None:
+            raise BackendError(_broken_message(self._broken))
+
+    def _refuse_if_stopped(self) -> None:
         if self._closed_reason is not None:
             raise BackendError(f"the rollout engine stopped: {self._closed_reason}")
         self._fail_if_stalled()
@@ -434,3 +533,18 @@ class EngineScheduler:
         stalled = self.watch.stalled()
         if stalled is not None:
             raise BackendError(f"the rollout engine is stalled ({stalled}); restart the server")
+
+
+def _broken_reason(label: str, exc: BaseException, loaded: bool) -> str:
+    if loaded:
+        return f"{label} was loaded, then resetting the engine's caches failed ({type(exc).__name__}: {exc})"
+    if isinstance(exc, BackendError):
+        return str(exc)  # the loader named what failed
+    return f"{label} failed after the engine may have changed ({type(exc).__name__}: {exc})"
+
+
+def _broken_message(reason: str) -> str:
+    return (
+        f"this rollout server stopped serving: {reason}; its weights are unknown, so nothing is generated "
+        "until a complete weight update is loaded (push one, or restart the server)"
+    )

@@ -1,8 +1,9 @@
 """The engine watchdog: what the engine thread is doing, since when, and when it last made progress.
 
 Owns: :class:`EngineWatch`. The engine thread (``server.scheduler``) wraps every engine operation
-(generation steps, weight loads, cache resets) in :meth:`EngineWatch.operation`; engines call
-:meth:`EngineWatch.progress` on every model forward. An operation that makes no progress for
+(generation steps, admissions, weight loads, cache resets) in :meth:`EngineWatch.operation`;
+engines call :meth:`EngineWatch.progress` on every model forward and every tensor loaded, the
+scheduler on every prompt admitted. An operation that makes no progress for
 ``stall_timeout_s`` is a *stalled* engine: ``/health/`` answers 503 naming the operation, and calls
 waiting for the engine fail with a 503 instead of waiting forever. Reads are lock-free (plain
 attribute reads), so health probes never wait for the engine. Leaves out: what the operations do,
@@ -18,6 +19,7 @@ from contextlib import contextmanager
 GENERATION = "generation"
 WEIGHT_LOAD = "weight load"
 CACHE_RESET = "cache reset"
+ADMISSION = "admission"
 
 
 class EngineWatch:

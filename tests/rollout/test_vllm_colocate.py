@@ -7,6 +7,7 @@ syncs the weights it compares against, so test order does not matter.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -210,11 +211,15 @@ def test_adapter_sync_serves_the_lora_model(
         assert _responses(backend.generate(requests_, GREEDY, seed=0)) == _responses(
             _hf_greedy(model, encoder, requests_)
         )
+        # Pins: a superseded adapter's directory is deleted (before: one directory per version, kept)
+        assert engine._adapter_dir is not None
+        assert [p.name for p in Path(engine._adapter_dir.name).iterdir()] == [f"v{version + 1}"]
     with model.disable_adapter():
         assert _responses(_hf_greedy(model, encoder, requests_)) != _responses(
             backend.generate(requests_, GREEDY, seed=0)
         )
     engine.drop_adapter()
+    assert engine._adapter_dir is None or not any(Path(engine._adapter_dir.name).iterdir())
 
 
 def test_adapter_failure_falls_back_to_full_sync_once(

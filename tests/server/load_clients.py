@@ -8,6 +8,7 @@ weights its version names.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from dataclasses import dataclass, field
@@ -38,6 +39,22 @@ def prepared_prompts(server: Any, rollout_requests: list[Any]) -> list[Any]:
         for r in rollout_requests
     ]
     return [server.engine.preparer.prepare(r, i) for i, r in enumerate(wire)]
+
+
+def wait_for(scheduler: Any, ticket: Any) -> list[Any]:
+    """A ticket's engine outputs, waited for as ``/infer/`` does (``wait_async``: fails once the
+    engine is stalled, raises the call's error)."""
+    return list(asyncio.run(scheduler.wait_async(ticket)))
+
+
+def infer_in_process(server: Any, body: Any) -> list[Any]:
+    """What ``/infer/`` answers for ``body`` on an in-process ``RolloutServer`` (no HTTP)."""
+    with server.scheduler.arrival():
+        call = server.prepare(body)
+        ticket = server.submit(call)
+    if ticket is not None:
+        wait_for(server.scheduler, ticket)
+    return list(server.outputs(call, ticket))
 
 
 def infer_payload(side: Any, rollout_requests: list[Any], decoding: Decoding) -> bytes:

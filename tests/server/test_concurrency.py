@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import requests
-from load_clients import check_load_result, prepared_prompts, pushes_under_load
+from load_clients import check_load_result, prepared_prompts, pushes_under_load, wait_for
 
 from rollmatch.errors import BackendError, ServerBusy
 from rollmatch.rollout.types import Decoding
@@ -49,13 +49,15 @@ def test_concurrent_calls_join_one_batch_with_the_results_of_each_call_alone(
     server = in_process()
     prompts = prepared_prompts(server, raccoon_requests)
     calls = [(prompts[:2], 10), (prompts[1:], 20), (prompts, 30), (prompts[:1], 40)]
-    alone = [_ids(server.scheduler.wait(server.scheduler.submit(p, decoding, seed))) for p, seed in calls]
+    alone = [
+        _ids(wait_for(server.scheduler, server.scheduler.submit(p, decoding, seed))) for p, seed in calls
+    ]
     steps: list[int] = []
     step = server.engine.step
     server.engine.step = lambda: steps.append(1) or step()  # counts engine steps (the engine is real)
     try:
         tickets = [server.scheduler.submit(p, decoding, seed) for p, seed in calls]
-        together = [_ids(server.scheduler.wait(t)) for t in tickets]
+        together = [_ids(wait_for(server.scheduler, t)) for t in tickets]
     finally:
         del server.engine.step
     assert together == alone
@@ -79,8 +81,8 @@ def test_a_full_server_answers_429_with_retry_after_and_a_too_large_call_413(
     finally:
         release.set()
         del server.engine.step
-    assert len(server.scheduler.wait(first)) == 270
-    assert len(server.scheduler.wait(server.scheduler.submit(prompts * 11, GREEDY, 0))) == 33
+    assert len(wait_for(server.scheduler, first)) == 270
+    assert len(wait_for(server.scheduler, server.scheduler.submit(prompts * 11, GREEDY, 0))) == 33
 
 
 @pytest.mark.parametrize("operation", [WEIGHT_LOAD, CACHE_RESET])
@@ -104,7 +106,7 @@ def test_a_stalled_engine_operation_turns_health_503_naming_it_and_fails_waiting
         waiting = [server.scheduler.submit(prompts[:1], GREEDY, i) for i in range(8)]
         started = time.monotonic()
         with pytest.raises(BackendError, match=f"{operation} made no progress"):
-            server.scheduler.wait(waiting[0])
+            wait_for(server.scheduler, waiting[0])
         assert time.monotonic() - started < 1.0 + 2.0  # the stall timeout plus polling
         health = server.health()
         assert health.status == "stalled" and health.engine == "stalled" and health.operation == operation
@@ -184,7 +186,7 @@ def test_an_engine_thread_that_fails_unexpectedly_fails_its_calls_and_health(
     server.scheduler._admit_pending = broken_admission  # type: ignore[method-assign]
     ticket = server.scheduler.submit(prompts[:1], GREEDY, 0)
     with pytest.raises(BackendError, match="injected engine-thread bug"):
-        server.scheduler.wait(ticket)
+        wait_for(server.scheduler, ticket)
     health = server.health()
     assert health.status == "broken" and health.engine == "stopped" and "injected" in (health.detail or "")
     with pytest.raises(BackendError, match="stopped"):

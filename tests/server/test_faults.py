@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import requests
 import torch
+from load_clients import infer_in_process
 from local_ports import free_tcp_port
 from server_processes import REPO, launch_server
 from transformers import AutoModelForImageTextToText
@@ -178,9 +179,11 @@ def test_a_request_that_fails_inside_vllm_leaves_the_engine_clean(
         with monkeypatch.context() as patch:
             patch.setattr(server, "_checked", lambda body, times: (unchecked, prompts, None))
             with pytest.raises(ValueError, match=r"the engine refused the request .*Overflow"):
-                server.infer(good)
+                infer_in_process(server, good)
         done: dict[str, Any] = {}
-        worker = threading.Thread(target=lambda: done.setdefault("out", server.infer(good)), daemon=True)
+        worker = threading.Thread(
+            target=lambda: done.setdefault("out", infer_in_process(server, good)), daemon=True
+        )
         worker.start()
         worker.join(timeout=60)  # without the recovery: spins forever holding the engine
         assert "out" in done and done["out"][0].response.choices[0].finish_reason in ("stop", "length")

@@ -23,7 +23,7 @@ from rollmatch.rollout.types import Decoding
 from rollmatch.server.timing import PhaseTimes
 
 DECODING = Decoding(max_new_tokens=6)
-SERVER_PHASES = {"receive", "parse", "prepare", "decode", "engine", "outputs", "respond"}
+SERVER_PHASES = {"receive", "parse", "prepare", "decode", "preprocess", "engine", "outputs", "respond"}
 
 
 def test_nested_phases_count_only_for_themselves() -> None:
