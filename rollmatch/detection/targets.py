@@ -190,7 +190,7 @@ class KeptElement:
 
 def walk_elements(parse: ParseResult, gt_of: dict[int, int], num_gts: int) -> list[KeptElement]:
     """The complete elements of ``parse`` in order, each with its GT and the GT still to be found."""
-    starts = [1, *parse.element_ends[:-1]]
+    starts = [1, *parse.element_ends][: parse.num_complete]  # after the "[", then after each "}"
     found: set[int] = set()
     elements: list[KeptElement] = []
     obj = 0

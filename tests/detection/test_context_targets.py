@@ -166,3 +166,14 @@ def test_difference_from_sft_counts_token_ids_not_weights(codec: QwenJsonCodec) 
     # the default target cuts at the false positive: B, then A and C appended; B before A is not the
     # canonical order (both at y=20: left to right), so other ids
     assert target_differs_from_sft(target(codec, ROLLOUT), GTS, codec, codec.tokenizer)
+
+
+def test_keep_all_supervise_of_a_rollout_without_a_complete_element_is_the_sft_target(
+    codec: QwenJsonCodec,
+) -> None:
+    eos = codec.tokenizer.convert_tokens_to_ids(codec.tokenizer.eos_token)
+    sft = build_gt_target(GTS, codec=codec, tokenizer=codec.tokenizer, eos_token_id=eos)
+    for text in ("", "[", '[{"bbox_2d": [1, 2'):
+        t = target(codec, text, fp_unlikelihood_weight=1.0, **AFTER_MISTAKES)
+        assert (t.token_ids, t.weights) == (sft.token_ids, sft.weights), text
+        assert not any(t.unlikelihood_weights)
