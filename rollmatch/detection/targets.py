@@ -3,11 +3,13 @@
 Owns: :class:`TargetSequence`, :func:`build_matched_target` (the rollout-matching target under
 ``loss.target``: ``prefix_fn`` keeps part of the rollout (``loss.keep_prefix``, its matched elements
 supervised by default, ``loss.matched_prefix``) and appends the GT not in it; ``reordered_gt`` is the
-matched GT in the rollout's order then the missed GT), the builders it dispatches to, and
-:func:`build_gt_target` (GT serialization + EOS, Channel-A / ``sft``). Leaves out: the prompt (its
-tokens carry weight 0 and are added by the trainer), loss reduction (``training.losses``) and
-packing. Why ``prefix_fn`` keeps the rollout only up to its first unmatched element:
-docs/detection.md, "the truncation ratchet".
+matched GT in the rollout's order then the missed GT), the builders it dispatches to (among them
+:func:`build_supervised_context_target`, training after the model's own mistakes),
+:func:`build_gt_target` (GT serialization + EOS, Channel-A / ``sft``) and
+:func:`target_differs_from_sft`. Leaves out: the prompt (its tokens carry weight 0 and are added by
+the trainer), where a kept mistake first goes wrong (``detection.mistakes``), loss reduction
+(``training.losses``) and packing. Why ``prefix_fn`` keeps the rollout only up to its first unmatched
+element by default: docs/detection.md, "the truncation ratchet".
 
 Weights, one per response token (the weight of the loss for predicting that token):
 
@@ -15,8 +17,13 @@ Weights, one per response token (the weight of the loss for predicting that toke
 - a supervised (rewritten) matched prefix: coordinates 1, labels ``desc_weight``, structure
   ``prefix_weight``;
 - appended tail, the whole GT serialization and a reordered-GT target: 1, except *label* tokens,
-  which get ``desc_weight``;
+  which get ``desc_weight``; in a rollout target the appended missed objects are multiplied by
+  ``missed_weight`` (the closing ``]`` is not);
+- a kept false positive, duplicate or invalid element under ``keep_prefix: all`` + ``supervise``: 0;
 - EOS: 1.
+
+``unlikelihood_weights`` (``loss.fp_unlikelihood_weight``): one token per kept false positive or
+duplicate, the weight of ``-log(1 - p(token))`` there (``detection.mistakes``).
 
 Tokens are classified through the characters they decode to (``json_scan.char_roles``). A token
 is a *label* token if any of its characters lies inside a string value (the label text, not its
@@ -35,6 +42,7 @@ from rollmatch.config.schema import LossConfig
 from rollmatch.detection.codec import DecodedTokens, ObjectCodec, ParseResult, Tokenizer, decode_with_offsets
 from rollmatch.detection.json_scan import STRUCTURE, TEXT
 from rollmatch.detection.matching import MatchResult
+from rollmatch.detection.mistakes import divergence, fp_divergences, unlikelihood_flags, walk_elements
 from rollmatch.detection.objects import DetObject, canonical_order
 from rollmatch.errors import DataError
 
@@ -151,7 +159,7 @@ def build_supervised_context_target(
             continue
         raw = parse.prefix_text[element.start : element.end]
         if element.valid and loss.fp_unlikelihood_weight > 0:
-            first = _divergence(raw, [gts[g] for g in element.remaining], codec, after_element=after)
+            first = divergence(raw, [gts[g] for g in element.remaining], codec, after_element=after)
             if first is not None:
                 divergences.append(len(text) + first)
         context_spans.append((len(text), len(text) + len(raw)))
@@ -172,103 +180,17 @@ def build_supervised_context_target(
         missed_start=rewritten,
     )
     _flag_unlikelihood(target, divergences, tokenizer, loss.fp_unlikelihood_weight)
-    target.dropped_elements = 0
     return target
-
-
-@dataclass(frozen=True)
-class KeptElement:
-    """One complete element of a parsed rollout, as the targets that keep every element see it."""
-
-    index: int  # position among the complete elements
-    start: int  # where its continuation starts in ``parse.prefix_text`` (after the previous "}" / the "[")
-    end: int  # just after its "}"
-    valid: bool
-    gt: int | None  # the GT it is matched to; None for a false positive, a duplicate or an invalid element
-    remaining: tuple[int, ...]  # GT indices not matched by any earlier element (the correct next objects)
-
-
-def walk_elements(parse: ParseResult, gt_of: dict[int, int], num_gts: int) -> list[KeptElement]:
-    """The complete elements of ``parse`` in order, each with its GT and the GT still to be found."""
-    starts = [1, *parse.element_ends][: parse.num_complete]  # after the "[", then after each "}"
-    found: set[int] = set()
-    elements: list[KeptElement] = []
-    obj = 0
-    for i, (start, end, valid) in enumerate(
-        zip(starts, parse.element_ends, parse.element_valid, strict=True)
-    ):
-        gt = None
-        if valid:
-            gt = gt_of.get(obj)
-            obj += 1
-        remaining = tuple(g for g in range(num_gts) if g not in found)
-        elements.append(KeptElement(i, start, end, valid, gt, remaining))
-        if gt is not None:
-            found.add(gt)
-    return elements
-
-
-def fp_divergences(
-    parse: ParseResult, gts: Sequence[DetObject], match: MatchResult, codec: ObjectCodec, keep: int
-) -> list[int]:
-    """Characters of ``parse.prefix_text`` where each kept false positive or duplicate (valid, unmatched)
-    first leaves every correct continuation (:func:`_divergence`); the rollout's own context."""
-    gt_of = {p: g for p, g, _ in match.pairs}
-    divergences: list[int] = []
-    for element in walk_elements(parse, gt_of, len(gts))[:keep]:
-        if not element.valid or element.gt is not None:
-            continue
-        raw = parse.prefix_text[element.start : element.end]
-        first = _divergence(raw, [gts[g] for g in element.remaining], codec, after_element=element.index > 0)
-        if first is not None:
-            divergences.append(element.start + first)
-    return divergences
-
-
-def _divergence(
-    continuation: str, remaining: Sequence[DetObject], codec: ObjectCodec, *, after_element: bool
-) -> int | None:
-    """Index of the first character of ``continuation`` (a false positive's text from just after the
-    previous element) that no correct continuation shares, or None when one equals it.
-
-    The correct continuations at that point are each GT object not yet found, serialized as the next
-    element (``, {...}``); with none left, closing the list (``]``). So a false positive after the last
-    GT object diverges at its separator (``,`` where ``]`` was right), a wrong box at its first wrong
-    coordinate character, a right box with a wrong label inside the label.
-    """
-    alternatives = [codec.append_fragment([gt], after_element=after_element)[:-1] for gt in remaining]
-    if not alternatives:
-        alternatives = [codec.append_fragment([], after_element=after_element)]
-    shared = max(_common_prefix(continuation, alt) for alt in alternatives)
-    return shared if shared < len(continuation) else None
-
-
-def _common_prefix(a: str, b: str) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def _flag_unlikelihood(
     target: TargetSequence, divergences: Sequence[int], tokenizer: Tokenizer, weight: float
 ) -> None:
-    """Give the token holding each divergence character ``weight`` for the unlikelihood term.
-
-    A token that also carries a CE weight (it is supervised toward the same id) is not flagged: one
-    position is never pushed up and down at once.
-    """
-    if weight <= 0:
-        return
-    spans = decode_with_offsets(tokenizer, target.token_ids[:-1]).token_spans()
-    flags = [0.0] * len(target.token_ids)
-    for char in divergences:
-        index = next(i for i, (start, stop) in enumerate(spans) if start <= char < stop)
-        if target.weights[index] == 0:
-            flags[index] = weight
-    target.unlikelihood_weights = flags
+    """Set ``target.unlikelihood_weights`` from the divergence characters (none when ``weight`` is 0)."""
+    if weight > 0:
+        target.unlikelihood_weights = unlikelihood_flags(
+            target.token_ids, target.weights, divergences, tokenizer, weight
+        )
 
 
 def build_reordered_gt_target(
