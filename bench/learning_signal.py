@@ -306,12 +306,13 @@ def run_gate(out: Path, stage1: Path, splits: dict[str, Path], args: argparse.Na
 def target_difference(
     cfg: RollmatchConfig, stage1: Path, dev: list[Record], predictions: Path
 ) -> dict[str, float]:
-    """Fraction of dev rollouts (stage-1's greedy answers) whose target differs from the SFT target."""
+    """Fraction of dev rollouts (stage-1's greedy answers) whose target holds other token ids than the
+    SFT target (weights alone do not count: equal ids train on SFT's own states)."""
     from rollmatch.config.schema import LossConfig
     from rollmatch.data.prompts import PromptEncoder
     from rollmatch.detection.codec import build_codec
     from rollmatch.detection.scoring import score_response
-    from rollmatch.detection.targets import build_gt_target, build_matched_target
+    from rollmatch.detection.targets import build_matched_target, target_differs_from_sft
 
     encoder = PromptEncoder.from_pretrained(stage1, cfg.data)
     codec = build_codec(cfg.custom.object_format, encoder.tokenizer, [encoder.eos_token_id])
@@ -334,10 +335,9 @@ def target_difference(
             matching=cfg.eval.matching,
         )
         common = {"codec": codec, "tokenizer": encoder.tokenizer, "eos_token_id": encoder.eos_token_id}
-        sft = build_gt_target(scored.gt_objects, **common)
         for name, loss in losses.items():
             target = build_matched_target(scored.parse, scored.gt_objects, scored.match, loss=loss, **common)
-            differ[name] += int((target.token_ids, target.weights) != (sft.token_ids, sft.weights))
+            differ[name] += int(target_differs_from_sft(target, scored.gt_objects, codec, encoder.tokenizer))
     return {name: round(count / len(dev), 3) for name, count in differ.items()}
 
 

@@ -23,6 +23,7 @@ COMMANDS: dict[str, str] = {
     "demo": "rollmatch.demo:demo_command",
     "eval": "rollmatch.evaluation:eval_command",
     "viz": "rollmatch.viz:viz_command",
+    "diagnose": "rollmatch.diagnostics:diagnose_command",
     "serve": "rollmatch.server.serve:serve_command",
     "launch": "rollmatch.launch.command:launch_command",
 }
@@ -132,6 +133,26 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="draw the first N images into <predictions dir>/pictures",
     )
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+
+    p = sub.add_parser(
+        "diagnose",
+        help="Without training: how each rollout-matching target differs from SFT's (token ids) and how "
+        "much recall drops after the model's own prefix vs the GT's (exposure bias); JSON.",
+    )
+    p.add_argument("--model", required=True)
+    p.add_argument("--data", required=True, help="JSONL records (a dev split)")
+    p.add_argument("--config", help="YAML config (data, matching, engine); without it as in `rollmatch eval`")
+    p.add_argument("--backend", choices=["hf", "vllm"], default=None)
+    p.add_argument("--max-samples", type=_positive_int, default=None, help="the first N records")
+    p.add_argument(
+        "--prefix-k",
+        type=_positive_int,
+        nargs="+",
+        default=[1, 2],
+        help="prefix lengths (objects) of the prefix-sensitivity probe",
+    )
+    p.add_argument("--out", help="also write the JSON here")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides")
 
     p = sub.add_parser("viz", help="Draw GT and predicted boxes per image, plus a grid PNG.")

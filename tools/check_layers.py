@@ -26,7 +26,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("protocol", "rollout", "sync"),
     ("server",),
     ("viz",),  # pictures of records and predictions, drawn by eval and the demo
-    ("evaluation",),  # below training, so training may evaluate (never the other way round)
+    ("evaluation", "diagnostics"),  # below training, so training may evaluate (never the other way round)
     ("training",),
     ("demo", "launch", "cli", "api"),  # entry points
 )

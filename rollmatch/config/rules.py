@@ -349,29 +349,42 @@ def _rule_pixels(cfg: RollmatchConfig) -> list[ConfigProblem]:
 
 
 def _rule_target(cfg: RollmatchConfig) -> list[ConfigProblem]:
-    """`loss.matched_prefix: supervise` needs `loss.target: prefix_fn` and `loss.keep_prefix: matched`."""
+    """`loss.matched_prefix: supervise` needs `loss.target: prefix_fn`; `loss.fp_unlikelihood_weight` > 0 needs `target: prefix_fn` with `keep_prefix: all` and a variant that rolls out; `loss.missed_weight` != 1 needs a variant that rolls out."""
     loss = cfg.loss
-    if loss.matched_prefix != "supervise":
-        return []
-    if loss.target != "prefix_fn":
-        return [
+    problems: list[ConfigProblem] = []
+    if loss.matched_prefix == "supervise" and loss.target != "prefix_fn":
+        problems.append(
             ConfigProblem(
                 "loss.matched_prefix",
                 loss.matched_prefix,
                 "applies to loss.target: prefix_fn only (reordered_gt already supervises every matched object); "
                 "set matched_prefix: none, or target: prefix_fn",
             )
-        ]
-    if loss.keep_prefix != "matched":
-        return [
+        )
+    if loss.fp_unlikelihood_weight > 0 and (loss.target != "prefix_fn" or loss.keep_prefix != "all"):
+        problems.append(
             ConfigProblem(
-                "loss.matched_prefix",
-                loss.matched_prefix,
-                f"needs loss.keep_prefix: matched (keep_prefix: {loss.keep_prefix} keeps false positives, "
-                "which have no GT to be supervised toward); set keep_prefix: matched or matched_prefix: none",
+                "loss.fp_unlikelihood_weight",
+                loss.fp_unlikelihood_weight,
+                f"no false positive is ever kept in the context under target: {loss.target}, keep_prefix: "
+                f"{loss.keep_prefix}; set loss.target: prefix_fn with loss.keep_prefix: all, or set it to 0",
             )
-        ]
-    return []
+        )
+    rolls_out = cfg.custom.trainer_variant != "sft"
+    for key, value, default in (
+        ("missed_weight", loss.missed_weight, 1.0),
+        ("fp_unlikelihood_weight", loss.fp_unlikelihood_weight, 0.0),
+    ):
+        if not rolls_out and value != default:
+            problems.append(
+                ConfigProblem(
+                    f"loss.{key}",
+                    value,
+                    "acts on rollout-matching targets and custom.trainer_variant: sft never rolls out; set "
+                    f"it to {default:g}, or trainer_variant: rollout_matching_sft / stage2_ab_training",
+                )
+            )
+    return problems
 
 
 def _rule_coord_tokens(cfg: RollmatchConfig) -> list[ConfigProblem]:

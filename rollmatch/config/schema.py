@@ -114,7 +114,17 @@ class LossConfig(Section):
     )
     matched_prefix: Literal["none", "supervise"] = Field(
         "supervise",
-        description="`prefix_fn` only: `supervise` rewrites each kept matched element to its GT's serialization and supervises its coordinate tokens (weight 1) and label tokens (`desc_weight`); structure tokens keep `prefix_weight`. `none`: the prefix is the rollout's own tokens, unsupervised. Unset, it is `supervise` where it applies (`target: prefix_fn` with `keep_prefix: matched`; the learning-signal study's best target, docs/detection.md) and `none` elsewhere; set to `supervise` with another target or `keep_prefix: all`, it is refused (a kept false positive has no GT to be rewritten to).",
+        description="`prefix_fn` only: `supervise` rewrites each kept matched element to its GT's serialization and supervises its coordinate tokens (weight 1) and label tokens (`desc_weight`); structure tokens keep `prefix_weight`. With `keep_prefix: all` every matched element is rewritten, also after a false positive, and the kept false positives, duplicates and invalid elements stay in the context at weight 0 (training after the model's own mistakes). `none`: the prefix is the rollout's own tokens, unsupervised. Unset, it is `supervise` with `keep_prefix: matched` (the learning-signal study's best target, docs/detection.md) and `none` elsewhere; `target: reordered_gt` refuses `supervise`.",
+    )
+    missed_weight: float = Field(
+        1.0,
+        ge=0.0,
+        description="Rollout-matching targets: factor on the weights of the appended missed-GT objects (their separators, coordinates and labels); the closing `]` and EOS keep weight 1.",
+    )
+    fp_unlikelihood_weight: float = Field(
+        0.0,
+        ge=0.0,
+        description="`keep_prefix: all` only: weight of an unlikelihood term `-log(1 - p(token))` on the first token of each kept false positive or duplicate that no correct continuation shares (its first wrong coordinate character, its separator when no GT is left); summed with the CE and divided by the same step total of CE weights. 0: off. docs/detection.md.",
     )
 
     @model_validator(mode="before")

@@ -3,11 +3,13 @@
 Owns: :class:`TargetSequence`, :func:`build_matched_target` (the rollout-matching target under
 ``loss.target``: ``prefix_fn`` keeps part of the rollout (``loss.keep_prefix``, its matched elements
 supervised by default, ``loss.matched_prefix``) and appends the GT not in it; ``reordered_gt`` is the
-matched GT in the rollout's order then the missed GT), the builders it dispatches to, and
-:func:`build_gt_target` (GT serialization + EOS, Channel-A / ``sft``). Leaves out: the prompt (its
-tokens carry weight 0 and are added by the trainer), loss reduction (``training.losses``) and
-packing. Why ``prefix_fn`` keeps the rollout only up to its first unmatched element:
-docs/detection.md, "the truncation ratchet".
+matched GT in the rollout's order then the missed GT), the builders it dispatches to (among them
+:func:`build_supervised_context_target`, training after the model's own mistakes),
+:func:`build_gt_target` (GT serialization + EOS, Channel-A / ``sft``) and
+:func:`target_differs_from_sft`. Leaves out: the prompt (its tokens carry weight 0 and are added by
+the trainer), where a kept mistake first goes wrong (``detection.mistakes``), loss reduction
+(``training.losses``) and packing. Why ``prefix_fn`` keeps the rollout only up to its first unmatched
+element by default: docs/detection.md, "the truncation ratchet".
 
 Weights, one per response token (the weight of the loss for predicting that token):
 
@@ -15,8 +17,13 @@ Weights, one per response token (the weight of the loss for predicting that toke
 - a supervised (rewritten) matched prefix: coordinates 1, labels ``desc_weight``, structure
   ``prefix_weight``;
 - appended tail, the whole GT serialization and a reordered-GT target: 1, except *label* tokens,
-  which get ``desc_weight``;
+  which get ``desc_weight``; in a rollout target the appended missed objects are multiplied by
+  ``missed_weight`` (the closing ``]`` is not);
+- a kept false positive, duplicate or invalid element under ``keep_prefix: all`` + ``supervise``: 0;
 - EOS: 1.
+
+``unlikelihood_weights`` (``loss.fp_unlikelihood_weight``): one token per kept false positive or
+duplicate, the weight of ``-log(1 - p(token))`` there (``detection.mistakes``).
 
 Tokens are classified through the characters they decode to (``json_scan.char_roles``). A token
 is a *label* token if any of its characters lies inside a string value (the label text, not its
@@ -29,12 +36,13 @@ decode to one multi-byte character share that character's role.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from rollmatch.config.schema import LossConfig
 from rollmatch.detection.codec import DecodedTokens, ObjectCodec, ParseResult, Tokenizer, decode_with_offsets
 from rollmatch.detection.json_scan import STRUCTURE, TEXT
 from rollmatch.detection.matching import MatchResult
+from rollmatch.detection.mistakes import divergence, fp_divergences, unlikelihood_flags, walk_elements
 from rollmatch.detection.objects import DetObject, canonical_order
 from rollmatch.errors import DataError
 
@@ -50,6 +58,8 @@ class TargetSequence:
     num_prefix_tokens: int  # leading tokens copied from the rollout (0 for a GT target)
     text: str  # the decoded response without EOS (for logs and tests)
     dropped_elements: int = 0  # complete rollout elements left out of the target
+    # one per token id, or empty (no unlikelihood term): weight of -log(1 - p(token)) for predicting it
+    unlikelihood_weights: list[float] = field(default_factory=list)
 
     @property
     def supervised_tokens(self) -> int:
@@ -80,16 +90,15 @@ def build_matched_target(
         return build_reordered_gt_target(
             parse, gts, match, codec=codec, tokenizer=tokenizer, eos_token_id=eos_token_id, loss=loss
         )
+    if loss.keep_prefix == "all" and loss.matched_prefix == "supervise":
+        return build_supervised_context_target(
+            parse, gts, match, codec=codec, tokenizer=tokenizer, eos_token_id=eos_token_id, loss=loss
+        )
     keep = parse.num_complete if loss.keep_prefix == "all" else leading_matched_elements(parse, match)
     kept_objects = _objects_in(parse, keep)
     matched_gt = {g for p, g, _ in match.pairs if p < kept_objects}
     missed = [gt for g, gt in enumerate(gts) if g not in matched_gt]
     if loss.matched_prefix == "supervise":
-        if keep != leading_matched_elements(parse, match):
-            raise DataError(
-                "loss.matched_prefix: supervise needs loss.keep_prefix: matched (a kept false positive has no "
-                "GT to be supervised toward); set keep_prefix: matched or matched_prefix: none"
-            )
         gt_of = {p: g for p, g, _ in match.pairs}
         target = build_supervised_prefix_target(
             [gts[gt_of[p]] for p in range(kept_objects)],
@@ -109,9 +118,79 @@ def build_matched_target(
             prefix_weight=loss.prefix_weight,
             desc_weight=loss.desc_weight,
             keep_elements=keep,
+            missed_weight=loss.missed_weight,
         )
+        if loss.fp_unlikelihood_weight > 0:
+            divergences = fp_divergences(parse, gts, match, codec, keep)
+            _flag_unlikelihood(target, divergences, tokenizer, loss.fp_unlikelihood_weight)
     target.dropped_elements = parse.num_complete - keep
     return target
+
+
+def build_supervised_context_target(
+    parse: ParseResult,
+    gts: Sequence[DetObject],
+    match: MatchResult,
+    *,
+    codec: ObjectCodec,
+    tokenizer: Tokenizer,
+    eos_token_id: int,
+    loss: LossConfig = _DEFAULTS,
+) -> TargetSequence:
+    """``prefix_fn`` + ``keep_prefix: all`` + ``matched_prefix: supervise``: training after own mistakes.
+
+    Every complete element of the rollout stays in the context, in the rollout's order: a matched
+    element is rewritten to its GT (coordinates 1, labels ``desc_weight``, structure ``prefix_weight``),
+    also after a false positive; a false positive, a duplicate or an invalid element keeps the
+    rollout's own text at weight 0 (any token touching it weighs 0). Then the missed GT (canonical
+    order, ``missed_weight``), ``]`` and EOS (1). The text is encoded whole, as in
+    :func:`build_supervised_prefix_target`. With ``loss.fp_unlikelihood_weight > 0`` the first token
+    of each false positive or duplicate that no correct continuation shares is flagged for the
+    unlikelihood term (:func:`fp_divergences`).
+    """
+    gt_of = {p: g for p, g, _ in match.pairs}
+    text = "["
+    context_spans: list[tuple[int, int]] = []
+    divergences: list[int] = []
+    for element in walk_elements(parse, gt_of, len(gts)):
+        after = element.index > 0
+        if element.gt is not None:
+            text += codec.append_fragment([gts[element.gt]], after_element=after)[:-1]
+            continue
+        raw = parse.prefix_text[element.start : element.end]
+        if element.valid and loss.fp_unlikelihood_weight > 0:
+            first = divergence(raw, [gts[g] for g in element.remaining], codec, after_element=after)
+            if first is not None:
+                divergences.append(len(text) + first)
+        context_spans.append((len(text), len(text) + len(raw)))
+        text += raw
+    rewritten = len(text)
+    missed = [gts[g] for g in match.fn]
+    text += codec.append_fragment(missed, after_element=parse.num_complete > 0)
+    target = _text_target(
+        text,
+        codec=codec,
+        tokenizer=tokenizer,
+        eos_token_id=eos_token_id,
+        prefix_weight=loss.prefix_weight,
+        desc_weight=loss.desc_weight,
+        rewritten_chars=rewritten,
+        context_spans=context_spans,
+        missed_weight=loss.missed_weight,
+        missed_start=rewritten,
+    )
+    _flag_unlikelihood(target, divergences, tokenizer, loss.fp_unlikelihood_weight)
+    return target
+
+
+def _flag_unlikelihood(
+    target: TargetSequence, divergences: Sequence[int], tokenizer: Tokenizer, weight: float
+) -> None:
+    """Set ``target.unlikelihood_weights`` from the divergence characters (none when ``weight`` is 0)."""
+    if weight > 0:
+        target.unlikelihood_weights = unlikelihood_flags(
+            target.token_ids, target.weights, divergences, tokenizer, weight
+        )
 
 
 def build_reordered_gt_target(
@@ -141,6 +220,8 @@ def build_reordered_gt_target(
         eos_token_id=eos_token_id,
         prefix_weight=0.0,
         desc_weight=loss.desc_weight,
+        missed_weight=loss.missed_weight,
+        missed_start=len(codec.serialize_in_order(found)) - 1,
     )
     target.dropped_elements = parse.num_complete - len(match.pairs)
     return target
@@ -182,7 +263,20 @@ def build_supervised_prefix_target(
         prefix_weight=loss.prefix_weight,
         desc_weight=loss.desc_weight,
         rewritten_chars=boundary,
+        missed_weight=loss.missed_weight,
+        missed_start=len(prefix_text) - 1,
     )
+
+
+def target_differs_from_sft(
+    target: TargetSequence, gts: Sequence[DetObject], codec: ObjectCodec, tokenizer: Tokenizer
+) -> bool:
+    """Does ``target`` hold another token-id sequence than the SFT target of ``gts`` (EOS aside)?
+
+    Token ids, never weights: a target equal to SFT's in ids trains on SFT's own states, whatever it
+    weighs.
+    """
+    return target.token_ids[:-1] != list(tokenizer.encode(codec.serialize(gts), add_special_tokens=False))
 
 
 def leading_matched_elements(parse: ParseResult, match: MatchResult) -> int:
@@ -206,6 +300,7 @@ def build_rollout_target(
     prefix_weight: float = _DEFAULTS.prefix_weight,
     desc_weight: float = _DEFAULTS.desc_weight,
     keep_elements: int | None = None,
+    missed_weight: float = _DEFAULTS.missed_weight,
 ) -> TargetSequence:
     """``Y_train = rollout prefix + encode(append_fragment(fn_objects)) + [eos]``.
 
@@ -237,6 +332,8 @@ def build_rollout_target(
         eos_token_id=eos_token_id,
         prefix_weight=prefix_weight,
         desc_weight=desc_weight,
+        missed_weight=missed_weight,
+        missed_start=len(prefix_text) + len(carried),
     )
     target.dropped_elements = parse.num_complete - keep
     return target
@@ -299,6 +396,9 @@ def _text_target(
     prefix_weight: float,
     desc_weight: float,
     rewritten_chars: int = 0,
+    context_spans: Sequence[tuple[int, int]] = (),
+    missed_weight: float = 1.0,
+    missed_start: int | None = None,
 ) -> TargetSequence:
     """A target that is ``text`` encoded whole (no rollout tokens copied), weighted by the rules."""
     return _weighted_target(
@@ -311,6 +411,9 @@ def _text_target(
         prefix_weight=prefix_weight,
         desc_weight=desc_weight,
         rewritten_chars=rewritten_chars,
+        context_spans=context_spans,
+        missed_weight=missed_weight,
+        missed_start=missed_start,
     )
 
 
@@ -325,24 +428,39 @@ def _weighted_target(
     prefix_weight: float,
     desc_weight: float,
     rewritten_chars: int = 0,
+    context_spans: Sequence[tuple[int, int]] = (),
+    missed_weight: float = 1.0,
+    missed_start: int | None = None,
 ) -> TargetSequence:
     """Weights of ``prefix_ids`` (copied from the rollout) + ``tail_ids`` (encoded) by the module's
-    rules; the first ``rewritten_chars`` characters of the tail are a rewritten matched prefix."""
+    rules; the first ``rewritten_chars`` characters of the tail are a rewritten matched prefix.
+
+    A token touching a ``context_spans`` range (a kept false positive, duplicate or invalid element)
+    weighs 0. A token touching the appended missed GT (from ``missed_start`` to the closing ``]``) is
+    multiplied by ``missed_weight``, unless it holds that ``]`` (the decision to stop weighs 1).
+    """
     token_ids = prefix_ids + tail_ids
     decoded = _checked_decode(tokenizer, token_ids, expected_text)
     roles = codec.char_roles(decoded.text)
+    close = len(decoded.text) - 1  # the list's closing "]"
+    missed_from = close if missed_start is None else missed_start
     weights: list[float] = []
     for index, (start, stop) in enumerate(decoded.token_spans()):
         token_roles = roles[start:stop]
         is_structure = stop > start and all(r == STRUCTURE for r in token_roles)
         if index < len(prefix_ids):
             weights.append(prefix_weight if is_structure else 0.0)
-        elif TEXT in token_roles:
-            weights.append(desc_weight)
+            continue
+        if any(start < b and a < stop for a, b in context_spans):
+            weights.append(0.0)
+            continue
+        scale = missed_weight if start < close and stop > missed_from and stop <= close else 1.0
+        if TEXT in token_roles:
+            weights.append(desc_weight * scale)
         elif is_structure and stop <= rewritten_chars:
             weights.append(prefix_weight)
         else:
-            weights.append(1.0)
+            weights.append(scale)
     return TargetSequence(
         token_ids=[*token_ids, int(eos_token_id)],
         weights=[*weights, 1.0],

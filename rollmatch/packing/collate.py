@@ -43,7 +43,8 @@ Batch = dict[str, torch.Tensor | None]
 # Registered with transformers' attention and mask interfaces by :func:`enable_packed_attention`.
 PACKED_SDPA = "rollmatch_packed_sdpa"
 
-# Keys of a batch that are forward kwargs; the rest (weights, segment_lengths) feed the loss.
+# Keys of a batch that are forward kwargs; the rest (weights, unlikelihood_weights, segment_lengths)
+# feed the loss.
 MODEL_INPUT_KEYS = (
     "input_ids",
     "attention_mask",
@@ -59,7 +60,8 @@ def pack_row(segments: Sequence[Segment]) -> Batch:
 
     Returns ``input_ids``, ``weights``, ``mm_token_type_ids`` (1, L); ``position_ids`` (4, 1, L);
     ``pixel_values`` (concatenated in segment order) and ``image_grid_thw`` (stacked), or None
-    without images; ``attention_mask`` None; ``segment_lengths`` (n,) long.
+    without images; ``attention_mask`` None; ``segment_lengths`` (n,) long; and
+    ``unlikelihood_weights`` (1, L) when any segment has them (first token 0, as for ``weights``).
     """
     _require_segments(segments, "pack_row")
     weights = [s.weights.to(torch.float32).clone() for s in segments]
@@ -69,7 +71,7 @@ def pack_row(segments: Sequence[Segment]) -> Batch:
     mrope_positions = torch.cat([s.position_ids for s in segments], dim=1)
     position_ids = torch.cat([text_positions[None], mrope_positions], dim=0)[:, None, :]
     pixel_values, image_grid_thw = _vision_inputs(segments)
-    return {
+    row: Batch = {
         "input_ids": torch.cat([s.input_ids for s in segments])[None],
         "weights": torch.cat(weights)[None],
         "mm_token_type_ids": torch.cat([s.mm_token_type_ids for s in segments])[None],
@@ -79,6 +81,12 @@ def pack_row(segments: Sequence[Segment]) -> Batch:
         "attention_mask": None,
         "segment_lengths": torch.tensor([s.length for s in segments], dtype=torch.long),
     }
+    if any(s.unlikelihood_weights is not None for s in segments):
+        flags = [_unlikelihood_of(s) for s in segments]
+        for u in flags:
+            u[0] = 0.0
+        row["unlikelihood_weights"] = torch.cat(flags)[None]
+    return row
 
 
 def pad_batch(segments: Sequence[Segment], pad_token_id: int) -> Batch:
@@ -100,7 +108,7 @@ def pad_batch(segments: Sequence[Segment], pad_token_id: int) -> Batch:
         mm_types[row, : s.length] = s.mm_token_type_ids
         attention_mask[row, : s.length] = 1
     pixel_values, image_grid_thw = _vision_inputs(segments)
-    return {
+    batch: Batch = {
         "input_ids": input_ids,
         "weights": weights,
         "mm_token_type_ids": mm_types,
@@ -109,6 +117,12 @@ def pad_batch(segments: Sequence[Segment], pad_token_id: int) -> Batch:
         "image_grid_thw": image_grid_thw,
         "segment_lengths": torch.tensor([s.length for s in segments], dtype=torch.long),
     }
+    if any(s.unlikelihood_weights is not None for s in segments):
+        flags = torch.zeros((batch_size, longest), dtype=torch.float32)
+        for row, s in enumerate(segments):
+            flags[row, 1 : s.length] = _unlikelihood_of(s)[1:]
+        batch["unlikelihood_weights"] = flags
+    return batch
 
 
 def model_inputs(batch: Batch) -> dict[str, Any]:
@@ -187,6 +201,13 @@ def _packed_segment_bounds(
         return None
     starts = [0, *restarts]
     return list(zip(starts, [*restarts, length], strict=True))
+
+
+def _unlikelihood_of(segment: Segment) -> torch.Tensor:
+    """The segment's unlikelihood weights (a copy), zeros when it has none."""
+    if segment.unlikelihood_weights is None:
+        return torch.zeros(segment.length, dtype=torch.float32)
+    return segment.unlikelihood_weights.to(torch.float32).clone()
 
 
 def _vision_inputs(segments: Sequence[Segment]) -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -41,6 +41,8 @@ class Segment:
     mm_token_type_ids: torch.Tensor  # (L,) long: 0 text, 1 image
     position_ids: torch.Tensor  # (3, L) long: mRoPE (t, h, w) of this segment alone
     created_step: int = 0  # optimizer step whose rollouts produced it (staleness, logs)
+    # (L,) float32 weight of the unlikelihood term -log(1 - p(token t)) (0 on the prompt), or None
+    unlikelihood_weights: torch.Tensor | None = None
 
     @property
     def length(self) -> int:
@@ -69,11 +71,13 @@ def build_segment(
     prompt_mm_token_type_ids: Sequence[int] | torch.Tensor,
     max_length: int,
     created_step: int = 0,
+    response_unlikelihood_weights: Sequence[float] | torch.Tensor | None = None,
 ) -> Segment:
     """Join prompt and response into a :class:`Segment` with its own mRoPE positions.
 
     ``model`` may be wrapped (DDP, PEFT); its ``get_rope_index`` is found on the Qwen-VL base
-    model. Response tokens are text (type 0). Raises :class:`PackingError` naming ``sample_id``
+    model. Response tokens are text (type 0). ``response_unlikelihood_weights`` (one per response token,
+    or None) flag the tokens of the false-positive unlikelihood term. Raises :class:`PackingError` naming ``sample_id``
     when the lengths disagree, the vision inputs do not match the image tokens, or the segment is
     longer than ``max_length`` (``training.global_max_length``).
     """
@@ -95,6 +99,11 @@ def build_segment(
     input_ids = torch.cat([prompt, response])
     mm_types = torch.cat([prompt_types, torch.full_like(response, TEXT_TOKEN_TYPE)])
     weights = torch.cat([torch.zeros(prompt.shape[0], dtype=torch.float32), response_w])
+    unlikelihood = None
+    if response_unlikelihood_weights is not None and len(response_unlikelihood_weights):
+        response_u = torch.as_tensor(response_unlikelihood_weights, dtype=torch.float32).reshape(-1)
+        _check_parts(sample_id, prompt, response, response_u, prompt_types)
+        unlikelihood = torch.cat([torch.zeros(prompt.shape[0], dtype=torch.float32), response_u])
     rope_index = find_rope_index(model)
     with torch.no_grad():
         positions, _ = rope_index(input_ids[None], mm_token_type_ids=mm_types[None], image_grid_thw=grid)
@@ -107,6 +116,7 @@ def build_segment(
         mm_token_type_ids=mm_types,
         position_ids=positions[:, 0, :].to(torch.long).cpu(),
         created_step=created_step,
+        unlikelihood_weights=unlikelihood,
     )
 
 

@@ -27,7 +27,12 @@ from rollmatch.data.records import Record
 from rollmatch.detection.codec import ObjectCodec
 from rollmatch.detection.objects import DetObject
 from rollmatch.detection.scoring import score_response
-from rollmatch.detection.targets import TargetSequence, build_gt_target, build_matched_target
+from rollmatch.detection.targets import (
+    TargetSequence,
+    build_gt_target,
+    build_matched_target,
+    target_differs_from_sft,
+)
 from rollmatch.packing.segment import Segment, build_segment
 from rollmatch.rollout.alignment import check_prompt_alignment
 from rollmatch.rollout.build import decoding_from_config
@@ -77,6 +82,7 @@ class _SegmentFactory:
             prompt_mm_token_type_ids=encoded.mm_token_type_ids,
             max_length=self.cfg.training.global_max_length,
             created_step=created_step,
+            response_unlikelihood_weights=target.unlikelihood_weights or None,
         )
 
 
@@ -181,6 +187,7 @@ class RolloutChannel(_SegmentFactory):
                 # the rollout taught something stage-1 SFT would not (another order, another prefix)
                 "target/differs_from_sft": int(self._differs_from_sft(target, scored.gt_objects)),
                 "target/dropped_elements": target.dropped_elements,
+                "target/unlikelihood_tokens": sum(1 for u in target.unlikelihood_weights if u > 0),
                 # a target longer than the rollout budget teaches answers that can never finish
                 "target/over_max_new_tokens": int(len(target.token_ids) > self.decoding.max_new_tokens),
                 "rollout/weight_version_sum": rollout.weight_version,
@@ -189,17 +196,6 @@ class RolloutChannel(_SegmentFactory):
         return target, sums
 
     def _differs_from_sft(self, target: TargetSequence, gt_objects: Sequence[DetObject]) -> bool:
-        """Does ``target`` (ids and weights) differ from the SFT target of the same GT? Most do by their
-        ids alone, which a plain encode tells; only an equal id sequence needs the weighted SFT target."""
-        tokenizer = self.encoder.tokenizer
-        sft_ids = [*tokenizer.encode(self.codec.serialize(gt_objects), add_special_tokens=False)]
-        if target.token_ids != [*sft_ids, self.encoder.eos_token_id]:
-            return True
-        sft = build_gt_target(
-            gt_objects,
-            codec=self.codec,
-            tokenizer=tokenizer,
-            eos_token_id=self.encoder.eos_token_id,
-            desc_weight=self.cfg.loss.desc_weight,
-        )
-        return target.weights != sft.weights
+        """Does ``target`` hold another token-id sequence than the SFT target of the same GT? Weights
+        alone do not count: a target whose ids are SFT's teaches nothing SFT's states do not hold."""
+        return target_differs_from_sft(target, gt_objects, self.codec, self.encoder.tokenizer)

@@ -10,6 +10,11 @@ The optimizer-step loss is ``sum(w * ce) / sum(w)`` over all micro-steps and ran
 each micro-step contributes its *sum* divided by the step's total weight; packing, gradient
 accumulation and world size then leave the gradient unchanged.
 
+The false-positive unlikelihood term (``loss.fp_unlikelihood_weight``) adds ``sum(u * ul)`` with
+``ul = -log(1 - p(token))`` to the same sum, and is divided by the same ``sum(w)`` of CE weights: ``u``
+is a weight relative to one supervised token, so turning the term on never rescales the CE of the
+step (it would if ``u`` joined the denominator), and the sum stays exact under packing.
+
 ``weights[..., t]`` weights predicting token ``t`` from the logits at ``t - 1``; position 0 has no
 prediction. Only positions with a non-zero weight are gathered before the float32 log-softmax, so
 the float32 copy of the logits stays as small as the trained part of the row.
@@ -27,12 +32,18 @@ from rollmatch.training.coord_loss import CoordLoss
 
 
 def weighted_ce_sum(
-    logits: torch.Tensor, input_ids: torch.Tensor, weights: torch.Tensor, coord: CoordLoss | None = None
+    logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    weights: torch.Tensor,
+    coord: CoordLoss | None = None,
+    unlikelihood: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``sum_t weights[t] * CE(logits[t-1], input_ids[t])`` over ``t >= 1``, in float32.
 
-    With ``coord`` (``custom.object_format: coord_tokens``) a position whose target is a coordinate
-    token uses the coordinate loss instead of CE, plus the optional box geometry term
+    With ``unlikelihood`` (shaped like ``weights``) it adds ``sum_t unlikelihood[t] * -log(1 -
+    p(input_ids[t]))`` (:func:`unlikelihood_sum`). With ``coord`` (``custom.object_format:
+    coord_tokens``) a position whose target is a coordinate token uses the coordinate loss instead of
+    CE, plus the optional box geometry term
     (``training.coord_loss``). Shapes: ``logits`` (B, L, V) or (L, V); ``input_ids`` and ``weights``
     (B, L) or (L,). Returns a 0-dim float32 tensor (0 with a graph when no position has weight).
     """
@@ -43,6 +54,41 @@ def weighted_ce_sum(
             f"loss shapes disagree: logits {tuple(logits.shape)}, input_ids {tuple(input_ids.shape)}, "
             f"weights {tuple(weights.shape)}; logits must be (B, L, V) for (B, L) ids and weights"
         )
+    total = _ce_sum(logits, input_ids, weights, coord)
+    if unlikelihood is not None:
+        flags = unlikelihood[None] if unlikelihood.dim() == 1 else unlikelihood
+        total = total + unlikelihood_sum(logits, input_ids, flags)
+    return total
+
+
+def unlikelihood_sum(logits: torch.Tensor, input_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``sum_t weights[t] * -log(1 - p(input_ids[t] | logits[t-1]))`` over ``t >= 1``, in float32.
+
+    ``log(1 - p)`` is computed as ``logsumexp`` of the other tokens' logits minus ``logsumexp`` of all,
+    exact and with a gradient even where ``p`` rounds to 1. Shapes as in :func:`weighted_ce_sum`.
+    """
+    if logits.dim() == 2:
+        logits, input_ids, weights = logits[None], input_ids[None], weights[None]
+    if logits.shape[:2] != input_ids.shape or input_ids.shape != weights.shape:
+        raise PackingError(
+            f"unlikelihood shapes disagree: logits {tuple(logits.shape)}, input_ids {tuple(input_ids.shape)}, "
+            f"unlikelihood_weights {tuple(weights.shape)}; they must be (B, L, V), (B, L), (B, L)"
+        )
+    shifted_logits = logits[:, :-1, :]
+    target_weights = weights[:, 1:].to(device=logits.device, dtype=torch.float32)
+    flagged = target_weights != 0
+    if not bool(flagged.any()):
+        return shifted_logits.sum().float() * 0.0
+    flagged_logits = shifted_logits[flagged].float()
+    flagged_targets = input_ids[:, 1:].to(logits.device)[flagged]
+    others = flagged_logits.scatter(1, flagged_targets[:, None], float("-inf"))
+    log_not_p = torch.logsumexp(others, dim=-1) - torch.logsumexp(flagged_logits, dim=-1)
+    return (-log_not_p * target_weights[flagged]).sum()
+
+
+def _ce_sum(
+    logits: torch.Tensor, input_ids: torch.Tensor, weights: torch.Tensor, coord: CoordLoss | None
+) -> torch.Tensor:
     shifted_logits = logits[:, :-1, :]
     targets = input_ids[:, 1:].to(logits.device)
     target_weights = weights[:, 1:].to(device=logits.device, dtype=torch.float32)
@@ -78,6 +124,7 @@ def per_segment_ce(
     weights: torch.Tensor,
     segment_lengths: Sequence[int] | torch.Tensor,
     coord: CoordLoss | None = None,
+    unlikelihood: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
     """Weighted CE sum of each segment of one packed row (logits (1, L, V) or (L, V)).
 
@@ -87,6 +134,7 @@ def per_segment_ce(
         if logits.shape[0] != 1:
             raise PackingError(f"per_segment_ce takes one packed row, got batch size {logits.shape[0]}")
         logits, input_ids, weights = logits[0], input_ids[0], weights[0]
+        unlikelihood = None if unlikelihood is None else unlikelihood[0]
     lengths = [int(n) for n in segment_lengths]
     if sum(lengths) != input_ids.shape[0]:
         raise PackingError(
@@ -97,7 +145,10 @@ def per_segment_ce(
     start = 0
     for length in lengths:
         end = start + length
-        sums.append(weighted_ce_sum(logits[start:end], input_ids[start:end], weights[start:end], coord))
+        flags = None if unlikelihood is None else unlikelihood[start:end]
+        sums.append(
+            weighted_ce_sum(logits[start:end], input_ids[start:end], weights[start:end], coord, flags)
+        )
         start = end
     return sums
 

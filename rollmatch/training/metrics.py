@@ -25,7 +25,12 @@ from rollmatch.detection.scoring import ScoreCounts
 
 Sums = Mapping[str, float]
 # Counts of the rollout-matching targets built from the rollouts (training.channels), per step.
-TARGET_SUMS = ("target/dropped_elements", "target/over_max_new_tokens", "target/differs_from_sft")
+TARGET_SUMS = (
+    "target/dropped_elements",
+    "target/over_max_new_tokens",
+    "target/differs_from_sft",
+    "target/unlikelihood_tokens",
+)
 
 
 def summarize(

@@ -146,7 +146,13 @@ class RollmatchTrainer(Trainer):
         if num_items_in_batch is None:
             raise RuntimeError("compute_loss needs the step's total loss weight (set by get_batch_samples)")
         outputs = model(**model_inputs(inputs))
-        loss_sum = weighted_ce_sum(outputs.logits, inputs["input_ids"], inputs["weights"], self.coord_loss)
+        loss_sum = weighted_ce_sum(
+            outputs.logits,
+            inputs["input_ids"],
+            inputs["weights"],
+            self.coord_loss,
+            inputs.get("unlikelihood_weights"),
+        )
         loss = loss_sum * self.collectives.world_size / num_items_in_batch.to(loss_sum.dtype)
         return (loss, outputs) if return_outputs else loss
 

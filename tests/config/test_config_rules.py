@@ -45,10 +45,42 @@ def test_matched_prefix_is_supervised_where_it_applies_unless_set(
     assert load_config_dict({"loss": loss}).loss.matched_prefix == expected
 
 
-@pytest.mark.parametrize("other", [{"target": "reordered_gt"}, {"keep_prefix": "all"}])
-def test_supervision_set_where_it_cannot_apply_is_refused(problems_of, other: dict[str, Any]) -> None:
-    problem = problems_of({"loss": {"matched_prefix": "supervise", **other}}).only("loss.matched_prefix")
+def test_supervision_set_where_it_cannot_apply_is_refused(problems_of) -> None:
+    problem = problems_of({"loss": {"matched_prefix": "supervise", "target": "reordered_gt"}}).only(
+        "loss.matched_prefix"
+    )
     assert problem.value == "supervise" and "matched_prefix: none" in problem.fix
+
+
+def test_supervision_after_own_mistakes_is_a_whole_config() -> None:
+    loss = load_config_dict({"loss": {"matched_prefix": "supervise", "keep_prefix": "all"}}).loss
+    assert (loss.keep_prefix, loss.matched_prefix) == ("all", "supervise")
+
+
+@pytest.mark.parametrize(
+    "loss",
+    [
+        {"fp_unlikelihood_weight": 0.5},  # keep_prefix: matched keeps no false positive
+        {"fp_unlikelihood_weight": 0.5, "keep_prefix": "all", "target": "reordered_gt"},
+    ],
+)
+def test_unlikelihood_without_kept_false_positives_is_refused(problems_of, loss: dict[str, Any]) -> None:
+    problem = problems_of({"loss": loss}).only("loss.fp_unlikelihood_weight")
+    assert problem.value == 0.5 and "keep_prefix: all" in problem.fix
+
+
+@pytest.mark.parametrize(("key", "value"), [("missed_weight", 0.5), ("fp_unlikelihood_weight", 0.5)])
+def test_rollout_loss_knobs_under_sft_are_refused(problems_of, key: str, value: float) -> None:
+    loss = {key: value, "keep_prefix": "all", "matched_prefix": "supervise"}
+    problems = problems_of({"custom": {"trainer_variant": "sft"}, "loss": loss})
+    assert "trainer_variant: rollout_matching_sft" in problems.only(f"loss.{key}").fix
+
+
+def test_unlikelihood_after_own_mistakes_is_accepted() -> None:
+    cfg = load_config_dict(
+        {"loss": {"keep_prefix": "all", "matched_prefix": "supervise", "fp_unlikelihood_weight": 0.5}}
+    )
+    assert cfg.loss.fp_unlikelihood_weight == 0.5 and cfg.loss.missed_weight == 1.0
 
 
 # --------------------------------------------------------------------------------------- stage2_ab

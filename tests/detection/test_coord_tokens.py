@@ -124,3 +124,28 @@ def test_a_tokenizer_without_the_tokens_is_refused_with_the_fix() -> None:
     tokenizer = build_tokenizer()
     with pytest.raises(ConfigError, match="rollmatch add-coord-tokens"):
         build_codec("coord_tokens", tokenizer, [tokenizer.eos_token_id])
+
+
+def test_unlikelihood_flags_the_first_wrong_coordinate_token_after_own_mistakes(
+    codec: CoordTokenCodec,
+) -> None:
+    from rollmatch.config.schema import LossConfig
+    from rollmatch.detection.matching import hungarian_match
+    from rollmatch.detection.targets import build_matched_target
+
+    gts = [DetObject("fish", (100, 100, 300, 300)), DetObject("star", (100, 600, 300, 800))]
+    # the false positive shares fish's first coordinate and leaves it at the second (y1 500 vs 100)
+    false_positive = DetObject("fish", (100, 500, 200, 550))
+    text = codec.serialize_in_order([false_positive, gts[0]])
+    parse = codec.parse(encode(codec, text), extent=EXTENT, hit_max_tokens=False)
+    match = hungarian_match(parse.objects, gts)
+    loss = LossConfig(keep_prefix="all", matched_prefix="supervise", fp_unlikelihood_weight=1.0)
+    eos = codec.tokenizer.eos_token_id
+    t = build_matched_target(
+        parse, gts, match, codec=codec, tokenizer=codec.tokenizer, eos_token_id=eos, loss=loss
+    )
+    flagged = [i for i, u in enumerate(t.unlikelihood_weights) if u > 0]
+    assert [codec.tokenizer.convert_ids_to_tokens(t.token_ids[i]) for i in flagged] == [
+        coord_tokens()[to_bin(500)]
+    ]
+    assert flagged[0] < t.token_ids.index(codec.tokenizer.convert_tokens_to_ids(coord_tokens()[to_bin(300)]))

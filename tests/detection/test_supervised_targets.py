@@ -14,7 +14,7 @@ from rollmatch.detection.codec import QwenJsonCodec
 from rollmatch.detection.matching import hungarian_match
 from rollmatch.detection.objects import DetObject
 from rollmatch.detection.targets import TargetSequence, build_gt_target, build_matched_target
-from rollmatch.errors import ConfigError, DataError
+from rollmatch.errors import ConfigError
 
 EXTENT = (1000, 1000)
 A = DetObject("red square", (10, 20, 300, 400))
@@ -132,11 +132,10 @@ def test_a_wrong_first_element_leaves_the_sft_target(codec: QwenJsonCodec) -> No
         assert (t.token_ids, t.weights) == (sft.token_ids, sft.weights), loss
 
 
-def test_supervision_needs_the_matched_prefix(codec: QwenJsonCodec) -> None:
-    text = "[" + element(FALSE_POSITIVE) + "]"
-    with pytest.raises(DataError, match="keep_prefix: matched"):
-        target(codec, text, matched_prefix="supervise", keep_prefix="all")
-    with pytest.raises(ConfigError, match=r"loss\.matched_prefix"):
-        load_config(None, ["loss.matched_prefix=supervise", "loss.keep_prefix=all"])
+def test_supervision_needs_a_prefix_fn_target() -> None:
     with pytest.raises(ConfigError, match="reordered_gt already supervises"):
         load_config(None, ["loss.matched_prefix=supervise", "loss.target=reordered_gt"])
+    # keep_prefix: all + supervise is a target of its own (tests/detection/test_context_targets.py)
+    assert (
+        load_config(None, ["loss.matched_prefix=supervise", "loss.keep_prefix=all"]).loss.keep_prefix == "all"
+    )

@@ -57,6 +57,22 @@ def test_pad_batch_layout(text_segment: Callable[..., Segment]) -> None:
     assert "position_ids" not in batch
 
 
+def test_unlikelihood_weights_ride_along_only_when_a_segment_has_them(
+    text_segment: Callable[..., Segment],
+) -> None:
+    a, b = text_segment("a", 4), text_segment("b", 3)
+    assert "unlikelihood_weights" not in pack_row([a, b]) and "unlikelihood_weights" not in pad_batch(
+        [a, b], 0
+    )
+    b.unlikelihood_weights = torch.tensor([3.0, 0.0, 0.5])
+    row = pack_row([a, b])
+    assert row["unlikelihood_weights"].tolist() == [[0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.5]]  # first token 0
+    assert float(b.unlikelihood_weights[0]) == 3.0, "pack_row must not modify the segment"
+    batch = pad_batch([b, a], pad_token_id=0)
+    assert batch["unlikelihood_weights"].tolist() == [[0.0, 0.0, 0.5, 0.0], [0.0, 0.0, 0.0, 0.0]]
+    assert "unlikelihood_weights" not in model_inputs(row)
+
+
 def test_model_inputs_and_empty_input(text_segment: Callable[..., Segment]) -> None:
     row = pack_row([text_segment("a", 3)])
     kwargs = model_inputs(row)

@@ -9,6 +9,7 @@ cross-segment leak (``use_cache`` left on; plain concatenated positions).
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -195,3 +196,69 @@ def test_padded_batch_equals_separate_forwards(
         weighted_ce_sum(logits[i], batch["input_ids"][i], batch["weights"][i]) for i in range(len(segments))
     ]
     assert_close_losses(batched, separate, atol=1e-5)
+
+
+def with_unlikelihood(segments: Sequence[Segment]) -> list[Segment]:
+    """The segments with unlikelihood flags on some zero-weight response positions; the last one keeps
+    none (a row mixing flagged and unflagged segments)."""
+    flagged = []
+    for index, segment in enumerate(segments):
+        flags = None
+        if index < len(segments) - 1:
+            flags = torch.zeros_like(segment.weights)
+            prompt = int((segment.mm_token_type_ids != 0).nonzero().max()) + 1
+            flags[prompt + 2 : segment.length : 7] = 0.5 + index
+            flags[segment.weights > 0] = 0.0
+            assert bool((flags > 0).any())
+        flagged.append(dataclasses.replace(segment, unlikelihood_weights=flags))
+    return flagged
+
+
+@pytest.mark.parametrize(("family", "kernel"), [("qwen2_5_vl", "packed"), ("qwen3_vl", "sdpa")])
+def test_unlikelihood_term_is_exact_under_packing(
+    family: str,
+    kernel: str,
+    kernel_models: Callable[[str, str], Any],
+    family_segments: Callable[[str], list[Segment]],
+) -> None:
+    model = kernel_models(family, kernel)
+    segments = with_unlikelihood(family_segments(family))
+    total_weight = sum(s.weight_sum for s in segments)  # the UL term shares the CE denominator
+
+    model.zero_grad(set_to_none=True)
+    row = pack_row(segments)
+    logits = model(**model_inputs(row)).logits
+    packed = per_segment_ce(
+        logits,
+        row["input_ids"],
+        row["weights"],
+        row["segment_lengths"],
+        unlikelihood=row["unlikelihood_weights"],
+    )
+    normalize_step_loss(torch.stack(packed).sum(), total_weight).backward()
+    packed_grads = gradients(model)
+
+    model.zero_grad(set_to_none=True)
+    separate, plain = [], []
+    for segment in segments:
+        batch = pad_batch([segment], pad_token_id=0)
+        logits = model(**model_inputs(batch)).logits
+        separate.append(
+            weighted_ce_sum(
+                logits, batch["input_ids"], batch["weights"], unlikelihood=batch.get("unlikelihood_weights")
+            )
+        )
+        plain.append(weighted_ce_sum(logits, batch["input_ids"], batch["weights"]).detach())
+    normalize_step_loss(torch.stack(separate).sum(), total_weight).backward()
+    separate_grads = gradients(model)
+    model.zero_grad(set_to_none=True)
+
+    assert_close_losses(packed, separate, atol=1e-5)
+    # the term is really there (flagged segments), and absent from the unflagged one
+    assert all(float(s.detach()) > float(p) for s, p in zip(separate[:-1], plain[:-1], strict=True))
+    assert float(separate[-1].detach()) == pytest.approx(float(plain[-1]), rel=1e-6)
+    for name, reference in separate_grads.items():
+        diff = (packed_grads[name] - reference).norm()
+        assert diff <= 1e-4 * reference.norm() + 1e-10, (
+            f"{name}: |d|={diff:.3e} vs |g|={reference.norm():.3e}"
+        )

@@ -153,9 +153,16 @@ def vllm_server(start_server: Callable[..., Any], tiny_model_dir: Path) -> Any:
 # steps wait for their packs (async.max_wait_s), so every step is B and fewer steps suffice.
 # vllm-coord: the same on a model with the coordinate tokens (custom.object_format: coord_tokens); the
 # server's /info/ says it can decode them, else the learner would refuse it at start-up.
+# vllm-after-mistakes: the target that trains after the model's own mistakes, with the unlikelihood
+# flags riding in the ready packs (docs/detection.md).
 @pytest.mark.parametrize(
     ("engine", "steps", "max_wait_s", "gas"),
-    [("hf", 14, 0.0, 1), ("vllm", 4, 30.0, 2), ("vllm-coord", 3, 30.0, 1)],
+    [
+        ("hf", 14, 0.0, 1),
+        ("vllm", 4, 30.0, 2),
+        ("vllm-coord", 3, 30.0, 1),
+        ("vllm-after-mistakes", 3, 30.0, 1),
+    ],
 )
 def test_async_learner_runs_b_steps_and_accounts_for_every_pack(
     engine: str,
@@ -175,7 +182,7 @@ def test_async_learner_runs_b_steps_and_accounts_for_every_pack(
         pytest.importorskip("vllm")
         server = start_server(model_dir, "--engine", "vllm")
     else:
-        server = request.getfixturevalue("vllm_server" if engine == "vllm" else "hf_sync_server")
+        server = request.getfixturevalue("hf_sync_server" if engine == "hf" else "vllm_server")
     if engine == "vllm-coord":
         assert server.get("/info/")["object_formats"] == ["qwen_json", "coord_tokens"]
     out = tmp_path / "out"
@@ -192,6 +199,13 @@ def test_async_learner_runs_b_steps_and_accounts_for_every_pack(
     if engine == "vllm-coord":
         config["custom"]["object_format"] = "coord_tokens"
         config["custom"]["extra"]["rollout_matching"]["max_new_tokens"] = 24
+    if engine == "vllm-after-mistakes":
+        config["loss"] = {
+            "keep_prefix": "all",
+            "matched_prefix": "supervise",
+            "missed_weight": 0.5,
+            "fp_unlikelihood_weight": 0.5,
+        }
     started = time.monotonic()
     train_to_the_end(config, tmp_path, "async", free_port())
     assert time.monotonic() - started < RUN_TIMEOUT_S
