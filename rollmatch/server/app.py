@@ -49,7 +49,8 @@ from rollmatch.protocol import (
     UpdateFlattenedParamsBody,
     format_server_timing,
 )
-from rollmatch.server.gate import RequestGate
+from rollmatch.server.bodies import read_body
+from rollmatch.server.gate import AUTHENTICATED, RequestGate
 from rollmatch.server.limits import RequestTooLarge
 from rollmatch.server.rollout_server import PreparedCall, RolloutServer
 from rollmatch.server.scheduler import CallTicket
@@ -75,10 +76,15 @@ def build_app(server: RolloutServer, *, api_key: str | None = None) -> FastAPI:
             raise _http_error(exc) from exc
 
     @app.get("/health/")
-    async def health(response: Response) -> ServerHealth:
+    async def health(request: Request, response: Response) -> ServerHealth:
         report = server.health()
         if report.status != "ok":
             response.status_code = 503
+        if report.detail is not None and not request.scope.get(AUTHENTICATED, False):
+            # No internals (exception text) without the key: the state alone tells a probe enough.
+            report = report.model_copy(
+                update={"detail": f"{report.status}: send the API key for the reason, or read the server log"}
+            )
         return report
 
     @app.get("/get_world_size/")
@@ -105,16 +111,30 @@ def build_app(server: RolloutServer, *, api_key: str | None = None) -> FastAPI:
     @app.post("/infer/")
     async def infer(request: Request) -> Response:
         times = PhaseTimes()
-        with times.phase("receive"):
-            raw = await request.body()
+        body_lease = server.bodies.lease()
+        held = [b""]  # the raw body, dropped once the call is prepared (the engine wait never holds it)
+        try:
+            with times.phase("receive"):
+                held[0] = await read_body(
+                    request, max_bytes=server.limits.max_body_bytes, flag="--max-body-bytes", lease=body_lease
+                )
+        except (ValueError, RollmatchError) as exc:
+            body_lease.release()
+            raise _http_error(exc) from exc
         content_type = request.headers.get("content-type")
 
         def prepare() -> PreparedCall:  # worker-thread hop 1: parse and prepare (images decoded)
-            with times.phase("parse"):
-                call(server.limits.check_json_values, raw)
-                body = parse_json_body(InferBody, raw, content_type)
-            with times.phase("prepare"):
-                return call(server.prepare, body, times)
+            try:
+                with times.phase("parse"):
+                    raw, held[0] = held[0], b""
+                    call(server.check_body, raw)
+                    body = parse_json_body(InferBody, raw, content_type)
+                    del raw
+                with times.phase("prepare"):
+                    return call(server.prepare, body, times)
+            finally:
+                held[0] = b""
+                body_lease.release()
 
         def respond(prepared: PreparedCall, ticket: CallTicket | None) -> bytes:  # hop 2
             with times.phase("outputs"):
@@ -139,31 +159,56 @@ def build_app(server: RolloutServer, *, api_key: str | None = None) -> FastAPI:
         }
         return Response(payload, media_type="application/json", headers=headers)
 
+    async def sync_body(
+        request: Request, model: type[ModelT], lease: str | None, *, leased: bool = True
+    ) -> ModelT:
+        """A weight-sync body: the lease checked first (nothing read without it), then the route's
+        small body cap, then the body parsed off the event loop under the value cap."""
+        if leased:
+            call(server.sync.check_lease, lease)
+        try:
+            raw = await read_body(
+                request, max_bytes=server.limits.max_sync_body_bytes, flag="--max-sync-body-bytes"
+            )
+        except (ValueError, RollmatchError) as exc:
+            raise _http_error(exc) from exc
+        content_type = request.headers.get("content-type")
+
+        def parse() -> ModelT:
+            call(server.limits.check_json_values, raw)
+            return parse_json_body(model, raw, content_type)
+
+        return await run_in_threadpool(parse)
+
     @app.post("/init_communicator/")
-    def init_communicator(body: InitCommunicatorBody, request: Request) -> dict[str, str]:
+    async def init_communicator(request: Request) -> dict[str, str]:
+        body = await sync_body(request, InitCommunicatorBody, None, leased=False)
         requester = request.client.host if request.client else "?"
-        lease = call(server.init_communicator, body, requester)
+        lease = await run_in_threadpool(call, server.init_communicator, body, requester)
         return {"message": "initializing communicator", "lease": lease}
 
     @app.post("/update_flattened_params/")
-    def update_flattened_params(
-        body: UpdateFlattenedParamsBody, lease: str | None = Header(None, alias=LEASE_HEADER)
+    async def update_flattened_params(
+        request: Request, lease: str | None = Header(None, alias=LEASE_HEADER)
     ) -> dict[str, str]:
-        call(server.update_bucket, body, lease)
+        body = await sync_body(request, UpdateFlattenedParamsBody, lease)
+        await run_in_threadpool(call, server.update_bucket, body, lease)
         return {"message": "receiving bucket"}
 
     @app.post("/update_adapter_flattened_param/")
-    def update_adapter_flattened_param(
-        body: UpdateAdapterBody, lease: str | None = Header(None, alias=LEASE_HEADER)
+    async def update_adapter_flattened_param(
+        request: Request, lease: str | None = Header(None, alias=LEASE_HEADER)
     ) -> dict[str, str]:
-        call(server.update_bucket, body, lease)
+        body = await sync_body(request, UpdateAdapterBody, lease)
+        await run_in_threadpool(call, server.update_bucket, body, lease)
         return {"message": "receiving adapter bucket"}
 
     @app.post("/finish_weight_update/")
-    def finish_weight_update(
-        body: FinishUpdateBody, lease: str | None = Header(None, alias=LEASE_HEADER)
+    async def finish_weight_update(
+        request: Request, lease: str | None = Header(None, alias=LEASE_HEADER)
     ) -> FinishUpdateReply:
-        return call(server.finish_update, body, lease)
+        body = await sync_body(request, FinishUpdateBody, lease)
+        return await run_in_threadpool(call, server.finish_update, body, lease)
 
     @app.post("/reset_prefix_cache/")
     def reset_prefix_cache() -> dict[str, str]:

@@ -11,6 +11,7 @@ body is parsed, images in ``server.media``, the rest in ``server.rollout_server`
 from __future__ import annotations
 
 import itertools
+import json
 import re
 from dataclasses import dataclass
 
@@ -30,11 +31,21 @@ class ServerLimits:
     """Caps of one server, each a ``rollmatch serve`` flag (defaults suit detection rollouts).
 
     - ``max_body_bytes`` (``--max-body-bytes``): a request body, base64 images included (413);
-    - ``max_json_values`` (``--max-json-values``): objects, arrays and strings (keys included) of one
-      ``/infer/`` body, counted before it is parsed (413): the parser builds every value before a
-      list's length bound applies, so a body of tiny values costs 10-50x its size in memory (8 MiB
-      of ``{}`` took 184-390 MiB and up to 3 s, 14 MiB of short strings 139-205 MiB); the default,
-      2^20, is 256 for each of 4,096 requests (a detection request holds about 35);
+    - ``max_json_values`` (``--max-json-values``): values of one ``/infer/`` or weight-sync body,
+      counted before it is parsed (413): objects, arrays and strings (keys included), plus one per
+      comma (every further list item or member: numbers such as ``prompt_token_ids`` count too).
+      The parser builds every value before a list's length bound applies, so a body of tiny values
+      costs 10-50x its size in memory (8 MiB of ``{}`` took 184-390 MiB and up to 3 s, 14 MiB of
+      short strings 139-205 MiB, 8 MiB of prompt ids +84 MiB); the default, 2^20, leaves 4,096 for
+      each of 256 requests (a detection request holds about 35 plus its prompt ids);
+    - ``max_inflight_body_bytes`` (``--max-inflight-body-bytes``): the raw bytes of every ``/infer/``
+      body being received, parsed or prepared at once, reserved from ``Content-Length`` (or chunk by
+      chunk) before the body is read and given back once the call is prepared (429 with
+      ``Retry-After`` beyond it; a body alone over it is a 413); the default is four full bodies;
+    - ``max_sync_body_bytes`` (``--max-sync-body-bytes``): the body of one weight-sync call
+      (``/init_communicator/``, ``/update_flattened_params/``, ``/update_adapter_flattened_param/``,
+      ``/finish_weight_update/``), checked after the lease and before the body is read (413): those
+      bodies carry tensor metadata only (the tensors travel over the group);
     - ``max_image_pixels`` (``--max-image-pixels``): width x height of one image, read from its
       header before decoding (413);
     - ``max_call_pixels`` (``--max-call-pixels``): the pixels of every image of one call together,
@@ -67,6 +78,8 @@ class ServerLimits:
 
     max_body_bytes: int = 64 << 20
     max_json_values: int = 1 << 20
+    max_inflight_body_bytes: int = 256 << 20
+    max_sync_body_bytes: int = 8 << 20
     max_image_pixels: int = 4096 * 4096
     max_call_pixels: int = 8 * 4096 * 4096
     max_inflight_pixels: int = 64 * 4096 * 4096
@@ -86,6 +99,8 @@ class ServerLimits:
         positive = (
             "max_body_bytes",
             "max_json_values",
+            "max_inflight_body_bytes",
+            "max_sync_body_bytes",
             "max_image_pixels",
             "max_call_pixels",
             "max_inflight_pixels",
@@ -106,6 +121,7 @@ class ServerLimits:
         if self.update_mode not in ("drain", "abort", "keep"):
             raise ValueError(f"--update-mode must be drain, abort or keep, got {self.update_mode!r}")
         self._check_order("max_image_pixels", "max_call_pixels", "a single image at the per-image cap")
+        self._check_order("max_body_bytes", "max_inflight_body_bytes", "a body at the body cap")
         self._check_order("max_call_pixels", "max_inflight_pixels", "a full call")
         for name, wire_max in (
             ("max_requests_per_call", MAX_INFER_REQUESTS),
@@ -123,18 +139,34 @@ class ServerLimits:
             )
 
     def check_json_values(self, raw: bytes) -> None:
-        """Refuse (413) a body with more JSON objects, arrays and strings than ``max_json_values``,
-        before the parser builds them. Counting braces, brackets and quotes (C speed) bounds the count
-        from above and settles ordinary bodies; only a body over the cap by that bound is scanned,
-        and the scan stops one past the cap (so it costs at most the cap's worth of matches)."""
+        """Refuse (413) a body with more JSON values than ``max_json_values`` (see
+        :func:`count_json_values`), before the parser builds them. Counting braces, brackets, quotes
+        and commas (C speed) bounds the count from above and settles ordinary bodies; only a body
+        over the cap by that bound is scanned, in one linear pass that stops one past the cap."""
         limit = self.max_json_values
-        if raw.count(b"{") + raw.count(b"[") + raw.count(b'"') <= limit:
+        if sum(raw.count(byte) for byte in (b"{", b"[", b'"', b",")) <= limit:
             return
         if count_json_values(raw, stop_after=limit + 1) > limit:
             raise RequestTooLarge(
                 "--max-json-values",
-                f"request body holds more than {limit} JSON objects, arrays and strings, this server's "
-                "limit (rollmatch serve --max-json-values); send fewer requests per call",
+                f"request body holds more than {limit} JSON values (objects, arrays, strings and list "
+                "items), this server's limit (rollmatch serve --max-json-values); send fewer requests per call",
+            )
+
+    def check_request_count(self, raw: bytes) -> None:
+        """Refuse (413) an ``/infer/`` body whose ``infer_requests`` holds more than
+        ``max_requests_per_call`` items, before the parser builds them (it validates every item before
+        a list's length bound applies: 8 MB of 163k tiny requests took 2.2 s and +273 MB). Counting
+        ``{`` (C speed) settles ordinary bodies; a larger one is scanned up to the cap's next item."""
+        limit = self.max_requests_per_call
+        if raw.count(b"{") <= limit:
+            return
+        count = count_infer_requests(raw, stop_after=limit + 1)
+        if count > limit:
+            raise RequestTooLarge(
+                "infer_requests",
+                f"infer_requests holds more than {limit} requests, over this server's limit of {limit} per call "
+                "(rollmatch serve --max-requests-per-call); split the call",
             )
 
     def _check_order(self, smaller: str, larger: str, what: str) -> None:
@@ -145,12 +177,58 @@ class ServerLimits:
             )
 
 
-# One JSON value that allocates: a string literal (escapes included), or the start of an object or array.
-_JSON_VALUE = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[{\[]', re.DOTALL)
+# One JSON value that allocates: a string literal (escapes included), the start of an object or
+# array, or a comma (one more item or member). Possessive quantifiers, and an unterminated string
+# running to the end of the text (where the parser stops anyway), make every attempt either match
+# or fail at its first byte: one linear pass. The former pattern (`"[^"\\]*(?:\\.[^"\\]*)*"`)
+# rescanned an unterminated run of `\"` escapes from every quote in it, quadratic while holding the
+# GIL (31 KiB took 5.7 s, freezing every thread of the server).
+_JSON_VALUE = re.compile(rb'"[^"\\]*+(?:\\.[^"\\]*+)*+(?:"|\\?\Z)|[{\[,]', re.DOTALL)
 
 
 def count_json_values(raw: bytes, stop_after: int | None = None) -> int:
-    """Objects, arrays and strings (keys included) in a JSON text, counting at most ``stop_after``.
-    Braces inside a string are text. On text that is not JSON the count is some number, never an
-    error: the parser judges the syntax."""
+    """Objects, arrays, strings (keys included) and commas in a JSON text, counting at most
+    ``stop_after``, in time linear in the text. Braces and commas inside a string are text; an
+    unterminated string ends the count (the parser refuses the text there). On text that is not
+    JSON the count is some number, never an error: the parser judges the syntax."""
     return sum(1 for _ in itertools.islice(_JSON_VALUE.finditer(raw), stop_after))
+
+
+# Tokens of a JSON text for counting the items of one array: a string, a run of openers, a run of closers.
+_JSON_STRUCTURE = re.compile(rb'"[^"\\]*+(?:\\.[^"\\]*+)*+(?:"|\\?\Z)|[{\[]++|[}\]]++', re.DOTALL)
+_REQUESTS_KEY = "infer_requests"
+
+
+def count_infer_requests(raw: bytes, stop_after: int | None = None) -> int:
+    """The objects directly inside the top-level ``infer_requests`` array of a JSON text (every
+    occurrence of the key counted), counting at most ``stop_after``, in one linear pass. On text
+    that is not JSON the count is some number, never an error: the parser judges the syntax."""
+    depth, count, key, inside = 0, 0, "", False
+    for match in _JSON_STRUCTURE.finditer(raw):
+        token = match.group()
+        first = token[:1]
+        if first == b'"':
+            if depth == 1:
+                key = _string_text(token)
+            continue
+        if first in (b"}", b"]"):
+            depth -= len(token)
+            inside = inside and depth >= 2
+            continue
+        if depth == 1 and first == b"[" and key == _REQUESTS_KEY:
+            inside = True
+        if inside and depth < 3 <= depth + len(token) and token[2 - depth : 3 - depth] == b"{":
+            count += 1
+            if stop_after is not None and count >= stop_after:
+                return count
+        depth += len(token)
+    return count
+
+
+def _string_text(token: bytes) -> str:
+    """A JSON string token's text (escapes decoded), or ``""`` when it does not decode."""
+    try:
+        text = json.loads(token)
+    except ValueError:
+        return ""
+    return text if isinstance(text, str) else ""

@@ -189,6 +189,11 @@ class SyncSession:
             raise SyncError(f"weight update refused: {reason}")
         return self._receiver
 
+    def check_lease(self, lease: str | None) -> None:
+        """Refuse (``SyncError``: a 409) unless ``lease`` is the current lease: the HTTP layer checks
+        it before reading a weight-sync body."""
+        self._check_lease(lease)
+
     def _check_lease(self, lease: str | None) -> None:
         """Refuse (``SyncError``: a 409) unless ``lease`` is the current lease. A header arrives as any
         latin-1 text and ``compare_digest`` raises on non-ASCII ``str``, so the lease is compared as
