@@ -80,8 +80,15 @@ def adversarial_bodies(scale: float = 1.0) -> dict[str, tuple[str, bytes, bool]]
         "many_tiny_requests": ("/infer/", many_tiny_requests(size(8 << 20)), False),
         "many_prompt_ids": ("/infer/", many_prompt_ids(size(8 << 20)), False),
         "padded_png": ("/infer/", padded_png(size(48 << 20)), False),
-        "big_peft_config_no_lease": ("/update_adapter_flattened_param/", big_peft_config(size(8 << 20)), False),
-        "big_peft_config_with_lease": ("/update_adapter_flattened_param/", big_peft_config(size(8 << 20)), True),
+        "big_peft_config_no_lease": (
+            "/update_adapter_flattened_param/",
+            big_peft_config(size(8 << 20)),
+            False,
+        ),
+        "big_peft_config_with_lease": (
+            "/update_adapter_flattened_param/",
+            big_peft_config(size(8 << 20)),
+            True,
+        ),
         "redos_in_sync_body": ("/finish_weight_update/", redos_escapes(16_000), True),
     }
-

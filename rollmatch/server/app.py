@@ -25,7 +25,10 @@ when ``keep`` mode mixed two) and the phase times in a ``Server-Timing`` header 
 
 from __future__ import annotations
 
+import gc
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Header, HTTPException, Request, Response
@@ -239,10 +242,26 @@ def parse_json_body(model: type[ModelT], raw: bytes, content_type: str | None) -
             ]
         )
     try:
-        return model.model_validate_json(raw)  # one pass in pydantic's parser: no Python dict first
+        with _collector_paused():
+            return model.model_validate_json(raw)  # one pass in pydantic's parser: no Python dict first
     except ValidationError as exc:
         errors = exc.errors(include_input=False, include_url=False)
         raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in errors]) from None
+
+
+@contextmanager
+def _collector_paused() -> Iterator[None]:
+    """The cyclic garbage collector off while a body is parsed: the parser creates only acyclic
+    values, and with the collector on, every few hundred containers trigger a collection over all
+    of them (the parser holds the GIL throughout): 280k empty lists took 1.4-2.5 s instead of 0.1-0.16 s,
+    stalling ``/health/`` as long. Process-wide but brief; it is turned back on only if it was on."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def _http_error(exc: Exception) -> HTTPException:
