@@ -171,14 +171,16 @@ def test_a_body_of_many_tiny_values_is_refused_before_it_is_parsed(
 ) -> None:
     client = app_client(hf_engine, max_json_values=60, max_tokens=4)[0]
     reply = _post(client, {"infer_requests": [{}] * 100})  # 102 objects and arrays: none is built
-    assert reply.status_code == 413 and "more than 60 JSON values" in reply.text
+    assert reply.status_code == 413 and "over this server's limit of 60" in reply.text
     assert "--max-json-values" in reply.text
     reply = _post(client, {"infer_requests": [_chat()] * 2, "request_config": {"stop": ["a"] * 70}})
     assert reply.status_code == 413 and "--max-json-values" in reply.text  # strings count too
-    # Braces and brackets inside a prompt are text: over the cap by the quick bound, not by the count.
+    # Braces, brackets and commas inside a prompt raise the bound (text is not scanned).
     braces = _chat("<image>answer like [{" + '"bbox": [1, 2], ' * 60 + "}]")
     reply = _post(client, {"infer_requests": [braces], "request_config": GOOD_CONFIG})
-    assert reply.status_code == 200, reply.text
+    assert reply.status_code == 413 and "--max-json-values" in reply.text
+    few = _chat("<image>answer like [{" + '"bbox": [1, 2], ' * 5 + "}]")
+    assert _post(client, {"infer_requests": [few], "request_config": GOOD_CONFIG}).status_code == 200
     # The default cap against 8 MiB of `{}` (the parser would build ~3 M request objects first).
     default = app_client(hf_engine, max_tokens=4)[0]
     flood = b'{"infer_requests":[' + b",".join([b"{}"] * 3_000_000) + b"]}"
@@ -196,10 +198,8 @@ def test_a_body_of_many_tiny_values_is_refused_before_it_is_parsed(
     ),
     st.booleans(),
 )
-def test_json_values_are_objects_arrays_strings_and_items_with_braces_in_strings_as_text(
-    value: Any, ascii_only: bool
-) -> None:
-    from rollmatch.server.limits import count_json_values
+def test_the_json_value_bound_is_an_upper_bound_exact_for_plain_strings(value: Any, ascii_only: bool) -> None:
+    from rollmatch.server.limits import json_value_bound
 
     def values(v: Any) -> int:
         if isinstance(v, dict):  # each key is a string; each comma one more member
@@ -208,9 +208,17 @@ def test_json_values_are_objects_arrays_strings_and_items_with_braces_in_strings
             return 1 + sum(values(x) for x in v) + max(len(v) - 1, 0)
         return int(isinstance(v, str))
 
+    def plain(v: Any) -> bool:
+        if isinstance(v, dict):
+            return all(plain(k) and plain(x) for k, x in v.items())
+        if isinstance(v, list):
+            return all(plain(x) for x in v)
+        return not isinstance(v, str) or not any(c in v for c in '{[,"')
+
     raw = json.dumps(value, ensure_ascii=ascii_only).encode()
-    assert count_json_values(raw) == values(value)
-    assert count_json_values(raw, stop_after=2) == min(2, values(value))
+    assert json_value_bound(raw) >= values(value)
+    if plain(value):
+        assert json_value_bound(raw) == values(value)
 
 
 def test_local_paths_only_under_the_allowed_root_and_no_existence_probe(
