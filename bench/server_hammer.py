@@ -245,7 +245,10 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = build_tiny_model("qwen2_5_vl", Path(tmp) / "model", size=size)
         port = free_port()
         env = {**ONE_THREAD, **({"PYTHONPATH": args.server_src} if args.server_src else {})}
-        process = start_server(model_dir, port, Path(tmp) / "server.log", engine=args.engine, env=env)
+        cwd = Path(args.server_src) if args.server_src else None
+        process = start_server(
+            model_dir, port, Path(tmp) / "server.log", engine=args.engine, env=env, cwd=cwd
+        )
         try:
             url = f"http://127.0.0.1:{port}"
             init = {"host": "127.0.0.1", "port": free_port(), "world_size": 2, "timeout_s": 3600.0}

@@ -14,13 +14,17 @@ Endpoints: ``GET /health/`` (503 when a weight load failed half-way or the engin
 ``/update_adapter_flattened_param/``, ``/finish_weight_update/`` (these need the lease in
 ``X-Rollmatch-Sync-Lease``), ``/reset_prefix_cache/``, ``/close_communicator/``.
 ``/health/``, ``/info/`` and ``/stats/`` are ``async`` routes that read lock-free state on the event
-loop: they never wait for the engine or for a worker thread. ``/infer/`` reads its body itself,
-parses and prepares it in one worker-thread hop (the JSON validated exactly as a declared body
-would be), then waits for the engine thread on the event loop (no thread held while it queues:
-any number of calls can wait), and serialises the reply in a second hop. A full server answers
-429 with ``Retry-After``. The answer carries the weight version (``X-Weight-Version``, the oldest
-when ``keep`` mode mixed two) and the phase times in a ``Server-Timing`` header (``receive``,
-``parse``, ``prepare``, ``decode``, ``engine``, ``outputs``, ``respond``).
+loop: they never wait for the engine or for a worker thread (``/health/`` gives the reason behind a
+503 only to a caller with the key). ``/infer/`` reads its body itself under the in-flight body
+budget (``server.bodies``), checks, parses and prepares it in one worker-thread hop (the value bound
+and the request count on the raw bytes first, then the JSON validated exactly as a declared body
+would be), drops the body, then waits for the engine thread on the event loop (no thread held
+while it queues: any number of calls can wait), and serialises the reply in a second hop. The
+weight-sync routes check the lease from the head, then read the body under
+``--max-sync-body-bytes`` and parse it in a worker thread. A full server answers 429 with
+``Retry-After``. The answer carries the weight version (``X-Weight-Version``, the oldest when
+``keep`` mode mixed two) and the phase times in a ``Server-Timing`` header (``receive``, ``parse``,
+``prepare``, ``decode``, ``engine``, ``outputs``, ``respond``).
 """
 
 from __future__ import annotations
