@@ -128,6 +128,9 @@ def build_app(server: RolloutServer, *, api_key: str | None = None) -> FastAPI:
         except (ValueError, RollmatchError) as exc:
             body_lease.release()
             raise _http_error(exc) from exc
+        except BaseException:  # the gate's 413, a cancelled request: the budget is given back at once
+            body_lease.release()
+            raise
         content_type = request.headers.get("content-type")
 
         def prepare() -> PreparedCall:  # worker-thread hop 1: parse and prepare (images decoded)
