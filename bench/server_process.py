@@ -34,14 +34,17 @@ def start_server(
     coord_frame: str = "norm1000",
     env: Mapping[str, str] = ONE_THREAD,
     timeout_s: float = SERVER_START_TIMEOUT_S,
+    cwd: Path | None = None,
 ) -> subprocess.Popen[bytes]:
     """Start ``rollmatch serve --engine ENGINE --coord-frame COORD_FRAME`` (the benches' trainers pin
     ``norm1000``; ``env`` over this process's environment, output to ``log_path``) and wait until ``/health/`` answers; fail with the log's tail if it exits or
-    ``timeout_s`` passes first."""
+    ``timeout_s`` passes first. ``cwd``: where it runs (``python -m`` imports rollmatch from there first)."""
     command = [sys.executable, "-m", "rollmatch.cli", "serve", "--engine", engine]
     command += ["--model", str(model_dir), "--port", str(port), "--coord-frame", coord_frame]
     with log_path.open("wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env})
+        process = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env}, cwd=cwd
+        )
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:

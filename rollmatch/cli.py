@@ -232,7 +232,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-json-values",
         type=int,
         default=None,
-        help="JSON objects, arrays and strings of one /infer/ body, counted before parsing (413; default 2^20)",
+        help="JSON values (objects, arrays, strings, list items) of one /infer/ or weight-sync body, counted "
+        "before parsing (413; default 2^20)",
+    )
+    p.add_argument(
+        "--max-inflight-body-bytes",
+        type=int,
+        default=None,
+        help="raw /infer/ body bytes held at once, until each call is prepared (429 beyond; default 256 MiB)",
+    )
+    p.add_argument(
+        "--max-sync-body-bytes",
+        type=int,
+        default=None,
+        help="body of one weight-sync call, checked after the lease before reading (413; default 8 MiB)",
     )
     p.add_argument("--max-image-pixels", type=int, default=None, help="width*height cap per image (413)")
     p.add_argument(
@@ -284,7 +297,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--keep-alive-timeout-s", type=float, default=None, help="idle kept-alive connections closed"
     )
     p.add_argument(
-        "--max-connections", type=int, default=None, help="open connections (oldest idle one closed)"
+        "--max-connections",
+        type=int,
+        default=None,
+        help="open connections (the oldest with no request head in progress is closed; 16 more for /health/)",
     )
     _add_launch_parser(sub)
     return parser

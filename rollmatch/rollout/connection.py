@@ -20,6 +20,7 @@ forms a fresh group.
 from __future__ import annotations
 
 import os
+import random
 import threading
 import time
 from http.client import RemoteDisconnected
@@ -42,7 +43,8 @@ _HEALTH_POLL_S = 5.0
 KEY = "custom.extra.rollout_matching.vllm"
 ALTERNATIVES = f"or set `{KEY}.mode: colocate` / `custom.extra.rollout_matching.rollout_backend: hf`"
 _NO_TIMEOUT_GIVEN = -1.0
-_FIRST_BUSY_WAIT_S, _MAX_BUSY_WAIT_S = 0.25, 10.0  # 429 backoff
+_FIRST_BUSY_WAIT_S, _MAX_BUSY_WAIT_S = 0.25, 10.0  # 429 backoff: the jitter window's first and largest size
+_JITTER = random.Random()
 
 
 class ServerConnection:
@@ -111,11 +113,12 @@ class ServerConnection:
     def _call(
         self, method: str, path: str, payload: bytes | None, phase: str, timeout: float | None
     ) -> requests.Response:
-        """One call; a 429 (server full) is retried after its ``Retry-After`` with backoff while the
-        call's time (``timeout``, else ``timeout_s``) lasts, and an idempotent call whose connection
-        closed before any byte of the answer (the server closed an idle kept-alive connection as it
-        was reused) once. A call that changes the sync state goes out on a fresh connection and is
-        never sent again (see the module docstring)."""
+        """One call; a 429 (server full) is retried with full jitter while the call's time
+        (``timeout``, else ``timeout_s``) lasts: each wait is drawn uniformly from zero to the larger of
+        ``Retry-After`` and a doubling backoff, so clients refused together do not come back together.
+        An idempotent call whose connection closed before any byte of the answer (the server closed an
+        idle kept-alive connection as it was reused) is sent again once. A call that changes the sync
+        state goes out on a fresh connection and is never sent again (see the module docstring)."""
         headers = {"Content-Type": "application/json"} if payload is not None else {}
         if self.sync_lease:
             headers[LEASE_HEADER] = self.sync_lease
@@ -148,13 +151,14 @@ class ServerConnection:
                 ) from exc
             if reply.status_code != 429:
                 break
-            wait_s = max(busy_wait_s, retry_after_s(reply))
+            window_s = max(busy_wait_s, retry_after_s(reply))
+            wait_s = _JITTER.uniform(0.0, window_s)
             if time.monotonic() + wait_s > deadline:
                 raise ServerBusy(
                     f"rollout server {self.url}: {phase} ({method} {path}) -> HTTP 429 until the call's time ran "
                     f"out: {detail_of(reply)}. Add servers, send fewer rollouts at once, or raise the server's "
                     "--max-queued-prompts",
-                    retry_after_s=wait_s,
+                    retry_after_s=window_s,
                 )
             time.sleep(wait_s)
             busy_wait_s = min(busy_wait_s * 2, _MAX_BUSY_WAIT_S)

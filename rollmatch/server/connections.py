@@ -5,9 +5,13 @@ Owns: :func:`guarded_h11_protocol`, uvicorn's h11 protocol with two additions uv
   byte (or of the connection's start), else the connection is closed. Slow clients (a header byte
   every few seconds), stalled bodies and connections that never send a request cannot pin memory
   or file descriptors. (uvicorn only times out idle kept-alive connections between requests.)
-- a **connection cap**: over ``max_connections`` open connections, the oldest one that is not being
-  answered (idle, or still sending its request) is closed to admit the new one, so a fresh
-  ``/health/`` probe is answered even while idle or half-open connections pile up.
+- a **connection cap**: over ``max_connections`` open connections, the oldest one with no request
+  head in progress (one that never completed a head: new or half-sent; else an idle kept-alive
+  one) is closed to admit the new one. A connection whose request head arrived (an upload that
+  passed the token check, a call being answered) is never closed for the cap. When every
+  connection has one, up to :data:`HEALTH_RESERVE` more are admitted for ``/health/`` only: any
+  other request on them is answered 503 and the connection closed, so a probe is answered even
+  while the server is full of calls.
 
 and :func:`raise_open_file_limit`. Leaves out: the routes (``server.app``) and request checks
 (``server.gate``).
@@ -23,11 +27,14 @@ from typing import Any
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 log = logging.getLogger(__name__)
+HEALTH_RESERVE = 16  # connections past the cap, for /health/ only
+_HEALTH_PATHS = frozenset({"/health/", "/health"})
 
 
 def guarded_h11_protocol(read_timeout_s: float, max_connections: int) -> type[H11Protocol]:
     """An h11 protocol class for ``uvicorn.Config(http=...)`` with these limits (one per server)."""
     open_connections: dict[GuardedH11Protocol, None] = {}  # insertion order = oldest first
+    health_only: set[GuardedH11Protocol] = set()  # admitted past the cap, for /health/ only
 
     class GuardedH11Protocol(H11Protocol):
         def __init__(self, *args: Any, **kwargs: Any):
@@ -36,13 +43,25 @@ def guarded_h11_protocol(read_timeout_s: float, max_connections: int) -> type[H1
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
-            open_connections[self] = None
             self._arm_read_deadline()
-            if len(open_connections) > max_connections:
-                _evict_one(open_connections, self)
+            if len(open_connections) < max_connections or _evict_one(open_connections):
+                open_connections[self] = None
+            elif len(health_only) < HEALTH_RESERVE:
+                health_only.add(self)
+                self.app = _health_only(self.app)
+            else:
+                log.warning(
+                    "connection cap reached (%d open, --max-connections, every one busy; %d more kept for "
+                    "/health/): closing the new connection from %s",
+                    len(open_connections),
+                    HEALTH_RESERVE,
+                    self.client,
+                )
+                transport.close()
 
         def connection_lost(self, exc: Exception | None) -> None:
             open_connections.pop(self, None)
+            health_only.discard(self)
             self._disarm_read_deadline()
             super().connection_lost(exc)
 
@@ -58,9 +77,13 @@ def guarded_h11_protocol(read_timeout_s: float, max_connections: int) -> type[H1
             return self.cycle is None or self.cycle.response_complete
 
         @property
-        def being_answered(self) -> bool:
-            """A request fully received and not yet answered: never evicted."""
-            return self.cycle is not None and not self.cycle.more_body and not self.cycle.response_complete
+        def head_received(self) -> bool:
+            """The current request's head arrived (its body may still be arriving): never evicted."""
+            return self.cycle is not None and not self.cycle.response_complete
+
+        @property
+        def never_sent_a_head(self) -> bool:
+            return self.cycle is None
 
         def _arm_read_deadline(self) -> None:
             self._disarm_read_deadline()
@@ -84,16 +107,47 @@ def guarded_h11_protocol(read_timeout_s: float, max_connections: int) -> type[H1
     return GuardedH11Protocol
 
 
-def _evict_one(connections: dict[Any, None], newcomer: Any) -> None:
-    """Close the oldest connection not being answered (the newcomer itself when all others are)."""
-    victim = next((c for c in connections if c is not newcomer and not c.being_answered), newcomer)
+def _evict_one(connections: dict[Any, None]) -> bool:
+    """Close the oldest connection that never sent a request head, else the oldest idle kept-alive
+    one; ``False`` when every connection has a request head in progress (nothing closed)."""
+    victim = next((c for c in connections if c.never_sent_a_head), None)
+    if victim is None:
+        victim = next((c for c in connections if not c.head_received), None)
+    if victim is None:
+        return False
     connections.pop(victim, None)
     log.warning(
-        "connection cap reached (%d open, --max-connections): closing the oldest idle or half-sent one from %s",
+        "connection cap reached (%d open, --max-connections): closing the oldest one with no request head "
+        "in progress, from %s",
         len(connections) + 1,
         victim.client,
     )
     victim.transport.close()
+    return True
+
+
+def _health_only(app: Any) -> Any:
+    """``app`` for a connection admitted past the cap: ``/health/`` only, anything else a 503 that
+    closes the connection."""
+
+    async def guarded(scope: Any, receive: Any, send: Any) -> None:
+        if scope.get("type") != "http" or scope.get("path") in _HEALTH_PATHS:
+            await app(scope, receive, send)
+            return
+        body = (
+            b'{"detail":"the server is at its connection cap (rollmatch serve --max-connections) with every '
+            b'connection busy; this connection is kept for /health/ only: retry later"}'
+        )
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"connection", b"close"),
+            (b"retry-after", b"1"),
+        ]
+        await send({"type": "http.response.start", "status": 503, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    return guarded
 
 
 def raise_open_file_limit() -> int:

@@ -10,8 +10,11 @@ sync, cache), ``/info/``, ``/stats/``, ``/get_world_size/``, the generated API d
 ``/redoc``, ``/openapi.json``) and any unknown path (401, so a caller without the key cannot map
 the routes). A missing or wrong token is a 401 before the body is read, so nothing changes. Only
 ``GET``/``HEAD /health/`` stays open: liveness probes (the launcher, a load balancer, an
-orchestrator) hold no key, and it answers only engine state, queue depths and the weight version.
-Bodies over ``--max-body-bytes`` are a 413, whether or not they declare a ``Content-Length``.
+orchestrator) hold no key, and it answers only engine state, queue depths and the weight version;
+the reason behind a 503 (exception text) only to a caller with the key (:data:`AUTHENTICATED`
+in the request scope tells the route). Bodies over ``--max-body-bytes`` are a 413, whether or not
+they declare a ``Content-Length``. Websocket connections (no route takes one) are refused before
+any route sees them; ``lifespan`` events pass.
 Leaves out: the routes (``server.app``) and the flags (``rollmatch.cli``).
 """
 
@@ -38,6 +41,7 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 OPEN_PATHS = frozenset({"/health/", "/health"})  # "/health" only answers the redirect to "/health/"
 OPEN_METHODS = frozenset({"GET", "HEAD"})
+AUTHENTICATED = "rollmatch.authenticated"  # scope key: the request carried the key (or none is set)
 _NEW_KEY = "python -c 'import secrets; print(secrets.token_urlsafe(32))'"
 
 
@@ -132,22 +136,27 @@ class RequestGate:
         self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "websocket":
+            await send(
+                {"type": "websocket.close", "code": 1008, "reason": "the rollout server takes no websockets"}
+            )
+            return
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         headers = dict(scope.get("headers") or [])
-        if self._expected is not None and not _open_route(scope):
-            given = headers.get(b"authorization", b"")
-            if not hmac.compare_digest(given, self._expected):
-                reason = "missing" if not given else "wrong"
-                await _reply(
-                    send,
-                    401,
-                    f"{reason} API key: send `Authorization: Bearer <key>` with the key the server was started "
-                    f"with (rollmatch serve --api-key-file / --api-key / {API_KEY_ENV})",
-                    [(b"www-authenticate", b"Bearer")],
-                )
-                return
+        given = headers.get(b"authorization", b"")
+        scope[AUTHENTICATED] = self._expected is None or hmac.compare_digest(given, self._expected)
+        if not scope[AUTHENTICATED] and not _open_route(scope):
+            reason = "missing" if not given else "wrong"
+            await _reply(
+                send,
+                401,
+                f"{reason} API key: send `Authorization: Bearer <key>` with the key the server was started "
+                f"with (rollmatch serve --api-key-file / --api-key / {API_KEY_ENV})",
+                [(b"www-authenticate", b"Bearer")],
+            )
+            return
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
             await _reply(send, 413, self._too_large(int(declared)))

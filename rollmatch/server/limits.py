@@ -1,7 +1,7 @@
 """The rollout server's size limits and the answers for requests over them.
 
 Owns: :class:`ServerLimits` (every cap ``rollmatch serve`` enforces, with its flag, and the count
-of a body's JSON values, :func:`count_json_values`) and :class:`RequestTooLarge`, the error that
+of a body's JSON values, :func:`json_value_bound`, and of its requests, :func:`count_infer_requests`) and :class:`RequestTooLarge`, the error that
 becomes a 413 (payload too large) or 422 (a value over a cap) naming the field and the flag.
 Leaves out: the absolute wire ranges (``rollmatch.protocol``; a cap may only lower them) and where
 each cap is checked (the body size in ``server.gate``, JSON values in ``server.app`` before the
@@ -10,7 +10,7 @@ body is parsed, images in ``server.media``, the rest in ``server.rollout_server`
 
 from __future__ import annotations
 
-import itertools
+import json
 import re
 from dataclasses import dataclass
 
@@ -30,11 +30,22 @@ class ServerLimits:
     """Caps of one server, each a ``rollmatch serve`` flag (defaults suit detection rollouts).
 
     - ``max_body_bytes`` (``--max-body-bytes``): a request body, base64 images included (413);
-    - ``max_json_values`` (``--max-json-values``): objects, arrays and strings (keys included) of one
-      ``/infer/`` body, counted before it is parsed (413): the parser builds every value before a
-      list's length bound applies, so a body of tiny values costs 10-50x its size in memory (8 MiB
-      of ``{}`` took 184-390 MiB and up to 3 s, 14 MiB of short strings 139-205 MiB); the default,
-      2^20, is 256 for each of 4,096 requests (a detection request holds about 35);
+    - ``max_json_values`` (``--max-json-values``): values of one ``/infer/`` or weight-sync body,
+      bounded before it is parsed (413, :func:`json_value_bound`): objects, arrays and strings (keys
+      included), plus one per comma (every further list item or member: numbers such as
+      ``prompt_token_ids`` count too).
+      The parser builds every value before a list's length bound applies, so a body of tiny values
+      costs 10-50x its size in memory (8 MiB of ``{}`` took 184-390 MiB and up to 3 s, 14 MiB of
+      short strings 139-205 MiB, 8 MiB of prompt ids +84 MiB); the default, 2^20, leaves 4,096 for
+      each of 256 requests (a detection request holds about 35 plus its prompt ids);
+    - ``max_inflight_body_bytes`` (``--max-inflight-body-bytes``): the raw bytes of every ``/infer/``
+      body being received, parsed or prepared at once, reserved from ``Content-Length`` (or chunk by
+      chunk) before the body is read and given back once the call is prepared (429 with
+      ``Retry-After`` beyond it; a body alone over it is a 413); the default is four full bodies;
+    - ``max_sync_body_bytes`` (``--max-sync-body-bytes``): the body of one weight-sync call
+      (``/init_communicator/``, ``/update_flattened_params/``, ``/update_adapter_flattened_param/``,
+      ``/finish_weight_update/``), checked after the lease and before the body is read (413): those
+      bodies carry tensor metadata only (the tensors travel over the group);
     - ``max_image_pixels`` (``--max-image-pixels``): width x height of one image, read from its
       header before decoding (413);
     - ``max_call_pixels`` (``--max-call-pixels``): the pixels of every image of one call together,
@@ -69,6 +80,8 @@ class ServerLimits:
 
     max_body_bytes: int = 64 << 20
     max_json_values: int = 1 << 20
+    max_inflight_body_bytes: int = 256 << 20
+    max_sync_body_bytes: int = 8 << 20
     max_image_pixels: int = 4096 * 4096
     max_call_pixels: int = 8 * 4096 * 4096
     max_inflight_pixels: int = 64 * 4096 * 4096
@@ -89,6 +102,8 @@ class ServerLimits:
         positive = (
             "max_body_bytes",
             "max_json_values",
+            "max_inflight_body_bytes",
+            "max_sync_body_bytes",
             "max_image_pixels",
             "max_call_pixels",
             "max_inflight_pixels",
@@ -111,6 +126,7 @@ class ServerLimits:
         if self.update_mode not in ("drain", "abort", "keep"):
             raise ValueError(f"--update-mode must be drain, abort or keep, got {self.update_mode!r}")
         self._check_order("max_image_pixels", "max_call_pixels", "a single image at the per-image cap")
+        self._check_order("max_body_bytes", "max_inflight_body_bytes", "a body at the body cap")
         self._check_order("max_call_pixels", "max_inflight_pixels", "a full call")
         for name, wire_max in (
             ("max_requests_per_call", MAX_INFER_REQUESTS),
@@ -128,18 +144,33 @@ class ServerLimits:
             )
 
     def check_json_values(self, raw: bytes) -> None:
-        """Refuse (413) a body with more JSON objects, arrays and strings than ``max_json_values``,
-        before the parser builds them. Counting braces, brackets and quotes (C speed) bounds the count
-        from above and settles ordinary bodies; only a body over the cap by that bound is scanned,
-        and the scan stops one past the cap (so it costs at most the cap's worth of matches)."""
+        """Refuse (413) a body that may hold more JSON values than ``max_json_values``, before the
+        parser builds them, from :func:`json_value_bound` alone (C speed, a few ms for 64 MiB; no
+        scan of the text holds the GIL or runs per value)."""
         limit = self.max_json_values
-        if raw.count(b"{") + raw.count(b"[") + raw.count(b'"') <= limit:
-            return
-        if count_json_values(raw, stop_after=limit + 1) > limit:
+        bound = json_value_bound(raw)
+        if bound > limit:
             raise RequestTooLarge(
                 "--max-json-values",
-                f"request body holds more than {limit} JSON objects, arrays and strings, this server's "
-                "limit (rollmatch serve --max-json-values); send fewer requests per call",
+                f"request body may hold {bound} JSON values (objects, arrays, strings and list items, counted "
+                f"from its braces, brackets, commas and quotes), over this server's limit of {limit} (rollmatch "
+                "serve --max-json-values); send fewer requests per call",
+            )
+
+    def check_request_count(self, raw: bytes) -> None:
+        """Refuse (413) an ``/infer/`` body whose ``infer_requests`` holds more than
+        ``max_requests_per_call`` items, before the parser builds them (it validates every item before
+        a list's length bound applies: 8 MB of 163k tiny requests took 2.2 s and +273 MB). Counting
+        ``{`` (C speed) settles ordinary bodies; a larger one is scanned up to the cap's next item."""
+        limit = self.max_requests_per_call
+        if _count(raw, b"{") <= limit:
+            return
+        count = count_infer_requests(raw, stop_after=limit + 1)
+        if count > limit:
+            raise RequestTooLarge(
+                "infer_requests",
+                f"infer_requests holds more than {limit} requests, over this server's limit of {limit} per call "
+                "(rollmatch serve --max-requests-per-call); split the call",
             )
 
     def _check_order(self, smaller: str, larger: str, what: str) -> None:
@@ -150,12 +181,64 @@ class ServerLimits:
             )
 
 
-# One JSON value that allocates: a string literal (escapes included), or the start of an object or array.
-_JSON_VALUE = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[{\[]', re.DOTALL)
+def json_value_bound(raw: bytes) -> int:
+    """An upper bound, at C speed, of the values a JSON parser builds from ``raw``: every object and
+    array opens with a brace or bracket, every string takes two quotes, and every item or member
+    after the first of its container follows a comma (numbers, ``true`` and ``null`` count there).
+    Exact for a body whose strings hold none of ``{[,"``: base64 images, ids and plain prompts;
+    braces, commas and escaped quotes inside text only raise it. No pattern scan: the former exact
+    count (a regex over every string) was quadratic on unterminated ``\\"`` escapes (31 KiB: 5.7 s
+    holding the GIL) and, made linear, still iterated once per value in Python (0.8 s per 8 MB
+    flood, stalling ``/health/`` under concurrent floods). Counted in windows of
+    :data:`COUNT_WINDOW_BYTES`, so no single call holds the GIL for long on a 64 MiB body."""
+    return _count(raw, b"{") + _count(raw, b"[") + _count(raw, b",") + _count(raw, b'"') // 2
 
 
-def count_json_values(raw: bytes, stop_after: int | None = None) -> int:
-    """Objects, arrays and strings (keys included) in a JSON text, counting at most ``stop_after``.
-    Braces inside a string are text. On text that is not JSON the count is some number, never an
-    error: the parser judges the syntax."""
-    return sum(1 for _ in itertools.islice(_JSON_VALUE.finditer(raw), stop_after))
+COUNT_WINDOW_BYTES = 1 << 20
+
+
+def _count(raw: bytes, byte: bytes) -> int:
+    """``raw.count(byte)``, a window at a time (each call a millisecond or so; threads switch between)."""
+    return sum(
+        raw.count(byte, start, start + COUNT_WINDOW_BYTES) for start in range(0, len(raw), COUNT_WINDOW_BYTES)
+    )
+
+
+# Tokens of a JSON text for counting the items of one array: a string, a run of openers, a run of closers.
+_JSON_STRUCTURE = re.compile(rb'"[^"\\]*+(?:\\.[^"\\]*+)*+(?:"|\\?\Z)|[{\[]++|[}\]]++', re.DOTALL)
+_REQUESTS_KEY = "infer_requests"
+
+
+def count_infer_requests(raw: bytes, stop_after: int | None = None) -> int:
+    """The objects directly inside the top-level ``infer_requests`` array of a JSON text (every
+    occurrence of the key counted), counting at most ``stop_after``, in one linear pass. On text
+    that is not JSON the count is some number, never an error: the parser judges the syntax."""
+    depth, count, key, inside = 0, 0, "", False
+    for match in _JSON_STRUCTURE.finditer(raw):
+        token = match.group()
+        first = token[:1]
+        if first == b'"':
+            if depth == 1:
+                key = _string_text(token)
+            continue
+        if first in (b"}", b"]"):
+            depth -= len(token)
+            inside = inside and depth >= 2
+            continue
+        if depth == 1 and first == b"[" and key == _REQUESTS_KEY:
+            inside = True
+        if inside and depth < 3 <= depth + len(token) and token[2 - depth : 3 - depth] == b"{":
+            count += 1
+            if stop_after is not None and count >= stop_after:
+                return count
+        depth += len(token)
+    return count
+
+
+def _string_text(token: bytes) -> str:
+    """A JSON string token's text (escapes decoded), or ``""`` when it does not decode."""
+    try:
+        text = json.loads(token)
+    except ValueError:
+        return ""
+    return text if isinstance(text, str) else ""

@@ -20,6 +20,12 @@ Safety rules, each a 4xx naming the image (never a 500, never a file probe):
   413 (``--max-body-bytes``: a local file may be as large as a request body);
 - the pixel count is read from the header and checked before any pixel is decoded (a 0.5 MB PNG
   can decode to gigabytes), and only common still-image formats are opened;
+- an image's encoded size must fit its pixel count: at most :data:`MAX_ENCODED_BYTES_PER_PIXEL`
+  bytes per pixel plus :data:`ENCODED_SLACK_BYTES` (413 beyond). The largest honest still image is
+  16-bit RGBA stored without compression, 8 bytes per pixel; twice that covers container overhead
+  (PNG row filters and stored zlib blocks, TIFF strips, BMP row padding), and the slack covers
+  metadata (EXIF, ICC profiles, thumbnails). A 1x1 PNG padded with 48 MiB of trailing bytes, which
+  costs one pixel of the pixel budget, is refused;
 - a call's images are all checked from their headers, summed and reserved from the
   :class:`PixelBudget` before any of them is decoded (``--max-call-pixels``: 413,
   ``--max-inflight-pixels``: 429 while other calls hold the pixels).
@@ -50,6 +56,8 @@ if TYPE_CHECKING:
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "BMP", "GIF", "TIFF")
 DEFAULT_MAX_IMAGE_PIXELS = 4096 * 4096
 DEFAULT_MAX_FILE_BYTES = 64 << 20  # ServerLimits.max_body_bytes' default
+MAX_ENCODED_BYTES_PER_PIXEL = 16
+ENCODED_SLACK_BYTES = 256 << 10
 _MAX_PATH_CHARS = 4096
 # Opened without following a last-component symlink (the path opened is already resolved), without
 # blocking on a FIFO and without becoming a controlling terminal.
@@ -73,21 +81,39 @@ class MediaPolicy:
             object.__setattr__(self, "allowed_root", root)
 
 
-def image_size(value: str, policy: MediaPolicy = MediaPolicy(), where: str = "image") -> tuple[int, int]:
+def image_size(
+    value: str,
+    policy: MediaPolicy = MediaPolicy(),
+    where: str = "image",
+    encoded: dict[str, bytes] | None = None,
+) -> tuple[int, int]:
     """``(width, height)`` of the image ``value`` holds or names, read from its header (no pixel is
-    decoded), with the checks and errors of :func:`decode_image`."""
-    with _image_bytes(value, policy, where) as stream, _header(stream, policy.max_pixels, where) as image:
+    decoded), with the checks and errors of :func:`decode_image`. With ``encoded``, a base64 image's
+    bytes are kept there under ``where`` for :func:`decode_image` (base64 is decoded once)."""
+    with (
+        _image_bytes(value, policy, where, encoded, keep=True) as stream,
+        _header(stream, policy.max_pixels, where) as image,
+    ):
         return image.size
 
 
-def decode_image(value: str, policy: MediaPolicy = MediaPolicy(), where: str = "image") -> Image:
+def decode_image(
+    value: str,
+    policy: MediaPolicy = MediaPolicy(),
+    where: str = "image",
+    encoded: dict[str, bytes] | None = None,
+) -> Image:
     """An RGB image from base64, a ``data:image/...;base64,`` URL, or a file under the allowed root.
 
-    ``where`` names the image in errors (e.g. ``infer_requests[0].images[1]``). Raises
-    ``ValueError`` (bad input) or :class:`~rollmatch.server.limits.RequestTooLarge` (too many pixels,
-    or a local file too large).
+    ``where`` names the image in errors (e.g. ``infer_requests[0].images[1]``); ``encoded`` holds the
+    bytes :func:`image_size` kept (taken out as used). Raises ``ValueError`` (bad input) or
+    :class:`~rollmatch.server.limits.RequestTooLarge` (too many pixels, bytes far beyond them, or a
+    local file too large).
     """
-    with _image_bytes(value, policy, where) as stream, _header(stream, policy.max_pixels, where) as image:
+    with (
+        _image_bytes(value, policy, where, encoded, keep=False) as stream,
+        _header(stream, policy.max_pixels, where) as image,
+    ):
         return image.convert("RGB")
 
 
@@ -106,12 +132,18 @@ class PixelBudget:
         """Pixels reserved by calls in flight now."""
         return self._held
 
-    def reserve_call(self, images: Iterable[tuple[str, str]], policy: MediaPolicy) -> PixelLease:
+    def reserve_call(
+        self,
+        images: Iterable[tuple[str, str]],
+        policy: MediaPolicy,
+        encoded: dict[str, bytes] | None = None,
+    ) -> PixelLease:
         """Check every ``(field name, value)`` image of one call from its header (nothing decoded;
-        the first error wins), then reserve their pixels; stops at the first image over the cap."""
+        the first error wins), then reserve their pixels; stops at the first image over the cap.
+        ``encoded`` keeps the base64 images' bytes for decoding (see :func:`image_size`)."""
         total = 0
         for where, value in images:
-            width, height = image_size(value, policy, where)
+            width, height = image_size(value, policy, where, encoded)
             total += width * height
             if total > self.max_call_pixels:
                 raise self._over_call(total, f"; {where} alone is {width}x{height}", at_least=True)
@@ -185,10 +217,18 @@ def _give_back(budget: PixelBudget, pixels: list[int]) -> None:
 
 # ------------------------------------------------------------------------------------------ bytes
 @contextmanager
-def _image_bytes(value: str, policy: MediaPolicy, where: str) -> Iterator[BinaryIO]:
-    """The encoded image: base64 or a data URL decoded, or the opened local file (closed after)."""
-    if value.startswith("data:"):
-        yield io.BytesIO(_b64(value.split(",", 1)[1] if "," in value else "", where))
+def _image_bytes(
+    value: str, policy: MediaPolicy, where: str, encoded: dict[str, bytes] | None = None, keep: bool = False
+) -> Iterator[BinaryIO]:
+    """The encoded image: base64 or a data URL decoded (or taken from ``encoded``, where it is kept
+    when ``keep``), or the opened local file (closed after)."""
+    if encoded is not None and where in encoded:
+        yield io.BytesIO(encoded[where] if keep else encoded.pop(where))
+    elif value.startswith("data:"):
+        data = _b64(value.split(",", 1)[1] if "," in value else "", where)
+        if keep and encoded is not None:
+            encoded[where] = data
+        yield io.BytesIO(data)
     elif value.startswith(("http://", "https://")):
         raise ValueError(
             f"{where}: the rollout server does not fetch URLs ({value[:80]!r}); send base64 or a data URL"
@@ -196,7 +236,10 @@ def _image_bytes(value: str, policy: MediaPolicy, where: str) -> Iterator[Binary
     else:
         fd = _open_local(value, policy, where)
         if fd is None:
-            yield io.BytesIO(_b64(value, where, policy))
+            data = _b64(value, where, policy)
+            if keep and encoded is not None:
+                encoded[where] = data
+            yield io.BytesIO(data)
             return
         with os.fdopen(fd, "rb") as file:
             yield file
@@ -269,10 +312,13 @@ def _header(stream: BinaryIO, max_pixels: int, where: str) -> Iterator[Image]:
     ``max_pixels``; PIL's errors in the ``with`` body (decoding) are reported as bad input too."""
     from PIL import Image as PILImage
 
+    encoded_bytes = stream.seek(0, io.SEEK_END)
+    stream.seek(0)
     try:
         with PILImage.open(stream, formats=IMAGE_FORMATS) as image:
             width, height = image.size
-            if width * height <= max_pixels and min(width, height) > 0:
+            fits = encoded_bytes <= MAX_ENCODED_BYTES_PER_PIXEL * width * height + ENCODED_SLACK_BYTES
+            if width * height <= max_pixels and min(width, height) > 0 and fits:
                 yield image
     except PILImage.DecompressionBombError as exc:
         raise RequestTooLarge(where, f"{where}: decompression bomb refused ({exc})") from exc
@@ -297,3 +343,10 @@ def _header(stream: BinaryIO, max_pixels: int, where: str) -> Iterator[Image]:
         )
     if min(width, height) == 0:
         raise ValueError(f"{where}: an image of {width}x{height} pixels is empty")
+    if not fits:
+        raise RequestTooLarge(
+            where,
+            f"{where}: {encoded_bytes} encoded bytes for {width}x{height} pixels, over the {MAX_ENCODED_BYTES_PER_PIXEL} "
+            f"bytes per pixel (+{ENCODED_SLACK_BYTES >> 10} KiB of metadata) any honest encoding needs; send the "
+            "image without trailing data",
+        )

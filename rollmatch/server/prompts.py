@@ -73,10 +73,17 @@ class PromptPreparer:
         # Ids the tokenizer can decode and the embedding holds (vLLM refuses ids past the tokenizer).
         self.vocab_size = min(len(self.tokenizer), vocab_size or len(self.tokenizer))
 
-    def prepare(self, request: InferRequest, index: int, times: PhaseTimes | None = None) -> PreparedPrompt:
+    def prepare(
+        self,
+        request: InferRequest,
+        index: int,
+        times: PhaseTimes | None = None,
+        encoded: dict[str, bytes] | None = None,
+    ) -> PreparedPrompt:
         """Decode the images; take the trainer's ids (checked), or encode the chat messages.
 
-        ``times`` (optional) gets the image decoding as its ``decode`` phase.
+        ``times`` (optional) gets the image decoding as its ``decode`` phase; ``encoded`` holds the
+        images' bytes already decoded from base64 (``server.media.image_size``), by field name.
         """
         times = times if times is not None else PhaseTimes()
         where = f"infer_requests[{index}]"
@@ -91,7 +98,8 @@ class PromptPreparer:
             self.check_token_ids(f"{where}.prompt_token_ids", request.prompt_token_ids, len(request.images))
             with times.phase("decode"):
                 images = [
-                    self._image(value, f"{where}.images[{i}]") for i, value in enumerate(request.images)
+                    self._image(value, f"{where}.images[{i}]", encoded)
+                    for i, value in enumerate(request.images)
                 ]
             return PreparedPrompt(sample_id, list(request.prompt_token_ids), images)
         self._check_text_size(request, where)
@@ -109,7 +117,7 @@ class PromptPreparer:
         flags = {key: value for key, value in request.chat_template_kwargs.items() if value is not None}
         text = self.template.render(messages, flags, where=f"{where}.messages")  # before decoding: cheaper
         with times.phase("decode"):
-            images = [self._image(value, name) for name, value in sources]
+            images = [self._image(value, name, encoded) for name, value in sources]
         batch = self.processor(text=[text], images=images or None, return_tensors="pt")
         ids = batch["input_ids"][0].tolist()
         self.check_token_ids(f"{where}.messages", ids, len(images))
@@ -143,8 +151,8 @@ class PromptPreparer:
                 f"{MAX_TEXT_CHARS} per prompt",
             )
 
-    def _image(self, value: str, where: str) -> Image:
-        return decode_image(value, self.media, where)
+    def _image(self, value: str, where: str, encoded: dict[str, bytes] | None = None) -> Image:
+        return decode_image(value, self.media, where, encoded)
 
 
 def chat_messages(

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from rollmatch.data.prompts import PROBE_IMAGE_SIZE, image_probe
@@ -47,6 +48,7 @@ from rollmatch.protocol import (
     decoding_from_request_config,
 )
 from rollmatch.rollout.types import Decoding
+from rollmatch.server.bodies import BodyBudget
 from rollmatch.server.engines import EngineOutput, ServerEngine, check_weight_coverage
 from rollmatch.server.limits import RequestTooLarge, ServerLimits
 from rollmatch.server.media import PixelBudget, PixelLease
@@ -92,6 +94,8 @@ class RolloutServer:
         self._probe = ImageProbe(size=PROBE_IMAGE_SIZE, resized=resized, image_tokens=tokens)
         self.limits = limits or ServerLimits()
         self.pixels = PixelBudget(self.limits.max_call_pixels, self.limits.max_inflight_pixels)
+        self.bodies = BodyBudget(self.limits.max_inflight_body_bytes)
+        self._preparing_prompts = 0  # prompts of calls between their parse and their submission
         self.watch = EngineWatch(self.limits.engine_stall_timeout_s)
         engine.observe_progress(self.watch.progress)
         self.scheduler = EngineScheduler(
@@ -146,13 +150,24 @@ class RolloutServer:
         )
 
     # ------------------------------------------------------------------------------- inference
+    def check_body(self, raw: bytes) -> None:
+        """The checks of a raw ``/infer/`` body before it is parsed (``--max-json-values``,
+        ``--max-requests-per-call``): a refusal is counted like any other."""
+        try:
+            self.limits.check_json_values(raw)
+            self.limits.check_request_count(raw)
+        except RequestTooLarge:
+            self._count(rejected=1)
+            raise
+
     def prepare(self, body: InferBody, times: PhaseTimes | None = None) -> PreparedCall:
         """Caps, cross-field checks and the prepared prompts (images decoded): a ``ValueError`` (4xx)
         names what is wrong; nothing reaches the engine."""
         self.scheduler.refuse_if_broken()  # before decoding any image
         pixels: PixelLease | None = None
         try:
-            config, prompts, pixels = self._checked(body, times if times is not None else PhaseTimes())
+            with self._admission(len(body.infer_requests)):
+                config, prompts, pixels = self._checked(body, times if times is not None else PhaseTimes())
             if not prompts:
                 return PreparedCall(config, prompts, None, pixels)
             longest = max(len(p.prompt_token_ids) for p in prompts)
@@ -174,6 +189,28 @@ class RolloutServer:
             self._count(busy=1)
             raise
         return PreparedCall(config, prompts, decoding, pixels)
+
+    @contextmanager
+    def _admission(self, count: int) -> Iterator[None]:
+        """Hold ``count`` prompts for a call being prepared, refusing it (429) right after its parse,
+        before any image is decoded or prompt tokenised, when the prompts queued on the engine and
+        those of other calls being prepared leave no room; :meth:`submit` then admits it."""
+        with self._counter_lock:
+            queued = self.scheduler.depth()["outstanding_prompts"]
+            limit = self.limits.max_queued_prompts
+            if count <= limit and queued + self._preparing_prompts + count > limit:
+                raise ServerBusy(
+                    f"the server holds {queued} prompts queued or running and {self._preparing_prompts} being "
+                    f"prepared; this call's {count} would pass its limit of {limit} (rollmatch serve "
+                    "--max-queued-prompts); retry later or add servers",
+                    retry_after_s=1.0,
+                )
+            self._preparing_prompts += count
+        try:
+            yield
+        finally:
+            with self._counter_lock:
+                self._preparing_prompts -= count
 
     def submit(self, call: PreparedCall) -> CallTicket | None:
         """Queue a prepared call on the engine (``None``: nothing to generate). Its images' pixels are
@@ -244,11 +281,13 @@ class RolloutServer:
             raise ValueError(
                 f"request_config.top_k = {config.top_k} is larger than the vocabulary ({vocab}); send -1 to disable"
             )
+        self._check_prompt_ids_fit(body.infer_requests)
         preparer = self.engine.preparer
         images = _image_sources(body.infer_requests, preparer.max_images)
-        pixels = self.pixels.reserve_call(images, preparer.media)
+        encoded: dict[str, bytes] = {}  # base64 decoded once: for the header check, then for decoding
+        pixels = self.pixels.reserve_call(images, preparer.media, encoded)
         try:
-            prompts = [preparer.prepare(r, i, times) for i, r in enumerate(body.infer_requests)]
+            prompts = [preparer.prepare(r, i, times, encoded) for i, r in enumerate(body.infer_requests)]
             pixels.cover(sum(image.width * image.height for p in prompts for image in p.images))
             if self.preprocess_in_prepare:
                 with times.phase("preprocess"):
@@ -268,6 +307,18 @@ class RolloutServer:
                 raise
             except Exception as exc:
                 raise _engine_failure(exc) from exc
+
+    def _check_prompt_ids_fit(self, requests: list[InferRequest]) -> None:
+        """Refuse a call whose given prompt ids leave no room within ``max_model_len`` before any of
+        its images is decoded."""
+        longest = max((len(r.prompt_token_ids or ()) for r in requests), default=0)
+        if longest >= self.engine.max_model_len:
+            index = next(i for i, r in enumerate(requests) if len(r.prompt_token_ids or ()) == longest)
+            raise ValueError(
+                f"prompt too long: a prompt of {longest} tokens leaves no room for new tokens within the server's "
+                f"max_model_len of {self.engine.max_model_len} (infer_requests[{index}].prompt_token_ids); "
+                "shorten it or serve with a larger --max-model-len"
+            )
 
     def _apply_stops(self, out: EngineOutput, stops: list[str]) -> EngineOutput:
         trimmed = trim_at_stop_strings(out.token_ids, out.text, stops, self.engine.preparer.tokenizer)

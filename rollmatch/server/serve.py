@@ -99,6 +99,7 @@ def serve_command(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         log_level="warning",
+        ws="none",  # no route takes a websocket: an upgrade request is served as plain HTTP
         http=guarded_h11_protocol(limits.request_read_timeout_s, limits.max_connections),
         timeout_keep_alive=max(1, round(limits.keep_alive_timeout_s)),
         timeout_graceful_shutdown=int(SHUTDOWN_GRACE_S),

@@ -86,7 +86,7 @@ class SyncSession:
     ) -> InitCommunicatorReply:
         """Start forming the group (the trainer joins right after this returns); returns the lease and
         the digest key. ``sync_key``: the request's ``X-Rollmatch-Sync-Key``."""
-        self._check_sync_key(sync_key)
+        self.check_sync_key(sync_key)
         expected = self.receiving_ranks + 1
         if body.world_size != expected:
             raise SyncError(
@@ -256,7 +256,7 @@ class SyncSession:
             raise SyncError(f"weight update refused: {reason}")
         return self._receiver
 
-    def _check_sync_key(self, given: str | None) -> None:
+    def check_sync_key(self, given: str | None) -> None:
         """Refuse (``SyncKeyRefused``: a 403) an init without the server's sync key, when it has one;
         compared in constant time, as bytes (a header is latin-1 text), never echoed."""
         if self._sync_key is None:
@@ -272,6 +272,11 @@ class SyncSession:
             f"`{SYNC_KEY_HEADER}: <key>` with the key the server was started with (rollmatch serve "
             "--sync-key-file); the API key alone allows generation, not weight sync"
         )
+
+    def check_lease(self, lease: str | None) -> None:
+        """Refuse (``SyncError``: a 409) unless ``lease`` is the current lease: the HTTP layer checks
+        it before reading a weight-sync body."""
+        self._check_lease(lease)
 
     def _check_lease(self, lease: str | None) -> None:
         """Refuse (``SyncError``: a 409) unless ``lease`` is the current lease. A header arrives as any

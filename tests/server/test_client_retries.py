@@ -78,7 +78,7 @@ def test_a_busy_server_is_waited_out_within_the_calls_time(scripted_server: Call
     url, seen = scripted_server(lambda n: "busy" if n <= 2 else "ok")
     conn = ServerConnection(url, 0, timeout_s=10, infer_timeout_s=None)
     assert conn.post_bytes("/infer/", b"{}", "rollout", timeout_s=10).json() == {"ok": True}
-    assert len(seen) == 3 and seen[1] - seen[0] >= 0.9  # Retry-After honoured
+    assert len(seen) == 3 and seen[1] - seen[0] <= 1.5  # within the Retry-After window (full jitter)
 
     url, seen = scripted_server(lambda n: "busy")
     conn = ServerConnection(url, 0, timeout_s=3, infer_timeout_s=None)
@@ -103,3 +103,24 @@ def test_a_weight_sync_call_that_may_have_reached_the_server_is_never_sent_twice
     with pytest.raises(SyncError, match=r"finish version 3 \(POST /finish_weight_update/\)"):
         conn.post_bytes("/finish_weight_update/", b"{}", "finish version 3", timeout_s=5)
     assert len(seen) == 2
+
+
+def test_clients_refused_together_do_not_retry_together(scripted_server: Callable[..., Any]) -> None:
+    """Full jitter: each client's wait after a 429 is drawn from [0, window]. Before, every client
+    slept exactly ``Retry-After`` (1 s) and came back in lockstep (this spread was ~0)."""
+    first_seen: dict[int, float] = {}
+    url, seen = scripted_server(lambda n: "busy" if n <= 8 else "ok")
+    clients = [ServerConnection(url, 0, timeout_s=10, infer_timeout_s=None) for _ in range(8)]
+    started = time.monotonic()
+    threads = [
+        threading.Thread(target=c.post_bytes, args=("/infer/", b"{}", "rollout"), kwargs={"timeout_s": 10})
+        for c in clients
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=15)
+    assert len(seen) == 16, seen
+    first_seen = dict(enumerate(sorted(t - started for t in seen[8:])))
+    spread = max(first_seen.values()) - min(first_seen.values())
+    assert spread > 0.2, f"retries came back together: {sorted(first_seen.values())}"

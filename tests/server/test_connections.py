@@ -1,8 +1,10 @@
 """Connection hygiene of a real ``rollmatch serve`` process: slow or stalled senders are cut off at the
-read deadline, idle half-sent connections cannot crowd out a fresh ``/health/``."""
+read deadline, idle half-sent connections cannot crowd out a fresh ``/health/``, and the cap never
+closes an upload that sent its head."""
 
 from __future__ import annotations
 
+import json
 import socket
 import time
 from collections.abc import Callable
@@ -28,6 +30,11 @@ def strict_server(start_server: Callable[..., Any], tiny_model_dir: Path) -> Any
         "--max-connections",
         "32",
     )
+
+
+@pytest.fixture(scope="module")
+def capped_server(start_server: Callable[..., Any], tiny_model_dir: Path) -> Any:
+    return start_server(tiny_model_dir, "--engine", "hf", "--max-connections", "8")
 
 
 def _connect(server: Any) -> socket.socket:
@@ -86,4 +93,35 @@ def test_idle_half_sent_connections_cannot_crowd_out_a_fresh_health_probe(strict
         assert reply.status_code == 200 and time.monotonic() - started < 1.0
     finally:
         for sock in crowd:
+            sock.close()
+
+
+def test_the_cap_keeps_uploads_that_sent_their_head_and_a_health_probe_gets_in(capped_server: Any) -> None:
+    """Formerly the oldest connection not being answered was evicted, an upload mid-body included
+    (here the 8 uploads would have lost one connection per newcomer), and with every slot busy the
+    newcomer, a /health/ probe, was closed. Now uploads past their head stay; /health/ gets one of
+    the reserved slots; any other request there is a 503."""
+    body = json.dumps({"infer_requests": [{"prompt_token_ids": [5, 6]}], "request_config": {"max_tokens": 1}})
+    head = (
+        "POST /infer/ HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    uploads = []
+    for _ in range(8):  # every slot: a head, then half the body
+        sock = _connect(capped_server)
+        sock.sendall(head + body[: len(body) // 2].encode())
+        uploads.append(sock)
+    try:
+        time.sleep(0.2)
+        reply = requests.get(f"{capped_server.url}/health/", timeout=5)
+        assert reply.status_code == 200
+        other = requests.get(f"{capped_server.url}/info/", timeout=5)
+        assert other.status_code == 503 and "--max-connections" in other.text
+        for sock in uploads:
+            sock.sendall(body[len(body) // 2 :].encode())
+        for sock in uploads:
+            sock.settimeout(10)
+            assert sock.recv(4096).startswith(b"HTTP/1.1 200"), "an upload past its head was closed"
+    finally:
+        for sock in uploads:
             sock.close()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -93,6 +94,35 @@ def test_fuzz_hf_engine_in_process(hf_engine: Any, app_client: Callable[..., Any
     _assert_alive(client)
     server.sync.shutdown()  # drops a group a fuzzed init may have left pending
     print(f"hf in-process fuzz: {counts}")
+
+
+ADVERSARIAL_BOUND_S = 3.0  # per body, on a loaded machine; each took 1.2-8.1 s (and froze the server) before
+
+
+def test_adversarial_bodies_are_refused_quickly(
+    hf_engine: Any, app_client: Callable[..., Any], free_port: Callable[[], int]
+) -> None:
+    """The bodies of ``rollmatch.server.adversarial`` (ReDoS escapes, tiny-value and tiny-request
+    floods, prompt-id floods, padded images, big sync bodies with and without the lease): each a 4xx
+    within ``ADVERSARIAL_BOUND_S``, and the server serves a good request after."""
+    from rollmatch.server.adversarial import adversarial_bodies
+
+    client, server = app_client(hf_engine, max_tokens=6)
+    init = {"host": "127.0.0.1", "port": free_port(), "world_size": 2, "timeout_s": 3600.0}
+    lease = client.post("/init_communicator/", json=init).json()["lease"]
+    answers = {}
+    for name, (path, body, needs_lease) in adversarial_bodies(scale=0.25).items():
+        headers = {"content-type": "application/json", **({LEASE_HEADER: lease} if needs_lease else {})}
+        started = time.monotonic()
+        reply = client.post(path, content=body, headers=headers)
+        took = time.monotonic() - started
+        answers[name] = (reply.status_code, round(took, 3))
+        assert 400 <= reply.status_code < 500, (name, reply.status_code, reply.text[:300])
+        assert took < ADVERSARIAL_BOUND_S, (name, took)
+    print(f"adversarial bodies: {answers}")
+    assert client.post("/close_communicator/", headers={LEASE_HEADER: lease}).status_code == 200
+    _assert_alive(client)
+    assert server.stats().communicator == "none"
 
 
 def test_fuzz_lease_header_while_a_lease_is_held(

@@ -144,7 +144,6 @@ def test_caps_are_checked_against_each_other_and_the_wire() -> None:
 @pytest.mark.parametrize(
     ("body", "field"),
     [
-        ({"infer_requests": [{"prompt_token_ids": [5]}] * (MAX_INFER_REQUESTS + 1)}, "infer_requests"),
         (
             {
                 "infer_requests": [

@@ -79,19 +79,24 @@ def test_out_of_range_config_is_a_422_naming_the_field(client: Any, request_conf
     assert field in reply.json()["error"]
 
 
-def test_nan_and_infinity_anywhere_are_4xx_not_500(client: Any) -> None:
+def test_nan_and_infinity_anywhere_are_4xx_not_500(client: Any, free_port: Callable[[], int]) -> None:
     for bad in ("NaN", "Infinity", "-Infinity"):
         for key in ("temperature", "top_p", "seed", "max_tokens", "repetition_penalty", "presence_penalty"):
             body = {"infer_requests": [_chat()], "request_config": {"return_details": True, key: "__X__"}}
             reply = _post(client, json.dumps(body).replace('"__X__"', bad))
             assert reply.status_code == 422, (key, bad, reply.text)
             assert f"request_config.{key}" in reply.json()["error"]
-    reply = _post(client, '{"metadatas": [], "transaction": {"version": NaN}}', "/update_flattened_params/")
-    assert reply.status_code == 422 and "transaction" in reply.json()["error"]
-    finish = '{"version": Infinity, "mode": "full", "bucket_checksums": [], "checksum": ""}'
-    assert _post(client, finish, "/finish_weight_update/").status_code == 422
     init = '{"host": "127.0.0.1", "port": 1234, "world_size": 2, "timeout_s": NaN}'
     assert _post(client, init, "/init_communicator/").status_code == 422
+    init_body = {"host": "127.0.0.1", "port": free_port(), "world_size": 2, "timeout_s": 3600.0}
+    lease = {"X-Rollmatch-Sync-Lease": client.post("/init_communicator/", json=init_body).json()["lease"]}
+    bucket = '{"metadatas": [], "transaction": {"version": NaN}}'
+    reply = _post(client, bucket, "/update_flattened_params/", **lease)
+    assert reply.status_code == 422 and "transaction" in reply.json()["error"]
+    finish = '{"version": Infinity, "mode": "full", "bucket_checksums": [], "checksum": ""}'
+    assert _post(client, finish, "/finish_weight_update/", **lease).status_code == 422
+    assert _post(client, bucket, "/update_flattened_params/").status_code == 409  # no lease: body never read
+    assert client.post("/close_communicator/", headers=lease).status_code == 200
 
 
 @pytest.mark.parametrize(
@@ -166,14 +171,16 @@ def test_a_body_of_many_tiny_values_is_refused_before_it_is_parsed(
 ) -> None:
     client = app_client(hf_engine, max_json_values=60, max_tokens=4)[0]
     reply = _post(client, {"infer_requests": [{}] * 100})  # 102 objects and arrays: none is built
-    assert reply.status_code == 413 and "more than 60 JSON objects, arrays and strings" in reply.text
+    assert reply.status_code == 413 and "over this server's limit of 60" in reply.text
     assert "--max-json-values" in reply.text
     reply = _post(client, {"infer_requests": [_chat()] * 2, "request_config": {"stop": ["a"] * 70}})
     assert reply.status_code == 413 and "--max-json-values" in reply.text  # strings count too
-    # Braces and brackets inside a prompt are text: over the cap by the quick bound, not by the count.
+    # Braces, brackets and commas inside a prompt raise the bound (text is not scanned).
     braces = _chat("<image>answer like [{" + '"bbox": [1, 2], ' * 60 + "}]")
     reply = _post(client, {"infer_requests": [braces], "request_config": GOOD_CONFIG})
-    assert reply.status_code == 200, reply.text
+    assert reply.status_code == 413 and "--max-json-values" in reply.text
+    few = _chat("<image>answer like [{" + '"bbox": [1, 2], ' * 5 + "}]")
+    assert _post(client, {"infer_requests": [few], "request_config": GOOD_CONFIG}).status_code == 200
     # The default cap against 8 MiB of `{}` (the parser would build ~3 M request objects first).
     default = app_client(hf_engine, max_tokens=4)[0]
     flood = b'{"infer_requests":[' + b",".join([b"{}"] * 3_000_000) + b"]}"
@@ -191,21 +198,27 @@ def test_a_body_of_many_tiny_values_is_refused_before_it_is_parsed(
     ),
     st.booleans(),
 )
-def test_json_values_are_objects_arrays_and_strings_with_braces_in_strings_as_text(
-    value: Any, ascii_only: bool
-) -> None:
-    from rollmatch.server.limits import count_json_values
+def test_the_json_value_bound_is_an_upper_bound_exact_for_plain_strings(value: Any, ascii_only: bool) -> None:
+    from rollmatch.server.limits import json_value_bound
 
     def values(v: Any) -> int:
-        if isinstance(v, dict):
-            return 1 + sum(1 + values(x) for x in v.values())  # each key is a string
-        if isinstance(v, list):
-            return 1 + sum(values(x) for x in v)
+        if isinstance(v, dict):  # each key is a string; each comma one more member
+            return 1 + sum(1 + values(x) for x in v.values()) + max(len(v) - 1, 0)
+        if isinstance(v, list):  # each comma one more item (numbers, true, null count there)
+            return 1 + sum(values(x) for x in v) + max(len(v) - 1, 0)
         return int(isinstance(v, str))
 
+    def plain(v: Any) -> bool:
+        if isinstance(v, dict):
+            return all(plain(k) and plain(x) for k, x in v.items())
+        if isinstance(v, list):
+            return all(plain(x) for x in v)
+        return not isinstance(v, str) or not any(c in v for c in '{[,"')
+
     raw = json.dumps(value, ensure_ascii=ascii_only).encode()
-    assert count_json_values(raw) == values(value)
-    assert count_json_values(raw, stop_after=2) == min(2, values(value))
+    assert json_value_bound(raw) >= values(value)
+    if plain(value):
+        assert json_value_bound(raw) == values(value)
 
 
 def test_local_paths_only_under_the_allowed_root_and_no_existence_probe(

@@ -1,0 +1,94 @@
+"""Adversarial request bodies for the rollout server: each one cost seconds of a whole server or
+hundreds of MB before the boundary checks that now refuse it cheaply.
+
+Owns: :func:`adversarial_bodies` (name -> ``(path, body bytes, needs_lease)``), shared by the fuzz
+suite (``tests/server/test_fuzz.py``: each within a time bound, never a 5xx) and the hammer benchmark
+(``bench/server_hammer.py``). Leaves out: how they are sent and what the answers must be.
+
+Sizes are parameters so a test can use the small versions; the defaults are the sizes measured in
+docs/server.md ("Request boundary").
+"""
+
+from __future__ import annotations
+
+import io
+import json
+
+from rollmatch.protocol import to_base64
+
+
+def redos_escapes(escapes: int = 16_000) -> bytes:
+    """An unterminated string of ``\\"`` escapes: the former JSON value count rescanned it from every
+    quote (quadratic, holding the GIL: 16,000 escapes took 5.7 s)."""
+    return b'"' + b'\\"' * escapes
+
+
+def redos_escapes_then_brackets(escapes: int = 300, brackets: int = 1 << 20) -> bytes:
+    """A few escapes then a megabyte of ``[``: over the value cap's quick bound, so the count ran
+    (8.1 s for the default sizes)."""
+    return b'"' + b'\\"' * escapes + b"[" * brackets
+
+
+def many_tiny_requests(size_bytes: int = 8 << 20) -> bytes:
+    """``size_bytes`` of tiny requests (163k in 8 MB): the parser built them all before the request
+    count was checked (2.2 s, +273 MB)."""
+    one = b'{"prompt_token_ids":[1]},'
+    count = max(1, size_bytes // len(one))
+    return b'{"infer_requests":[' + (one * count)[:-1] + b"]}"
+
+
+def many_prompt_ids(size_bytes: int = 8 << 20) -> bytes:
+    """``size_bytes`` of prompt ids in one request: numbers escaped the value cap (+84 MiB)."""
+    count = max(1, size_bytes // 6)
+    return b'{"infer_requests":[{"prompt_token_ids":[' + b",".join([b"12345"] * count) + b"]}]}"
+
+
+def padded_png(padding_bytes: int = 48 << 20) -> bytes:
+    """An ``/infer/`` body whose one image is a 1x1 PNG followed by ``padding_bytes`` of trailing
+    bytes: one pixel of the pixel budget for megabytes of body."""
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (1, 1)).save(buffer, format="PNG")
+    image = to_base64(buffer.getvalue() + b"\0" * padding_bytes)
+    body = {
+        "infer_requests": [
+            {"messages": [{"role": "user", "content": "<image>find"}], "images": [image]},
+        ],
+        "request_config": {"max_tokens": 2},
+    }
+    return json.dumps(body).encode()
+
+
+def big_peft_config(size_bytes: int = 8 << 20) -> bytes:
+    """An adapter bucket whose ``peft_config`` holds ``size_bytes`` of ``[]``: parsed on the event loop
+    before the lease was checked (1.2 s and +200 MiB on the loop)."""
+    count = max(1, size_bytes // 3)
+    nested = b"[" + b",".join([b"[]"] * count) + b"]"
+    return b'{"lora_int_id":1,"metadatas":[],"peft_config":{"r":' + nested + b"}}"
+
+
+def adversarial_bodies(scale: float = 1.0) -> dict[str, tuple[str, bytes, bool]]:
+    """Name -> ``(path, body, needs_lease)``; ``scale`` shrinks (or grows) the large bodies."""
+
+    def size(n: int) -> int:
+        return max(1024, int(n * scale))
+
+    return {
+        "redos_escapes": ("/infer/", redos_escapes(16_000), False),
+        "redos_escapes_then_brackets": ("/infer/", redos_escapes_then_brackets(300, size(1 << 20)), False),
+        "many_tiny_requests": ("/infer/", many_tiny_requests(size(8 << 20)), False),
+        "many_prompt_ids": ("/infer/", many_prompt_ids(size(8 << 20)), False),
+        "padded_png": ("/infer/", padded_png(size(48 << 20)), False),
+        "big_peft_config_no_lease": (
+            "/update_adapter_flattened_param/",
+            big_peft_config(size(8 << 20)),
+            False,
+        ),
+        "big_peft_config_with_lease": (
+            "/update_adapter_flattened_param/",
+            big_peft_config(size(8 << 20)),
+            True,
+        ),
+        "redos_in_sync_body": ("/finish_weight_update/", redos_escapes(16_000), True),
+    }
