@@ -229,18 +229,19 @@ def test_a_sync_call_without_the_lease_is_answered_before_its_body_arrives(hf_se
 
 
 # ------------------------------------------------------------------------------------ gate
-def test_health_gives_no_internals_without_the_key(hf_engine: Any, app_client: Callable[..., Any]) -> None:
+def test_health_gives_no_internals_without_the_key(
+    hf_engine: Any, app_client: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``/health/`` answered the exception text behind a 503 to anyone."""
     client, server = app_client(hf_engine, api_key="s3cret")
-    server.broken = "loading weight version 3 failed half-way (RuntimeError: /secret/path/shard-7 CUDA 700)"
-    try:
-        open_reply = client.get("/health/")
-        assert open_reply.status_code == 503 and open_reply.json()["status"] == "broken"
-        assert "/secret/path" not in open_reply.text and "RuntimeError" not in open_reply.text
-        keyed = client.get("/health/", headers={"Authorization": "Bearer s3cret"})
-        assert keyed.status_code == 503 and "/secret/path" in keyed.json()["detail"]
-    finally:
-        server.broken = None
+    # Fault: the scheduler's broken state as a failed load leaves it (the shared engine takes no load).
+    reason = "loading weight version 3 failed half-way (RuntimeError: /secret/path/shard-7 CUDA 700)"
+    monkeypatch.setattr(server.scheduler, "_broken", reason)
+    open_reply = client.get("/health/")
+    assert open_reply.status_code == 503 and open_reply.json()["status"] == "broken"
+    assert "/secret/path" not in open_reply.text and "RuntimeError" not in open_reply.text
+    keyed = client.get("/health/", headers={"Authorization": "Bearer s3cret"})
+    assert keyed.status_code == 503 and "/secret/path" in keyed.json()["detail"]
 
 
 def test_websocket_scopes_are_refused_at_the_gate() -> None:
