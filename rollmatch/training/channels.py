@@ -28,6 +28,7 @@ from rollmatch.detection.codec import ObjectCodec
 from rollmatch.detection.objects import DetObject
 from rollmatch.detection.scoring import score_response
 from rollmatch.detection.targets import TargetSequence, build_gt_target, build_matched_target
+from rollmatch.errors import BackendError
 from rollmatch.packing.segment import Segment, build_segment
 from rollmatch.rollout.alignment import check_prompt_alignment
 from rollmatch.rollout.build import decoding_from_config
@@ -102,9 +103,12 @@ class GTChannel(_SegmentFactory):
 class RolloutChannel(_SegmentFactory):
     """Rollout-matching: the model's own prefix plus the GT objects it missed.
 
-    Records are rolled out in contiguous calls of ``decode_batch_size`` samples (``None``: one call),
-    independent of the learner's micro-batch. The call starting at record ``k`` of a step is seeded
-    ``step_seed(training seed, step) + k``, so a step's rollouts do not depend on the decode batch size.
+    Records are rolled out in contiguous calls of ``decode_batch_size`` records (``None``: one call),
+    independent of the learner's micro-batch. Each record brings ``K = rollouts_per_record`` requests
+    (record ``i``'s sample ``k`` is request ``i * K + k``, so a record's samples stay together), each
+    with its own segment. Request ``j`` of a call samples with ``call seed + j``, and the call starting at
+    record ``r`` of a step is seeded ``step_seed(training seed, step) + r * K``: every sample of a step has
+    its own seed, and a step's rollouts do not depend on the decode batch size.
     """
 
     def __init__(
@@ -121,6 +125,7 @@ class RolloutChannel(_SegmentFactory):
         self.backend = backend
         self.decoding = decoding_from_config(cfg)
         self.decode_batch_size = decode_batch_size
+        self.rollouts_per_record = cfg.rollout.rollouts_per_record
 
     def produce(self, records: Sequence[Record], global_step: int) -> ChannelOutput:
         """Every record of one step, decode batch by decode batch; segments in record order."""
@@ -132,24 +137,40 @@ class RolloutChannel(_SegmentFactory):
 
     def produce_chunk(self, records: Sequence[Record], global_step: int, start: int) -> ChannelOutput:
         """One rollout call: the chunk of step ``global_step`` that starts at record ``start``."""
-        seed = step_seed(self.cfg.training.seed, global_step) + start
+        seed = step_seed(self.cfg.training.seed, global_step) + start * self.rollouts_per_record
         return self.roll_out(records, seed=seed, created_step=global_step)
 
     def roll_out(self, records: Sequence[Record], *, seed: int, created_step: int) -> ChannelOutput:
-        """One backend call for ``records`` (sampling seed ``seed``), then a segment per rollout."""
+        """One backend call for ``records`` (K requests each; request ``j`` samples with ``seed + j``),
+        then a segment per rollout, in request order (record by record, sample by sample)."""
         encoded = [self.encoder.encode(r) for r in records]
+        per_record = self.rollouts_per_record
+        requests = [e.to_request() for e in encoded for _ in range(per_record)]
         start = time.perf_counter()
-        rollouts = self.backend.generate([e.to_request() for e in encoded], self.decoding, seed)
+        rollouts = self.backend.generate(requests, self.decoding, seed)
         seconds = time.perf_counter() - start
+        if len(rollouts) != len(requests):
+            raise BackendError(
+                f"the {self.backend.name} rollout backend returned {len(rollouts)} rollouts for {len(requests)} "
+                f"requests ({len(records)} records x rollouts_per_record {per_record})"
+            )
         out = ChannelOutput(segments=[])
         out.sums["rollout/seconds"] += seconds
-        for record, enc, rollout in zip(records, encoded, rollouts, strict=True):
-            check_prompt_alignment(rollout, enc.input_ids, self.encoder.tokenizer)
-            target, sums = self.rollout_target(record, enc, rollout)
-            out.sums.update(sums)
-            out.segments.append(self.segment(enc, target, created_step))
-            out.versions.append(rollout.weight_version)
+        for index, (record, enc) in enumerate(zip(records, encoded, strict=True)):
+            group = rollouts[index * per_record : (index + 1) * per_record]
+            for rollout in group:
+                check_prompt_alignment(rollout, enc.input_ids, self.encoder.tokenizer)
+            for target, sums in self.group_targets(record, enc, group):
+                out.sums.update(sums)
+                out.segments.append(self.segment(enc, target, created_step))
+            out.versions.extend(rollout.weight_version for rollout in group)
         return out
+
+    def group_targets(
+        self, record: Record, encoded: EncodedPrompt, group: Sequence[Rollout]
+    ) -> list[tuple[TargetSequence, Counter[str]]]:
+        """The targets of one record's K rollouts (rollout matching: each rollout's own target)."""
+        return [self.rollout_target(record, encoded, rollout) for rollout in group]
 
     def rollout_target(
         self, record: Record, encoded: EncodedPrompt, rollout: Rollout
