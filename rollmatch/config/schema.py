@@ -116,11 +116,6 @@ class LossConfig(Section):
     Targets, weights and why the default is what it is: docs/detection.md, "Targets and loss weights".
     """
 
-    objective: Literal["rollout_matching", "grpo"] = Field(
-        "rollout_matching",
-        description="Channel-B objective. `rollout_matching`: teacher-forced CE on the targets below. `grpo`: policy gradient on the rollout tokens with a detection reward (`loss.grpo`), advantages normalised within each record's `rollouts_per_record` samples (K >= 2, sampling decoding).",
-    )
-    grpo: GrpoConfig = Field(default_factory=GrpoConfig)
     target: Literal["prefix_fn", "reordered_gt"] = Field(
         "prefix_fn",
         description="Rollout-matching target. `prefix_fn`: the rollout's own prefix (`keep_prefix`) + the GT objects not in it + EOS. `reordered_gt`: the GT objects the rollout matched, in the rollout's order, with GT coordinates and labels, then the missed GT (canonical order); false positives, duplicates and invalid elements left out; every token supervised.",
@@ -161,6 +156,12 @@ class LossConfig(Section):
         "supervise",
         description="`prefix_fn` only: `supervise` rewrites each kept matched element to its GT's serialization and supervises its coordinate tokens (weight 1) and label tokens (`desc_weight`); structure tokens keep `prefix_weight`. `none`: the prefix is the rollout's own tokens, unsupervised. Unset, it is `supervise` where it applies (`target: prefix_fn` with `keep_prefix: matched`; the learning-signal study's best target, docs/detection.md) and `none` elsewhere; set to `supervise` with another target or `keep_prefix: all`, it is refused (a kept false positive has no GT to be rewritten to).",
     )
+
+    objective: Literal["rollout_matching", "grpo"] = Field(
+        "rollout_matching",
+        description="Channel-B objective. `rollout_matching`: teacher-forced CE on the targets below. `grpo`: policy gradient on the rollout tokens with a detection reward (`loss.grpo`), advantages normalised within each record's `rollouts_per_record` samples (K >= 2, sampling decoding).",
+    )
+    grpo: GrpoConfig = Field(default_factory=GrpoConfig)
 
     @model_validator(mode="before")
     @classmethod
