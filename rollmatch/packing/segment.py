@@ -41,6 +41,10 @@ class Segment:
     mm_token_type_ids: torch.Tensor  # (L,) long: 0 text, 1 image
     position_ids: torch.Tensor  # (3, L) long: mRoPE (t, h, w) of this segment alone
     created_step: int = 0  # optimizer step whose rollouts produced it (staleness, logs)
+    # Policy-gradient segments (``loss.objective: grpo``) only, (L,) float32 like ``weights``: the advantage
+    # of predicting token t and the log-prob the behaviour policy sampled it with (0 on the prompt).
+    advantages: torch.Tensor | None = None
+    behaviour_logprobs: torch.Tensor | None = None
 
     @property
     def length(self) -> int:
@@ -69,6 +73,8 @@ def build_segment(
     prompt_mm_token_type_ids: Sequence[int] | torch.Tensor,
     max_length: int,
     created_step: int = 0,
+    response_advantages: Sequence[float] | None = None,
+    response_behaviour_logprobs: Sequence[float] | None = None,
 ) -> Segment:
     """Join prompt and response into a :class:`Segment` with its own mRoPE positions.
 
@@ -107,7 +113,25 @@ def build_segment(
         mm_token_type_ids=mm_types,
         position_ids=positions[:, 0, :].to(torch.long).cpu(),
         created_step=created_step,
+        advantages=_response_values(sample_id, "advantages", response_advantages, prompt, response),
+        behaviour_logprobs=_response_values(
+            sample_id, "behaviour log-probs", response_behaviour_logprobs, prompt, response
+        ),
     )
+
+
+def _response_values(
+    sample_id: str, what: str, values: Sequence[float] | None, prompt: torch.Tensor, response: torch.Tensor
+) -> torch.Tensor | None:
+    """Per-response-token values placed at the response positions of the segment (0 on the prompt)."""
+    if values is None:
+        return None
+    tensor = torch.as_tensor(values, dtype=torch.float32).reshape(-1)
+    if tensor.shape[0] != response.shape[0]:
+        raise PackingError(
+            f"sample {sample_id!r}: {tensor.shape[0]} {what} for {response.shape[0]} response tokens"
+        )
+    return torch.cat([torch.zeros(prompt.shape[0], dtype=torch.float32), tensor])
 
 
 def find_rope_index(model: nn.Module) -> RopeIndexFn:

@@ -64,6 +64,12 @@ class Rollout:
     finish_reason: FinishReason
     weight_version: int
     provenance: RolloutProvenance
+    # Behaviour log-probs: log p(token) under the weights that sampled it, of the model's own
+    # distribution (temperature 1, before top-k / top-p; vLLM's raw log-probs). One per response token,
+    # then one for the stop token when the rollout stopped on one (``stop_logprob``). None: the backend
+    # returned none.
+    response_logprobs: list[float] | None = None
+    stop_logprob: float | None = None
 
     @property
     def hit_max_tokens(self) -> bool:

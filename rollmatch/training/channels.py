@@ -5,7 +5,8 @@ Owns the two ways a sample becomes a teacher-forced segment:
 - :class:`GTChannel` (stage-1 ``sft`` and Stage-2 Channel-A): prompt + the GT serialization + EOS.
 - :class:`RolloutChannel` (``rollout_matching_sft`` and Channel-B): rollouts (no grad) in calls of
   ``decode_batch_size`` samples -> prompt alignment check -> strict parse -> Hungarian match ->
-  ``prefix + FN tail + EOS``.
+  ``prefix + FN tail + EOS`` (``loss.objective: grpo``: each rollout's own tokens with its group-normalised
+  advantage and behaviour log-probs, ``training.grpo_targets``).
 
 Both return segments plus metric sums (counts, not means) so callers can aggregate exactly across
 micro-steps and ranks. Leaves out: rows (``training.rows``), when weights are synced and which
@@ -34,6 +35,7 @@ from rollmatch.rollout.alignment import check_prompt_alignment
 from rollmatch.rollout.build import decoding_from_config
 from rollmatch.rollout.chunking import step_seed
 from rollmatch.rollout.types import Rollout, RolloutBackend
+from rollmatch.training.grpo_targets import GrpoGroups, PolicyTokens
 from rollmatch.training.schedule import fixed_size_chunks
 
 
@@ -66,7 +68,13 @@ class _SegmentFactory:
         self.codec = codec
         self.cfg = cfg
 
-    def segment(self, encoded: EncodedPrompt, target: TargetSequence, created_step: int) -> Segment:
+    def segment(
+        self,
+        encoded: EncodedPrompt,
+        target: TargetSequence,
+        created_step: int,
+        policy: PolicyTokens | None = None,
+    ) -> Segment:
         return build_segment(
             self.model,
             sample_id=encoded.sample_id,
@@ -78,6 +86,8 @@ class _SegmentFactory:
             prompt_mm_token_type_ids=encoded.mm_token_type_ids,
             max_length=self.cfg.training.global_max_length,
             created_step=created_step,
+            response_advantages=None if policy is None else policy.advantages,
+            response_behaviour_logprobs=None if policy is None else policy.behaviour_logprobs,
         )
 
 
@@ -126,6 +136,8 @@ class RolloutChannel(_SegmentFactory):
         self.decoding = decoding_from_config(cfg)
         self.decode_batch_size = decode_batch_size
         self.rollouts_per_record = cfg.rollout.rollouts_per_record
+        # The objective picks how a record's rollouts become targets, once.
+        self._grpo = GrpoGroups(encoder, codec, cfg) if cfg.loss.objective == "grpo" else None
 
     def produce(self, records: Sequence[Record], global_step: int) -> ChannelOutput:
         """Every record of one step, decode batch by decode batch; segments in record order."""
@@ -160,17 +172,20 @@ class RolloutChannel(_SegmentFactory):
             group = rollouts[index * per_record : (index + 1) * per_record]
             for rollout in group:
                 check_prompt_alignment(rollout, enc.input_ids, self.encoder.tokenizer)
-            for target, sums in self.group_targets(record, enc, group):
+            for target, sums, policy in self.group_targets(record, enc, group):
                 out.sums.update(sums)
-                out.segments.append(self.segment(enc, target, created_step))
+                out.segments.append(self.segment(enc, target, created_step, policy))
             out.versions.extend(rollout.weight_version for rollout in group)
         return out
 
     def group_targets(
         self, record: Record, encoded: EncodedPrompt, group: Sequence[Rollout]
-    ) -> list[tuple[TargetSequence, Counter[str]]]:
-        """The targets of one record's K rollouts (rollout matching: each rollout's own target)."""
-        return [self.rollout_target(record, encoded, rollout) for rollout in group]
+    ) -> list[tuple[TargetSequence, Counter[str], PolicyTokens | None]]:
+        """The targets of one record's K rollouts: rollout matching builds each rollout's own target;
+        GRPO rewards the group and keeps each rollout's tokens with its advantage."""
+        if self._grpo is not None:
+            return list(self._grpo.targets(record, encoded, group))
+        return [(*self.rollout_target(record, encoded, rollout), None) for rollout in group]
 
     def rollout_target(
         self, record: Record, encoded: EncodedPrompt, rollout: Rollout

@@ -30,6 +30,7 @@ from rollmatch.models.pretrained import load_pretrained
 from rollmatch.packing.collate import enable_packed_attention
 from rollmatch.training.checkpoints import resolve_resume
 from rollmatch.training.coord_loss import CoordLoss
+from rollmatch.training.grpo_loss import grpo_settings
 from rollmatch.training.metrics import JsonlMetricsCallback, summarize
 from rollmatch.training.periodic_eval import DetectionEval, build_detection_eval
 from rollmatch.training.sizing import check_row_sizing
@@ -119,6 +120,7 @@ def run_training(cfg: RollmatchConfig) -> TrainResult:
             summarize=summarize,
             collectives=collectives,
             coord_loss=coord_loss_for(cfg, codec),
+            grpo=grpo_settings(cfg) if cfg.loss.objective == "grpo" else None,
             callbacks=[JsonlMetricsCallback(os.path.join(cfg.training.output_dir, "metrics.jsonl"))],
         )
         holder["trainer"] = trainer
