@@ -135,6 +135,7 @@ class HFBackend:
                     weight_version=self._version,
                     provenance=RolloutProvenance(backend=self.name, seed=int(seeds[i]), decoding=decoding),
                     response_logprobs=row_logprobs[: len(response)],
+                    stop_token_id=self.eos_token_id if finish == "stop" else None,
                     stop_logprob=row_logprobs[len(response)] if finish == "stop" else None,
                 )
             )

@@ -176,5 +176,6 @@ class VllmColocateBackend:
             weight_version=self._version,
             provenance=RolloutProvenance(backend=self.name, seed=seed, decoding=decoding),
             response_logprobs=out.logprobs,
+            stop_token_id=out.stop_token_id,
             stop_logprob=out.stop_logprob,
         )

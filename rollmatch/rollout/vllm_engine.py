@@ -53,6 +53,7 @@ class VllmOutput:
     text: str
     finish_reason: FinishReason
     logprobs: list[float] | None = None
+    stop_token_id: int | None = None
     stop_logprob: float | None = None
 
 
@@ -361,7 +362,10 @@ class VllmEngine:
             )
         text = self._llm.get_tokenizer().decode(ids, skip_special_tokens=False)
         logprobs, stop_logprob = sampled_logprobs(completion, cut)
-        return VllmOutput(list(out.prompt_token_ids), ids, text, finish, logprobs, stop_logprob)
+        stop_token_id = None if cut is None else int(completion.token_ids[cut])
+        return VllmOutput(
+            list(out.prompt_token_ids), ids, text, finish, logprobs, stop_token_id, stop_logprob
+        )
 
 
 def sampled_logprobs(completion: Any, cut: int | None) -> tuple[list[float] | None, float | None]:

@@ -45,6 +45,7 @@ class EngineOutput:
     text: str
     finish_reason: FinishReason
     logprobs: list[float] | None = None
+    stop_token_id: int | None = None
     stop_logprob: float | None = None
 
 
@@ -171,6 +172,7 @@ class HFServerEngine:
                         r.text,
                         r.finish_reason,
                         r.response_logprobs,
+                        r.stop_token_id,
                         r.stop_logprob,
                     ),
                 )
@@ -309,7 +311,13 @@ class VllmServerEngine:
             (
                 i,
                 EngineOutput(
-                    o.prompt_token_ids, o.token_ids, o.text, o.finish_reason, o.logprobs, o.stop_logprob
+                    o.prompt_token_ids,
+                    o.token_ids,
+                    o.text,
+                    o.finish_reason,
+                    o.logprobs,
+                    o.stop_token_id,
+                    o.stop_logprob,
                 ),
             )
             for i, o in self._engine.step()

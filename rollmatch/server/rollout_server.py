@@ -474,13 +474,13 @@ def _rollout_output(
 
 
 def _sampled_logprobs(out: EngineOutput) -> tuple[list[int], list[float]]:
-    """The sampled token ids and their log-probs: the response's, then the stop token's (its id is not in
-    the stop-trimmed ``token_ids``; ``token_id:-1`` stands for it)."""
+    """The sampled token ids and their log-probs: the response's, then the stop token's (not in the
+    stop-trimmed ``token_ids``)."""
     if out.logprobs is None or len(out.logprobs) != len(out.token_ids):
         raise BackendError(
             f"the {type(out).__name__} of this engine carries no log-probs for its {len(out.token_ids)} tokens; "
             "request_config.logprobs needs an engine that records them"
         )
-    if out.stop_logprob is None:
+    if out.stop_logprob is None or out.stop_token_id is None:
         return list(out.token_ids), list(out.logprobs)
-    return [*out.token_ids, -1], [*out.logprobs, out.stop_logprob]
+    return [*out.token_ids, out.stop_token_id], [*out.logprobs, out.stop_logprob]

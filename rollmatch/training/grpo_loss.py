@@ -3,7 +3,8 @@
 Owns :func:`token_logprobs` (the learner's log-prob of each token of a row, computed where a weight is
 non-zero), :class:`GrpoSettings` (``loss.grpo``, as the loss reads it), :func:`grpo_loss_sum` (the row's
 weighted loss *sum*; the optimizer step divides by its total weight, as for cross-entropy) and
-:func:`ratio_quantiles` (quantiles of the importance ratio from the additive histogram sums).
+:func:`ratio_quantiles` (quantiles of the importance ratio from the additive histogram sums) and
+:func:`recompute_logprobs` (the learner's log-probs of a rollout, to check an engine against).
 Leaves out: rewards and advantages (``detection.rewards``), which tokens are trained (the segment's
 weights: every sampled response token, the stop token included) and the reference model's forward
 (``training.trainer``).
@@ -26,13 +27,16 @@ from __future__ import annotations
 import copy
 import math
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from rollmatch.config.schema import RollmatchConfig
 from rollmatch.errors import PackingError
+from rollmatch.packing.collate import model_inputs, pack_row
+from rollmatch.packing.segment import build_segment
+from rollmatch.rollout.types import RolloutRequest
 
 # Edges of the log-ratio histogram (``grpo/ratio_hist/<bin>`` sums): symmetric, finer near 0.
 _LOG_EDGES = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
@@ -172,3 +176,26 @@ def ratio_quantiles(
         else:
             out.append(math.exp(highs[-1]))
     return out
+
+
+def recompute_logprobs(
+    model: torch.nn.Module, request: RolloutRequest, token_ids: Sequence[int]
+) -> list[float]:
+    """The learner's log-probs of ``token_ids`` after ``request``'s prompt: one packed segment through the
+    training forward, as a GRPO row is trained (checks engines and weight sync against the learner)."""
+    segment = build_segment(
+        model,
+        sample_id=request.sample_id,
+        prompt_ids=request.prompt_token_ids,
+        response_ids=list(token_ids),
+        response_weights=[1.0] * len(token_ids),
+        pixel_values=request.pixel_values,
+        image_grid_thw=request.image_grid_thw,
+        prompt_mm_token_type_ids=request.mm_token_type_ids or [0] * len(request.prompt_token_ids),
+        max_length=len(request.prompt_token_ids) + len(token_ids),
+    )
+    batch = pack_row([segment])
+    with torch.no_grad():
+        logits = model(**model_inputs(batch)).logits
+    values = token_logprobs(logits, batch["input_ids"], batch["weights"] != 0)[0]
+    return values[len(request.prompt_token_ids) :].tolist()

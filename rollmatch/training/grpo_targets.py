@@ -123,8 +123,8 @@ class GrpoGroups:
         cut = self._media_cut(rollout)
         if cut is not None:  # malformed (floor reward): train the tokens before the placeholder only
             return ids[:cut], values[:cut]
-        if rollout.stop_logprob is not None:
-            ids.append(self.encoder.eos_token_id)
+        if rollout.stop_logprob is not None and rollout.stop_token_id is not None:
+            ids.append(rollout.stop_token_id)
             values.append(rollout.stop_logprob)
         return ids, values
 
