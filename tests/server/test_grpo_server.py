@@ -79,7 +79,7 @@ def test_async_learner_runs_grpo_steps_on_two_ranks(
     out = tmp_path / "out"
     steps = 3
     config = async_config(
-        tiny_model_dir, shapes, out, hf_sync_server.url, free_port(), max_steps=steps, max_wait_s=60.0
+        tiny_model_dir, shapes, out, hf_sync_server.url, free_port(), max_steps=steps, max_wait_s=30.0
     )
     rollout = config["custom"]["extra"]["rollout_matching"]
     rollout.update({"rollouts_per_record": 2, "decoding": {"temperature": 1.0}})
