@@ -4,6 +4,7 @@ end-to-end tests)."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -172,3 +173,42 @@ def test_step_mode_budget_counts_rollouts(setup, monkeypatch) -> None:
     sums = micro.local_sums()
     assert sums["stage2_ab/rollouts"] == 6 and sums["rollout/count"] == 6  # 3 records x 2 samples
     assert sum(len(c[0]) for c in recording.calls) == 6
+
+
+@pytest.mark.parametrize("mode", ["micro", "step"])
+def test_grpo_channel_b_rows_carry_advantages_and_behaviour_logprobs(setup, monkeypatch, mode: str) -> None:
+    """stage2_ab_training with Channel-B = GRPO: the B rows carry per-token advantages (zero-sum within each
+    record's group) and the behaviour log-probs; the step's normaliser counts the rollout tokens."""
+    model, build = setup
+    extra = {"channel_b": {"mode": "step", "rollouts_per_step": 4}} if mode == "step" else {}
+    cfg, encoder, codec, records = build(2, packing=False, **extra)
+    cfg.loss.objective = "grpo"
+    recording = backend(model, encoder)
+    monkeypatch.setattr(variants, "backend_for", lambda ctx: recording)
+    ctx = BuildContext(
+        cfg=cfg,
+        model=model,
+        encoder=encoder,
+        codec=codec,
+        collectives=LocalCollectives(),
+        gradient_accumulation_steps=2,
+        train_records=records,
+    )
+    plan = build_stage2(ctx).planner.plan([[r] for r in records[:2]], 0)
+    batches = [batch for micro in plan.micro_steps for batch, _ in micro.passes(plan.total_weight)]
+    sums = Counter(plan.sums)
+    for micro in plan.micro_steps:
+        sums.update(micro.local_sums())
+    assert sums["grpo/rollouts"] == 4 and sums["grpo/groups"] == 2
+    per_sample = []
+    for batch in batches:
+        assert {"advantages", "behaviour_logprobs"} <= set(batch)
+        trained = batch["weights"] != 0
+        assert bool((batch["behaviour_logprobs"][trained] < 0).all())
+        for row in range(batch["weights"].shape[0]):
+            values = batch["advantages"][row][trained[row]]
+            assert bool((values == values[0]).all())  # one advantage per rollout
+            per_sample.append(float(values[0]))
+    assert len(per_sample) == 4
+    assert per_sample[0] + per_sample[1] == pytest.approx(0.0, abs=1e-6)  # group-normalised: zero mean
+    assert per_sample[2] + per_sample[3] == pytest.approx(0.0, abs=1e-6)
