@@ -22,6 +22,7 @@ from rollmatch.config.hf_args import (
     hf_args_problems,
 )
 from rollmatch.config.launch_rules import launch_problems
+from rollmatch.config.objective_rules import rule_grpo, rule_rollouts_per_record
 from rollmatch.config.schema import RollmatchConfig, ServerConfig, ServerEndpoint
 from rollmatch.config.sharding import sharding_problems
 from rollmatch.errors import ConfigError, ConfigProblem
@@ -441,6 +442,8 @@ STATIC_RULES: tuple[Rule, ...] = (
     _rule_target,
     _rule_coord_tokens,
     _rule_engine_memory,
+    rule_rollouts_per_record,
+    rule_grpo,
     hf_args_problems,
     eval_problems,
     sharding_problems,

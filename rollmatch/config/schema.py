@@ -70,6 +70,47 @@ class DataConfig(Section):
 
 
 # ----------------------------------------------------------------------------------------------- loss
+class GrpoConfig(Section):
+    """`loss.objective: grpo`: rewards, advantages and the clipped policy-gradient loss (docs/detection.md, "Objectives")."""
+
+    reward: Literal["f1", "f1_iou"] = Field(
+        "f1",
+        description="Reward of a valid rollout from the strict parse + Hungarian match (training `matching.*`): `f1` = 2 TP / (predictions + GT); `f1_iou` weighs each match by its IoU. Invalid elements count as predictions (false positives); no GT and no prediction scores 1.",
+    )
+    invalid_reward: float = Field(
+        0.0,
+        description="The floor: reward of a rollout that is truncated (hit `max_new_tokens` or ended inside the list) or whose list is malformed (not a list, bad structure, text after it, unclosed).",
+    )
+    duplicate_penalty: float = Field(
+        0.0,
+        ge=0.0,
+        description="Subtracted times the rollout's duplicate rate (valid predictions with the label of an earlier one and IoU >= 0.7 with it, over all predictions).",
+    )
+    scale_rewards: Literal["group", "none"] = Field(
+        "group",
+        description="Advantage of sample k of a record: `group`: (r_k - mean) / (std + 1e-4) over the record's K rewards; `none`: r_k - mean.",
+    )
+    clip_eps: float = Field(
+        0.2,
+        gt=0.0,
+        lt=1.0,
+        description="PPO clip: the ratio to the behaviour policy is clipped to [1 - clip_eps, 1 + clip_eps_high].",
+    )
+    clip_eps_high: float | None = Field(
+        None, gt=0.0, description="Upper clip (asymmetric, e.g. 0.28); null: equal to `clip_eps`."
+    )
+    max_ratio: float = Field(
+        3.0,
+        gt=1.0,
+        description="Truncated importance ratio: for a negative advantage the ratio to the behaviour policy counts at most this much (dual clip), bounding stale (async) rollouts' updates.",
+    )
+    kl_coef: float = Field(
+        0.0,
+        ge=0.0,
+        description="Weight of the per-token KL (k3 estimator) to the starting weights; > 0 keeps a frozen copy of the model (one more copy of the weights in memory, one more forward per row).",
+    )
+
+
 class LossConfig(Section):
     """The rollout-matching target and its per-token loss weights (prompt tokens always weigh 0).
 
@@ -126,6 +167,12 @@ class LossConfig(Section):
         ge=0.0,
         description="`keep_prefix: all` only: weight of an unlikelihood term `-log(1 - p(token))` on the first token of each kept false positive or duplicate that no correct continuation shares (its first wrong coordinate character, its separator when no GT is left); summed with the CE and divided by the same step total of CE weights. 0: off. docs/detection.md.",
     )
+
+    objective: Literal["rollout_matching", "grpo"] = Field(
+        "rollout_matching",
+        description="Channel-B objective. `rollout_matching`: teacher-forced CE on the targets below. `grpo`: policy gradient on the rollout tokens with a detection reward (`loss.grpo`), advantages normalised within each record's `rollouts_per_record` samples (K >= 2, sampling decoding).",
+    )
+    grpo: GrpoConfig = Field(default_factory=GrpoConfig)
 
     @model_validator(mode="before")
     @classmethod
@@ -246,6 +293,11 @@ class RolloutMatchingConfig(Section):
     rollout_backend: Literal["vllm", "hf"] = Field("vllm", description="Rollout engine.")
     max_new_tokens: int = Field(512, gt=0, description="Rollout length limit (truncation is reported).")
     decoding: DecodingConfig = Field(default_factory=DecodingConfig)
+    rollouts_per_record: int = Field(
+        1,
+        ge=1,
+        description="K: rollouts sampled per record, each with its own target (and, with `loss.objective: grpo`, the group its advantages are normalised in). K > 1 needs sampling decoding (`decoding.temperature` > 0); request `k` of record `i` in a call samples with seed `call seed + i * K + k`. Step mode: `stage2_ab.channel_b.rollouts_per_step` counts rollouts (records per step = rollouts_per_step / K).",
+    )
     vllm: VllmConfig = Field(default_factory=VllmConfig)
     offload: OffloadConfig = Field(default_factory=OffloadConfig)
 
@@ -314,9 +366,13 @@ class ChannelBConfig(Section):
         description="micro: rollouts per micro-batch; step: rollouts_per_step per optimizer step (one process); async: actor-learner queues (server mode).",
     )
     rollouts_per_step: int | None = Field(
-        None, gt=0, description="step mode: raw rollouts per optimizer step (default bs * world * GAS)."
+        None,
+        gt=0,
+        description="step mode: raw rollouts per optimizer step, a multiple of `rollouts_per_record` K (default bs * world * GAS * K: bs * world * GAS records).",
     )
-    rollout_decode_batch_size: int = Field(2, gt=0, description="Samples per rollout call.")
+    rollout_decode_batch_size: int = Field(
+        2, gt=0, description="Records per rollout call (each brings `rollouts_per_record` requests)."
+    )
     enable_pipeline: bool = Field(
         False, description="step mode: overlap rollouts and learning (server mode only)."
     )

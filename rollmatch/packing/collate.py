@@ -29,7 +29,7 @@ padded batches and generation are unaffected.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -43,8 +43,8 @@ Batch = dict[str, torch.Tensor | None]
 # Registered with transformers' attention and mask interfaces by :func:`enable_packed_attention`.
 PACKED_SDPA = "rollmatch_packed_sdpa"
 
-# Keys of a batch that are forward kwargs; the rest (weights, unlikelihood_weights, segment_lengths)
-# feed the loss.
+# Keys of a batch that are forward kwargs; the rest (weights, unlikelihood_weights, segment_lengths and,
+# for policy-gradient rows, advantages and behaviour_logprobs) feed the loss.
 MODEL_INPUT_KEYS = (
     "input_ids",
     "attention_mask",
@@ -80,6 +80,7 @@ def pack_row(segments: Sequence[Segment]) -> Batch:
         "image_grid_thw": image_grid_thw,
         "attention_mask": None,
         "segment_lengths": torch.tensor([s.length for s in segments], dtype=torch.long),
+        **_policy_tensors(segments, lambda values: torch.cat(values)[None]),
     }
     if any(s.unlikelihood_weights is not None for s in segments):
         flags = [_unlikelihood_of(s) for s in segments]
@@ -108,6 +109,13 @@ def pad_batch(segments: Sequence[Segment], pad_token_id: int) -> Batch:
         mm_types[row, : s.length] = s.mm_token_type_ids
         attention_mask[row, : s.length] = 1
     pixel_values, image_grid_thw = _vision_inputs(segments)
+
+    def padded(values: list[torch.Tensor]) -> torch.Tensor:
+        out = torch.zeros((batch_size, longest), dtype=torch.float32)
+        for row, value in enumerate(values):
+            out[row, : value.shape[0]] = value
+        return out
+
     batch: Batch = {
         "input_ids": input_ids,
         "weights": weights,
@@ -116,6 +124,7 @@ def pad_batch(segments: Sequence[Segment], pad_token_id: int) -> Batch:
         "pixel_values": pixel_values,
         "image_grid_thw": image_grid_thw,
         "segment_lengths": torch.tensor([s.length for s in segments], dtype=torch.long),
+        **_policy_tensors(segments, padded),
     }
     if any(s.unlikelihood_weights is not None for s in segments):
         flags = torch.zeros((batch_size, longest), dtype=torch.float32)
@@ -123,6 +132,26 @@ def pad_batch(segments: Sequence[Segment], pad_token_id: int) -> Batch:
             flags[row, 1 : s.length] = _unlikelihood_of(s)[1:]
         batch["unlikelihood_weights"] = flags
     return batch
+
+
+def _policy_tensors(
+    segments: Sequence[Segment], join: Callable[[list[torch.Tensor]], torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """``advantages`` and ``behaviour_logprobs`` of policy-gradient segments (all or none of a row)."""
+    carrying = [s.advantages is not None and s.behaviour_logprobs is not None for s in segments]
+    if not any(carrying):
+        return {}
+    if not all(carrying):
+        raise PackingError(
+            "a row mixes policy-gradient segments (advantages, behaviour log-probs) with teacher-forced ones: "
+            f"{[s.sample_id for s, has in zip(segments, carrying, strict=True) if not has]} carry none"
+        )
+    return {
+        "advantages": join([s.advantages for s in segments if s.advantages is not None]),
+        "behaviour_logprobs": join(
+            [s.behaviour_logprobs for s in segments if s.behaviour_logprobs is not None]
+        ),
+    }
 
 
 def model_inputs(batch: Batch) -> dict[str, Any]:

@@ -43,6 +43,10 @@ class Segment:
     created_step: int = 0  # optimizer step whose rollouts produced it (staleness, logs)
     # (L,) float32 weight of the unlikelihood term -log(1 - p(token t)) (0 on the prompt), or None
     unlikelihood_weights: torch.Tensor | None = None
+    # Policy-gradient segments (``loss.objective: grpo``) only, (L,) float32 like ``weights``: the advantage
+    # of predicting token t and the log-prob the behaviour policy sampled it with (0 on the prompt).
+    advantages: torch.Tensor | None = None
+    behaviour_logprobs: torch.Tensor | None = None
 
     @property
     def length(self) -> int:
@@ -72,6 +76,8 @@ def build_segment(
     max_length: int,
     created_step: int = 0,
     response_unlikelihood_weights: Sequence[float] | torch.Tensor | None = None,
+    response_advantages: Sequence[float] | None = None,
+    response_behaviour_logprobs: Sequence[float] | None = None,
 ) -> Segment:
     """Join prompt and response into a :class:`Segment` with its own mRoPE positions.
 
@@ -117,7 +123,25 @@ def build_segment(
         position_ids=positions[:, 0, :].to(torch.long).cpu(),
         created_step=created_step,
         unlikelihood_weights=unlikelihood,
+        advantages=_response_values(sample_id, "advantages", response_advantages, prompt, response),
+        behaviour_logprobs=_response_values(
+            sample_id, "behaviour log-probs", response_behaviour_logprobs, prompt, response
+        ),
     )
+
+
+def _response_values(
+    sample_id: str, what: str, values: Sequence[float] | None, prompt: torch.Tensor, response: torch.Tensor
+) -> torch.Tensor | None:
+    """Per-response-token values placed at the response positions of the segment (0 on the prompt)."""
+    if values is None:
+        return None
+    tensor = torch.as_tensor(values, dtype=torch.float32).reshape(-1)
+    if tensor.shape[0] != response.shape[0]:
+        raise PackingError(
+            f"sample {sample_id!r}: {tensor.shape[0]} {what} for {response.shape[0]} response tokens"
+        )
+    return torch.cat([torch.zeros(prompt.shape[0], dtype=torch.float32), tensor])
 
 
 def find_rope_index(model: nn.Module) -> RopeIndexFn:

@@ -65,6 +65,7 @@ from rollmatch.protocol.infer import (
     TextPart,
     Usage,
     decoding_from_request_config,
+    logprob_content,
     request_config_from_decoding,
 )
 from rollmatch.protocol.info import (
@@ -161,6 +162,7 @@ __all__ = [
     "fingerprint_mismatches",
     "format_server_timing",
     "from_base64",
+    "logprob_content",
     "model_fingerprint",
     "parse_server_timing",
     "request_config_from_decoding",

@@ -48,8 +48,7 @@ _DEFAULT_ONLY_OPTIONS: dict[str, Any] = {
     "n": 1,
     "best_of": (None, 1),
     "stream": False,
-    "logprobs": False,
-    "top_logprobs": None,
+    "top_logprobs": (None, 0),
     "prompt_logprobs": None,
     "min_p": (None, 0.0),
     "presence_penalty": 0.0,
@@ -229,7 +228,9 @@ class ChatChoice(BaseModel):
     index: int
     message: ChatMessage
     finish_reason: Literal["stop", "length"]
-    logprobs: None = None
+    # With request_config.logprobs: {"content": [{"token", "logprob", "bytes", "top_logprobs"}, ...]}, one
+    # entry per sampled token (the response's, then the stop token's when it stopped on one).
+    logprobs: dict[str, list[dict[str, Any]]] | None = None
     token_ids: list[int] | None = None  # stop-trimmed response ids (with return_details)
     routed_experts: None = None
 
@@ -260,7 +261,7 @@ class RolloutOutput(BaseModel):
     response_token_ids: list[list[int]] = Field(default_factory=list)
     response_loss_mask: list[list[int]] = Field(default_factory=list)
     rollout_infos: dict[str, Any] = Field(default_factory=dict)
-    rollout_logprobs: list[list[float]] = Field(default_factory=list)
+    rollout_logprobs: list[list[float]] = Field(default_factory=list)  # [the choice's logprob values]
     prompt_logprobs: None = None
     weight_version: int  # the oldest weight version that produced this output
     weight_version_last: int | None = None  # the newest; differs only under `serve --update-mode keep`
@@ -273,7 +274,8 @@ INFER_REPLY = TypeAdapter(list[RolloutOutput])
 
 
 def request_config_from_decoding(decoding: Decoding, seed: int | None) -> RequestConfig:
-    """The ``request_config`` that asks a server for exactly ``decoding`` (token ids included)."""
+    """The ``request_config`` that asks a server for exactly ``decoding`` (token ids and the sampled
+    tokens' log-probs included)."""
     return RequestConfig(
         max_tokens=decoding.max_new_tokens,
         temperature=decoding.temperature,
@@ -281,8 +283,20 @@ def request_config_from_decoding(decoding: Decoding, seed: int | None) -> Reques
         top_p=decoding.top_p,
         repetition_penalty=decoding.repetition_penalty,
         seed=seed,
+        logprobs=True,
         return_details=True,
     )
+
+
+def logprob_content(token_ids: list[int], values: list[float]) -> dict[str, list[dict[str, Any]]]:
+    """The swift / OpenAI ``choice.logprobs`` of sampled tokens (``token`` as ``token_id:<id>``, as vLLM's
+    OpenAI server writes it with ``return_tokens_as_token_ids``; no alternatives)."""
+    return {
+        "content": [
+            {"token": f"token_id:{token}", "logprob": value, "bytes": None, "top_logprobs": []}
+            for token, value in zip(token_ids, values, strict=True)
+        ]
+    }
 
 
 def decoding_from_request_config(

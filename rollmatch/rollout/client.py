@@ -478,7 +478,48 @@ def _rollout(
         finish_reason=choice.finish_reason,
         weight_version=output.weight_version,
         provenance=provenance,
+        **_behaviour_logprobs(
+            conn, choice.token_ids, choice.finish_reason, choice.logprobs, output.rollout_logprobs
+        ),
     )
+
+
+def _behaviour_logprobs(
+    conn: ServerConnection,
+    token_ids: list[int],
+    finish_reason: str,
+    content: dict[str, list[dict[str, Any]]] | None,
+    rollout_logprobs: list[list[float]],
+) -> dict[str, Any]:
+    """``response_logprobs`` / ``stop_token_id`` / ``stop_logprob`` of a reply item (asked with
+    ``request_config.logprobs``): one value per response token, then the stop token's (its id from the
+    ``token_id:<id>`` of the last ``choice.logprobs`` entry) when the server sent one more."""
+    if not rollout_logprobs:
+        raise BackendError(
+            f"rollout server {conn.url} returned no log-probs although request_config.logprobs was set; "
+            "update the server (rollmatch serve records the sampled tokens' log-probs)"
+        )
+    values = rollout_logprobs[0]
+    extra = len(values) - len(token_ids)
+    if extra not in (0, 1) or (extra == 1 and finish_reason != "stop"):
+        raise BackendError(
+            f"rollout server {conn.url} returned {len(values)} log-probs for {len(token_ids)} response tokens "
+            f"(finish_reason {finish_reason!r}); expected one per token, plus one for a stop token"
+        )
+    stop_token_id = None
+    if extra:
+        token = str((content or {}).get("content", [{}])[-1].get("token", ""))
+        if not token.startswith("token_id:") or not token[len("token_id:") :].isdigit():
+            raise BackendError(
+                f"rollout server {conn.url} sent a stop token's log-prob without its id (choice.logprobs "
+                f"entry {token[:40]!r}, expected 'token_id:<id>')"
+            )
+        stop_token_id = int(token[len("token_id:") :])
+    return {
+        "response_logprobs": values[: len(token_ids)],
+        "stop_token_id": stop_token_id,
+        "stop_logprob": values[-1] if extra else None,
+    }
 
 
 def trainer_processor(cfg: RollmatchConfig, model_dir: str) -> Any:

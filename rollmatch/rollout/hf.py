@@ -6,6 +6,9 @@ Leaves out: prompt encoding (the trainer's ``PromptEncoder``) and the alignment 
 (``rollout.alignment``). Weights are shared with the trainer, so ``sync_weights`` only records the
 version.
 
+Every rollout carries its behaviour log-probs (``Rollout.response_logprobs``, ``stop_logprob``),
+recorded while generating (:class:`TokenChooser`): no second forward.
+
 Seeds, as in the vLLM backends: request ``i`` of a ``generate(requests, decoding, seed)`` call
 samples from its own generator seeded with ``seed + i`` (:class:`PerRequestSampler`), so its random
 draws do not depend on ``batch_size`` or on how a caller splits a step into calls (a chunk that
@@ -102,9 +105,10 @@ class HFBackend:
         inputs = left_padded_inputs(requests, self.pad_token_id, device)
         # HF's own sampling draws from one global stream for the whole batch; ours picks each
         # row's token from that row's generator and hands generate a one-hot row to take greedily.
-        processors = LogitsProcessorList()
-        if not decoding.greedy:
-            processors.append(PerRequestSampler(decoding, seeds, device))
+        chooser: TokenChooser = (
+            GreedyChooser() if decoding.greedy else PerRequestSampler(decoding, seeds, device)
+        )
+        processors = LogitsProcessorList([chooser])
         output = model.generate(
             **inputs,
             do_sample=False,
@@ -117,8 +121,10 @@ class HFBackend:
         )
         prompt_width = inputs["input_ids"].shape[1]
         results = []
+        logprobs = torch.stack(chooser.logprobs, dim=1).tolist() if chooser.logprobs else [[]] * len(requests)
         for i, (row, request) in enumerate(zip(output[:, prompt_width:].tolist(), requests, strict=True)):
             response, finish = trim_at_eos(row, self.eos_token_id, decoding.max_new_tokens)
+            row_logprobs = logprobs[i][: len(response) + 1]
             results.append(
                 Rollout(
                     sample_id=request.sample_id,
@@ -128,20 +134,50 @@ class HFBackend:
                     finish_reason=finish,
                     weight_version=self._version,
                     provenance=RolloutProvenance(backend=self.name, seed=int(seeds[i]), decoding=decoding),
+                    response_logprobs=row_logprobs[: len(response)],
+                    stop_token_id=self.eos_token_id if finish == "stop" else None,
+                    stop_logprob=row_logprobs[len(response)] if finish == "stop" else None,
                 )
             )
         return results
 
 
-class PerRequestSampler(LogitsProcessor):
+class TokenChooser(LogitsProcessor):
+    """Picks each row's next token (returns scores that are ``-inf`` except at it, so greedy generation
+    takes it) and records its log-prob under the model's own distribution: ``log_softmax`` of the scores
+    it receives (after HF's repetition penalty, before temperature / top-k / top-p), one (B,) tensor per
+    generated position in :attr:`logprobs`."""
+
+    logprobs: list[torch.Tensor]
+
+    def choose(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        chosen = self.choose(input_ids, scores)
+        self.logprobs.append(torch.log_softmax(scores.float(), dim=-1).gather(1, chosen)[:, 0].cpu())
+        return torch.full_like(scores, float("-inf")).scatter_(1, chosen, 0.0)
+
+
+class GreedyChooser(TokenChooser):
+    """Greedy decoding: each row's most likely token."""
+
+    def __init__(self) -> None:
+        self.logprobs = []
+
+    def choose(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.Tensor:
+        return scores.argmax(dim=-1, keepdim=True)
+
+
+class PerRequestSampler(TokenChooser):
     """Samples row ``i`` of a generate batch from its own generator, seeded with ``seeds[i]``.
 
     Runs after HF's processors (repetition penalty), applies temperature, top-k and top-p like
-    vLLM, draws one token per row and returns scores that are ``-inf`` except at that token, so
-    greedy decoding takes it. A row's draws depend only on its seed and its own logits.
+    vLLM and draws one token per row. A row's draws depend only on its seed and its own logits.
     """
 
     def __init__(self, decoding: Decoding, seeds: Sequence[int], device: torch.device):
+        self.logprobs = []
         self.warpers = LogitsProcessorList([TemperatureLogitsWarper(decoding.temperature)])
         if decoding.top_k > 0:
             self.warpers.append(TopKLogitsWarper(decoding.top_k))
@@ -149,15 +185,14 @@ class PerRequestSampler(LogitsProcessor):
             self.warpers.append(TopPLogitsWarper(decoding.top_p))
         self.generators = [torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
 
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        probs = torch.softmax(self.warpers(input_ids, scores).float(), dim=-1)
-        chosen = torch.stack(
+    def choose(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.Tensor:
+        probs = torch.softmax(self.warpers(input_ids, scores.clone()).float(), dim=-1)
+        return torch.stack(
             [
                 torch.multinomial(row, 1, generator=gen)
                 for row, gen in zip(probs, self.generators, strict=True)
             ]
         )
-        return torch.full_like(scores, float("-inf")).scatter_(1, chosen, 0.0)
 
 
 def trim_at_eos(token_ids: list[int], eos_token_id: int, max_new_tokens: int) -> tuple[list[int], str]:

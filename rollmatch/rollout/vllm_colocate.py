@@ -175,4 +175,7 @@ class VllmColocateBackend:
             finish_reason=out.finish_reason,
             weight_version=self._version,
             provenance=RolloutProvenance(backend=self.name, seed=seed, decoding=decoding),
+            response_logprobs=out.logprobs,
+            stop_token_id=out.stop_token_id,
+            stop_logprob=out.stop_logprob,
         )

@@ -46,12 +46,16 @@ _GIB = 1 << 30
 
 @dataclass(frozen=True)
 class VllmOutput:
-    """One response: the prompt ids vLLM used, stop-trimmed response ids, their text, finish reason."""
+    """One response: the prompt ids vLLM used, stop-trimmed response ids, their text, finish reason, and
+    the sampled tokens' raw log-probs (``Rollout.response_logprobs`` / ``stop_logprob``)."""
 
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str
     finish_reason: FinishReason
+    logprobs: list[float] | None = None
+    stop_token_id: int | None = None
+    stop_logprob: float | None = None
 
 
 class VllmEngine:
@@ -369,6 +373,7 @@ class VllmEngine:
             stop_token_ids=self.stop_token_ids,
             seed=seed,
             stop=list(stop) or None,
+            logprobs=0,  # the sampled token's log-prob only (raw: before temperature / top-k / top-p)
             detokenize=bool(stop),
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
@@ -399,7 +404,24 @@ class VllmEngine:
                 f"sample {request.sample_id!r}: vLLM ended the request with {completion.finish_reason!r}"
             )
         text = self._llm.get_tokenizer().decode(ids, skip_special_tokens=False)
-        return VllmOutput(list(out.prompt_token_ids), ids, text, finish)
+        logprobs, stop_logprob = sampled_logprobs(completion, cut)
+        stop_token_id = None if cut is None else int(completion.token_ids[cut])
+        return VllmOutput(
+            list(out.prompt_token_ids), ids, text, finish, logprobs, stop_token_id, stop_logprob
+        )
+
+
+def sampled_logprobs(completion: Any, cut: int | None) -> tuple[list[float] | None, float | None]:
+    """The sampled tokens' log-probs of a vLLM completion (asked with ``logprobs=0``): those of the
+    response tokens before ``cut`` (the stop token's index, or None) and the stop token's own."""
+    entries = completion.logprobs
+    if entries is None:
+        return None, None
+    ids = list(completion.token_ids)
+    values = [float(entry[token].logprob) for entry, token in zip(entries, ids, strict=True)]
+    if cut is None:
+        return values, None
+    return values[:cut], values[cut]
 
 
 _log = logging.getLogger(__name__)

@@ -38,12 +38,16 @@ PixelBounds = tuple[int | None, int | None]  # (min_pixels, max_pixels); None ke
 
 @dataclass
 class EngineOutput:
-    """One response: the prompt ids the engine used, stop-trimmed response ids, text, finish reason."""
+    """One response: the prompt ids the engine used, stop-trimmed response ids, text, finish reason, and
+    the sampled tokens' log-probs (``Rollout.response_logprobs`` / ``stop_logprob``)."""
 
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str
     finish_reason: FinishReason
+    logprobs: list[float] | None = None
+    stop_token_id: int | None = None
+    stop_logprob: float | None = None
 
 
 class ServerEngine(Protocol):
@@ -193,7 +197,18 @@ class HFServerEngine:
             requests = [queued[i][0] for i in ids]
             rollouts = self._backend.generate_seeded(requests, decoding, [queued[i][2] for i in ids])
             finished.extend(
-                (i, EngineOutput(r.prompt_token_ids, r.response_token_ids, r.text, r.finish_reason))
+                (
+                    i,
+                    EngineOutput(
+                        r.prompt_token_ids,
+                        r.response_token_ids,
+                        r.text,
+                        r.finish_reason,
+                        r.response_logprobs,
+                        r.stop_token_id,
+                        r.stop_logprob,
+                    ),
+                )
                 for i, r in zip(ids, rollouts, strict=True)
             )
         return finished
@@ -345,7 +360,18 @@ class VllmServerEngine:
 
     def step(self) -> list[tuple[str, EngineOutput]]:
         return [
-            (i, EngineOutput(o.prompt_token_ids, o.token_ids, o.text, o.finish_reason))
+            (
+                i,
+                EngineOutput(
+                    o.prompt_token_ids,
+                    o.token_ids,
+                    o.text,
+                    o.finish_reason,
+                    o.logprobs,
+                    o.stop_token_id,
+                    o.stop_logprob,
+                ),
+            )
             for i, o in self._engine.step()
         ]
 

@@ -46,6 +46,7 @@ from rollmatch.protocol import (
     UpdateFlattenedParamsBody,
     Usage,
     decoding_from_request_config,
+    logprob_content,
 )
 from rollmatch.rollout.types import Decoding
 from rollmatch.server.bodies import BodyBudget
@@ -245,7 +246,9 @@ class RolloutServer:
             engine_outputs = [self._apply_stops(out, call.config.stop) for out in engine_outputs]
         first, last = ticket.versions
         return [
-            _rollout_output(self.engine.model_dir, p, out, (first, last), call.config.return_details)
+            _rollout_output(
+                self.engine.model_dir, p, out, (first, last), call.config.return_details, call.config.logprobs
+            )
             for p, out in zip(call.prompts, engine_outputs, strict=True)
         ]
 
@@ -324,7 +327,9 @@ class RolloutServer:
         trimmed = trim_at_stop_strings(out.token_ids, out.text, stops, self.engine.preparer.tokenizer)
         if trimmed is None:
             return out
-        return EngineOutput(out.prompt_token_ids, trimmed[0], trimmed[1], "stop")
+        kept = len(trimmed[0])  # the log-probs of the kept tokens; the stop string is no stop token
+        logprobs = None if out.logprobs is None else out.logprobs[:kept]
+        return EngineOutput(out.prompt_token_ids, trimmed[0], trimmed[1], "stop", logprobs)
 
     async def reset_prefix_cache(self) -> None:
         """Reset every engine cache once in-flight calls finished (new calls wait behind it); waits on
@@ -479,11 +484,19 @@ def _engine_failure(exc: Exception) -> Exception:
 
 
 def _rollout_output(
-    model: str, prompt: PreparedPrompt, out: EngineOutput, versions: tuple[int, int], details: bool
+    model: str,
+    prompt: PreparedPrompt,
+    out: EngineOutput,
+    versions: tuple[int, int],
+    details: bool,
+    logprobs: bool = False,
 ) -> RolloutOutput:
     """One reply item; ``weight_version`` is the oldest version that produced it (what freshness
-    gates use), ``weight_version_last`` the newest (they differ only in the ``keep`` update mode)."""
+    gates use), ``weight_version_last`` the newest (they differ only in the ``keep`` update mode).
+    With ``logprobs`` the sampled tokens' log-probs (the stop token's last, when it stopped on one) go in
+    ``choice.logprobs`` (swift / OpenAI form) and ``rollout_logprobs``."""
     first, last = versions
+    sampled, values = _sampled_logprobs(out) if logprobs else (None, None)
     return RolloutOutput(
         response=ChatCompletionResponse(
             model=model,
@@ -492,6 +505,7 @@ def _rollout_output(
                     index=0,
                     message=ChatMessage(content=out.text),
                     finish_reason=out.finish_reason,
+                    logprobs=None if sampled is None else logprob_content(sampled, values),
                     token_ids=out.token_ids if details else None,
                 )
             ],
@@ -503,8 +517,22 @@ def _rollout_output(
             prompt_token_ids=out.prompt_token_ids if details else None,
         ),
         response_token_ids=[out.token_ids] if details else [],
+        rollout_logprobs=[] if values is None else [values],
         rollout_infos={"weight_version": first, "weight_version_last": last},
         weight_version=first,
         weight_version_last=last,
         sample_id=prompt.sample_id,
     )
+
+
+def _sampled_logprobs(out: EngineOutput) -> tuple[list[int], list[float]]:
+    """The sampled token ids and their log-probs: the response's, then the stop token's (not in the
+    stop-trimmed ``token_ids``)."""
+    if out.logprobs is None or len(out.logprobs) != len(out.token_ids):
+        raise BackendError(
+            f"the {type(out).__name__} of this engine carries no log-probs for its {len(out.token_ids)} tokens; "
+            "request_config.logprobs needs an engine that records them"
+        )
+    if out.stop_logprob is None or out.stop_token_id is None:
+        return list(out.token_ids), list(out.logprobs)
+    return [*out.token_ids, out.stop_token_id], [*out.logprobs, out.stop_logprob]

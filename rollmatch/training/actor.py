@@ -174,11 +174,12 @@ class RolloutActor:
         return max(self.current_version, self.next_step // self.admission.sync_every_steps)
 
     def _admitted_rollouts(self, held: int) -> int:
-        """How many rollouts the next batch may hold: ``decode_batch_size``, or with admission control
+        """How many records the next batch may hold: ``decode_batch_size``, or with admission control
         as many as fill the packs that will still be eligible when consumed (0: wait). A short batch
         fills the last slots of the next step instead of making packs that would expire."""
         if self.admission is None:
             return self.decode_batch_size
+        per_record = self.rollouts.rollouts_per_record
         room = admission_room(
             # Segments waiting in the packer count as a pack: the learner flushes them when it lacks one.
             held=held + (1 if self.packer.waiting else 0),
@@ -196,7 +197,7 @@ class RolloutActor:
         packs_per_rollout = self.queue.counts.produced / rolled if rolled else 0.0
         if packs_per_rollout <= 0:
             return self.decode_batch_size
-        return max(1, min(self.decode_batch_size, int(room / packs_per_rollout)))
+        return max(1, min(self.decode_batch_size, int(room / packs_per_rollout) // per_record))
 
     def _produce_one_batch(self, size: int) -> None:
         taken = self.stream.take(size)
@@ -209,13 +210,18 @@ class RolloutActor:
             created_step=self.current_version,
         )
         self.busy_seconds += time.perf_counter() - start
-        self.rollouts_total += len(records)
+        self.rollouts_total += len(out.segments)
         if self._stop.is_set():  # shutting down: the learner no longer takes packs
-            self.discarded_after_stop += len(records)
+            self.discarded_after_stop += len(out.segments)
             return
+        per_record = self.rollouts.rollouts_per_record
         with self._packer_lock:
             for segment, version, position, record in zip(
-                out.segments, out.versions, positions, records, strict=True
+                out.segments,
+                out.versions,
+                [p for p in positions for _ in range(per_record)],
+                [r for r in records for _ in range(per_record)],
+                strict=True,
             ):
                 for pack in self.packer.add(segment, SegmentOrigin(record.id, position), version):
                     self.queue.put(pack)

@@ -24,11 +24,15 @@ Producer = Callable[[Sequence[Record], int], ChannelOutput]
 
 
 class WindowRows:
-    """Segments of the window's records -> this channel's rows (one producer call per step)."""
+    """Segments of the window's records -> this channel's rows (one producer call per step).
 
-    def __init__(self, producer: Producer, rows: RowPlanner):
+    ``per_record``: segments the producer makes of each record (``rollouts_per_record`` for rollouts).
+    """
+
+    def __init__(self, producer: Producer, rows: RowPlanner, per_record: int = 1):
         self.producer = producer
         self.rows = rows
+        self.per_record = per_record
 
     def status(self, global_step: int, micro_steps: int, *, wants_b: bool) -> ChannelStatus:
         return ChannelStatus()  # the window's own records always feed the step
@@ -39,8 +43,9 @@ class WindowRows:
         produced = self.producer([r for window in windows for r in window], global_step)
         micro_batches, start = [], 0
         for window in windows:
-            micro_batches.append(produced.segments[start : start + len(window)])
-            start += len(window)
+            size = len(window) * self.per_record
+            micro_batches.append(produced.segments[start : start + size])
+            start += size
         rows = self.rows.rows(micro_batches, drain=final)
         self.rows.count(rows, produced.sums)
         return ChannelBatch(rows=rows, batch=self.rows.batch, sums=produced.sums)

@@ -5,7 +5,8 @@ Owns the two ways a sample becomes a teacher-forced segment:
 - :class:`GTChannel` (stage-1 ``sft`` and Stage-2 Channel-A): prompt + the GT serialization + EOS.
 - :class:`RolloutChannel` (``rollout_matching_sft`` and Channel-B): rollouts (no grad) in calls of
   ``decode_batch_size`` samples -> prompt alignment check -> strict parse -> Hungarian match ->
-  ``prefix + FN tail + EOS``.
+  ``prefix + FN tail + EOS`` (``loss.objective: grpo``: each rollout's own tokens with its group-normalised
+  advantage and behaviour log-probs, ``training.grpo_targets``).
 
 Both return segments plus metric sums (counts, not means) so callers can aggregate exactly across
 micro-steps and ranks. Leaves out: rows (``training.rows``), when weights are synced and which
@@ -33,11 +34,13 @@ from rollmatch.detection.targets import (
     build_matched_target,
     target_differs_from_sft,
 )
+from rollmatch.errors import BackendError
 from rollmatch.packing.segment import Segment, build_segment
 from rollmatch.rollout.alignment import check_prompt_alignment
 from rollmatch.rollout.build import decoding_from_config
 from rollmatch.rollout.chunking import step_seed
 from rollmatch.rollout.types import Rollout, RolloutBackend
+from rollmatch.training.grpo_targets import GrpoGroups, PolicyTokens
 from rollmatch.training.schedule import fixed_size_chunks
 
 
@@ -70,7 +73,13 @@ class _SegmentFactory:
         self.codec = codec
         self.cfg = cfg
 
-    def segment(self, encoded: EncodedPrompt, target: TargetSequence, created_step: int) -> Segment:
+    def segment(
+        self,
+        encoded: EncodedPrompt,
+        target: TargetSequence,
+        created_step: int,
+        policy: PolicyTokens | None = None,
+    ) -> Segment:
         return build_segment(
             self.model,
             sample_id=encoded.sample_id,
@@ -83,6 +92,8 @@ class _SegmentFactory:
             max_length=self.cfg.training.global_max_length,
             created_step=created_step,
             response_unlikelihood_weights=target.unlikelihood_weights or None,
+            response_advantages=None if policy is None else policy.advantages,
+            response_behaviour_logprobs=None if policy is None else policy.behaviour_logprobs,
         )
 
 
@@ -108,9 +119,12 @@ class GTChannel(_SegmentFactory):
 class RolloutChannel(_SegmentFactory):
     """Rollout-matching: the model's own prefix plus the GT objects it missed.
 
-    Records are rolled out in contiguous calls of ``decode_batch_size`` samples (``None``: one call),
-    independent of the learner's micro-batch. The call starting at record ``k`` of a step is seeded
-    ``step_seed(training seed, step) + k``, so a step's rollouts do not depend on the decode batch size.
+    Records are rolled out in contiguous calls of ``decode_batch_size`` records (``None``: one call),
+    independent of the learner's micro-batch. Each record brings ``K = rollouts_per_record`` requests
+    (record ``i``'s sample ``k`` is request ``i * K + k``, so a record's samples stay together), each
+    with its own segment. Request ``j`` of a call samples with ``call seed + j``, and the call starting at
+    record ``r`` of a step is seeded ``step_seed(training seed, step) + r * K``: every sample of a step has
+    its own seed, and a step's rollouts do not depend on the decode batch size.
     """
 
     def __init__(
@@ -127,6 +141,9 @@ class RolloutChannel(_SegmentFactory):
         self.backend = backend
         self.decoding = decoding_from_config(cfg)
         self.decode_batch_size = decode_batch_size
+        self.rollouts_per_record = cfg.rollout.rollouts_per_record
+        # The objective picks how a record's rollouts become targets, once.
+        self._grpo = GrpoGroups(encoder, codec, cfg) if cfg.loss.objective == "grpo" else None
 
     def produce(self, records: Sequence[Record], global_step: int) -> ChannelOutput:
         """Every record of one step, decode batch by decode batch; segments in record order."""
@@ -138,24 +155,43 @@ class RolloutChannel(_SegmentFactory):
 
     def produce_chunk(self, records: Sequence[Record], global_step: int, start: int) -> ChannelOutput:
         """One rollout call: the chunk of step ``global_step`` that starts at record ``start``."""
-        seed = step_seed(self.cfg.training.seed, global_step) + start
+        seed = step_seed(self.cfg.training.seed, global_step) + start * self.rollouts_per_record
         return self.roll_out(records, seed=seed, created_step=global_step)
 
     def roll_out(self, records: Sequence[Record], *, seed: int, created_step: int) -> ChannelOutput:
-        """One backend call for ``records`` (sampling seed ``seed``), then a segment per rollout."""
+        """One backend call for ``records`` (K requests each; request ``j`` samples with ``seed + j``),
+        then a segment per rollout, in request order (record by record, sample by sample)."""
         encoded = [self.encoder.encode(r) for r in records]
+        per_record = self.rollouts_per_record
+        requests = [e.to_request() for e in encoded for _ in range(per_record)]
         start = time.perf_counter()
-        rollouts = self.backend.generate([e.to_request() for e in encoded], self.decoding, seed)
+        rollouts = self.backend.generate(requests, self.decoding, seed)
         seconds = time.perf_counter() - start
+        if len(rollouts) != len(requests):
+            raise BackendError(
+                f"the {self.backend.name} rollout backend returned {len(rollouts)} rollouts for {len(requests)} "
+                f"requests ({len(records)} records x rollouts_per_record {per_record})"
+            )
         out = ChannelOutput(segments=[])
         out.sums["rollout/seconds"] += seconds
-        for record, enc, rollout in zip(records, encoded, rollouts, strict=True):
-            check_prompt_alignment(rollout, enc.input_ids, self.encoder.tokenizer)
-            target, sums = self.rollout_target(record, enc, rollout)
-            out.sums.update(sums)
-            out.segments.append(self.segment(enc, target, created_step))
-            out.versions.append(rollout.weight_version)
+        for index, (record, enc) in enumerate(zip(records, encoded, strict=True)):
+            group = rollouts[index * per_record : (index + 1) * per_record]
+            for rollout in group:
+                check_prompt_alignment(rollout, enc.input_ids, self.encoder.tokenizer)
+            for target, sums, policy in self.group_targets(record, enc, group):
+                out.sums.update(sums)
+                out.segments.append(self.segment(enc, target, created_step, policy))
+            out.versions.extend(rollout.weight_version for rollout in group)
         return out
+
+    def group_targets(
+        self, record: Record, encoded: EncodedPrompt, group: Sequence[Rollout]
+    ) -> list[tuple[TargetSequence, Counter[str], PolicyTokens | None]]:
+        """The targets of one record's K rollouts: rollout matching builds each rollout's own target;
+        GRPO rewards the group and keeps each rollout's tokens with its advantage."""
+        if self._grpo is not None:
+            return list(self._grpo.targets(record, encoded, group))
+        return [(*self.rollout_target(record, encoded, rollout), None) for rollout in group]
 
     def rollout_target(
         self, record: Record, encoded: EncodedPrompt, rollout: Rollout

@@ -31,6 +31,7 @@ from rollmatch.models.pretrained import load_pretrained
 from rollmatch.packing.collate import enable_packed_attention
 from rollmatch.training.checkpoints import resolve_resume
 from rollmatch.training.coord_loss import CoordLoss
+from rollmatch.training.grpo_loss import grpo_settings
 from rollmatch.training.metrics import JsonlMetricsCallback, summarize
 from rollmatch.training.periodic_eval import DetectionEval, build_detection_eval
 from rollmatch.training.preemption import CheckpointOnWarning
@@ -128,6 +129,7 @@ def run_training(cfg: RollmatchConfig) -> TrainResult:
             summarize=functools.partial(summarize, count_buckets=cfg.eval.count_buckets),
             collectives=collectives,
             coord_loss=coord_loss_for(cfg, codec),
+            grpo=grpo_settings(cfg) if cfg.loss.objective == "grpo" else None,
             callbacks=[JsonlMetricsCallback(os.path.join(cfg.training.output_dir, "metrics.jsonl")), warning],
         )
         holder["trainer"] = trainer

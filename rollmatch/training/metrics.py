@@ -22,6 +22,7 @@ from transformers import TrainerCallback
 
 from rollmatch.detection.count_metrics import DEFAULT_COUNT_BUCKETS, CountOrderCounts
 from rollmatch.detection.scoring import ScoreCounts
+from rollmatch.training.grpo_loss import ratio_quantiles
 
 Sums = Mapping[str, float]
 # Counts of the rollout-matching targets built from the rollouts (training.channels), per step.
@@ -121,8 +122,45 @@ def async_metrics(sums: Sums, steps: int) -> dict[str, float]:
     return {"stage2_ab/async/ver_lag_mean": float(sums.get("stage2_ab/async/ver_lag_sum", 0)) / packs}
 
 
+def grpo_metrics(sums: Sums, steps: int) -> dict[str, float]:
+    """``grpo/*`` (``loss.objective: grpo``): rewards over the rollouts, groups without signal, and over the
+    trained tokens the clipped fractions, the importance ratio (mean, p05 / p50 / p95) and the KL."""
+    out: dict[str, float] = {}
+    rollouts = float(sums.get("grpo/rollouts", 0))
+    if rollouts:
+        mean = float(sums["grpo/reward_sum"]) / rollouts
+        variance = max(0.0, float(sums["grpo/reward_sq_sum"]) / rollouts - mean * mean)
+        groups = float(sums.get("grpo/groups", 0))
+        out.update(
+            {
+                "grpo/reward_mean": mean,
+                "grpo/reward_std": variance**0.5,
+                "grpo/malformed_frac": float(sums.get("grpo/malformed", 0)) / rollouts,
+                "grpo/advantage_abs_mean": float(sums.get("grpo/advantage_abs_sum", 0)) / rollouts,
+                "grpo/zero_std_group_frac": float(sums.get("grpo/groups_zero_std", 0)) / groups
+                if groups
+                else 0.0,
+            }
+        )
+    tokens = float(sums.get("grpo/tokens", 0))
+    if tokens:
+        out.update(
+            {
+                "grpo/clipped_frac": float(sums.get("grpo/clipped_tokens", 0)) / tokens,
+                "grpo/dual_clipped_frac": float(sums.get("grpo/dual_clipped_tokens", 0)) / tokens,
+                "grpo/ratio_mean": float(sums.get("grpo/ratio_sum", 0)) / tokens,
+                "grpo/kl_mean": float(sums.get("grpo/kl_sum", 0)) / tokens,
+            }
+        )
+        quantiles = ratio_quantiles(sums)
+        if quantiles:
+            out["grpo/ratio_p05"], out["grpo/ratio_p50"], out["grpo/ratio_p95"] = quantiles
+    return out
+
+
 METRIC_FAMILIES: tuple[Callable[[Sums, int], dict[str, float]], ...] = (
     rollout_metrics,
+    grpo_metrics,
     packing_metrics,
     sample_metrics,
     stage2_metrics,

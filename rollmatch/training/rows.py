@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -94,14 +95,5 @@ def padding_row(segment: Segment) -> Row:
     A real segment (image included), so every parameter takes part in the backward as DDP expects.
     """
     return [
-        Segment(
-            sample_id=f"{segment.sample_id}#padding",
-            input_ids=segment.input_ids,
-            weights=torch.zeros_like(segment.weights),
-            pixel_values=segment.pixel_values,
-            image_grid_thw=segment.image_grid_thw,
-            mm_token_type_ids=segment.mm_token_type_ids,
-            position_ids=segment.position_ids,
-            created_step=segment.created_step,
-        )
+        replace(segment, sample_id=f"{segment.sample_id}#padding", weights=torch.zeros_like(segment.weights))
     ]

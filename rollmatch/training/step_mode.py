@@ -49,16 +49,20 @@ from rollmatch.training.step import ChannelBatch, ChannelStatus, GaugeKind, Micr
 STEP_SECONDS = "stage2_ab/step/seconds"
 
 
-def rollouts_per_step(channel_b: ChannelBConfig, training: TrainingConfig, world_size: int, gas: int) -> int:
-    """The global raw-rollout budget of one step (all ranks together).
+def rollouts_per_step(
+    channel_b: ChannelBConfig, training: TrainingConfig, world_size: int, gas: int, per_record: int = 1
+) -> int:
+    """The global raw-rollout budget of one step (all ranks together); ``per_record`` rollouts per record.
 
-    ``channel_b.rollouts_per_step``, or by default ``per_device_train_batch_size * world_size * gas``.
+    ``channel_b.rollouts_per_step``, or by default ``per_device_train_batch_size * world_size * gas *
+    per_record`` (``per_device_train_batch_size * world_size * gas`` records). The step rolls out
+    ``budget / per_record`` records (a rule keeps the budget a multiple of ``per_record``).
     With ``training.effective_batch_size`` the derived ``gas`` is a ceiling, so the default may
     exceed the requested effective batch size.
     """
     if channel_b.rollouts_per_step is not None:
         return channel_b.rollouts_per_step
-    return training.per_device_train_batch_size * world_size * gas
+    return training.per_device_train_batch_size * world_size * gas * per_record
 
 
 def rank_share(total: int, rank: int, world_size: int) -> int:
@@ -133,7 +137,8 @@ class DeferredStep(MicroStep):
         self.owner = owner
         self.records = list(records)
         self.total_weight = 0.0
-        self.sums: Counter[str] = Counter({"stage2_ab/rollouts": len(records)})
+        per_record = owner.rollouts.rollouts_per_record
+        self.sums: Counter[str] = Counter({"stage2_ab/rollouts": len(records) * per_record})
 
     def passes(self, step_weight: float) -> Iterator[tuple[MicroBatch, float]]:
         owner = self.owner

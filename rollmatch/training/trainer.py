@@ -38,6 +38,7 @@ from rollmatch.collectives import Collectives
 from rollmatch.packing.collate import model_inputs
 from rollmatch.training import checkpoints
 from rollmatch.training.coord_loss import CoordLoss
+from rollmatch.training.grpo_loss import GrpoSettings, frozen_copy, grpo_loss_sum, token_logprobs
 from rollmatch.training.losses import weighted_ce_sum
 from rollmatch.training.periodic_eval import DetectionEval, hf_metrics
 from rollmatch.training.step import MicroStep, StepPlan, StepPlanner
@@ -80,11 +81,15 @@ class RollmatchTrainer(Trainer):
         stateful: Mapping[str, Any] | None = None,
         detection_eval: DetectionEval | None = None,
         coord_loss: CoordLoss | None = None,
+        grpo: GrpoSettings | None = None,
         **kwargs: Any,
     ):
         super().__init__(*args, **kwargs)
         self.planner = planner
         self.coord_loss = coord_loss  # coordinate positions' loss (object_format: coord_tokens)
+        self.grpo = grpo  # loss.objective: grpo (rows carrying advantages train the policy-gradient loss)
+        # loss.grpo.kl_coef > 0: a frozen copy of the starting weights (one more copy of the parameters)
+        self.reference_model = frozen_copy(self.model) if grpo is not None and grpo.kl_coef > 0 else None
         self.detection_eval = detection_eval
         self.summarize = summarize
         self.collectives = collectives
@@ -146,15 +151,40 @@ class RollmatchTrainer(Trainer):
         if num_items_in_batch is None:
             raise RuntimeError("compute_loss needs the step's total loss weight (set by get_batch_samples)")
         outputs = model(**model_inputs(inputs))
-        loss_sum = weighted_ce_sum(
-            outputs.logits,
-            inputs["input_ids"],
-            inputs["weights"],
-            self.coord_loss,
-            inputs.get("unlikelihood_weights"),
-        )
+        if "advantages" in inputs:
+            loss_sum = self._grpo_loss_sum(outputs.logits, inputs)
+        else:
+            loss_sum = weighted_ce_sum(
+                outputs.logits,
+                inputs["input_ids"],
+                inputs["weights"],
+                self.coord_loss,
+                inputs.get("unlikelihood_weights"),
+            )
         loss = loss_sum * self.collectives.world_size / num_items_in_batch.to(loss_sum.dtype)
         return (loss, outputs) if return_outputs else loss
+
+    def _grpo_loss_sum(self, logits: torch.Tensor, inputs: dict[str, Any]) -> torch.Tensor:
+        """A policy-gradient row's loss sum (``training.grpo_loss``); its stats join this rank's sums."""
+        if self.grpo is None:
+            raise RuntimeError("a row carries advantages but loss.objective is not grpo")
+        trained = inputs["weights"] != 0
+        logprobs = token_logprobs(logits, inputs["input_ids"], trained)
+        reference = None
+        if self.reference_model is not None:
+            with torch.no_grad():
+                reference_logits = self.reference_model(**model_inputs(inputs)).logits
+                reference = token_logprobs(reference_logits, inputs["input_ids"], trained)
+        loss_sum, stats = grpo_loss_sum(
+            logprobs,
+            inputs["behaviour_logprobs"],
+            inputs["advantages"],
+            inputs["weights"],
+            self.grpo,
+            reference_logprobs=reference,
+        )
+        self._local_sums.update(stats)
+        return loss_sum
 
     def floating_point_ops(self, inputs: Any) -> int:
         return 0 if isinstance(inputs, MicroStep) else super().floating_point_ops(inputs)

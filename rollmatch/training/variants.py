@@ -91,9 +91,8 @@ def build_sft(ctx: BuildContext) -> VariantParts:
 
 def build_rollout_matching(ctx: BuildContext) -> VariantParts:
     backend = backend_for(ctx)
-    channel_b = WindowRows(
-        RolloutChannel(ctx.model, ctx.encoder, ctx.codec, ctx.cfg, backend).produce, row_planner(ctx)
-    )
+    rollouts = RolloutChannel(ctx.model, ctx.encoder, ctx.codec, ctx.cfg, backend)
+    channel_b = WindowRows(rollouts.produce, row_planner(ctx), per_record=rollouts.rollouts_per_record)
     planner = StepPlanner(
         schedule=ConstantSchedule("B"),
         channel_a=None,
@@ -177,15 +176,17 @@ def rollout_channel(ctx: BuildContext, backend: RolloutBackend) -> RolloutChanne
 
 
 def micro_rollouts(ctx: BuildContext, backend: RolloutBackend) -> WindowRows:
-    return WindowRows(rollout_channel(ctx, backend).produce, row_planner(ctx))
+    channel = rollout_channel(ctx, backend)
+    return WindowRows(channel.produce, row_planner(ctx), per_record=channel.rollouts_per_record)
 
 
 def step_rollouts(ctx: BuildContext, backend: RolloutBackend) -> StepRollouts:
     """Channel-B step mode: this rank's budget share and its record stream."""
     cfg, world, rank = ctx.cfg, ctx.collectives.world_size, ctx.collectives.rank
     t, channel_b = cfg.training, cfg.stage2_ab.channel_b
-    budget = rollouts_per_step(channel_b, t, world, ctx.gradient_accumulation_steps)
-    share = rank_share(budget, rank, world)
+    per_record = cfg.rollout.rollouts_per_record
+    budget = rollouts_per_step(channel_b, t, world, ctx.gradient_accumulation_steps, per_record)
+    share = rank_share(budget // per_record, rank, world)  # records: each brings per_record rollouts
     return StepRollouts(
         rollouts=rollout_channel(ctx, backend),
         rows=row_planner(ctx),

@@ -310,3 +310,41 @@ def test_engine_start_leaves_the_thread_count_to_the_process(engine: VllmEngine)
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(threads)
+
+
+def test_sampled_logprobs_equal_the_learners_after_a_weight_sync(
+    engine: VllmEngine, model_dir: str, encoder: PromptEncoder, requests_: list[RolloutRequest]
+) -> None:
+    """vLLM's raw log-probs of its sampled tokens (stop token included) equal the learner's recomputation on
+    the synced weights: a wrong tokenisation, prompt or weight sync shows as a gap. Tolerance (relative per
+    token): 2e-3 (vLLM's CPU kernels against the training forward; measured below 4e-4)."""
+    from rollmatch.training.grpo_loss import recompute_logprobs
+
+    model = _load(model_dir)
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for step in range(3):  # trained weights (some rollouts then stop on EOS)
+        _sft_step(model, optimizer, encoder, requests_[step % len(requests_)])
+    backend = VllmColocateBackend(engine, model=model, tokenizer=encoder.tokenizer)
+    backend.sync_weights(model, 1)
+    rollouts = backend.generate(requests_, Decoding(temperature=1.0, max_new_tokens=16), seed=5)
+    worst = 0.0
+    for request, rollout in zip(requests_, rollouts, strict=True):
+        assert rollout.response_logprobs is not None
+        assert (rollout.stop_logprob is not None) == (rollout.finish_reason == "stop")
+        ids = [
+            *rollout.response_token_ids,
+            *([rollout.stop_token_id] if rollout.stop_logprob is not None else []),
+        ]
+        engine_values = [
+            *rollout.response_logprobs,
+            *([rollout.stop_logprob] if rollout.stop_logprob is not None else []),
+        ]
+        learner = recompute_logprobs(model, request, ids)
+        worst = max(
+            [worst, *(abs(e - v) / max(1.0, abs(v)) for e, v in zip(engine_values, learner, strict=True))]
+        )
+    assert worst <= 2e-3, worst
+    stale = _load(model_dir)  # the weights before training: the engine no longer serves them
+    request, rollout = requests_[0], rollouts[0]
+    old = recompute_logprobs(stale, request, rollout.response_token_ids)
+    assert max(abs(e - v) for e, v in zip(rollout.response_logprobs, old, strict=True)) > 1e-2

@@ -74,11 +74,23 @@ def main(url: str, image_path: str) -> dict[str, object]:
     first, again = served(url, [request], sampling), served(url, [request], sampling)
     assert first[0].response.choices[0].token_ids == again[0].response.choices[0].token_ids, "seed ignored"
 
+    # logprobs: one per sampled token, read the way swift's GRPO trainer reads them
+    (scored,) = served(
+        url,
+        [request],
+        RequestConfig(max_tokens=8, temperature=1.0, seed=5, logprobs=True, return_details=True),
+    )
+    scored_choice = scored.response.choices[0]
+    values = [item["logprob"] for item in scored_choice.logprobs["content"]]
+    stopped = scored_choice.finish_reason == "stop"
+    assert len(values) == len(scored_choice.token_ids) + int(stopped), (len(values), scored_choice)
+    assert scored.rollout_logprobs == [values] and all(v <= 0.0 for v in values)
+
     refused = {}
     for name, config in {
         "n": RequestConfig(n=2),
         "stream": RequestConfig(stream=True),
-        "logprobs": RequestConfig(logprobs=True),
+        "top_logprobs": RequestConfig(logprobs=True, top_logprobs=3),
         "min_p": RequestConfig(min_p=0.1),
         "num_beams": RequestConfig(num_beams=2),
     }.items():
@@ -99,6 +111,7 @@ def main(url: str, image_path: str) -> dict[str, object]:
         "stop": stop,
         "stop_trimmed_tokens": len(cut_choice.token_ids),
         "refused": refused,
+        "logprobs": len(values),
     }
 
 

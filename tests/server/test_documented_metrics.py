@@ -25,10 +25,11 @@ DOCS = (REPO / "docs" / "metrics.md", REPO / "docs" / "stage2.md")
 
 # "logged" column -> the runs that must log the row (None: not bound to a run, but some run must log it).
 CONDITIONS: dict[str, set[str] | None] = {
-    "every step": {"sft", "rollout_matching", "micro", "step", "async"},
-    "rollouts": {"rollout_matching", "micro", "step", "async"},
-    "packing": {"sft", "rollout_matching", "micro", "step", "async"},
-    "weight push": {"rollout_matching", "micro", "step", "async"},
+    "every step": {"sft", "rollout_matching", "micro", "step", "async", "grpo"},
+    "rollouts": {"rollout_matching", "micro", "step", "async", "grpo"},
+    "packing": {"sft", "rollout_matching", "micro", "step", "async", "grpo"},
+    "weight push": {"rollout_matching", "micro", "step", "async", "grpo"},
+    "grpo": {"grpo"},
     "stage2_ab": {"micro", "step", "async"},
     "step mode": {"step"},
     "async": {"async"},
@@ -112,6 +113,13 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "step": {
         "custom": {"trainer_variant": "stage2_ab_training"},
         "stage2_ab": {"schedule": {"b_ratio": 0.5}, "channel_b": {"mode": "step", "rollouts_per_step": 2}},
+    },
+    "grpo": {
+        "custom": {
+            "trainer_variant": "rollout_matching_sft",
+            "extra": {"rollout_matching": {"rollouts_per_record": 2, "decoding": {"temperature": 1.0}}},
+        },
+        "loss": {"objective": "grpo"},
     },
 }
 

@@ -45,5 +45,6 @@ def test_ms_swift_requests_are_served_and_replies_validate_as_its_rollout_output
     summary = json.loads(run.stdout.strip().splitlines()[-1])
     assert summary["ms_swift"].startswith("4.")
     assert {"chat_template_kwargs", "add_eos", "min_p", "prompt_logprobs"} <= set(summary["fields_sent"])
-    assert set(summary["refused"]) == {"n", "stream", "logprobs", "min_p", "num_beams"}
+    assert set(summary["refused"]) == {"n", "stream", "top_logprobs", "min_p", "num_beams"}
+    assert summary["logprobs"] > 0  # the sampled tokens' log-probs, in swift's choice.logprobs form
     print(f"ms-swift client check: {summary}")

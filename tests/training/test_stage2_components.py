@@ -253,6 +253,7 @@ class ScriptedRollouts:
 
     def __init__(self, produce_chunk: Any):
         self.decode_batch_size = 2
+        self.rollouts_per_record = 1
         self.produce_chunk = produce_chunk
 
 
