@@ -42,7 +42,7 @@ def rule_rollouts_per_record(cfg: RollmatchConfig) -> list[ConfigProblem]:
 
 
 def rule_grpo(cfg: RollmatchConfig) -> list[ConfigProblem]:
-    """`loss.objective: grpo` needs `rollouts_per_record` >= 2 and a trainer variant that rolls out; `loss.grpo.clip_eps_high` needs a value below `loss.grpo.max_ratio - 1`."""
+    """`loss.objective: grpo` needs `rollouts_per_record` >= 2 and a trainer variant that rolls out, takes no target weights (`loss.missed_weight`, `loss.fp_unlikelihood_weight`); `loss.grpo.clip_eps_high` needs a value below `loss.grpo.max_ratio - 1`."""
     loss = cfg.loss
     if loss.objective != "grpo":
         return []
@@ -65,6 +65,19 @@ def rule_grpo(cfg: RollmatchConfig) -> list[ConfigProblem]:
                 "(Channel-B), or loss.objective: rollout_matching",
             )
         )
+    for key, value, neutral in (
+        ("fp_unlikelihood_weight", loss.fp_unlikelihood_weight, 0.0),
+        ("missed_weight", loss.missed_weight, 1.0),
+    ):
+        if value != neutral:  # GRPO trains the rollout's own tokens: it builds no teacher-forced target
+            problems.append(
+                ConfigProblem(
+                    f"loss.{key}",
+                    value,
+                    f"shapes rollout-matching targets, which loss.objective: grpo never builds; remove it "
+                    f"(leave {neutral}) or use loss.objective: rollout_matching",
+                )
+            )
     high = loss.grpo.clip_eps if loss.grpo.clip_eps_high is None else loss.grpo.clip_eps_high
     if 1.0 + high >= loss.grpo.max_ratio:
         problems.append(

@@ -69,3 +69,13 @@ def test_grpo_config_loads_with_its_defaults() -> None:
     grpo = cfg.loss.grpo
     assert (grpo.reward, grpo.scale_rewards, grpo.clip_eps, grpo.kl_coef) == ("f1", "group", 0.2, 0.0)
     assert load_config_dict({}).loss.objective == "rollout_matching"
+
+
+def test_grpo_refuses_the_rollout_matching_target_weights(problems_of) -> None:
+    """GRPO trains the rollout's own tokens: a target weight beside it would silently do nothing."""
+    for key, value in (("missed_weight", 2.0), ("fp_unlikelihood_weight", 0.5)):
+        loss = {"objective": "grpo", "target": "prefix_fn", "keep_prefix": "all", key: value}
+        problem = problems_of({**rollout(rollouts_per_record=2, decoding=SAMPLING), "loss": loss}).only(
+            f"loss.{key}"
+        )
+        assert problem.value == value and "loss.objective: rollout_matching" in problem.fix
