@@ -181,9 +181,8 @@ def run_study(args: argparse.Namespace) -> dict[str, Any]:
     settings = lock_settings(out, args)
     splits = prepare_data(out, args)
     if not args.summarize:
-        require_arms(
-            args.gate_targets if args.only_gate or args.diagnose else [*args.arms, *args.gate_targets]
-        )
+        arms = [] if args.only_gate or args.diagnose else PILOT["arms"] if args.pilot else args.arms
+        require_arms([*args.gate_targets, *arms])  # before hours of stage-1
         gate = stage1_and_gate(out, splits, args)
         if gate["passed"] or args.ignore_gate:
             stage1 = Path(gate["checkpoint"])
