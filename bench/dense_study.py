@@ -100,16 +100,28 @@ ARMS: dict[str, dict[str, Any]] = {
         "variant": _RM,
         "loss": {"objective": "grpo", "grpo": {"reward": "f1"}},
         "rollout": _SAMPLED_K4,
-        "needs": "loss.objective: grpo, loss.grpo.reward: f1 and custom.extra.rollout_matching.rollouts_per_record",
+        "needs": "loss.objective: grpo, loss.grpo.reward: f1 and "
+        "custom.extra.rollout_matching.rollouts_per_record",
     },
 }
 TARGET_ARMS = ("prefix_fn_supervised", "keep_all_supervised")  # the gate's rollout targets
 PILOT = {"steps": 500, "eval_at": [250, 500], "seeds": [0], "arms": ["sft", *TARGET_ARMS]}
 # Settings a study folder is locked to (data, stage-1, arms' schedule); arms and seeds may grow.
 LOCKED = (
-    "train_size", "dev_size", "report_size", "object_format", "max_new_tokens", "stage1_lr",
-    "stage1_chunk", "stage1_max_steps", "stage1_seed", "lr", "steps", "eval_at", "gate_targets",
-)  # fmt: skip
+    "train_size",
+    "dev_size",
+    "report_size",
+    "object_format",
+    "max_new_tokens",
+    "stage1_lr",
+    "stage1_chunk",
+    "stage1_max_steps",
+    "stage1_seed",
+    "lr",
+    "steps",
+    "eval_at",
+    "gate_targets",
+)
 # Smallest setting (tests/test_benches.py runs it; docs/runbook.md "Benchmarks"): a few images and
 # steps, one seed, the sft arm only; a 2-step stage-1 fails the gate, hence --ignore-gate.
 SMOKE_ARGS = (
@@ -310,10 +322,20 @@ def gate_at(out: Path, splits: dict[str, Path], args: argparse.Namespace, trunk:
     warmup = max(0, min(100, args.stage1_chunk // 10))  # steps, on the first chunk only
     trunk_dir = out / "stage1" / "trunk"
     if not (trunk_dir / f"checkpoint-{trunk}" / "rollmatch_complete.json").exists():
-        run_training(sft_config(
-            trunk_dir, model, splits, args, max_steps=trunk, learning_rate=args.stage1_lr, save_steps=args.stage1_chunk,
-            lr_scheduler_type="constant_with_warmup", warmup_ratio=warmup / trunk, save_total_limit=None,
-        ))  # fmt: skip
+        run_training(
+            sft_config(
+                trunk_dir,
+                model,
+                splits,
+                args,
+                max_steps=trunk,
+                learning_rate=args.stage1_lr,
+                save_steps=args.stage1_chunk,
+                lr_scheduler_type="constant_with_warmup",
+                warmup_ratio=warmup / trunk,
+                save_total_limit=None,
+            )
+        )
     cooldown = max(1, round(0.15 / 0.85 * trunk))  # 15% of the branch's steps
     branch = out / "stage1" / f"cooldown-{trunk}"
     if not (branch / "final" / "config.json").exists():
@@ -321,11 +343,24 @@ def gate_at(out: Path, splits: dict[str, Path], args: argparse.Namespace, trunk:
             shutil.copytree(
                 trunk_dir / f"checkpoint-{trunk}", branch / f"checkpoint-{trunk}", dirs_exist_ok=True
             )
-        run_training(sft_config(
-            branch, model, splits, args, max_steps=trunk + cooldown, learning_rate=args.stage1_lr,
-            save_steps=cooldown, warmup_ratio=warmup / (trunk + cooldown), lr_scheduler_type="warmup_stable_decay",
-            lr_scheduler_kwargs={"num_decay_steps": cooldown, "decay_type": "linear", "min_lr_ratio": args.lr / args.stage1_lr},
-        ))  # fmt: skip
+        run_training(
+            sft_config(
+                branch,
+                model,
+                splits,
+                args,
+                max_steps=trunk + cooldown,
+                learning_rate=args.stage1_lr,
+                save_steps=cooldown,
+                warmup_ratio=warmup / (trunk + cooldown),
+                lr_scheduler_type="warmup_stable_decay",
+                lr_scheduler_kwargs={
+                    "num_decay_steps": cooldown,
+                    "decay_type": "linear",
+                    "min_lr_ratio": args.lr / args.stage1_lr,
+                },
+            )
+        )
     stage1 = branch / "final"
     cfg = sft_config(out / "gate", stage1, splits, args)
     dev = load_records(splits["dev"])
@@ -334,9 +369,13 @@ def gate_at(out: Path, splits: dict[str, Path], args: argparse.Namespace, trunk:
     differs = targets_differing(stage1, splits, args, dev, predictions)
     verdict = study_stats.gate_verdict(evaluation, differs)
     return {
-        **verdict, "trunk_steps": trunk, "cooldown_steps": cooldown, "checkpoint": str(stage1),
-        "dev": evaluation, **provenance(cfg),
-    }  # fmt: skip
+        **verdict,
+        "trunk_steps": trunk,
+        "cooldown_steps": cooldown,
+        "checkpoint": str(stage1),
+        "dev": evaluation,
+        **provenance(cfg),
+    }
 
 
 def targets_differing(
@@ -362,9 +401,13 @@ def targets_differing(
         encoded = encoder.encode(record)
         ids = encoder.tokenizer.encode(answer["text"], add_special_tokens=False)
         scored = score_response(
-            codec, ids, encoder.gt_objects(record, encoded), extent=encoder.frame_extent(encoded),
-            hit_max_tokens=answer["truncated"], matching=cfg.eval.matching,
-        )  # fmt: skip
+            codec,
+            ids,
+            encoder.gt_objects(record, encoded),
+            extent=encoder.frame_extent(encoded),
+            hit_max_tokens=answer["truncated"],
+            matching=cfg.eval.matching,
+        )
         sft_ids = build_gt_target(scored.gt_objects, **common).token_ids
         for arm, loss in losses.items():
             target = build_matched_target(scored.parse, scored.gt_objects, scored.match, loss=loss, **common)
@@ -388,9 +431,16 @@ def diagnose(out: Path, stage1: Path, splits: dict[str, Path], args: argparse.Na
 
 # ------------------------------------------------------------------------------------------- arms
 def run_arm(
-    root: Path, arm: str, seed: int, stage1: Path, splits: dict[str, Path], args: argparse.Namespace,
-    steps: int, eval_at: list[int], report_at: list[int],
-) -> dict[str, Any]:  # fmt: skip
+    root: Path,
+    arm: str,
+    seed: int,
+    stage1: Path,
+    splits: dict[str, Path],
+    args: argparse.Namespace,
+    steps: int,
+    eval_at: list[int],
+    report_at: list[int],
+) -> dict[str, Any]:
     """Train (resuming an interrupted run), then evaluate: dev at ``eval_at``, report at ``report_at``."""
     folder = root / "arms" / arm / f"seed{seed}"
 
@@ -402,8 +452,12 @@ def run_arm(
         if not (folder / "final" / "config.json").exists():
             start_step, cpu_start = ls._resume_step(folder), time.process_time()
             trained = run_training(cfg)
-            line = {"seconds": trained.seconds, "cpu_seconds": round(time.process_time() - cpu_start, 1),
-                    "global_step": trained.global_step, "start_step": start_step}  # fmt: skip
+            line = {
+                "seconds": trained.seconds,
+                "cpu_seconds": round(time.process_time() - cpu_start, 1),
+                "global_step": trained.global_step,
+                "start_step": start_step,
+            }
             with seconds_log.open("a") as f:
                 f.write(json.dumps(line) + "\n")
         lines = [json.loads(line) for line in seconds_log.read_text().splitlines()]
@@ -416,9 +470,13 @@ def run_arm(
                 split: evaluation(cfg, checkpoint, stage1, splits, split, folder, step)
                 for split in splits_here
             }
-        return {"steps": steps, "train_seconds": round(seconds, 1),
-                "train_cpu_seconds": None if cpu_seconds is None else round(cpu_seconds, 1),
-                "evals": evals, **provenance(cfg)}  # fmt: skip
+        return {
+            "steps": steps,
+            "train_seconds": round(seconds, 1),
+            "train_cpu_seconds": None if cpu_seconds is None else round(cpu_seconds, 1),
+            "evals": evals,
+            **provenance(cfg),
+        }
 
     return ls.cached(root / "arms" / arm / f"seed{seed}.json", train_and_evaluate)
 

@@ -20,16 +20,40 @@ from learning_signal import paired_bootstrap
 
 # Kept in the summary of an evaluation (the unit files hold everything, per-image counts included).
 METRICS = (
-    "f1", "precision", "recall", "map", "map_uniform_score", "mean_iou", "truncated_frac",
-    "duplicate_rate", "fp_per_image", "exact_count_acc", "objects_per_image", "count_error", "count_mae",
-    "recall_first_third", "recall_middle_third", "recall_last_third", "kendall_tau",
-)  # fmt: skip
-SECONDARY = ("count_error", "count_mae", "recall_last_third", "duplicate_rate", "kendall_tau",
-             "truncated_frac", "map_uniform_score", "fp_per_image")  # fmt: skip
+    "f1",
+    "precision",
+    "recall",
+    "map",
+    "map_uniform_score",
+    "mean_iou",
+    "truncated_frac",
+    "duplicate_rate",
+    "fp_per_image",
+    "exact_count_acc",
+    "objects_per_image",
+    "count_error",
+    "count_mae",
+    "recall_first_third",
+    "recall_middle_third",
+    "recall_last_third",
+    "kendall_tau",
+)
+SECONDARY = (
+    "count_error",
+    "count_mae",
+    "recall_last_third",
+    "duplicate_rate",
+    "kendall_tau",
+    "truncated_frac",
+    "map_uniform_score",
+    "fp_per_image",
+)
 CANDIDATE_TARGETS = (
-    "prefix_fn_supervised", "keep_all_supervised", "keep_all_supervised_fp_unlikelihood",
+    "prefix_fn_supervised",
+    "keep_all_supervised",
+    "keep_all_supervised_fp_unlikelihood",
     "keep_all_supervised_sampled_k4",
-)  # fmt: skip
+)
 BASELINE_TARGET = "prefix_fn_supervised"  # the default target before the study
 
 
@@ -71,8 +95,11 @@ def summarize(
         if compute:
             steps, reports = compute
             paired = [by_seed[s]["evals"][final]["report"] for s in reports]
-            entry["equal_compute"] = {"sft_steps": steps, "seeds": sorted(reports),
-                                      **contrast(paired, list(reports.values()), args.bootstrap, rng)}  # fmt: skip
+            entry["equal_compute"] = {
+                "sft_steps": steps,
+                "seeds": sorted(reports),
+                **contrast(paired, list(reports.values()), args.bootstrap, rng),
+            }
         result["comparisons"][arm] = entry
     result["default_target_on_dev"] = default_target(runs, final, args.bootstrap, rng)
     if args.replication:
@@ -91,9 +118,17 @@ def contrast(
     secondary = {
         m: round(float(np.mean([a[m] - b[m] for a, b in zip(arm, base, strict=True)])), 4) for m in SECONDARY
     }
-    secondary["count_oracle_f1"] = round(float(np.mean([
-        a["count_oracle"]["count_oracle_f1"] - b["count_oracle"]["count_oracle_f1"] for a, b in zip(arm, base, strict=True)
-    ])), 4)  # fmt: skip
+    secondary["count_oracle_f1"] = round(
+        float(
+            np.mean(
+                [
+                    a["count_oracle"]["count_oracle_f1"] - b["count_oracle"]["count_oracle_f1"]
+                    for a, b in zip(arm, base, strict=True)
+                ]
+            )
+        ),
+        4,
+    )
     recall = {}
     for bucket in st.CROWD_BUCKETS:
         pairs = [
@@ -131,8 +166,11 @@ def default_target(
     seeds = sorted(set(dev[best]) & set(dev.get(BASELINE_TARGET, {})))
     if best != BASELINE_TARGET and seeds:
         chosen[f"versus_{BASELINE_TARGET}_on_dev"] = paired_bootstrap(
-            [dev[best][s]["per_image"] for s in seeds], [dev[BASELINE_TARGET][s]["per_image"] for s in seeds], resamples, rng
-        )  # fmt: skip
+            [dev[best][s]["per_image"] for s in seeds],
+            [dev[BASELINE_TARGET][s]["per_image"] for s in seeds],
+            resamples,
+            rng,
+        )
     return chosen
 
 
@@ -179,7 +217,8 @@ def cost_per_step(runs: dict[str, dict[int, Any]]) -> dict[str, Any]:
         if all(costs.values()):
             return {"basis": key, **{arm: min(c) for arm, c in costs.items()}}
     raise SystemExit(
-        f"equal compute needs every arm trained first; no cost yet for {[a for a, r in runs.items() if not r]}"
+        "equal compute needs every arm trained first; no cost yet for "
+        f"{[arm for arm, by_seed in runs.items() if not by_seed]}"
     )
 
 
@@ -200,8 +239,13 @@ def gate_summary(out: Path) -> dict[str, Any]:
     if gate is None:
         chunks = sorted((out / "stage1").glob("gate-*.json"), key=lambda p: int(p.stem.split("-")[1]))
         return {"in_progress": [_gate_line(json.loads(p.read_text())) for p in chunks]}
-    return {**_gate_line(gate), "decision": gate["decision"], "history": gate["history"],
-            "dev": _slim(gate["dev"]), "commit": gate["commit"]}  # fmt: skip
+    return {
+        **_gate_line(gate),
+        "decision": gate["decision"],
+        "history": gate["history"],
+        "dev": _slim(gate["dev"]),
+        "commit": gate["commit"],
+    }
 
 
 def pilot_summary(out: Path, args: argparse.Namespace, pilot: dict[str, Any]) -> dict[str, Any] | None:
@@ -215,10 +259,11 @@ def pilot_summary(out: Path, args: argparse.Namespace, pilot: dict[str, Any]) ->
     for arm, by_seed in runs.items():
         for seed, run in by_seed.items():
             summary["arms"][f"{arm}/seed{seed}"] = {
-                "cpu_seconds_per_step": run["train_cpu_seconds"] and round(run["train_cpu_seconds"] / run["steps"], 2),
+                "cpu_seconds_per_step": run["train_cpu_seconds"]
+                and round(run["train_cpu_seconds"] / run["steps"], 2),
                 "seconds_per_step": round(run["train_seconds"] / run["steps"], 2),
                 "dev_f1": {step: e["dev"]["f1"] for step, e in run["evals"].items()},
-            }  # fmt: skip
+            }
     scale = np.sqrt(args.dev_size / args.report_size)
     for arm, by_seed in runs.items():
         for seed in sorted(set(by_seed) & set(runs["sft"])) if arm != "sft" else []:
@@ -238,57 +283,69 @@ def arm_summary(by_seed: dict[int, Any], final: str) -> dict[str, Any]:
         "seeds": sorted(by_seed),
         "train_cpu_seconds": {str(s): r.get("train_cpu_seconds") for s, r in by_seed.items()},
         "train_seconds": {str(s): r["train_seconds"] for s, r in by_seed.items()},
-        "dev_f1": {step: round(float(np.mean([r["evals"][step]["dev"]["f1"] for r in by_seed.values()])), 4)
-                   for step in sorted({s for r in by_seed.values() for s in r["evals"]}, key=int)},
-    }  # fmt: skip
+        "dev_f1": {
+            step: round(float(np.mean([r["evals"][step]["dev"]["f1"] for r in by_seed.values()])), 4)
+            for step in sorted({s for r in by_seed.values() for s in r["evals"]}, key=int)
+        },
+    }
     if reports:
         summary["report"] = {m: round(float(np.mean([r[m] for r in reports])), 4) for m in METRICS}
         summary["report"]["count_oracle_f1"] = round(
             float(np.mean([r["count_oracle"]["count_oracle_f1"] for r in reports])), 4
         )
         summary["report_by_bucket"] = {
-            bucket: {key: round(float(np.mean([r["gt_count_buckets"][bucket][key] for r in reports])), 4) for key in ("f1", "recall")}
+            bucket: {
+                key: round(float(np.mean([r["gt_count_buckets"][bucket][key] for r in reports])), 4)
+                for key in ("f1", "recall")
+            }
             for bucket in reports[0]["gt_count_buckets"]
             if all(bucket in r["gt_count_buckets"] for r in reports)
-        }  # fmt: skip
+        }
     return summary
 
 
 # ------------------------------------------------------------------------------------------- plot
 def plot(result: dict[str, Any], path: Path) -> None:
-    """F1 and recall per GT-count bucket per arm (report split, last step, mean over seeds)."""
+    """F1 and recall per GT-count bucket per arm (report split, last step, mean over seeds), and each
+    arm's F1 difference to ``sft`` per bucket with its 95% bootstrap interval (the decision rule's)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
-    for ax, key in zip(axes, ("f1", "recall"), strict=True):
+    buckets = list(st.CROWD_BUCKETS)
+    x = np.arange(len(buckets))
+    fig, axes = plt.subplots(1, 3, figsize=(19, 4.8))
+    for ax, key in zip(axes, ("f1", "recall"), strict=False):
         for arm, summary in result["arms"].items():
-            buckets = summary.get("report_by_bucket", {})
-            if not buckets:
-                continue
-            labels = list(buckets)
+            values = summary.get("report_by_bucket", {})
             seeds = len(summary["seeds"])
-            ax.plot(
-                labels,
-                [buckets[b][key] for b in labels],
-                marker="o",
-                label=f"{arm} ({seeds} seed{'s' * (seeds > 1)})",
-            )
-        gate_buckets = result["gate"].get("dev", {}).get("gt_count_buckets", {})
-        if gate_buckets:
-            ax.plot(
-                list(gate_buckets),
-                [v[key] for v in gate_buckets.values()],
-                "k--",
-                alpha=0.5,
-                label="stage-1 (dev)",
-            )
-        ax.set(title=f"{'F1@0.5 (labels required)' if key == 'f1' else 'recall'} by GT objects per image, report split",
-               xlabel="GT objects per image", ylabel=key)  # fmt: skip
+            label = f"{arm} ({seeds} seed{'s' * (seeds > 1)})"
+            ax.plot(x, [values.get(b, {}).get(key, np.nan) for b in buckets], marker="o", label=label)
+        gate = result["gate"].get("dev", {}).get("gt_count_buckets") or {}
+        if gate:
+            stage1 = [gate.get(b, {}).get(key, np.nan) for b in buckets]
+            ax.plot(x, stage1, "k--", alpha=0.5, label="stage-1 (dev)")
+        what = "F1@0.5 (labels required)" if key == "f1" else "recall"
+        ax.set(title=f"{what}, report split", xlabel="GT objects per image", ylabel=key)
+    diff = axes[2]
+    for offset, (arm, entry) in enumerate(result["comparisons"].items()):
+        by_bucket = entry["equal_steps"]["by_bucket"]
+        shown = [b for b in buckets if by_bucket.get(b)]
+        centre = np.array([by_bucket[b]["delta_f1"] for b in shown])
+        low = centre - np.array([by_bucket[b]["ci95"][0] for b in shown])
+        high = np.array([by_bucket[b]["ci95"][1] for b in shown]) - centre
+        positions = np.array([buckets.index(b) for b in shown]) + 0.06 * (
+            offset - len(result["comparisons"]) / 2
+        )
+        diff.errorbar(positions, centre, yerr=[low, high], marker="o", capsize=3, label=arm)
+    diff.axhline(0.0, color="k", lw=0.8)
+    diff.axhline(st.CROWDED_GAIN, color="k", ls=":", lw=0.8, label=f"+{st.CROWDED_GAIN} (26-30 clause)")
+    diff.set(title="F1 minus sft's, equal steps, 95% interval", xlabel="GT objects per image")
+    for ax in axes:
+        ax.set_xticks(x, buckets)
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
+        ax.legend(fontsize=7)
     progress = f"; in progress, missing {len(result['missing'])} arm-seeds" if result.get("missing") else ""
     fig.suptitle(f"crowded scenes, mean over seeds ({result['date']}, {result.get('commit', '')}{progress})")
     fig.tight_layout()

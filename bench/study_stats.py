@@ -101,8 +101,8 @@ def gate_verdict(evaluation: Mapping[str, Any], differs: Mapping[str, float]) ->
         "rule": (
             f"dev label-aware F1@0.5 in {list(F1_GATE)}; room for the mechanism (count-oracle headroom >= "
             f"{HEADROOM_GATE}, or duplicate rate >= {DUPLICATE_GATE}, or recall at {CROWDED_BUCKET} at least "
-            f"{RECALL_DROP_GATE} below recall at {SPARSE_BUCKET}); every rollout target differs from SFT's in "
-            f"token ids on >= {DIFFERS_GATE} of dev records"
+            f"{RECALL_DROP_GATE} below recall at {SPARSE_BUCKET}); every rollout target differs from SFT's "
+            f"in token ids on >= {DIFFERS_GATE} of dev records"
         ),
     }
 

@@ -238,8 +238,12 @@ def test_summary_applies_the_rule_and_plots_from_unit_files_alone(tmp_path: Path
             # the arm finds `extra` more objects on crowded images, more the more crowded
             found = np.maximum(gts - 5 + np.where(gts >= 20, extra * (1 + (gts >= 26)), 0) + (seed % 2), 0)
             found = np.minimum(found, gts)
-            run = {"steps": 2, "train_seconds": 10.0, "train_cpu_seconds": 9.0,
-                   "evals": {"2": {"dev": _report(gts, found), "report": _report(gts, found)}}}  # fmt: skip
+            run = {
+                "steps": 2,
+                "train_seconds": 10.0,
+                "train_cpu_seconds": 9.0,
+                "evals": {"2": {"dev": _report(gts, found), "report": _report(gts, found)}},
+            }
             (tmp_path / "arms" / arm / f"seed{seed}.json").write_text(json.dumps(run))
     args = _args(tmp_path, bootstrap=200, arms=["sft", "keep_all_supervised"])
     result = dense_summary.summarize(tmp_path, args, {}, {}, list(dense_study.ARMS), dense_study.PILOT)
@@ -260,6 +264,7 @@ def test_summary_applies_the_rule_and_plots_from_unit_files_alone(tmp_path: Path
 
 # ------------------------------------------------------------------------------ end to end, heavy
 @pytest.mark.heavy
+@pytest.mark.timeout(1500)  # three runs; the first takes ~4 min on a loaded 2-core machine
 def test_the_driver_runs_end_to_end_at_its_smallest_setting_and_resumes(tmp_path: Path) -> None:
     """SMOKE_ARGS (sft only, a few images and steps): the JSON, the unit files, a rerun that trains
     nothing, and --summarize."""
