@@ -250,14 +250,17 @@ def arm_config(
     splits: dict[str, Path],
     args: argparse.Namespace,
     steps: int,
+    save_steps: int | None = None,
 ) -> RollmatchConfig:
-    """One arm: the same records (seed) and learning rate; only the variant, loss and rollouts differ."""
+    """One arm: the same records (seed) and learning rate; only the variant, loss and rollouts differ.
+    A checkpoint every ``save_steps`` (default: the first of ``--eval-at``)."""
     spec = ARMS[arm]
     config = ls.base_config(folder, str(model), splits, args, seed=seed)
     config["custom"]["trainer_variant"] = spec["variant"]
     config["custom"]["extra"]["rollout_matching"].update(spec.get("rollout", {}))
     config["loss"] = spec["loss"]
-    config["training"].update({"max_steps": steps, "learning_rate": args.lr, "save_steps": min(args.eval_at)})
+    save_steps = save_steps or min(args.eval_at)
+    config["training"].update({"max_steps": steps, "learning_rate": args.lr, "save_steps": save_steps})
     if (folder / "trainer_state.json").exists() or any(folder.glob("checkpoint-*")):
         config["training"]["resume_from_checkpoint"] = "latest"
     try:
@@ -447,7 +450,7 @@ def run_arm(
     def train_and_evaluate() -> dict[str, Any]:
         from rollmatch.training.entry import run_training
 
-        cfg = arm_config(folder, arm, seed, stage1, splits, args, steps)
+        cfg = arm_config(folder, arm, seed, stage1, splits, args, steps, min(eval_at))
         seconds_log = folder / "train_seconds.jsonl"
         if not (folder / "final" / "config.json").exists():
             start_step, cpu_start = ls._resume_step(folder), time.process_time()

@@ -262,6 +262,27 @@ def test_summary_applies_the_rule_and_plots_from_unit_files_alone(tmp_path: Path
     assert (tmp_path / "plot.png").stat().st_size > 10_000
 
 
+def test_pilot_summary_measures_cost_and_spread_and_says_how_many_seeds(tmp_path: Path) -> None:
+    gts = np.random.default_rng(1).integers(8, 31, size=300)
+    for arm, found in (("sft", gts - 6), ("prefix_fn_supervised", gts - 5), ("keep_all_supervised", gts - 4)):
+        (tmp_path / "pilot" / "arms" / arm).mkdir(parents=True)
+        run = {
+            "steps": 500,
+            "train_seconds": 1000.0,
+            "train_cpu_seconds": 1500.0 if arm != "sft" else 500.0,
+            "evals": {"250": {"dev": _report(gts, found)}, "500": {"dev": _report(gts, found)}},
+        }
+        (tmp_path / "pilot" / "arms" / arm / "seed0.json").write_text(json.dumps(run))
+    args = _args(tmp_path, bootstrap=200, dev_size=300, report_size=600)
+    pilot = dense_summary.pilot_summary(tmp_path, args, dense_study.PILOT)
+    assert pilot["arms"]["keep_all_supervised/seed0"]["cpu_seconds_per_step"] == 3.0
+    assert pilot["arms"]["sft/seed0"]["dev_f1"] == {"250": 0.5, "500": 0.5}
+    spreads = pilot["spread_at_report_size"]
+    assert set(spreads) == {"prefix_fn_supervised/seed0", "keep_all_supervised/seed0"}
+    # every image gains the same: the paired difference barely moves under image resampling
+    assert all(0 <= s < st.SPREAD_LIMIT for s in spreads.values()) and pilot["seeds_needed"] == st.SEEDS
+
+
 # ------------------------------------------------------------------------------ end to end, heavy
 @pytest.mark.heavy
 @pytest.mark.timeout(1500)  # three runs; the first takes ~4 min on a loaded 2-core machine
