@@ -39,6 +39,9 @@ CPU hours on 2 cores; stop and rerun at will)::
         --arms sft prefix_fn_supervised --docs
     .venv/bin/python bench/compare_studies.py --study runs/learning_signal_coord \
         --baseline runs/learning_signal --docs
+    # a second stage-1 seed (initialisation and data order) per format, for a seed-level interval:
+    .venv/bin/python bench/learning_signal.py --out runs/learning_signal_s1 --stage1-seed 1 \
+        --arms sft prefix_fn_supervised
 """
 
 from __future__ import annotations
