@@ -14,6 +14,14 @@ to docs/learning_signal_<format>_vs_<format>.json. Run (after both studies, or a
 done so far)::
 
     .venv/bin/python bench/compare_studies.py --study runs/ls_coord --baseline runs/ls_9k --docs
+
+**Replication over stage-1 seeds**: give one study per ``--stage1-seed`` on each side; they are paired
+by stage-1 seed, the bootstrap resamples stage-1 seeds (for ``stage1_dev``) or (stage-1 seed, arm seed)
+pairs (for the arms) together with the images, and ``stage1_dev.t_test_over_stage1_seeds`` is the
+seed-level interval (a t interval over one paired difference per stage-1 seed: wide with two)::
+
+    .venv/bin/python bench/compare_studies.py --study runs/ls_coord runs/ls_coord_s1 \
+        --baseline runs/ls_9k runs/ls_9k_s1 --docs
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from typing import Any
 
 import numpy as np
 from learning_signal import paired_bootstrap  # bench scripts share the study's statistics
+from study_stats import paired_t
 
 # Settings that may differ between the two studies; everything else must be equal.
 FREE_SETTINGS = ("object_format", "arms", "seeds", "backend", "bootstrap")
@@ -35,8 +44,12 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--study", required=True, help="a learning_signal.py --out folder")
-    parser.add_argument("--baseline", required=True, help="the same study with another --object-format")
+    parser.add_argument(
+        "--study", required=True, nargs="+", help="learning_signal.py --out folders, one per --stage1-seed"
+    )
+    parser.add_argument(
+        "--baseline", required=True, nargs="+", help="the same studies with another --object-format"
+    )
     parser.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples")
     parser.add_argument("--docs", action="store_true", help="write the JSON into docs/")
     return parser.parse_args()
@@ -44,7 +57,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    result = compare_studies(Path(args.study), Path(args.baseline), args.bootstrap)
+    result = compare_studies([Path(p) for p in args.study], [Path(p) for p in args.baseline], args.bootstrap)
     text = json.dumps(result, indent=1)
     print(text)
     if args.docs:
@@ -52,8 +65,65 @@ def main() -> None:
         (Path(__file__).parents[1] / "docs" / f"{name}.json").write_text(text + "\n")
 
 
-def compare_studies(study: Path, baseline: Path, resamples: int) -> dict[str, Any]:
-    settings = {name: _settings(folder) for name, folder in (("study", study), ("baseline", baseline))}
+def compare_studies(study: Path | list[Path], baseline: Path | list[Path], resamples: int) -> dict[str, Any]:
+    """Study minus baseline, paired by stage-1 seed (``--stage1-seed``, 0 when a study predates it): with
+    one study per side, that study's stage-1 and arms; with several, the resampled "seeds" are every
+    (stage-1 seed, arm seed) pair, and the stage-1 difference also gets a t-test over stage-1 seeds."""
+    sides = {"study": _by_stage1_seed(study), "baseline": _by_stage1_seed(baseline)}
+    if set(sides["study"]) != set(sides["baseline"]):
+        raise SystemExit(
+            f"the studies have stage-1 seeds {sorted(sides['study'])}, the baselines "
+            f"{sorted(sides['baseline'])}: give one study per stage-1 seed on each side"
+        )
+    stage1_seeds = sorted(sides["study"])
+    for seed in stage1_seeds:
+        _check_same_design(sides["study"][seed], sides["baseline"][seed])
+    settings = {name: _settings(sides[name][stage1_seeds[0]]) for name in sides}
+    rng = np.random.default_rng(0)
+    result: dict[str, Any] = {
+        name: {
+            "folder": str(sides[name][stage1_seeds[0]]),
+            "folders": [str(sides[name][s]) for s in stage1_seeds],
+            "object_format": settings[name]["object_format"],
+        }
+        for name in sides
+    }
+    result["stage1_seeds"] = stage1_seeds
+    gates = {name: [_read(sides[name][s] / "gate.json") for s in stage1_seeds] for name in sides}
+    if all(all(g) for g in gates.values()):
+        result["stage1_dev"] = contrast(
+            [g["dev"] for g in gates["study"]], [g["dev"] for g in gates["baseline"]], resamples, rng
+        )
+        if len(stage1_seeds) > 1:  # the seed-level interval: one paired difference per stage-1 seed
+            result["stage1_dev"]["t_test_over_stage1_seeds"] = paired_t(result["stage1_dev"]["per_seed"])
+    result["arms"] = {}
+    arms = set(settings["study"]["arms"]) & set(settings["baseline"]["arms"])
+    for arm in sorted(arms):
+        runs = {name: [_arm_runs(sides[name][s], arm) for s in stage1_seeds] for name in sides}
+        seeds = sorted(set.intersection(*(set(r) for side in runs.values() for r in side)))
+        if not seeds:
+            continue
+        result["arms"][arm] = {"seeds": seeds}
+        for step in map(str, settings["study"]["decide_at"]):
+            paired = [
+                [run[seed]["evals"][step]["report"] for run in runs[name] for seed in seeds] for name in sides
+            ]
+            result["arms"][arm][step] = contrast(*paired, resamples, rng)
+    return result
+
+
+def _by_stage1_seed(folders: Path | list[Path]) -> dict[int, Path]:
+    by_seed: dict[int, Path] = {}
+    for folder in [folders] if isinstance(folders, Path) else folders:
+        seed = _settings(folder).get("stage1_seed", 0)
+        if seed in by_seed:
+            raise SystemExit(f"{by_seed[seed]} and {folder} both have stage-1 seed {seed}")
+        by_seed[seed] = folder
+    return by_seed
+
+
+def _check_same_design(study: Path, baseline: Path) -> None:
+    settings = {"study": _settings(study), "baseline": _settings(baseline)}
     differing = sorted(
         key
         for key in set(settings["study"]) | set(settings["baseline"])
@@ -64,25 +134,6 @@ def compare_studies(study: Path, baseline: Path, resamples: int) -> dict[str, An
             f"{study} and {baseline} differ in {differing}: they do not see the same data and schedule "
             "(run the study again with the baseline's settings and another --out)"
         )
-    rng = np.random.default_rng(0)
-    result: dict[str, Any] = {
-        name: {"folder": str(folder), "object_format": settings[name]["object_format"]}
-        for name, folder in (("study", study), ("baseline", baseline))
-    }
-    gates = [_read(folder / "gate.json") for folder in (study, baseline)]
-    if all(gates):
-        result["stage1_dev"] = contrast([gates[0]["dev"]], [gates[1]["dev"]], resamples, rng)
-    result["arms"] = {}
-    for arm in sorted(set(settings["study"]["arms"]) & set(settings["baseline"]["arms"])):
-        runs = [_arm_runs(folder, arm) for folder in (study, baseline)]
-        seeds = sorted(set(runs[0]) & set(runs[1]))
-        if not seeds:
-            continue
-        result["arms"][arm] = {"seeds": seeds}
-        for step in map(str, settings["study"]["decide_at"]):
-            sides = [[run[seed]["evals"][step]["report"] for seed in seeds] for run in runs]
-            result["arms"][arm][step] = contrast(*sides, resamples, rng)
-    return result
 
 
 def contrast(

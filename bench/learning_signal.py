@@ -39,6 +39,9 @@ CPU hours on 2 cores; stop and rerun at will)::
         --arms sft prefix_fn_supervised --docs
     .venv/bin/python bench/compare_studies.py --study runs/learning_signal_coord \
         --baseline runs/learning_signal --docs
+    # a second stage-1 seed (initialisation and data order) per format, for a seed-level interval:
+    .venv/bin/python bench/learning_signal.py --out runs/learning_signal_s1 --stage1-seed 1 \
+        --arms sft prefix_fn_supervised
 """
 
 from __future__ import annotations
@@ -169,6 +172,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--stage1-steps", type=int, default=9000, help="3,000 failed the gate (dev F1 0.23)")
     parser.add_argument("--stage1-lr", type=float, default=2e-3)
     parser.add_argument(
+        "--stage1-seed", type=int, default=0, help="stage-1 init and data order (a second seed replicates)"
+    )
+    parser.add_argument(
         "--lr", type=float, default=2e-4, help="every arm's (HF constant schedule, no warm-up)"
     )
     parser.add_argument("--steps", type=int, default=1000, help="optimizer steps per arm and seed")
@@ -212,6 +218,12 @@ def prepare_data(out: Path, args: argparse.Namespace) -> dict[str, Path]:
         min_objects=low, max_objects=high, min_side=SIDES[0], max_side=SIDES[1], tied_row_frac=1 / 3
     )
     sizes = {"train": args.train_size, "dev": args.dev_size, "report": args.report_size}
+    return generate_splits(out, sizes, difficulty)
+
+
+def generate_splits(out: Path, sizes: dict[str, int], difficulty: ShapesDifficulty) -> dict[str, Path]:
+    """Each split of ``sizes`` (in order) from its own generator seed 0, 1, 2, ... under ``out/data``;
+    a split already generated is kept."""
     paths = {}
     for seed, (split, size) in enumerate(sizes.items()):
         folder = out / "data" / split
@@ -261,11 +273,11 @@ def stage1_checkpoint(out: Path, splits: dict[str, Path], args: argparse.Namespa
         build_tiny_model(
             "qwen3_vl",
             model,
-            seed=0,
+            seed=args.stage1_seed,
             size=TinySize(rope_theta=10.0),
             coord_tokens=args.object_format == "coord_tokens",
         )
-    cfg = base_config(out / "stage1", str(model), splits, args, seed=0)
+    cfg = base_config(out / "stage1", str(model), splits, args, seed=args.stage1_seed)
     cfg["custom"]["trainer_variant"] = "sft"
     cfg["training"].update(
         {

@@ -94,3 +94,25 @@ def test_compare_studies_refuses_studies_that_saw_other_data(tmp_path: Path) -> 
     digits = _study(tmp_path / "digits")
     with pytest.raises(SystemExit, match=r"differ in \['steps'\]"):
         compare_studies.compare_studies(coord, digits, 100)
+
+
+def test_compare_studies_pairs_stage1_seeds_and_gives_a_seed_level_interval(tmp_path: Path) -> None:
+    def study(name: str, fmt: str, stage1_seed: int, tp: int) -> Path:
+        folder = _study(tmp_path / name, object_format=fmt, stage1_seed=stage1_seed)
+        (folder / "gate.json").write_text(json.dumps({"dev": _report([tp] * 4)}))
+        (folder / "arms" / "sft").mkdir(parents=True)
+        run = {"evals": {"1000": {"report": _report([tp] * 4)}}}
+        (folder / "arms" / "sft" / "seed0.json").write_text(json.dumps(run))
+        return folder
+
+    coord = [study("c0", "coord_tokens", 0, 3), study("c1", "coord_tokens", 1, 4)]
+    digits = [study("d1", "qwen_json", 1, 2), study("d0", "qwen_json", 0, 1)]  # any order: paired by seed
+    result = compare_studies.compare_studies(coord, digits, 100)
+    assert result["stage1_seeds"] == [0, 1]
+    per_seed = [round(2 * 3 / 7 - 2 * 1 / 3, 4), round(2 * 4 / 9 - 2 * 2 / 5, 4)]
+    assert result["stage1_dev"]["per_seed"] == per_seed
+    t_test = result["stage1_dev"]["t_test_over_stage1_seeds"]
+    assert t_test["seeds"] == 2 and t_test["ci95"][0] < np.mean(per_seed) < t_test["ci95"][1]
+    assert result["arms"]["sft"]["1000"]["per_seed"] == per_seed
+    with pytest.raises(SystemExit, match="stage-1 seeds"):
+        compare_studies.compare_studies(coord, digits[:1], 100)

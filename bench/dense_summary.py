@@ -1,0 +1,385 @@
+"""The crowded-scenes study's summary and plot, from whatever unit files ``bench/dense_study.py`` wrote.
+
+Owns: reading the units (gate, diagnostics, pilot, each arm x seed, the equal-compute points), the
+comparisons of every arm with ``sft`` (at equal steps and at equal compute) by the rules of
+``bench/study_stats.py``, the default target chosen on dev, the replication check against a study
+with another stage-1 seed, and the PNG (F1 and recall per GT-count bucket per arm). Runs nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import study_stats as st
+from learning_signal import paired_bootstrap
+
+# Kept in the summary of an evaluation (the unit files hold everything, per-image counts included).
+METRICS = (
+    "f1",
+    "precision",
+    "recall",
+    "map",
+    "map_uniform_score",
+    "mean_iou",
+    "truncated_frac",
+    "duplicate_rate",
+    "fp_per_image",
+    "exact_count_acc",
+    "objects_per_image",
+    "count_error",
+    "count_mae",
+    "recall_first_third",
+    "recall_middle_third",
+    "recall_last_third",
+    "kendall_tau",
+)
+SECONDARY = (
+    "count_error",
+    "count_mae",
+    "recall_last_third",
+    "duplicate_rate",
+    "kendall_tau",
+    "truncated_frac",
+    "map_uniform_score",
+    "fp_per_image",
+)
+CANDIDATE_TARGETS = (
+    "prefix_fn_supervised",
+    "keep_all_supervised",
+    "keep_all_supervised_fp_unlikelihood",
+    "keep_all_supervised_sampled_k4",
+)
+BASELINE_TARGET = "prefix_fn_supervised"  # the default target before the study
+
+
+def summarize(
+    out: Path,
+    args: argparse.Namespace,
+    settings: dict[str, Any],
+    data: dict[str, Any],
+    arms: list[str],
+    pilot: dict[str, Any],
+) -> dict[str, Any]:
+    """The study's JSON from the unit files under ``out`` (``arms``: every arm the study knows)."""
+    final = str(args.steps)
+    runs = {arm: arm_runs(out, arm) for arm in arms}
+    result: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "settings": settings,
+        "data": data,
+        "gate": gate_summary(out),
+        "diagnostics": _without(_read(out / "diagnostics.json"), "config"),
+        "pilot": pilot_summary(out, args, pilot),
+        "missing": [f"{arm}/seed{s}" for arm in args.arms for s in args.seeds if s not in runs[arm]],
+        "arms": {arm: arm_summary(by_seed, final) for arm, by_seed in runs.items() if by_seed},
+        "comparisons": {},
+    }
+    rng = np.random.default_rng(0)
+    for arm, by_seed in runs.items():
+        seeds = sorted(set(by_seed) & set(runs["sft"]))
+        if arm == "sft" or not seeds:
+            continue
+        arm_reports = [by_seed[s]["evals"][final]["report"] for s in seeds]
+        entry = {
+            "seeds": seeds,
+            "equal_steps": contrast(
+                arm_reports, [runs["sft"][s]["evals"][final]["report"] for s in seeds], args.bootstrap, rng
+            ),
+        }
+        compute = equal_compute_reports(out, arm, seeds)
+        if compute:
+            steps, reports = compute
+            paired = [by_seed[s]["evals"][final]["report"] for s in reports]
+            entry["equal_compute"] = {
+                "sft_steps": steps,
+                "seeds": sorted(reports),
+                **contrast(paired, list(reports.values()), args.bootstrap, rng),
+            }
+        result["comparisons"][arm] = entry
+    result["default_target_on_dev"] = default_target(runs, final, args.bootstrap, rng)
+    if args.replication:
+        result["replication"] = replication(result, Path(args.replication))
+    return result
+
+
+def contrast(
+    arm: list[dict[str, Any]], base: list[dict[str, Any]], resamples: int, rng: np.random.Generator
+) -> dict[str, Any]:
+    """Arm minus base on the same report images, seed by seed: the primary test, the buckets, the rule."""
+    arm_images, base_images = [r["per_image"] for r in arm], [r["per_image"] for r in base]
+    overall = paired_bootstrap(arm_images, base_images, resamples, rng)
+    overall["t_test"] = st.paired_t(overall["per_seed"])
+    buckets = {b: st.bucket_bootstrap(arm_images, base_images, b, resamples, rng) for b in st.CROWD_BUCKETS}
+    secondary = {
+        m: round(float(np.mean([a[m] - b[m] for a, b in zip(arm, base, strict=True)])), 4) for m in SECONDARY
+    }
+    secondary["count_oracle_f1"] = round(
+        float(
+            np.mean(
+                [
+                    a["count_oracle"]["count_oracle_f1"] - b["count_oracle"]["count_oracle_f1"]
+                    for a, b in zip(arm, base, strict=True)
+                ]
+            )
+        ),
+        4,
+    )
+    recall = {}
+    for bucket in st.CROWD_BUCKETS:
+        pairs = [
+            (a["gt_count_buckets"].get(bucket), b["gt_count_buckets"].get(bucket))
+            for a, b in zip(arm, base, strict=True)
+        ]
+        if all(a and b for a, b in pairs):
+            recall[bucket] = round(float(np.mean([a["recall"] - b["recall"] for a, b in pairs])), 4)
+    return {
+        "overall": overall,
+        "by_bucket": buckets,
+        "delta_recall_by_bucket": recall,
+        "delta_secondary": secondary,
+        "verdict": st.gain_verdict(overall, buckets, len(arm)),
+    }
+
+
+def default_target(
+    runs: dict[str, dict[int, Any]], final: str, resamples: int, rng: np.random.Generator
+) -> dict[str, Any] | None:
+    """The target with the best mean dev F1 at the last step (dev only: report never picks), and its
+    paired bootstrap on dev against the target that was the default before."""
+    dev = {
+        arm: {s: r["evals"][final]["dev"] for s, r in runs[arm].items()}
+        for arm in CANDIDATE_TARGETS
+        if runs[arm]
+    }
+    if not dev:
+        return None
+    means = {
+        arm: round(float(np.mean([e["f1"] for e in by_seed.values()])), 4) for arm, by_seed in dev.items()
+    }
+    best = max(means, key=lambda arm: means[arm])
+    chosen: dict[str, Any] = {"chosen_on": "dev", "target": best, "dev_f1": means}
+    seeds = sorted(set(dev[best]) & set(dev.get(BASELINE_TARGET, {})))
+    if best != BASELINE_TARGET and seeds:
+        chosen[f"versus_{BASELINE_TARGET}_on_dev"] = paired_bootstrap(
+            [dev[best][s]["per_image"] for s in seeds],
+            [dev[BASELINE_TARGET][s]["per_image"] for s in seeds],
+            resamples,
+            rng,
+        )
+    return chosen
+
+
+def replication(result: dict[str, Any], other: Path) -> dict[str, Any]:
+    """Per arm: a gain here and in the study with another stage-1 seed (None: either has no verdict)."""
+    theirs = _read(other / "dense_study.json")
+    if theirs is None:
+        raise SystemExit(
+            f"--replication {other}: no dense_study.json there (run or --summarize that study first)"
+        )
+    differing = sorted(
+        k
+        for k in result["settings"]
+        if k != "stage1_seed" and theirs["settings"].get(k) != result["settings"][k]
+    )
+    if differing or theirs["settings"]["stage1_seed"] == result["settings"]["stage1_seed"]:
+        raise SystemExit(
+            f"--replication {other}: not the same study with another --stage1-seed (differs in {differing})"
+        )
+    out: dict[str, Any] = {"study": str(other), "stage1_seed": theirs["settings"]["stage1_seed"], "arms": {}}
+    for arm, entry in result["comparisons"].items():
+        here = entry["equal_steps"]["verdict"]["gain"]
+        there = theirs["comparisons"].get(arm, {}).get("equal_steps", {}).get("verdict", {}).get("gain")
+        out["arms"][arm] = None if here is None or there is None else bool(here and there)
+    return out
+
+
+# ------------------------------------------------------------------------------------------ units
+def arm_runs(root: Path, arm: str) -> dict[int, Any]:
+    runs = {}
+    for path in sorted((root / "arms" / arm).glob("seed*.json")):
+        runs[int(path.stem.removeprefix("seed"))] = json.loads(path.read_text())
+    return runs
+
+
+def cost_per_step(runs: dict[str, dict[int, Any]]) -> dict[str, Any]:
+    """Each arm's cost per step from its cheapest seed (the least disturbed by other work): CPU seconds
+    of the training process when every arm measured them, else wall-clock seconds (``basis`` says)."""
+    for key in ("train_cpu_seconds", "train_seconds"):
+        costs = {
+            arm: [r[key] / r["steps"] for r in by_seed.values() if r.get(key)]
+            for arm, by_seed in runs.items()
+        }
+        if all(costs.values()):
+            return {"basis": key, **{arm: min(c) for arm, c in costs.items()}}
+    raise SystemExit(
+        "equal compute needs every arm trained first; no cost yet for "
+        f"{[arm for arm, by_seed in runs.items() if not by_seed]}"
+    )
+
+
+def equal_compute_reports(out: Path, arm: str, seeds: list[int]) -> tuple[int, dict[int, Any]] | None:
+    steps_file = _read(out / "arms" / "sft_equal_compute" / f"steps-{arm}.json")
+    if steps_file is None:
+        return None
+    steps = steps_file["steps"]
+    reports = {
+        s: _read(out / "arms" / "sft_equal_compute" / f"seed{s}" / f"eval-{steps}-report.json") for s in seeds
+    }
+    done = {s: r for s, r in reports.items() if r is not None}
+    return (steps, done) if done else None
+
+
+def gate_summary(out: Path) -> dict[str, Any]:
+    gate = _read(out / "gate.json")
+    if gate is None:
+        chunks = sorted((out / "stage1").glob("gate-*.json"), key=lambda p: int(p.stem.split("-")[1]))
+        return {"in_progress": [_gate_line(json.loads(p.read_text())) for p in chunks]}
+    return {
+        **_gate_line(gate),
+        "decision": gate["decision"],
+        "history": gate["history"],
+        "dev": _slim(gate["dev"]),
+        "commit": gate["commit"],
+    }
+
+
+def pilot_summary(out: Path, args: argparse.Namespace, pilot: dict[str, Any]) -> dict[str, Any] | None:
+    """Cost per step per arm, dev F1, and each rollout arm's spread of the paired difference to sft
+    (bootstrap over dev images, scaled to the report split's size); the seeds that spread calls for."""
+    runs = {arm: arm_runs(out / "pilot", arm) for arm in pilot["arms"]}
+    if not any(runs.values()):
+        return None
+    final, rng = str(pilot["steps"]), np.random.default_rng(0)
+    summary: dict[str, Any] = {"steps": pilot["steps"], "arms": {}, "spread_at_report_size": {}}
+    for arm, by_seed in runs.items():
+        for seed, run in by_seed.items():
+            summary["arms"][f"{arm}/seed{seed}"] = {
+                "cpu_seconds_per_step": run["train_cpu_seconds"]
+                and round(run["train_cpu_seconds"] / run["steps"], 2),
+                "seconds_per_step": round(run["train_seconds"] / run["steps"], 2),
+                "dev_f1": {step: e["dev"]["f1"] for step, e in run["evals"].items()},
+            }
+    scale = np.sqrt(args.dev_size / args.report_size)
+    for arm, by_seed in runs.items():
+        for seed in sorted(set(by_seed) & set(runs["sft"])) if arm != "sft" else []:
+            a, b = by_seed[seed]["evals"][final]["dev"], runs["sft"][seed]["evals"][final]["dev"]
+            spread = st.bootstrap_spread(a["per_image"], b["per_image"], args.bootstrap, rng) * scale
+            summary["spread_at_report_size"][f"{arm}/seed{seed}"] = round(float(spread), 4)
+    summary["seeds_needed"] = st.seeds_needed(list(summary["spread_at_report_size"].values()))
+    return summary
+
+
+def arm_summary(by_seed: dict[int, Any], final: str) -> dict[str, Any]:
+    """Means over seeds: dev F1 per evaluated step, report metrics and per-bucket F1 / recall at the end."""
+    reports = [
+        run["evals"][final]["report"] for run in by_seed.values() if "report" in run["evals"].get(final, {})
+    ]
+    summary: dict[str, Any] = {
+        "seeds": sorted(by_seed),
+        "train_cpu_seconds": {str(s): r.get("train_cpu_seconds") for s, r in by_seed.items()},
+        "train_seconds": {str(s): r["train_seconds"] for s, r in by_seed.items()},
+        "dev_f1": {
+            step: round(float(np.mean([r["evals"][step]["dev"]["f1"] for r in by_seed.values()])), 4)
+            for step in sorted({s for r in by_seed.values() for s in r["evals"]}, key=int)
+        },
+    }
+    if reports:
+        summary["report"] = {m: round(float(np.mean([r[m] for r in reports])), 4) for m in METRICS}
+        summary["report"]["count_oracle_f1"] = round(
+            float(np.mean([r["count_oracle"]["count_oracle_f1"] for r in reports])), 4
+        )
+        summary["report_by_bucket"] = {
+            bucket: {
+                key: round(float(np.mean([r["gt_count_buckets"][bucket][key] for r in reports])), 4)
+                for key in ("f1", "recall")
+            }
+            for bucket in reports[0]["gt_count_buckets"]
+            if all(bucket in r["gt_count_buckets"] for r in reports)
+        }
+    return summary
+
+
+# ------------------------------------------------------------------------------------------- plot
+def plot(result: dict[str, Any], path: Path) -> None:
+    """F1 and recall per GT-count bucket per arm (report split, last step, mean over seeds), and each
+    arm's F1 difference to ``sft`` per bucket with its 95% bootstrap interval (the decision rule's)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    buckets = list(st.CROWD_BUCKETS)
+    x = np.arange(len(buckets))
+    fig, axes = plt.subplots(1, 3, figsize=(19, 4.8))
+    for ax, key in zip(axes, ("f1", "recall"), strict=False):
+        for arm, summary in result["arms"].items():
+            values = summary.get("report_by_bucket", {})
+            seeds = len(summary["seeds"])
+            label = f"{arm} ({seeds} seed{'s' * (seeds > 1)})"
+            ax.plot(x, [values.get(b, {}).get(key, np.nan) for b in buckets], marker="o", label=label)
+        gate = result["gate"].get("dev", {}).get("gt_count_buckets") or {}
+        if gate:
+            stage1 = [gate.get(b, {}).get(key, np.nan) for b in buckets]
+            ax.plot(x, stage1, "k--", alpha=0.5, label="stage-1 (dev)")
+        what = "F1@0.5 (labels required)" if key == "f1" else "recall"
+        ax.set(title=f"{what}, report split", xlabel="GT objects per image", ylabel=key)
+    diff = axes[2]
+    for offset, (arm, entry) in enumerate(result["comparisons"].items()):
+        by_bucket = entry["equal_steps"]["by_bucket"]
+        shown = [b for b in buckets if by_bucket.get(b)]
+        centre = np.array([by_bucket[b]["delta_f1"] for b in shown])
+        low = centre - np.array([by_bucket[b]["ci95"][0] for b in shown])
+        high = np.array([by_bucket[b]["ci95"][1] for b in shown]) - centre
+        positions = np.array([buckets.index(b) for b in shown]) + 0.06 * (
+            offset - len(result["comparisons"]) / 2
+        )
+        diff.errorbar(positions, centre, yerr=[low, high], marker="o", capsize=3, label=arm)
+    diff.axhline(0.0, color="k", lw=0.8)
+    diff.axhline(st.CROWDED_GAIN, color="k", ls=":", lw=0.8, label=f"+{st.CROWDED_GAIN} (26-30 clause)")
+    diff.set(title="F1 minus sft's, equal steps, 95% interval", xlabel="GT objects per image")
+    for ax in axes:
+        ax.set_xticks(x, buckets)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    progress = f"; in progress, missing {len(result['missing'])} arm-seeds" if result.get("missing") else ""
+    fig.suptitle(f"crowded scenes, mean over seeds ({result['date']}, {result.get('commit', '')}{progress})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _gate_line(gate: dict[str, Any]) -> dict[str, Any]:
+    keys = (
+        "passed",
+        "f1",
+        "f1_side",
+        "trunk_steps",
+        "cooldown_steps",
+        "room_for_the_mechanism",
+        "targets_differing_from_sft",
+        "rule",
+    )
+    return {k: gate[k] for k in keys if k in gate}
+
+
+def _slim(evaluation: dict[str, Any]) -> dict[str, Any]:
+    keep = {m: evaluation[m] for m in METRICS if m in evaluation}
+    return {
+        **keep,
+        "gt_count_buckets": evaluation.get("gt_count_buckets"),
+        "count_oracle": st.count_oracle_headroom(evaluation["per_image"]),
+        "decoding": evaluation.get("decoding"),
+    }
+
+
+def _without(data: dict[str, Any] | None, key: str) -> dict[str, Any] | None:
+    return None if data is None else {k: v for k, v in data.items() if k != key}
+
+
+def _read(path: Path) -> dict[str, Any] | None:
+    return json.loads(path.read_text()) if path.exists() else None

@@ -1,0 +1,233 @@
+"""The crowded-scenes study's statistics and rules (pure: per-image counts and eval JSONs in, numbers out).
+
+Owns what ``bench/dense_study.py`` decides with, fixed before any arm runs (docs/runbook.md,
+"Crowded scenes: the pre-registered study"):
+
+- :func:`count_oracle_f1` / :func:`count_oracle_headroom`: the F1 if every image's count error were
+  fixed, and how far above the real F1 that is;
+- :func:`gate_verdict` (F1 range, room for the mechanism, targets differing from SFT's) and
+  :func:`stage1_next` (pass, extend stage-1, or stop);
+- :func:`paired_t` (per-seed paired t-test), :func:`bucket_bootstrap` (the paired bootstrap of
+  ``learning_signal.paired_bootstrap`` on the images of one GT-count bucket) and :func:`gain_verdict`
+  (the decision rule, with its monotone-bucket clause);
+- :func:`equal_compute_steps_by_arm` (SFT steps matching each arm's own cost) and
+  :func:`seeds_needed` (5 or 8 seeds from the pilot's spread).
+
+Leaves out: training, evaluation and files (``bench/dense_study.py``).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from learning_signal import f1_of, paired_bootstrap  # bench scripts share the studies' statistics
+from scipy import stats
+
+# ----------------------------------------------------------------------- fixed before any arm runs
+F1_GATE = (0.45, 0.85)  # label-aware dev F1@0.5 of the stage-1 checkpoint
+HEADROOM_GATE = 0.04  # count-oracle headroom on dev
+DUPLICATE_GATE = 0.02  # dev duplicate rate
+RECALL_DROP_GATE = 0.10  # recall at 8-12 minus recall at 26-30 on dev
+DIFFERS_GATE = 0.25  # each rollout target differs from SFT's in token ids on this share of dev records
+SPARSE_BUCKET, CROWDED_BUCKET = "8-12", "26-30"
+CROWD_BUCKETS = ("8-12", "13-19", "20-25", "26-30")  # eval.count_buckets' default edges, 8-30 objects
+OVERALL_GAIN = 0.02  # overall F1@0.5 gain over sft, with the 95% interval above 0
+CROWDED_GAIN = 0.04  # or this in the 26-30 bucket, interval above 0, rising monotonely across buckets
+MIN_SEEDS = 5  # no verdict on fewer
+SEEDS, MORE_SEEDS, SPREAD_LIMIT = 5, 8, 0.012  # 8 seeds if the pilot's spread exceeds the limit
+MAX_COMPUTE_RATIO = 20  # SFT at equal compute trains at most this many times the arms' steps
+
+
+# ----------------------------------------------------------------------------- count-oracle F1
+def count_oracle_counts(tp: np.ndarray, fp: np.ndarray, fn: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Per image, the counts if its count error were fixed and nothing else.
+
+    An image with ``n_pred = tp + fp`` valid predictions and ``n_gt = tp + fn`` GT objects. Over-counted
+    (``n_pred > n_gt``): the ``n_pred - n_gt`` surplus predictions are removed, false positives first,
+    so ``fp' = fn`` and ``tp`` stays. Under-counted (``n_pred < n_gt``): ``n_gt - n_pred`` predictions
+    are added, each a correct box of a missed object (the best an added prediction can be), so
+    ``tp' = tp + fn - fp`` and ``fn' = fp``. Both cases: ``fp' = fn' = min(fp, fn)``,
+    ``tp' = tp + fn - min(fp, fn)``; an exact count changes nothing. An upper bound on what stopping at
+    the right length alone could give: boxes and labels stay as they are."""
+    tp, fp, fn = (np.asarray(a, dtype=np.int64) for a in (tp, fp, fn))
+    if (tp < 0).any() or (fp < 0).any() or (fn < 0).any():
+        raise ValueError("per-image tp / fp / fn counts must be >= 0")
+    wrong = np.minimum(fp, fn)
+    return tp + fn - wrong, wrong, wrong.copy()
+
+
+def count_oracle_f1(tp: Sequence[int], fp: Sequence[int], fn: Sequence[int]) -> float:
+    """Micro F1 over the images with every count error fixed (:func:`count_oracle_counts`)."""
+    return f1_of(*count_oracle_counts(np.asarray(tp), np.asarray(fp), np.asarray(fn)))
+
+
+def count_oracle_headroom(per_image: Mapping[str, Sequence[int]]) -> dict[str, float]:
+    """``f1``, ``count_oracle_f1`` and ``headroom`` (their difference, >= 0) of one evaluation."""
+    tp, fp, fn = (np.asarray(per_image[k]) for k in ("tp", "fp", "fn"))
+    real, oracle = f1_of(tp, fp, fn), count_oracle_f1(tp, fp, fn)
+    return {"f1": round(real, 4), "count_oracle_f1": round(oracle, 4), "headroom": round(oracle - real, 4)}
+
+
+# ------------------------------------------------------------------------------------------- gate
+def gate_verdict(evaluation: Mapping[str, Any], differs: Mapping[str, float]) -> dict[str, Any]:
+    """The gate on one stage-1 checkpoint's dev evaluation (``learning_signal.evaluate``'s dict) and the
+    share of dev records whose target differs from SFT's in token ids, per rollout target."""
+    f1 = float(evaluation["f1"])
+    buckets = evaluation.get("gt_count_buckets", {})
+    sparse, crowded = buckets.get(SPARSE_BUCKET), buckets.get(CROWDED_BUCKET)
+    drop = None if not (sparse and crowded) else round(sparse["recall"] - crowded["recall"], 4)
+    headroom = count_oracle_headroom(evaluation["per_image"])["headroom"]
+    room = {
+        "count_oracle_headroom": {"value": headroom, "passed": headroom >= HEADROOM_GATE},
+        "duplicate_rate": {
+            "value": round(float(evaluation["duplicate_rate"]), 4),
+            "passed": float(evaluation["duplicate_rate"]) >= DUPLICATE_GATE,
+        },
+        "recall_drop_8_12_to_26_30": {"value": drop, "passed": drop is not None and drop >= RECALL_DROP_GATE},
+    }
+    f1_in_range = F1_GATE[0] <= f1 <= F1_GATE[1]
+    room_passed = any(clause["passed"] for clause in room.values())
+    differs_passed = bool(differs) and all(share >= DIFFERS_GATE for share in differs.values())
+    return {
+        "passed": bool(f1_in_range and room_passed and differs_passed),
+        "f1": round(f1, 4),
+        "f1_in_range": f1_in_range,
+        "f1_side": "low" if f1 < F1_GATE[0] else "high" if f1 > F1_GATE[1] else "in range",
+        "room_for_the_mechanism": {"passed": room_passed, **room},
+        "targets_differing_from_sft": {"passed": differs_passed, **dict(differs)},
+        "rule": (
+            f"dev label-aware F1@0.5 in {list(F1_GATE)}; room for the mechanism (count-oracle headroom >= "
+            f"{HEADROOM_GATE}, or duplicate rate >= {DUPLICATE_GATE}, or recall at {CROWDED_BUCKET} at least "
+            f"{RECALL_DROP_GATE} below recall at {SPARSE_BUCKET}); every rollout target differs from SFT's "
+            f"in token ids on >= {DIFFERS_GATE} of dev records"
+        ),
+    }
+
+
+def stage1_next(gate: Mapping[str, Any], trunk_steps: int, max_trunk_steps: int) -> str:
+    """After a gate at ``trunk_steps``: ``pass``; ``extend`` (F1 below the range and steps left);
+    else why the study stops: ``fail_high`` (F1 above the range: more training cannot bring it back),
+    ``fail_room`` (F1 in range but no room for the mechanism or too few differing targets: more
+    training only shrinks them), ``fail_budget`` (F1 still low at ``max_trunk_steps``)."""
+    if gate["passed"]:
+        return "pass"
+    if gate["f1_side"] == "high":
+        return "fail_high"
+    if gate["f1_side"] == "in range":
+        return "fail_room"
+    return "extend" if trunk_steps < max_trunk_steps else "fail_budget"
+
+
+# ------------------------------------------------------------------------------------- statistics
+def paired_t(per_seed: Sequence[float]) -> dict[str, Any]:
+    """Paired t-test over seeds of the per-seed differences (H0: mean 0): t, two-sided p, 95% interval.
+    None values with fewer than 2 seeds; a zero spread gives an interval of width 0."""
+    d = np.asarray(per_seed, dtype=np.float64)
+    if len(d) < 2:
+        return {"seeds": len(d), "mean": round(float(d.mean()), 4) if len(d) else None, "t": None, "p": None}
+    mean, se = float(d.mean()), float(d.std(ddof=1) / np.sqrt(len(d)))
+    half = float(stats.t.ppf(0.975, len(d) - 1)) * se
+    if se == 0.0:
+        t, p = (0.0, 1.0) if mean == 0.0 else (float(np.sign(mean) * np.inf), 0.0)
+    else:
+        t = mean / se
+        p = float(2 * stats.t.sf(abs(t), len(d) - 1))
+    return {
+        "seeds": len(d),
+        "mean": round(mean, 4),
+        "t": round(t, 3) if np.isfinite(t) else t,
+        "p": round(p, 4),
+        "ci95": [round(mean - half, 4), round(mean + half, 4)],
+    }
+
+
+def images_in_bucket(gt_counts: Sequence[int], bucket: str) -> np.ndarray:
+    """Indices of the images whose GT count falls in ``bucket`` (``"8-12"``, ``"31+"`` or ``"5"``)."""
+    low, _, high = bucket.partition("-")
+    lo = int(low.rstrip("+"))
+    hi = np.inf if bucket.endswith("+") else int(high or low)
+    counts = np.asarray(gt_counts)
+    return np.flatnonzero((counts >= lo) & (counts <= hi))
+
+
+def bucket_bootstrap(
+    arm: list[Mapping[str, list[int]]],
+    base: list[Mapping[str, list[int]]],
+    bucket: str,
+    resamples: int,
+    rng: np.random.Generator,
+) -> dict[str, Any] | None:
+    """The paired bootstrap (seeds x images) of F1, on the images of one GT-count bucket (the same
+    images on both sides: GT count = tp + fn). None when the bucket holds no image."""
+    gt = np.asarray(base[0]["tp"]) + np.asarray(base[0]["fn"])
+    chosen = images_in_bucket(gt, bucket)
+    if not len(chosen):
+        return None
+
+    def subset(run: Mapping[str, list[int]]) -> dict[str, list[int]]:
+        return {k: list(np.asarray(run[k])[chosen]) for k in ("tp", "fp", "fn")}
+
+    result = paired_bootstrap([subset(r) for r in arm], [subset(r) for r in base], resamples, rng)
+    return {"images": len(chosen), **result}
+
+
+def gain_verdict(
+    overall: Mapping[str, Any], buckets: Mapping[str, Mapping[str, Any] | None], seeds: int
+) -> dict[str, Any]:
+    """The decision rule: a gain is ``+OVERALL_GAIN`` overall with the 95% interval above 0, or
+    ``+CROWDED_GAIN`` in the 26-30 bucket with its interval above 0 and the bucket differences rising
+    monotonely (each >= the previous) from 8-12 to 26-30. ``gain`` is None on fewer than MIN_SEEDS seeds."""
+    overall_gain = overall["delta_f1"] >= OVERALL_GAIN and overall["ci95"][0] > 0
+    ordered = [buckets.get(b) for b in CROWD_BUCKETS]
+    monotone = all(b is not None for b in ordered) and all(
+        later["delta_f1"] >= earlier["delta_f1"]  # type: ignore[index]
+        for earlier, later in itertools.pairwise(ordered)
+    )
+    crowded = buckets.get(CROWDED_BUCKET)
+    crowded_gain = bool(
+        crowded is not None and crowded["delta_f1"] >= CROWDED_GAIN and crowded["ci95"][0] > 0 and monotone
+    )
+    return {
+        "overall_gain": bool(overall_gain),
+        "crowded_gain": crowded_gain,
+        "monotone_across_buckets": monotone,
+        "gain": bool(overall_gain or crowded_gain) if seeds >= MIN_SEEDS else None,
+    }
+
+
+def equal_compute_steps_by_arm(
+    cost_per_step: Mapping[str, float], sft_cost_per_step: float, steps: int, grain: int
+) -> dict[str, int]:
+    """SFT steps costing what ``steps`` steps of each arm cost (each arm's own cost per step), rounded
+    to a multiple of ``grain`` (the equal-compute run's checkpoint spacing), at least ``steps`` and at
+    most ``MAX_COMPUTE_RATIO * steps``."""
+    if sft_cost_per_step <= 0:
+        raise ValueError(f"sft cost per step must be > 0, got {sft_cost_per_step}")
+    out = {}
+    for arm, cost in cost_per_step.items():
+        raw = steps * cost / sft_cost_per_step
+        rounded = max(grain, round(raw / grain) * grain)
+        out[arm] = int(min(max(steps, rounded), MAX_COMPUTE_RATIO * steps))
+    return out
+
+
+def seeds_needed(spreads: Sequence[float]) -> int:
+    """SEEDS, or MORE_SEEDS when any pilot arm's spread of the paired difference exceeds SPREAD_LIMIT."""
+    return MORE_SEEDS if any(s > SPREAD_LIMIT for s in spreads) else SEEDS
+
+
+def bootstrap_spread(
+    arm: Mapping[str, list[int]], base: Mapping[str, list[int]], resamples: int, rng: np.random.Generator
+) -> float:
+    """Standard deviation of one seed's paired F1 difference over image resamples (the pilot's spread)."""
+    a = {k: np.asarray(arm[k]) for k in ("tp", "fp", "fn")}
+    b = {k: np.asarray(base[k]) for k in ("tp", "fp", "fn")}
+    images = len(a["tp"])
+    deltas = []
+    for _ in range(resamples):
+        idx = rng.integers(0, images, images)
+        deltas.append(f1_of(*(a[k][idx] for k in a)) - f1_of(*(b[k][idx] for k in b)))
+    return float(np.std(deltas, ddof=1))
