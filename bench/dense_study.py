@@ -386,36 +386,11 @@ def targets_differing(
 ) -> dict[str, float]:
     """Share of dev records whose target (each of ``--gate-targets``, built from stage-1's greedy answer
     with the arm's own loss settings) holds other token ids than the SFT target (weights do not count)."""
-    from rollmatch.data.prompts import PromptEncoder
-    from rollmatch.detection.codec import build_codec
-    from rollmatch.detection.scoring import score_response
-    from rollmatch.detection.targets import build_gt_target, build_matched_target
-
     losses = {
         arm: arm_config(stage1, arm, 0, stage1, splits, args, args.steps).loss for arm in args.gate_targets
     }
     cfg = sft_config(stage1.parent, stage1, splits, args)
-    encoder = PromptEncoder.from_pretrained(stage1, cfg.data, object_format=args.object_format)
-    codec = build_codec(args.object_format, encoder.tokenizer, [encoder.eos_token_id])
-    common = {"codec": codec, "tokenizer": encoder.tokenizer, "eos_token_id": encoder.eos_token_id}
-    differ = dict.fromkeys(losses, 0)
-    answers = [json.loads(line) for line in predictions.read_text().splitlines()]
-    for record, answer in zip(dev, answers, strict=True):
-        encoded = encoder.encode(record)
-        ids = encoder.tokenizer.encode(answer["text"], add_special_tokens=False)
-        scored = score_response(
-            codec,
-            ids,
-            encoder.gt_objects(record, encoded),
-            extent=encoder.frame_extent(encoded),
-            hit_max_tokens=answer["truncated"],
-            matching=cfg.eval.matching,
-        )
-        sft_ids = build_gt_target(scored.gt_objects, **common).token_ids
-        for arm, loss in losses.items():
-            target = build_matched_target(scored.parse, scored.gt_objects, scored.match, loss=loss, **common)
-            differ[arm] += int(list(target.token_ids) != list(sft_ids))
-    return {arm: round(count / max(len(dev), 1), 4) for arm, count in differ.items()}
+    return ls.target_difference(cfg, stage1, dev, predictions, losses)
 
 
 def diagnose(out: Path, stage1: Path, splits: dict[str, Path], args: argparse.Namespace) -> dict[str, Any]:

@@ -60,7 +60,7 @@ import numpy as np
 
 import rollmatch  # noqa: F401  (environment workarounds before transformers loads)
 from rollmatch.config.load import load_config_dict
-from rollmatch.config.schema import RollmatchConfig
+from rollmatch.config.schema import LossConfig, RollmatchConfig
 from rollmatch.data.records import Record, load_records
 from rollmatch.data.shapes import ShapesDifficulty, generate_shapes
 from rollmatch.detection.matching import hungarian_match
@@ -316,24 +316,28 @@ def run_gate(out: Path, stage1: Path, splits: dict[str, Path], args: argparse.Na
 
 
 def target_difference(
-    cfg: RollmatchConfig, stage1: Path, dev: list[Record], predictions: Path
+    cfg: RollmatchConfig,
+    stage1: Path,
+    dev: list[Record],
+    predictions: Path,
+    losses: dict[str, LossConfig] | None = None,
 ) -> dict[str, float]:
     """Fraction of dev rollouts (stage-1's greedy answers) whose target holds other token ids than the
-    SFT target (weights alone do not count: equal ids train on SFT's own states)."""
-    from rollmatch.config.schema import LossConfig
+    SFT target (weights alone do not count: equal ids train on SFT's own states); ``losses``: the
+    targets by name (default: this study's rollout arms, each with its own loss settings)."""
     from rollmatch.data.prompts import PromptEncoder
     from rollmatch.detection.codec import build_codec
     from rollmatch.detection.scoring import score_response
     from rollmatch.detection.targets import build_matched_target, target_differs_from_sft
 
-    encoder = PromptEncoder.from_pretrained(stage1, cfg.data)
+    encoder = PromptEncoder.from_pretrained(stage1, cfg.data, object_format=cfg.custom.object_format)
     codec = build_codec(cfg.custom.object_format, encoder.tokenizer, [encoder.eos_token_id])
     answers = [json.loads(line) for line in predictions.read_text().splitlines()]
-    # the targets of the rollout arms that train on rollouts alone, with the arms' own loss settings
-    losses = {
-        name: LossConfig(**ROLLOUT_ARMS[name]["loss"])
-        for name in ("prefix_fn", "prefix_fn_supervised", "reordered_gt")
-    }
+    if losses is None:  # the rollout arms that train on rollouts alone, with the arms' own loss settings
+        losses = {
+            name: LossConfig(**ROLLOUT_ARMS[name]["loss"])
+            for name in ("prefix_fn", "prefix_fn_supervised", "reordered_gt")
+        }
     differ = dict.fromkeys(losses, 0)
     for record, answer in zip(dev, answers, strict=True):
         encoded = encoder.encode(record)
