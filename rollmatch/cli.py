@@ -98,11 +98,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     d.add_argument("--distractors", type=int, help="unlabelled shapes outside the label set per image")
     d.add_argument("--count-dist", choices=["uniform", "zipf"], help="object count distribution")
-    d = data_sub.add_parser("convert", help="Convert COCO json / Pascal VOC xml / YOLO txt to JSONL.")
-    d.add_argument("--format", choices=["coco", "voc", "yolo"], required=True)
-    d.add_argument("--src", required=True, help="annotation file (coco) or dataset folder (voc, yolo)")
-    d.add_argument("--images", help="image folder (coco: where file_name is relative to)")
+    d = data_sub.add_parser(
+        "convert", help="Convert COCO / LVIS json, Pascal VOC xml, YOLO txt, RefCOCO-style refs to JSONL."
+    )
+    d.add_argument("--format", choices=["coco", "lvis", "voc", "yolo", "refexp"], required=True)
+    d.add_argument(
+        "--src",
+        required=True,
+        help="annotation file (coco, lvis; refexp: refs .json/.parquet) or folder (voc, yolo)",
+    )
+    d.add_argument("--images", help="image folder (coco, lvis, refexp: where the images are)")
     d.add_argument("--names", help="yolo: data.yaml with class names")
+    d.add_argument("--instances", help="refexp: the COCO instances.json shipped with the refs")
+    d.add_argument("--split", help="refexp: keep refs of this split only (train, val, testA, ...)")
     d.add_argument("--out", required=True, help="output JSONL")
     d = data_sub.add_parser("validate", help="Check a JSONL file; report every bad record.")
     d.add_argument("file")
