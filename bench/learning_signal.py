@@ -168,9 +168,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--report-size", type=int, default=400)
     parser.add_argument("--stage1-steps", type=int, default=9000, help="3,000 failed the gate (dev F1 0.23)")
     parser.add_argument("--stage1-lr", type=float, default=2e-3)
-    parser.add_argument(
-        "--lr", type=float, default=2e-4, help="every arm's (HF constant schedule, no warm-up)"
-    )
+    parser.add_argument("--lr", type=float, default=2e-4, help="every arm's (HF constant schedule, no warm-up)")
     parser.add_argument("--steps", type=int, default=1000, help="optimizer steps per arm and seed")
     parser.add_argument("--eval-at", type=int, nargs="+", default=[250, 500, 750, 1000], help="dev evals")
     parser.add_argument("--decide-at", type=int, nargs="+", default=[750, 1000], help="report evals")
