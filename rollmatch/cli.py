@@ -1,4 +1,4 @@
-"""The ``rollmatch`` command line: argument parsing only; each command lives in its component.
+"""The ``rollmatch`` command line (argument parsing; each command lives in its component).
 
 Every command imports its implementation lazily so ``rollmatch --help`` and ``check-config`` stay
 fast. Errors of the :mod:`rollmatch.errors` hierarchy print one clear message and exit 2.
@@ -28,8 +28,31 @@ COMMANDS: dict[str, str] = {
 }
 
 
+DESCRIPTION = """\
+rollmatch trains Qwen-VL vision-language models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) to detect objects
+from their own rollouts: the model decodes boxes as JSON, the boxes are matched to the ground truth,
+and the model learns from targets built from that match (rollout-matching SFT, Stage-2 AB).
+"""
+
+EPILOG = """\
+where to start:
+  rollmatch demo                                 tiny end-to-end run on CPU (minutes, no downloads)
+  rollmatch data convert --format coco ...       your annotations -> JSONL records (docs/data.md)
+  rollmatch check-config configs/recipes/qwen3_vl_4b_coco.yaml
+                                                 a recipe for a real checkpoint (configs/recipes/)
+  rollmatch launch CONFIG.yaml                   rollout servers + learner on one or more GPU nodes
+  rollmatch eval --model DIR --data val.jsonl    P/R/F1 and COCO mAP of a checkpoint
+Every command has --help; docs/runbook.md walks through a run.
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rollmatch", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="rollmatch",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("train", help="Train with a YAML config (run under torchrun for several ranks).")
