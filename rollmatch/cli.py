@@ -12,6 +12,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from rollmatch.errors import RollmatchError
+from rollmatch.rollout.engine_logs import engine_log_level
 
 # command name -> "module:function"; the function takes the parsed argparse.Namespace, returns an exit code.
 COMMANDS: dict[str, str] = {
@@ -279,6 +280,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-connections", type=int, default=None, help="open connections (oldest idle one closed)"
     )
     _add_launch_parser(sub)
+    for command in sub.choices.values():  # every command: the engine's INFO lines and repeats on demand
+        command.add_argument(
+            "--verbose",
+            action="store_true",
+            help="show the rollout engine's (vLLM) INFO lines and every repeated line (default: WARNING, "
+            "each kind of line once, repeats counted)",
+        )
     return parser
 
 
@@ -372,6 +380,7 @@ def _resolve(target: str) -> Callable[[argparse.Namespace], int]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    engine_log_level(verbose=args.verbose)  # before any engine is imported, inherited by child processes
     try:
         return int(_resolve(COMMANDS[args.command])(args) or 0)
     except RollmatchError as exc:
