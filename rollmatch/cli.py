@@ -26,6 +26,7 @@ COMMANDS: dict[str, str] = {
     "viz": "rollmatch.viz:viz_command",
     "serve": "rollmatch.server.serve:serve_command",
     "launch": "rollmatch.launch.command:launch_command",
+    "export": "rollmatch.models.export:export_command",
 }
 
 
@@ -280,6 +281,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-connections", type=int, default=None, help="open connections (oldest idle one closed)"
     )
     _add_launch_parser(sub)
+    p = sub.add_parser(
+        "export", help="A checkpoint as a standalone model folder: merged weights, processor, model card."
+    )
+    p.add_argument("--checkpoint", required=True, help="checkpoint-N or final/ folder of a run")
+    p.add_argument("--out", required=True, help="folder to write")
+    p.add_argument("--processor", help="where the tokenizer/processor is, when the checkpoint has none")
     for command in sub.choices.values():  # every command: the engine's INFO lines and repeats on demand
         command.add_argument(
             "--verbose",
