@@ -101,3 +101,38 @@ def test_training_leaves_frozen_weights_and_uses_group_rates(make_config, tiny_m
         assert entry["lr/language_model"] == pytest.approx(1e-3, rel=1e-9)
         assert entry["lr/merger"] == pytest.approx(2.5e-4, rel=1e-9)
         assert "lr/vision_tower" not in entry
+
+
+@pytest.mark.heavy
+def test_colocated_vllm_syncs_frozen_weights_once(make_config) -> None:
+    pytest.importorskip("vllm")
+    from rollmatch.training.entry import run_training
+
+    def pushed_bytes(freeze: list[str]) -> list[float]:
+        cfg = make_config(
+            {
+                "custom": {
+                    "extra": {
+                        "rollout_matching": {
+                            "rollout_backend": "vllm",
+                            "vllm": {
+                                "mode": "colocate",
+                                "tensor_parallel_size": 1,
+                                "enforce_eager": True,
+                                "kv_cache_space_gib": 0.25,
+                            },
+                        }
+                    }
+                },
+                "training": {"max_steps": 3, "eval_strategy": "no", "freeze": freeze},
+            }
+        )
+        return [h["sync/bytes"] for h in run_training(cfg).log_history if "sync/bytes" in h]
+
+    everything = pushed_bytes([])
+    frozen = pushed_bytes(["vision_tower", "merger"])
+    print(f"sync/bytes per step: nothing frozen {everything}; vision tower + merger frozen {frozen}")
+    assert len(everything) == len(frozen) >= 2
+    assert frozen[0] == everything[0]  # the first push brings every tensor
+    assert all(b == everything[0] for b in everything)
+    assert all(b < 0.8 * everything[0] for b in frozen[1:])  # later ones leave the frozen groups out
