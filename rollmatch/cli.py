@@ -1,4 +1,4 @@
-"""The ``rollmatch`` command line: argument parsing only; each command lives in its component.
+"""The ``rollmatch`` command line (argument parsing; each command lives in its component).
 
 Every command imports its implementation lazily so ``rollmatch --help`` and ``check-config`` stay
 fast. Errors of the :mod:`rollmatch.errors` hierarchy print one clear message and exit 2.
@@ -12,6 +12,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from rollmatch.errors import RollmatchError
+from rollmatch.rollout.engine_logs import engine_log_level
 
 # command name -> "module:function"; the function takes the parsed argparse.Namespace, returns an exit code.
 COMMANDS: dict[str, str] = {
@@ -26,11 +27,35 @@ COMMANDS: dict[str, str] = {
     "diagnose": "rollmatch.diagnostics:diagnose_command",
     "serve": "rollmatch.server.serve:serve_command",
     "launch": "rollmatch.launch.command:launch_command",
+    "export": "rollmatch.models.export:export_command",
 }
 
 
+DESCRIPTION = """\
+rollmatch trains Qwen-VL vision-language models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) to detect objects
+from their own rollouts: the model decodes boxes as JSON, the boxes are matched to the ground truth,
+and the model learns from targets built from that match (rollout-matching SFT, Stage-2 AB).
+"""
+
+EPILOG = """\
+where to start:
+  rollmatch demo                                 tiny end-to-end run on CPU (minutes, no downloads)
+  rollmatch data convert --format coco ...       your annotations -> JSONL records (docs/data.md)
+  rollmatch check-config configs/recipes/qwen3_vl_4b_coco.yaml
+                                                 a recipe for a real checkpoint (configs/recipes/)
+  rollmatch launch CONFIG.yaml                   rollout servers + learner on one or more GPU nodes
+  rollmatch eval --model DIR --data val.jsonl    P/R/F1 and COCO mAP of a checkpoint
+Every command has --help; docs/runbook.md walks through a run.
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rollmatch", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="rollmatch",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("train", help="Train with a YAML config (run under torchrun for several ranks).")
@@ -99,11 +124,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     d.add_argument("--distractors", type=int, help="unlabelled shapes outside the label set per image")
     d.add_argument("--count-dist", choices=["uniform", "zipf"], help="object count distribution")
-    d = data_sub.add_parser("convert", help="Convert COCO json / Pascal VOC xml / YOLO txt to JSONL.")
-    d.add_argument("--format", choices=["coco", "voc", "yolo"], required=True)
-    d.add_argument("--src", required=True, help="annotation file (coco) or dataset folder (voc, yolo)")
-    d.add_argument("--images", help="image folder (coco: where file_name is relative to)")
+    d = data_sub.add_parser(
+        "convert", help="Convert COCO / LVIS json, Pascal VOC xml, YOLO txt, RefCOCO-style refs to JSONL."
+    )
+    d.add_argument("--format", choices=["coco", "lvis", "voc", "yolo", "refexp"], required=True)
+    d.add_argument(
+        "--src",
+        required=True,
+        help="annotation file (coco, lvis; refexp: refs .json/.parquet) or folder (voc, yolo)",
+    )
+    d.add_argument("--images", help="image folder (coco, lvis, refexp: where the images are)")
     d.add_argument("--names", help="yolo: data.yaml with class names")
+    d.add_argument("--instances", help="refexp: the COCO instances.json shipped with the refs")
+    d.add_argument("--split", help="refexp: keep refs of this split only (train, val, testA, ...)")
     d.add_argument("--out", required=True, help="output JSONL")
     d = data_sub.add_parser("validate", help="Check a JSONL file; report every bad record.")
     d.add_argument("file")
@@ -303,6 +336,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="open connections (the oldest with no request head in progress is closed; 16 more for /health/)",
     )
     _add_launch_parser(sub)
+    p = sub.add_parser(
+        "export", help="A checkpoint as a standalone model folder: merged weights, processor, model card."
+    )
+    p.add_argument("--checkpoint", required=True, help="checkpoint-N or final/ folder of a run")
+    p.add_argument("--out", required=True, help="folder to write")
+    p.add_argument("--processor", help="where the tokenizer/processor is, when the checkpoint has none")
+    for command in sub.choices.values():  # every command: the engine's INFO lines and repeats on demand
+        command.add_argument(
+            "--verbose",
+            action="store_true",
+            help="show the rollout engine's (vLLM) INFO lines and every repeated line (default: WARNING, "
+            "each kind of line once, repeats counted)",
+        )
     return parser
 
 
@@ -396,6 +442,7 @@ def _resolve(target: str) -> Callable[[argparse.Namespace], int]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    engine_log_level(verbose=args.verbose)  # before any engine is imported, inherited by child processes
     try:
         return int(_resolve(COMMANDS[args.command])(args) or 0)
     except RollmatchError as exc:

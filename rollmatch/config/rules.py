@@ -349,6 +349,43 @@ def _rule_pixels(cfg: RollmatchConfig) -> list[ConfigProblem]:
     return [ConfigProblem("data.min_pixels", low, f"must not exceed data.max_pixels (= {high}); lower it")]
 
 
+def _rule_freeze(cfg: RollmatchConfig) -> list[ConfigProblem]:
+    """`training.freeze` leaves a group to train, has no multiplier for a frozen group, and not with LoRA."""
+    train, problems = cfg.training, []
+    frozen = set(train.freeze)
+    if frozen == {"vision_tower", "merger", "language_model"}:
+        problems.append(
+            ConfigProblem("training.freeze", train.freeze, "freezes every group: leave one to train")
+        )
+    for group, factor in train.lr_multipliers.items():
+        if group in frozen:
+            problems.append(
+                ConfigProblem(
+                    f"training.lr_multipliers.{group}",
+                    factor,
+                    f"{group} is frozen (training.freeze); remove one",
+                )
+            )
+        elif factor <= 0:
+            problems.append(
+                ConfigProblem(
+                    f"training.lr_multipliers.{group}",
+                    factor,
+                    "must be > 0; freeze it with training.freeze instead",
+                )
+            )
+    if cfg.model.lora.enabled and (frozen or train.lr_multipliers):
+        problems.append(
+            ConfigProblem(
+                "training.freeze" if frozen else "training.lr_multipliers",
+                train.freeze or train.lr_multipliers,
+                "LoRA trains only its adapters (on the language model): set model.lora.enabled: false, or "
+                "drop training.freeze / training.lr_multipliers",
+            )
+        )
+    return problems
+
+
 def _rule_target(cfg: RollmatchConfig) -> list[ConfigProblem]:
     """`loss.matched_prefix: supervise` needs `loss.target: prefix_fn`; `loss.fp_unlikelihood_weight` > 0 needs `target: prefix_fn` with `keep_prefix: all` and a variant that rolls out; `loss.missed_weight` != 1 needs a variant that rolls out."""
     loss = cfg.loss
@@ -430,6 +467,7 @@ def _rule_engine_memory(cfg: RollmatchConfig) -> list[ConfigProblem]:
 
 STATIC_RULES: tuple[Rule, ...] = (
     _rule_b_ratio_required,
+    _rule_freeze,
     _rule_servers,
     _rule_lora_sync,
     _rule_pipeline,

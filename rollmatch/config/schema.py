@@ -426,6 +426,18 @@ class TrainingConfig(Section):
     gradient_checkpointing: bool = Field(
         False, description="Recompute activations in backward to save memory."
     )
+    freeze: list[Literal["vision_tower", "merger", "language_model"]] = Field(
+        default_factory=list,
+        description="Module groups that are not trained: `vision_tower` (`model.visual.*` but its mergers), "
+        "`merger` (`model.visual.*merger*`: the patch merger and Qwen3-VL's deepstack mergers), `language_model` "
+        "(everything outside `model.visual`, with the embeddings and `lm_head`). Frozen weights are sent to rollout "
+        "engines once, then left out of weight syncs. Not with `model.lora.enabled`.",
+    )
+    lr_multipliers: dict[Literal["vision_tower", "merger", "language_model"], float] = Field(
+        default_factory=dict,
+        description="Per module group (as in `freeze`): its learning rate is `learning_rate` x this, through "
+        "warmup and decay, e.g. `{vision_tower: 0.1}`; a group not listed gets 1. Not with `model.lora.enabled`.",
+    )
     resume_from_checkpoint: str | None = Field(None, description="Checkpoint dir, or `latest`.")
     deepspeed: str | None = Field(None, description="DeepSpeed JSON config path (HF Trainer integration).")
     dataloader_num_workers: int = Field(0, ge=0, description="DataLoader worker processes (0: main process).")

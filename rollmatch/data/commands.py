@@ -15,6 +15,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from rollmatch.data.convert import from_coco, from_voc, from_yolo, read_yolo_names
+from rollmatch.data.convert_lvis import from_lvis
+from rollmatch.data.convert_refexp import from_refexp
 from rollmatch.data.records import Record, validate_records, write_records
 from rollmatch.data.shapes import SHAPES_PRESETS, STATS_FILE, ShapesDifficulty, SplitStats, generate_shapes
 from rollmatch.errors import DataError
@@ -77,6 +79,12 @@ def _convert(args: argparse.Namespace) -> int:
                 "--images is required for --format coco: the folder COCO file_name is relative to"
             )
         records = from_coco(args.src, args.images, dropped=dropped)
+    elif args.format == "lvis":
+        records = _convert_lvis(args, dropped)
+    elif args.format == "refexp":
+        if not args.images or not args.instances:
+            raise DataError("--images and --instances are required for --format refexp (see docs/data.md)")
+        records = from_refexp(args.src, args.instances, args.images, split=args.split)
     elif args.format == "voc":
         records = from_voc(args.src, dropped=dropped)
     else:
@@ -91,6 +99,21 @@ def _convert(args: argparse.Namespace) -> int:
     if dropped:
         print(f"dropped {len(dropped)} zero-area box(es) listed above (they cannot be learned or serialized)")
     return 0
+
+
+def _convert_lvis(args: argparse.Namespace, dropped: list[str]) -> list[Record]:
+    if not args.images:
+        raise DataError(
+            "--images is required for --format lvis: the folder holding COCO's train2017/ and val2017/"
+        )
+    stats: dict[str, int] = {}
+    records = from_lvis(args.src, args.images, dropped=dropped, stats=stats)
+    if stats["not_exhaustive_images"]:
+        print(
+            f"{stats['not_exhaustive_images']} image(s) have not-exhaustively annotated categories "
+            f"({stats['not_exhaustive_boxes']} box(es) of them): predictions of those count as false positives"
+        )
+    return records
 
 
 def _validate(args: argparse.Namespace) -> int:

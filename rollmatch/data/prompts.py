@@ -145,9 +145,10 @@ class PromptEncoder:
         return int(size["shortest_edge"]), int(size["longest_edge"])
 
     def messages(self, record: Record) -> list[dict[str, Any]]:
-        """The chat form of the prompt: the record's images (by path), then the prompt text."""
+        """The chat form of the prompt: the record's images (by path), then the prompt text (the
+        record's own ``prompt`` when it has one, else ``data.prompt``)."""
         content: list[dict[str, Any]] = [{"type": "image", "image": str(path)} for path in record.images]
-        content.append({"type": "text", "text": self.prompt})
+        content.append({"type": "text", "text": record.prompt if record.prompt is not None else self.prompt})
         return [{"role": "user", "content": content}]
 
     def encode(self, record: Record) -> EncodedPrompt:

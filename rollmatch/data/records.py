@@ -35,6 +35,8 @@ BOX_TOLERANCE_PX = 1.0
 """How far (pixels) a box may lie outside the image before it is an error; within it, it is clipped."""
 
 RECORD_FIELDS = ("id", "images", "width", "height", "objects")
+OPTIONAL_RECORD_FIELDS = ("prompt",)
+"""``prompt``: the record's own prompt text (a referring expression's question), replacing ``data.prompt``."""
 OBJECT_FIELDS = ("label", "bbox")
 
 Box = tuple[float, float, float, float]
@@ -61,6 +63,8 @@ class Record:
     width: int
     height: int
     objects: tuple[RecordObject, ...] = field(default_factory=tuple)
+    prompt: str | None = None
+    """The record's own prompt text (grounding: "Locate the man in red ..."); ``None``: ``data.prompt``."""
 
     @property
     def image_size(self) -> tuple[int, int]:
@@ -69,13 +73,16 @@ class Record:
     def to_json(self, *, relative_to: str | os.PathLike[str] | None = None) -> dict[str, Any]:
         """The JSON object of this record; image paths relative to ``relative_to`` when given."""
         images = [os.path.relpath(p, relative_to) if relative_to is not None else p for p in self.images]
-        return {
+        out: dict[str, Any] = {
             "id": self.id,
             "images": images,
             "width": self.width,
             "height": self.height,
             "objects": [{"label": o.label, "bbox": [_json_number(v) for v in o.bbox]} for o in self.objects],
         }
+        if self.prompt is not None:
+            out["prompt"] = self.prompt
+        return out
 
 
 # --------------------------------------------------------------------------------------- public API
@@ -253,15 +260,14 @@ def _parse_line(line: str, base_dir: Path, problems: list[str]) -> Record | None
         problems.append(f"a record must be a JSON object, got {type(raw).__name__}")
         return None
     missing = [k for k in RECORD_FIELDS if k not in raw]
-    extra = sorted(k for k in raw if k not in RECORD_FIELDS)
+    allowed = RECORD_FIELDS + OPTIONAL_RECORD_FIELDS
+    extra = sorted(k for k in raw if k not in allowed)
     if missing:
         problems.append(
             f"missing field(s) {', '.join(map(repr, missing))}; a record has {', '.join(RECORD_FIELDS)}"
         )
     if extra:
-        problems.append(
-            f"unknown field(s) {', '.join(map(repr, extra))}; allowed: {', '.join(RECORD_FIELDS)}"
-        )
+        problems.append(f"unknown field(s) {', '.join(map(repr, extra))}; allowed: {', '.join(allowed)}")
     if missing or extra:
         return None
     n_before = len(problems)
@@ -273,9 +279,14 @@ def _parse_line(line: str, base_dir: Path, problems: list[str]) -> Record | None
     images = _parse_images(raw["images"], base_dir, problems)
     size = (width, height) if width is not None and height is not None else None
     objects = _parse_objects(raw["objects"], size, problems)
+    prompt = raw.get("prompt")
+    if prompt is not None and (not isinstance(prompt, str) or not prompt.strip()):
+        problems.append(
+            f"field 'prompt': must be a non-empty string (or absent: data.prompt), got {prompt!r}"
+        )
     if len(problems) > n_before or width is None or height is None or images is None or objects is None:
         return None
-    return Record(id=record_id, images=images, width=width, height=height, objects=objects)
+    return Record(id=record_id, images=images, width=width, height=height, objects=objects, prompt=prompt)
 
 
 def _positive_int(value: Any, name: str, problems: list[str]) -> int | None:

@@ -118,6 +118,7 @@ class ServerBackend:
         self._transports: list[GroupTransport] = []
         self._digest_key = b""  # the groups' checksum key, sent with every init (sync.digest)
         self._group_stale = True
+        self._frozen_synced = False  # frozen weights (training.freeze) already pushed to every server
         self._closed = False
         self.last_infer_timings: list[InferTiming] = []  # one per server of the latest generate()
 
@@ -366,7 +367,9 @@ class ServerBackend:
         return self._push_mode(model, version, "full")
 
     def _push_mode(self, model: Any, version: int, mode: str) -> SyncReport:
-        tensors = SyncTensors(model, mode)  # type: ignore[arg-type]
+        if self._group_stale:  # new groups: the servers may have restarted, send every tensor once
+            self._frozen_synced = False
+        tensors = SyncTensors(model, mode, skip_frozen=self._frozen_synced)  # type: ignore[arg-type]
         try:
             if self._group_stale:
                 self._open_groups(model)
@@ -390,6 +393,7 @@ class ServerBackend:
             raise
         finally:
             tensors.drain()  # whatever failed, run the gathers other ranks wait in (sharded parameters)
+        self._frozen_synced = mode == "full"
         return SyncReport(version=version, num_bytes=result.num_bytes, seconds=result.seconds, mode=mode)  # type: ignore[arg-type]
 
     def _open_groups(self, model: Any) -> None:

@@ -56,6 +56,7 @@ class VllmColocateBackend:
         self.collectives = collectives or LocalCollectives()
         self._model = model
         self._version = 0
+        self._frozen_loaded = False  # frozen weights (training.freeze) already in the engine
         self._tp = engine.settings.tensor_parallel_size
 
     @classmethod
@@ -89,13 +90,14 @@ class VllmColocateBackend:
         self._model = model
         start = time.perf_counter()
         self.engine.start()
-        self.engine.wake_up()  # a level-2 wake-up is followed by the load below anyway
+        if self.engine.wake_up():  # level 2 dropped the weights: the load below must bring all of them
+            self._frozen_loaded = False
         if self.sync_mode == "adapter":
             num_bytes = self._try_adapter_sync(model, version)
             if num_bytes is None:
-                num_bytes = self._full_sync(model)
+                num_bytes = self._full_sync(model, skip_frozen=self._frozen_loaded)
         else:
-            num_bytes = self._full_sync(model)
+            num_bytes = self._full_sync(model, skip_frozen=self._frozen_loaded)
         self._version = int(version)
         return SyncReport(
             version=self._version,
@@ -119,12 +121,15 @@ class VllmColocateBackend:
         if self.engine.wake_up():  # level 2 dropped the weights: reload the ones we serve
             self._full_sync(self._model)
 
-    def _full_sync(self, model: Any) -> int:
-        tensors = SyncTensors(model, "full")  # every rank loads its engine: every rank runs the same gathers
+    def _full_sync(self, model: Any, *, skip_frozen: bool = False) -> int:
+        # every rank loads its engine: every rank runs the same gathers
+        tensors = SyncTensors(model, "full", skip_frozen=skip_frozen)
         try:
-            return self.engine.load_weights(tensors)
+            num_bytes = self.engine.load_weights(tensors)
         finally:
             tensors.drain()
+        self._frozen_loaded = True
+        return num_bytes
 
     def _try_adapter_sync(self, model: Any, version: int) -> int | None:
         """Adapter bytes sent, or None after switching to full sync for the rest of the run."""

@@ -37,6 +37,7 @@ import torch
 
 from rollmatch.data.prompts import IMAGE_TOKEN
 from rollmatch.errors import BackendError
+from rollmatch.rollout.engine_logs import log_engine_repeats, quiet_engine_logs
 from rollmatch.rollout.types import Decoding, FinishReason, RolloutRequest
 from rollmatch.rollout.vllm_settings import INSTALL_HINT, VllmEngineSettings, vllm_installed
 
@@ -97,6 +98,7 @@ class VllmEngine:
         if not vllm_installed():
             raise BackendError(f"vLLM is not installed: {INSTALL_HINT}")
         _prepare_vllm_process()
+        quiet_engine_logs()  # before vLLM configures logging: each kind of engine line once
         from vllm import LLM
 
         self._owns_process_group = not (
@@ -318,6 +320,7 @@ class VllmEngine:
         if self._llm is None:
             return
         self._llm, self._lora_request = None, None
+        log_engine_repeats()
         gc.collect()
         from vllm.distributed import parallel_state
 

@@ -162,6 +162,10 @@ class SyncTensors:
     Unsharded models export as :func:`iter_sync_tensors` describes (``drain`` does nothing). Sharded ones
     (``gather`` given or detected) export their full weights in gather groups of at most ``gather_bytes``
     of whole parameters; yielded tensors are copies, valid after their group is released.
+
+    ``skip_frozen``: leave out parameters with ``requires_grad=False`` (``training.freeze``), for an
+    engine that already holds them (they never change). Ignored for PEFT models, whose frozen base
+    weights are merged with changing adapters.
     """
 
     def __init__(
@@ -171,12 +175,14 @@ class SyncTensors:
         *,
         gather: ParameterGather | None = None,
         gather_bytes: int = 64 << 20,
+        skip_frozen: bool = False,
     ):
         inner = strip_parallel_wrappers(model)
         self.gather = gather if gather is not None else parameter_gather(inner)
         self.gathers_run = 0
+        self._skip = frozen_parameter_names(inner) if skip_frozen and not is_peft_model(inner) else set()
         if self.gather is None:
-            self._iterator = _iter_unsharded(inner, mode)
+            self._iterator = _iter_unsharded(inner, mode, self._skip)
         elif mode != "full" or is_peft_model(inner):
             raise SyncError(
                 f"parameters sharded by {self.gather.name} can only be exported whole (full sync, no LoRA): set "
@@ -208,6 +214,8 @@ class SyncTensors:
         used = 0
         seen: set[int] = set()  # tied parameters (lm_head = embeddings): exported once
         for key, tensor in inner.state_dict(keep_vars=True).items():
+            if key in self._skip:
+                continue
             size = (
                 gather.full_nbytes(tensor)
                 if gather.is_sharded(tensor)
@@ -251,11 +259,20 @@ def iter_sync_tensors(model: nn.Module, mode: SyncMode) -> Iterator[tuple[str, t
     return iter(SyncTensors(model, mode))
 
 
-def _iter_unsharded(inner: nn.Module, mode: SyncMode) -> Iterator[tuple[str, torch.Tensor]]:
+def frozen_parameter_names(model: nn.Module) -> set[str]:
+    """``state_dict`` keys of the parameters that are not trained (``requires_grad=False``)."""
+    return {name for name, param in model.named_parameters(remove_duplicate=False) if not param.requires_grad}
+
+
+def _iter_unsharded(
+    inner: nn.Module,
+    mode: SyncMode,
+    skip: set[str] = frozenset(),  # type: ignore[assignment]
+) -> Iterator[tuple[str, torch.Tensor]]:
     if mode == "adapter":
         yield from _iter_adapter_tensors(inner)
     elif mode == "full":
-        yield from _iter_full_tensors(inner)
+        yield from _iter_full_tensors(inner, skip)
     else:
         raise SyncError(f"sync mode {mode!r} is not one of 'full', 'adapter'")
 
@@ -319,7 +336,7 @@ def unflatten_bucket(
 
 
 # ------------------------------------------------------------------------------------------ helpers
-def _iter_full_tensors(inner: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_full_tensors(inner: nn.Module, skip: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
     peft = is_peft_model(inner)
     base = inner.base_model.model if peft else inner
     tuner_layers = _tuner_layers(base) if peft else {}
@@ -330,7 +347,7 @@ def _iter_full_tensors(inner: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     merged_layer = ""
     for key, tensor in state.items():
         name = _full_name(key, adapter)
-        if name is None:
+        if name is None or key in skip:
             continue
         layer_prefix = key.split(".base_layer.", 1)[0] if ".base_layer." in key else ""
         if layer_prefix in tuner_layers and _needs_merge(tuner_layers[layer_prefix]):

@@ -33,6 +33,7 @@ from rollmatch.training.checkpoints import resolve_resume
 from rollmatch.training.coord_loss import CoordLoss
 from rollmatch.training.grpo_loss import grpo_settings
 from rollmatch.training.metrics import JsonlMetricsCallback, summarize
+from rollmatch.training.param_groups import freeze_groups
 from rollmatch.training.periodic_eval import DetectionEval, build_detection_eval
 from rollmatch.training.preemption import CheckpointOnWarning
 from rollmatch.training.sizing import check_row_sizing
@@ -130,6 +131,7 @@ def run_training(cfg: RollmatchConfig) -> TrainResult:
             collectives=collectives,
             coord_loss=coord_loss_for(cfg, codec),
             grpo=grpo_settings(cfg) if cfg.loss.objective == "grpo" else None,
+            lr_multipliers=cfg.training.lr_multipliers,
             callbacks=[JsonlMetricsCallback(os.path.join(cfg.training.output_dir, "metrics.jsonl")), warning],
         )
         holder["trainer"] = trainer
@@ -179,6 +181,11 @@ def training_arguments(cfg: RollmatchConfig, gas: int, *, use_cpu: bool) -> Trai
 def load_model(cfg: RollmatchConfig) -> torch.nn.Module:
     """The trainable model: HF weights in the configured dtype, with LoRA/DoRA adapters if enabled."""
     model = load_pretrained(cfg)
+    if cfg.training.freeze:
+        frozen = freeze_groups(model, cfg.training.freeze)
+        log.info(
+            "frozen (training.freeze): %s", ", ".join(f"{g} {n:,} parameters" for g, n in frozen.items())
+        )
     if cfg.training.packing:
         # Packed rows attend per segment (causal sdpa per segment, like flash-attention's varlen
         # path) instead of one full masked LxL attention; exact either way, several times faster.

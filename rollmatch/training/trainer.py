@@ -40,6 +40,7 @@ from rollmatch.training import checkpoints
 from rollmatch.training.coord_loss import CoordLoss
 from rollmatch.training.grpo_loss import GrpoSettings, frozen_copy, grpo_loss_sum, token_logprobs
 from rollmatch.training.losses import weighted_ce_sum
+from rollmatch.training.param_groups import optimizer_param_groups
 from rollmatch.training.periodic_eval import DetectionEval, hf_metrics
 from rollmatch.training.step import MicroStep, StepPlan, StepPlanner
 
@@ -82,9 +83,11 @@ class RollmatchTrainer(Trainer):
         detection_eval: DetectionEval | None = None,
         coord_loss: CoordLoss | None = None,
         grpo: GrpoSettings | None = None,
+        lr_multipliers: Mapping[str, float] | None = None,
         **kwargs: Any,
     ):
         super().__init__(*args, **kwargs)
+        self.lr_multipliers = dict(lr_multipliers or {})  # training.lr_multipliers, per module group
         self.planner = planner
         self.coord_loss = coord_loss  # coordinate positions' loss (object_format: coord_tokens)
         self.grpo = grpo  # loss.objective: grpo (rows carrying advantages train the policy-gradient loss)
@@ -240,8 +243,29 @@ class RollmatchTrainer(Trainer):
             if self._plan.timing_key:
                 local[self._plan.timing_key] += elapsed / self.collectives.world_size
 
+    def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
+        """HF's optimizer, with one parameter group per module group when ``training.lr_multipliers`` is set."""
+        if not self.lr_multipliers or self.optimizer is not None:
+            return super().create_optimizer(model)
+        opt_model = self.model if model is None else model
+        optimizer_cls, optimizer_kwargs = self.get_optimizer_cls_and_kwargs(self.args, opt_model)
+        decay = set(self.get_decay_parameter_names(opt_model))
+        groups = optimizer_param_groups(
+            opt_model,
+            learning_rate=self.args.learning_rate,
+            weight_decay=self.args.weight_decay,
+            multipliers=self.lr_multipliers,
+            no_decay=[name for name, _ in opt_model.named_parameters() if name not in decay],
+        )
+        self.optimizer = optimizer_cls(groups, **optimizer_kwargs)
+        return self.optimizer
+
     # ------------------------------------------------------------------ logging
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if "loss" in logs and self.lr_multipliers and self.optimizer is not None:
+            for group in self.optimizer.param_groups:  # lr/<group>: what each module group trains with
+                if "name" in group and not group["name"].endswith("/no_decay"):
+                    logs[f"lr/{group['name']}"] = float(group["lr"])
         if "loss" in logs and self._pending_steps:
             sums = self._pending_sums
             for rank_sums in self.collectives.all_gather_object(
