@@ -96,9 +96,12 @@ def test_the_bench_runs_end_to_end_at_its_smallest_setting_and_resumes(tmp_path:
     units = {
         p: p.stat().st_mtime_ns
         for p in out.glob("*.json")
-        if p.name not in ("grpo_signal.json", "settings.json")
+        if p.name not in ("grpo_signal.json", "settings.json", "inputs.json")
     }
     assert {p.name for p in units} >= {"stage1.json", "reward_before.json", "grpo.json", "eval_after.json"}
+    for model in ("sft", "grpo"):  # neither stage-1 nor GRPO is trained again
+        config = out / model / "final" / "config.json"
+        units[config] = config.stat().st_mtime_ns
     again = run()
     assert again["reward_delta"] == first["reward_delta"] and again["grpo"] == first["grpo"]
     assert {p: p.stat().st_mtime_ns for p in units} == units  # nothing recomputed
