@@ -14,7 +14,8 @@ hundreds to thousands of tokens in fp32: one unit in the last place (ulp) of 2,9
 absolute tolerance such as 1e-5 passes on machines whose kernels happen to reduce in the same order
 and fails on others (forcing ATen's ``default`` kernels, ``ATEN_CPU_CAPABILITY=default``, moves one
 loss by exactly 1 ulp). Losses therefore compare relative to their magnitude, within
-:data:`LOSS_ULPS` ulps; a cross-segment leak moves them by 10,000 ulps and more (the guard tests).
+``float_compare.REASSOCIATION_ULPS`` ulps; a cross-segment leak moves them by 10,000 ulps and more
+(the guard tests).
 Bit-equality is promised only where the same kernel runs the same shapes again
 (:func:`test_same_packed_row_twice_is_bit_identical`). ``test_exactness_under_other_cpu_kernels``
 runs the comparison again under other kernel dispatch settings.
@@ -30,9 +31,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
+from float_compare import REASSOCIATION_ULPS, assert_equal_up_to_reassociation, ulps_apart
 
 from rollmatch.packing import collate
 from rollmatch.packing.collate import model_inputs, pack_row, pad_batch
@@ -40,9 +41,6 @@ from rollmatch.packing.segment import Segment
 from rollmatch.training.losses import normalize_step_loss, per_segment_ce, weighted_ce_sum
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
-# Packed vs separate per-segment losses: at most this many ulps of the (fp32) value apart. Measured
-# 0 or 1 under every CPU kernel setting tried (docs/performance.md); a leak is >= 10,000.
-LOSS_ULPS = 16
 # Gradients: the norm of the difference within this fraction of the reference gradient's norm
 # (each gradient is a sum over every token of every segment; relative by construction).
 GRAD_RTOL = 1e-4
@@ -84,21 +82,8 @@ def gradients(model: Any) -> dict[str, torch.Tensor]:
     return {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
-def loss_ulps(actual: torch.Tensor, reference: torch.Tensor) -> float:
-    """``|actual - reference|`` in units in the last place of ``reference`` as an fp32 number."""
-    ref = float(reference.detach())
-    return abs(float(actual.detach()) - ref) / float(np.spacing(np.float32(abs(ref))))
-
-
-def assert_close_losses(
-    packed: Sequence[torch.Tensor], separate: Sequence[torch.Tensor], ulps: float = LOSS_ULPS
-) -> None:
-    """Equal up to floating-point reassociation: within ``ulps`` units in the last place of each value."""
-    found = [loss_ulps(a, b) for a, b in zip(packed, separate, strict=True)]
-    values = [round(float(b.detach()), 3) for b in separate]
-    assert max(found) <= ulps, (
-        f"packed vs separate per-segment loss differences {found} ulps (values {values}; allowed {ulps})"
-    )
+def assert_close_losses(packed: Sequence[torch.Tensor], separate: Sequence[torch.Tensor]) -> None:
+    assert_equal_up_to_reassociation(packed, separate, "packed vs separate per-segment loss")
 
 
 @pytest.mark.parametrize("kernel", ["sdpa", "packed"])
@@ -207,7 +192,10 @@ def test_guard_use_cache_on_leaks_across_segments(
         assert_close_losses(leaked, separate)
     # The first segment has nothing before it: it is unaffected; later ones see their predecessors.
     assert_close_losses(leaked[:1], separate[:1])
-    assert min(loss_ulps(a, b) for a, b in zip(leaked[1:], separate[1:], strict=True)) > 100 * LOSS_ULPS
+    assert (
+        min(ulps_apart(a, b) for a, b in zip(leaked[1:], separate[1:], strict=True))
+        > 100 * REASSOCIATION_ULPS
+    )
 
 
 def test_guard_concatenated_positions_leak(
@@ -221,7 +209,7 @@ def test_guard_concatenated_positions_leak(
         leaked = packed_losses(model, segments, position_ids=None)
     with pytest.raises(AssertionError, match="per-segment loss differences"):
         assert_close_losses(leaked, separate)
-    assert max(loss_ulps(a, b) for a, b in zip(leaked, separate, strict=True)) > 100 * LOSS_ULPS
+    assert max(ulps_apart(a, b) for a, b in zip(leaked, separate, strict=True)) > 100 * REASSOCIATION_ULPS
 
 
 def test_padded_batch_equals_separate_forwards(
