@@ -127,10 +127,9 @@ def test_packed_losses_and_gradients_equal_separate_forwards(
         )
 
 
-@pytest.mark.parametrize(
-    ("family", "kernel"),
-    [("qwen2_vl", "sdpa"), ("qwen2_5_vl", "packed"), ("qwen3_vl", "sdpa"), ("qwen3_vl", "packed")],
-)
+# Gradient accumulation over two rows and the step normalisation are one path for every family and
+# kernel (each family x kernel is compared, gradients included, above): one case of each kernel.
+@pytest.mark.parametrize(("family", "kernel"), [("qwen2_vl", "sdpa"), ("qwen3_vl", "packed")])
 def test_one_optimizer_step_packed_equals_unpacked(
     family: str,
     kernel: str,
