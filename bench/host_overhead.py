@@ -39,7 +39,7 @@ SHARED = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
 BATCH = 4
 SAMPLES = 16
 # Smallest setting (tests/test_benches.py runs it; docs/runbook.md "Benchmarks").
-SMOKE_ARGS = "--samples 2 --batch 2"
+SMOKE_ARGS = "--samples 1 --batch 1"  # the densest aquarium image: ~1,000 generated tokens
 SMOKE_KEYS = ("datasets",)
 
 
