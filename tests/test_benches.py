@@ -74,7 +74,7 @@ class SmokeRuns:
                 self.run(before)
             args = shlex.split(declared["SMOKE_ARGS"].replace("{tmp}", str(self.tmp)))
             workdir = self.tmp / f"cwd_{name}"  # a bench's default outputs land here, never in the repo
-            workdir.mkdir()
+            workdir.mkdir(exist_ok=True)  # a run cut short before (a timeout) left it
             command = [sys.executable, str(BENCH / f"{name}.py"), *args]
             done = subprocess.run(
                 command, cwd=workdir, capture_output=True, text=True, timeout=SMOKE_TIMEOUT_S, env=os.environ
