@@ -53,6 +53,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from server_process import free_port, start_server  # bench scripts share the server helper
 
 WARMUP_STEPS = 2
+# Smallest setting (tests/test_benches.py runs it; docs/runbook.md "Benchmarks").
+SMOKE_ARGS = "--steps 3 --gas 1 --batch 1 --decode-batch 1 --max-new-tokens 4 --row-tokens 512 --text-hidden 64 --text-layers 1"
+SMOKE_KEYS = (
+    "async_over_micro_b_samples_per_s",
+    "fraction_of_ideal",
+    "stale_dropped_fraction",
+    "micro",
+    "async",
+)
 
 
 def train(

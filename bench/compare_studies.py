@@ -38,6 +38,11 @@ from study_stats import paired_t
 # Settings that may differ between the two studies; everything else must be equal.
 FREE_SETTINGS = ("object_format", "arms", "seeds", "backend", "bootstrap")
 METRICS = ("f1", "map", "mean_iou", "duplicate_rate", "fp_per_image", "truncated_frac")
+# Smallest setting (tests/test_benches.py runs it; docs/runbook.md "Benchmarks").
+# A study compared with itself: the smallest learning_signal.py study, run first (SMOKE_AFTER).
+SMOKE_AFTER = ("learning_signal",)
+SMOKE_ARGS = "--study {tmp}/learning_signal --baseline {tmp}/learning_signal --bootstrap 10"
+SMOKE_KEYS = ("study", "baseline", "stage1_dev", "arms")
 
 
 def parse_args() -> argparse.Namespace:

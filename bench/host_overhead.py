@@ -12,6 +12,7 @@ matching with the default ``matching.*``) and ``build_rollout_target``.
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 import sys
@@ -37,6 +38,9 @@ from rollmatch.rollout.hf import left_padded_inputs
 SHARED = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
 BATCH = 4
 SAMPLES = 16
+# Smallest setting (tests/test_benches.py runs it; docs/runbook.md "Benchmarks").
+SMOKE_ARGS = "--samples 1 --batch 1"  # the densest aquarium image: ~1,000 generated tokens
+SMOKE_KEYS = ("datasets",)
 
 
 def jittered_response(gts: list[DetObject], rng: random.Random, extent: tuple[int, int]) -> list[DetObject]:
@@ -51,14 +55,16 @@ def jittered_response(gts: list[DetObject], rng: random.Random, extent: tuple[in
     return out
 
 
-def measure(name: str, records: list, model: torch.nn.Module, encoder: PromptEncoder) -> dict[str, float]:
+def measure(
+    records: list, model: torch.nn.Module, encoder: PromptEncoder, batch_size: int
+) -> dict[str, float]:
     codec = build_codec("qwen_json", encoder.tokenizer, [encoder.eos_token_id])
     matching = MatchingConfig()
     tok = encoder.tokenizer
     rng = random.Random(0)
     host = rollout = 0.0
-    for start in range(0, len(records), BATCH):
-        batch = records[start : start + BATCH]
+    for start in range(0, len(records), batch_size):
+        batch = records[start : start + batch_size]
         encoded = [encoder.encode(r) for r in batch]
         responses = []
         for record, enc in zip(batch, encoded, strict=True):
@@ -104,22 +110,29 @@ def measure(name: str, records: list, model: torch.nn.Module, encoder: PromptEnc
 def main() -> None:
     from transformers import AutoModelForImageTextToText
 
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--samples", type=int, default=SAMPLES, help="images per dataset")
+    parser.add_argument("--batch", type=int, default=BATCH, help="rollouts per generate call")
+    args = parser.parse_args()
+
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_tiny_model("qwen2_5_vl", Path(tmp) / "model", seed=0)
         model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
         encoder = PromptEncoder.from_pretrained(model_dir, DataConfig(coord_frame="norm1000"))
         shapes = load_records(
-            generate_shapes(Path(tmp) / "shapes", n_train=SAMPLES, n_val=1, size=224)["train"]
+            generate_shapes(Path(tmp) / "shapes", n_train=args.samples, n_val=1, size=224)["train"]
         )
         datasets = {"shapes": shapes}
         aquarium = SHARED / "aquarium_combined_v2"
         if aquarium.is_dir():
             recs = from_yolo(aquarium / "valid", names=read_yolo_names(aquarium / "data.yaml"))
             # the densest images: the aquarium counts go up to 45 objects per image
-            datasets["aquarium"] = sorted(recs, key=lambda r: -len(r.objects))[:SAMPLES]
+            datasets["aquarium"] = sorted(recs, key=lambda r: -len(r.objects))[: args.samples]
         else:
             print(f"warning: {aquarium} not found; aquarium skipped", file=sys.stderr)
-        result = {"datasets": {name: measure(name, recs, model, encoder) for name, recs in datasets.items()}}
+        result = {
+            "datasets": {name: measure(recs, model, encoder, args.batch) for name, recs in datasets.items()}
+        }
     print(json.dumps(result, indent=2))
 
 

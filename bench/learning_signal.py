@@ -47,6 +47,7 @@ CPU hours on 2 cores; stop and rerun at will)::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -86,6 +87,15 @@ GAIN, MAP_SLACK = 0.03, 0.01  # decided before the run
 MIN_SEEDS = 3  # decided before the run: no verdict on fewer
 F1_GATE = (0.4, 0.8)
 DIFFERS_GATE = 0.25
+# Smallest setting (tests/test_benches.py runs it; docs/runbook.md "Benchmarks").
+# A few images and steps, one seed, SFT and one rollout arm (so SFT at equal compute runs too); a
+# stage-1 of 2 steps fails the gate, hence --ignore-gate. Its numbers only show that the script runs.
+SMOKE_ARGS = (
+    "--out {tmp}/learning_signal --train-size 8 --dev-size 4 --report-size 4 --stage1-steps 2 --steps 2 "
+    "--eval-at 2 --decide-at 2 --seeds 0 --arms sft prefix_fn_supervised --max-new-tokens 16 --backend hf "
+    "--bootstrap 10 --ignore-gate"
+)
+SMOKE_KEYS = ("settings", "data", "gate", "arms", "comparisons")
 _PROCESSOR_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -98,6 +108,13 @@ _PROCESSOR_FILES = (
 
 def main() -> None:
     args = parse_args()
+    with contextlib.redirect_stdout(sys.stderr):  # the trainer prints its logs; stdout is the JSON alone
+        result = run_study(args)
+    print(json.dumps(result))
+
+
+def run_study(args: argparse.Namespace) -> dict[str, Any]:
+    """Every unit not done yet, then the summary (also written to ``--out``)."""
     out = Path(args.out).absolute()
     out.mkdir(parents=True, exist_ok=True)
     settings = {
@@ -159,7 +176,7 @@ def main() -> None:
                 shutil.copy(
                     out / f"learning_signal{suffix}", Path(__file__).parents[1] / "docs" / f"{name}{suffix}"
                 )
-    print(json.dumps(result))
+    return result
 
 
 def parse_args() -> argparse.Namespace:

@@ -34,7 +34,7 @@ batches of the same number of samples per step (arrival order), and vs one sampl
 counts real (non-padding) tokens. ``selection_cost`` sets the selection CPU time per row (worst mix)
 against one forward + backward of a packed row.
 
-Run: ``.venv/bin/python bench/packing.py [--data DIR] [--seed N]`` (about a minute on 2 cores).
+Run: ``.venv/bin/python bench/packing.py [--data DIR] [--seed N] [--smoke]`` (about a minute on 2 cores).
 """
 
 from __future__ import annotations
@@ -74,6 +74,20 @@ DEFAULT_DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
 CAPACITY = TrainingConfig().global_max_length
 CARRY_LIMIT = TrainingConfig().carry_buffer_size
 SPEED_SAMPLES, SPEED_ROUNDS = 40, 2
+# --smoke: every part on a few segments (seconds; numbers that only show the script runs).
+SMOKE_SCALE = {
+    "shapes": 12,
+    "synthetic": 40,
+    "stress": 20,
+    "real_epochs": 1,
+    "speed_samples": 4,
+    "speed_rounds": 1,
+}
+FULL_SCALE = {"shapes": 600, "synthetic": 1500, "stress": 600, "real_epochs": 3}
+FULL_SCALE |= {"speed_samples": SPEED_SAMPLES, "speed_rounds": SPEED_ROUNDS}
+# Smallest setting (tests/test_benches.py runs it; docs/runbook.md "Benchmarks").
+SMOKE_ARGS = "--smoke"
+SMOKE_KEYS = ("distributions", "stress_mixes", "selection_cost", "packed_over_padded_tokens_per_s")
 BUFFERED_ARRIVALS = 1.05  # tokens arriving per step / row capacity for the `ours` stream
 
 
@@ -83,7 +97,11 @@ def main() -> None:
         "--data", type=Path, default=DEFAULT_DATA, help="folder with raccoon/ and aquarium_combined_v2/"
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--smoke", action="store_true", help="a few segments per part: checks the script runs"
+    )
     args = parser.parse_args()
+    scale = SMOKE_SCALE if args.smoke else FULL_SCALE
     torch.manual_seed(args.seed)
     rng = np.random.default_rng(args.seed)
     with tempfile.TemporaryDirectory() as tmp:
@@ -91,15 +109,15 @@ def main() -> None:
         encoder = PromptEncoder.from_pretrained(model_dir, DataConfig(coord_frame="norm1000"))
         records = real_records(args.data)
         lengths = {
-            "shapes": shapes_lengths(encoder, Path(tmp), n=600, seed=args.seed),
+            "shapes": shapes_lengths(encoder, Path(tmp), n=scale["shapes"], seed=args.seed),
             "real": [
                 lengths
-                for _ in range(3)
+                for _ in range(scale["real_epochs"])
                 for lengths in rng.permutation(real_lengths(encoder, records)).tolist()
             ],
-            "lognormal": lognormal_lengths(rng, n=1500),
+            "lognormal": lognormal_lengths(rng, n=scale["synthetic"]),
             # Its own generator: the draws of the mixes above and of the speed samples stay as they were.
-            "bimodal": bimodal_lengths(np.random.default_rng(args.seed + 2), n=1500),
+            "bimodal": bimodal_lengths(np.random.default_rng(args.seed + 2), n=scale["synthetic"]),
         }
         result: dict[str, Any] = {
             "capacity": CAPACITY,
@@ -107,10 +125,14 @@ def main() -> None:
             "distributions": {name: compare_packers(values, CAPACITY) for name, values in lengths.items()},
             "stress_mixes": {
                 name: compare_packers(values, CAPACITY)
-                for name, values in stress_lengths(np.random.default_rng(args.seed + 1), n=600).items()
+                for name, values in stress_lengths(
+                    np.random.default_rng(args.seed + 1), n=scale["stress"]
+                ).items()
             },
         }
-        result.update(training_speed(model_dir, encoder, records, rng))
+        result.update(
+            training_speed(model_dir, encoder, records, rng, scale["speed_samples"], scale["speed_rounds"])
+        )
         result["selection_cost"] = selection_cost(result)
     print(json.dumps(result, indent=1))
 
@@ -403,7 +425,12 @@ def length_only_segment(sample_id: str, length: int) -> Segment:
 
 # ------------------------------------------------------------------------------------ training speed
 def training_speed(
-    model_dir: Path, encoder: PromptEncoder, records: Sequence[Record], rng: np.random.Generator
+    model_dir: Path,
+    encoder: PromptEncoder,
+    records: Sequence[Record],
+    rng: np.random.Generator,
+    samples: int,
+    rounds: int,
 ) -> dict[str, Any]:
     """Tokens/s of forward + backward over the same samples: packed rows vs padded vs one per step."""
     from transformers import AutoModelForImageTextToText
@@ -414,9 +441,7 @@ def training_speed(
     model.train()
     kernel_model = copy.deepcopy(model)
     enable_packed_attention(kernel_model)
-    segments = [
-        real_segment(model, encoder, records[i]) for i in rng.permutation(len(records))[:SPEED_SAMPLES]
-    ]
+    segments = [real_segment(model, encoder, records[i]) for i in rng.permutation(len(records))[:samples]]
     tokens = sum(s.length for s in segments)
     rows = plan_rows([s.length for s in segments], CAPACITY)
     packed = [pack_row([segments[i] for i in row]) for row in rows]
@@ -432,7 +457,7 @@ def training_speed(
     }
     seconds = {name: math.inf for name in runs}
     torch.set_num_threads(1)  # measure work, not how a shared machine schedules threads
-    for round_index in range(SPEED_ROUNDS + 1):  # interleaved rounds; round 0 warms up
+    for round_index in range(rounds + 1):  # interleaved rounds; round 0 warms up
         for name, (runner, batches) in runs.items():
             elapsed = train_seconds(runner, batches)
             if round_index:

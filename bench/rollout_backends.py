@@ -70,6 +70,9 @@ from rollmatch.sync.weights import flatten_buckets, iter_sync_tensors
 
 DEFAULT_DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
 MB = 1 << 20
+# Smallest setting (tests/test_benches.py runs it; docs/runbook.md "Benchmarks").
+SMOKE_ARGS = "--batch 1 --max-new-tokens 2 --repeats 1 --text-layers 1 --threads 1 --kv-cache-gib 0.1"
+SMOKE_KEYS = ("batches", "vllm_start_seconds", "sync_seconds_per_mb", "model")
 
 
 def main() -> None:

@@ -55,6 +55,10 @@ from rollmatch.protocol import InferBody, InferRequest, RequestConfig, encode_im
 
 DEFAULT_DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
 BENCH_SIZE = {"text_layers": 4, "text_hidden": 512, "text_intermediate": 1536}
+# Smallest setting (tests/test_benches.py runs it; docs/runbook.md "Benchmarks").
+# (the HF engine: the script takes the same path for both engines, and a vLLM server starts slower)
+SMOKE_ARGS = "--engines hf --clients 1 --batch 1 --rounds 1 --max-new-tokens 2 --text-layers 1 --text-hidden 64 --text-intermediate 128"
+SMOKE_KEYS = ("engines", "model", "batch_per_client", "rounds")
 
 
 def main() -> None:

@@ -3,16 +3,18 @@
 Starts ``rollmatch serve --engine hf`` on the tiny Qwen2.5-VL model (its own process, one CPU
 thread), then trains stage2_ab_training with ``b_ratio: 1.0``, ``channel_b.mode: step`` and
 ``vllm.mode: server`` twice, once per ``enable_pipeline`` value (learner: one CPU thread). Each
-optimizer step rolls out ``ROLLOUTS_PER_STEP`` samples in decode batches of ``DECODE_BATCH`` and
-learns every segment. The first step of each run is a warm-up and is not measured.
+optimizer step rolls out ``--rollouts-per-step`` samples (16) in decode batches of ``DECODE_BATCH`` and
+learns every segment. The first of the ``--steps`` (8) of each run is a warm-up and is not measured.
 
 Prints ONE JSON object: ``pipeline_on_over_off_step_time`` (mean B-loop wall time per optimizer
 step, on / off), ``learner_wait_fraction`` (pipeline on: the fraction of the step the learner spent
 waiting for rollouts), the same wait fraction without the pipeline, and the raw per-step seconds.
+Run: ``.venv/bin/python bench/step_pipeline.py [--steps 8] [--rollouts-per-step 16] [--max-new-tokens 16]``.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -37,9 +39,14 @@ ROLLOUTS_PER_STEP = 16
 DECODE_BATCH = 2
 MAX_NEW_TOKENS = 16
 STEPS = 8  # the first is a warm-up
+# Smallest setting (tests/test_benches.py runs it; docs/runbook.md "Benchmarks").
+SMOKE_ARGS = "--steps 2 --rollouts-per-step 2 --max-new-tokens 4"
+SMOKE_KEYS = ("pipeline_on_over_off_step_time", "learner_wait_fraction", "pipeline_on", "pipeline_off")
 
 
-def train(root: Path, model_dir: Path, train_jsonl: Path, port: int, pipeline: bool) -> list[dict[str, Any]]:
+def train(
+    root: Path, model_dir: Path, train_jsonl: Path, port: int, pipeline: bool, args: argparse.Namespace
+) -> list[dict[str, Any]]:
     cfg = load_config_dict(
         {
             "model": {"path": str(model_dir)},
@@ -49,7 +56,7 @@ def train(root: Path, model_dir: Path, train_jsonl: Path, port: int, pipeline: b
                 "extra": {
                     "rollout_matching": {
                         "rollout_backend": "vllm",
-                        "max_new_tokens": MAX_NEW_TOKENS,
+                        "max_new_tokens": args.max_new_tokens,
                         "vllm": {
                             "mode": "server",
                             "server": {
@@ -67,7 +74,7 @@ def train(root: Path, model_dir: Path, train_jsonl: Path, port: int, pipeline: b
                 "schedule": {"b_ratio": 1.0},
                 "channel_b": {
                     "mode": "step",
-                    "rollouts_per_step": ROLLOUTS_PER_STEP,
+                    "rollouts_per_step": args.rollouts_per_step,
                     "rollout_decode_batch_size": DECODE_BATCH,
                     "enable_pipeline": pipeline,
                 },
@@ -75,7 +82,7 @@ def train(root: Path, model_dir: Path, train_jsonl: Path, port: int, pipeline: b
             "training": {
                 "output_dir": str(root / f"train_pipeline_{pipeline}"),
                 "per_device_train_batch_size": 1,
-                "max_steps": STEPS,
+                "max_steps": args.steps,
                 "packing": True,
                 "global_max_length": 384,
                 "report_to": [],
@@ -104,6 +111,15 @@ def summary(steps: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--steps", type=int, default=STEPS, help="optimizer steps per run (the first warms up)"
+    )
+    parser.add_argument("--rollouts-per-step", type=int, default=ROLLOUTS_PER_STEP)
+    parser.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS)
+    args = parser.parse_args()
+    if args.steps < 2:
+        parser.error("--steps must be at least 2 (the first step is a warm-up)")
     torch.set_num_threads(1)  # learner and server each get one of the machine's cores
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -112,8 +128,8 @@ def main() -> None:
         port = free_port()
         server = start_server(model_dir, port, root / "server.log")
         try:
-            off = summary(train(root, model_dir, data["train"], port, pipeline=False))
-            on = summary(train(root, model_dir, data["train"], port, pipeline=True))
+            off = summary(train(root, model_dir, data["train"], port, pipeline=False, args=args))
+            on = summary(train(root, model_dir, data["train"], port, pipeline=True, args=args))
         finally:
             server.terminate()
             server.wait(timeout=30)
@@ -125,10 +141,10 @@ def main() -> None:
         "pipeline_off": off,
         "setup": {
             "model": "tiny qwen2_5_vl (random init), HF-engine rollout server",
-            "rollouts_per_step": ROLLOUTS_PER_STEP,
+            "rollouts_per_step": args.rollouts_per_step,
             "rollout_decode_batch_size": DECODE_BATCH,
-            "max_new_tokens": MAX_NEW_TOKENS,
-            "measured_steps": STEPS - 1,
+            "max_new_tokens": args.max_new_tokens,
+            "measured_steps": args.steps - 1,
             "threads": "learner 1, server 1",
             "cpu_count": os.cpu_count(),
             "load_average_1min_after": os.getloadavg()[0],

@@ -20,6 +20,7 @@ and writes it to ``--out/truncation.json``. About 10 minutes on 2 idle cores::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from collections import Counter
@@ -43,6 +44,13 @@ from rollmatch.detection.objects import DetObject
 from rollmatch.detection.targets import TargetSequence, _weighted_target, build_matched_target
 
 MAX_NEW_TOKENS = 160
+# Smallest setting (tests/test_benches.py runs it; docs/runbook.md "Benchmarks"): every phase on a
+# couple of images and steps; its numbers only show that the script runs.
+SMOKE_ARGS = (
+    "--out {tmp}/truncation --stage1-steps 2 --train-size 4 --val-size 2 --stats-images 2 --rm-steps 2 "
+    "--max-new-tokens 8"
+)
+SMOKE_KEYS = ("setup", "max_new_tokens", "targets_of_stage1_rollouts", "rollout_matching")
 BUILDERS = ("former", "all", "matched")
 
 
@@ -75,23 +83,39 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="runs/truncation")
     parser.add_argument("--rm-steps", type=int, default=30)
+    parser.add_argument("--stage1-steps", type=int, default=240)
+    parser.add_argument("--train-size", type=int, default=384)
+    parser.add_argument("--val-size", type=int, default=48)
+    parser.add_argument("--stats-images", type=int, default=64, help="training images rolled out in part 1")
+    parser.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS)
     args = parser.parse_args()
+    with contextlib.redirect_stdout(sys.stderr):  # the trainer prints its logs; stdout is the JSON alone
+        result = run(args)
+    print(json.dumps(result))
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
     out = Path(args.out).absolute()
-    stage1 = former_demo_stage1(out)
+    stage1 = former_demo_stage1(out, args)
     result: dict[str, Any] = {
-        "setup": "former demo: qwen2_5_vl theta 1e6, shapes 1-6 objects (384 train / 48 val), 240 sft steps",
-        "max_new_tokens": MAX_NEW_TOKENS,
-        "targets_of_stage1_rollouts": cached(out / "target_stats.json", lambda: target_stats(stage1, out)),
+        "setup": (
+            f"former demo: qwen2_5_vl theta 1e6, shapes 1-6 objects ({args.train_size} train / "
+            f"{args.val_size} val), {args.stage1_steps} sft steps"
+        ),
+        "max_new_tokens": args.max_new_tokens,
+        "targets_of_stage1_rollouts": cached(
+            out / "target_stats.json", lambda: target_stats(stage1, out, args)
+        ),
         "rollout_matching": {
-            b: cached(out / f"rm_{b}.json", lambda b=b: rollout_matching(stage1, out, b, args.rm_steps))
+            b: cached(out / f"rm_{b}.json", lambda b=b: rollout_matching(stage1, out, b, args))
             for b in BUILDERS
         },
     }
     (out / "truncation.json").write_text(json.dumps(result, indent=2))
-    print(json.dumps(result))
+    return result
 
 
-def base_config(out: Path, model: str, **training: Any) -> RollmatchConfig:
+def base_config(out: Path, model: str, max_new_tokens: int, **training: Any) -> RollmatchConfig:
     return load_config_dict(
         {
             "model": {"path": model},
@@ -101,7 +125,7 @@ def base_config(out: Path, model: str, **training: Any) -> RollmatchConfig:
                 "coord_frame": "norm1000",
             },
             "custom": {
-                "extra": {"rollout_matching": {"rollout_backend": "hf", "max_new_tokens": MAX_NEW_TOKENS}}
+                "extra": {"rollout_matching": {"rollout_backend": "hf", "max_new_tokens": max_new_tokens}}
             },
             "training": {
                 "per_device_train_batch_size": 8,
@@ -119,7 +143,7 @@ def base_config(out: Path, model: str, **training: Any) -> RollmatchConfig:
     )
 
 
-def former_demo_stage1(out: Path) -> str:
+def former_demo_stage1(out: Path, args: argparse.Namespace) -> str:
     """The former demo's inputs and stage-1 phase (kept under ``out`` once built)."""
     from rollmatch.models.tiny import build_tiny_model
     from rollmatch.training.entry import run_training
@@ -128,12 +152,13 @@ def former_demo_stage1(out: Path) -> str:
     if (final / "config.json").exists():
         return str(final)
     build_tiny_model("qwen2_5_vl", out / "model", seed=0)
-    generate_shapes(out / "data", n_train=384, n_val=48, size=224, seed=0)
+    generate_shapes(out / "data", n_train=args.train_size, n_val=args.val_size, size=224, seed=0)
     cfg = base_config(
         out,
         str(out / "model"),
+        args.max_new_tokens,
         output_dir=str(out / "sft"),
-        max_steps=240,
+        max_steps=args.stage1_steps,
         learning_rate=2e-3,
         lr_scheduler_type="cosine",
         warmup_ratio=0.05,
@@ -144,7 +169,7 @@ def former_demo_stage1(out: Path) -> str:
     return str(final)
 
 
-def target_stats(model_dir: str, out: Path) -> dict[str, float]:
+def target_stats(model_dir: str, out: Path, args: argparse.Namespace) -> dict[str, float]:
     """Per image: GT, rollout and target sizes under the former builder and ``matched``."""
     import torch
     from transformers import AutoModelForImageTextToText
@@ -165,15 +190,14 @@ def target_stats(model_dir: str, out: Path) -> dict[str, float]:
         pad_token_id=encoder.pad_token_id,
         batch_size=16,
     )
-    records = load_records(out / "data" / "train.jsonl")[:64]
+    records = load_records(out / "data" / "train.jsonl")[: args.stats_images]
+    budget = args.max_new_tokens
     sums: Counter[str] = Counter()
     kwargs = {"codec": codec, "tokenizer": encoder.tokenizer, "eos_token_id": encoder.eos_token_id}
     for offset in range(0, len(records), 16):
         batch = records[offset : offset + 16]
         encoded = [encoder.encode(r) for r in batch]
-        rollouts = backend.generate(
-            [e.to_request() for e in encoded], Decoding(max_new_tokens=MAX_NEW_TOKENS), 0
-        )
+        rollouts = backend.generate([e.to_request() for e in encoded], Decoding(max_new_tokens=budget), 0)
         for record, enc, rollout in zip(batch, encoded, rollouts, strict=True):
             gts = encoder.gt_objects(record, enc)
             parse = codec.parse(
@@ -187,7 +211,7 @@ def target_stats(model_dir: str, out: Path) -> dict[str, float]:
                 images=1,
                 gt_objects=len(gts),
                 gt_tokens=gt_tokens,
-                gt_over_budget=int(gt_tokens > MAX_NEW_TOKENS),
+                gt_over_budget=int(gt_tokens > budget),
                 rollout_truncated=int(parse.truncated),
                 rollout_elements=parse.num_complete,
                 rollout_matched=len(match.pairs),
@@ -198,18 +222,19 @@ def target_stats(model_dir: str, out: Path) -> dict[str, float]:
                 )
                 sums[f"{name}_target_elements"] += len(scan_json_list(target.text).elements)
                 sums[f"{name}_target_tokens"] += len(target.token_ids)
-                sums[f"{name}_target_over_budget"] += int(len(target.token_ids) > MAX_NEW_TOKENS)
+                sums[f"{name}_target_over_budget"] += int(len(target.token_ids) > budget)
     images = sums.pop("images")
     return {"images": images, **{f"{k}_per_image": round(v / images, 3) for k, v in sums.items()}}
 
 
-def rollout_matching(stage1: str, out: Path, builder: str, steps: int) -> dict[str, Any]:
-    """``steps`` rollout-matching steps with one target builder; val metrics at half and full."""
+def rollout_matching(stage1: str, out: Path, builder: str, args: argparse.Namespace) -> dict[str, Any]:
+    """``--rm-steps`` rollout-matching steps with one target builder; val metrics at half and full."""
     import shutil
 
     import rollmatch.training.channels as channels
     from rollmatch.training.entry import run_training
 
+    steps = args.rm_steps
     run_dir = out / f"rm_{builder}"
     if run_dir.exists():
         shutil.rmtree(run_dir)
@@ -219,6 +244,7 @@ def rollout_matching(stage1: str, out: Path, builder: str, steps: int) -> dict[s
         cfg = base_config(
             out,
             stage1,
+            args.max_new_tokens,
             output_dir=str(run_dir),
             max_steps=steps,
             learning_rate=3e-4,

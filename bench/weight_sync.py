@@ -60,6 +60,14 @@ IMAGE_WIRES = ("png", "resized_bmp")
 RACCOON = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "raccoon" / "images"
 MB = 1 << 20
 DIGEST_KEY = bytes(range(32))  # the key /init_communicator/ would hand out (fixed: a benchmark)
+MAX_ENGINE_STEPS = 10_000  # an in-process batch that needs more steps than this is stuck
+# Smallest setting (tests/test_benches.py runs it; docs/runbook.md "Benchmarks").
+SMOKE_ARGS = "--payload-mb 1 --bucket-mb 1 --requests 1 --max-new-tokens 2 --repeats 1 --threads 1"
+SMOKE_KEYS = (
+    "transaction_over_raw_broadcast",
+    "server_full_sync_seconds_per_mb",
+    "infer_http_over_inprocess",
+)
 
 
 # ------------------------------------------------------------------------- 1. transaction vs raw
@@ -234,6 +242,9 @@ def _server_config(model_dir: Path, url: str, wire: str) -> Any:
     return RollmatchConfig.model_validate(
         {
             "model": {"path": str(model_dir)},
+            # The frame the server starts with (server_process.start_server: --coord-frame norm1000);
+            # the trainer's check refuses a server whose frame differs from data.coord_frame.
+            "data": {"coord_frame": "norm1000"},
             "custom": {"extra": {"rollout_matching": {"vllm": {"mode": "server", "server": server}}}},
         }
     )
@@ -294,7 +305,7 @@ def _one_round(
             PreparedPrompt(r.sample_id, r.prompt_token_ids, i) for r, i in zip(requests_, images, strict=True)
         ]
         with _Clock(pids) as clock:
-            local.generate(prompts, decoding, 0)
+            _generate_in_process(local, prompts, decoding)
         return clock.reading
 
     def over_http(wire: str) -> None:
@@ -313,6 +324,20 @@ def _one_round(
     for step in steps[shift:] + steps[:shift]:
         step()
     return sample
+
+
+def _generate_in_process(engine: Any, prompts: list[Any], decoding: Any) -> None:
+    """The server engine's ``add`` / ``step`` loop in this process (the server's scheduler minus HTTP)."""
+    pending = {f"local-{index}" for index in range(len(prompts))}
+    for index, prompt in enumerate(prompts):
+        engine.add(f"local-{index}", prompt, decoding, 0)
+    for _ in range(MAX_ENGINE_STEPS):
+        pending -= {request_id for request_id, _ in engine.step()}
+        if not pending:
+            return
+    raise RuntimeError(
+        f"in-process {engine.name} engine: {len(pending)} requests unfinished after {MAX_ENGINE_STEPS} steps"
+    )
 
 
 class _Clock:
