@@ -56,6 +56,11 @@ from rollmatch.server.scheduler import ADMIT_PROMPTS_PER_STEP
 DEFAULT_DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
 
 
+# Smallest setting (tests/test_benches.py runs it; docs/runbook.md "Benchmarks").
+SMOKE_ARGS = "--arrivals 2 --images 1 --long-tokens 8"
+SMOKE_KEYS = ("max_gap_ratio", "paths", "admit_prompts_per_step")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA)

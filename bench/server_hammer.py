@@ -87,6 +87,11 @@ class Target:
 Case = Callable[[Target], list[int]]  # one round of one worker: the statuses it saw
 
 
+# Smallest setting (tests/test_benches.py runs it; docs/runbook.md "Benchmarks").
+SMOKE_ARGS = "--workers 1 --requests 1 --case-seconds 2 --scale 0.02"
+SMOKE_KEYS = ("ok", "cases", "server_peak_rss_mib", "bound_health_s")
+
+
 def _redos(target: Target) -> list[int]:
     return [
         target.post("/infer/", _body("redos_escapes", 16_000)),

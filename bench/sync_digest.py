@@ -23,6 +23,10 @@ import torch
 from rollmatch.sync.digest import bucket_checksum, new_digest_key
 from rollmatch.sync.weights import TensorMeta
 
+# Smallest setting (tests/test_benches.py runs it; docs/runbook.md "Benchmarks").
+SMOKE_ARGS = "--bucket-mb 1 --repeats 1"
+SMOKE_KEYS = ("keyed_mib_per_s", "word_sum_mib_per_s", "sha256_one_core_mib_per_s")
+
 
 def _best(fn: Callable[[], object], repeats: int) -> float:
     times = []

@@ -35,7 +35,11 @@ from rollmatch.sync.weights import flatten_buckets
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from server_process import free_port
-from weight_sync import MB, PipeChannel, _receiver_main, _synthetic_weights
+from weight_sync import DIGEST_KEY, MB, PipeChannel, _receiver_main, _synthetic_weights
+
+# Smallest setting (tests/test_benches.py runs it; docs/runbook.md "Benchmarks").
+SMOKE_ARGS = "--payload-mb 1 --bucket-mb 1 --servers 1 2 --repeats 1"
+SMOKE_KEYS = ("payload_mb", "servers")
 
 
 def bench_fanout(named: list[tuple[str, torch.Tensor]], servers: int, bucket_mb: int, repeats: int) -> float:
@@ -56,7 +60,9 @@ def bench_fanout(named: list[tuple[str, torch.Tensor]], servers: int, bucket_mb:
     seconds = []
     for round_ in range(repeats + 1):  # round 0 warms up
         start = time.perf_counter()
-        push_update(targets, named, version=round_, mode="full", bucket_bytes=bucket_mb * MB)
+        push_update(
+            targets, named, version=round_, mode="full", bucket_bytes=bucket_mb * MB, digest_key=DIGEST_KEY
+        )
         if round_:
             seconds.append(time.perf_counter() - start)
     for pipe, process, transport in zip(pipes, processes, transports, strict=True):

@@ -33,8 +33,16 @@ BENCH = Path(__file__).resolve().parents[1] / "bench"
 SMOKE_TIMEOUT_S = 1200
 
 
+# Scripts with a ``__main__`` block that other benches run as processes, not benches themselves.
+HELPER_SCRIPTS = frozenset({"health_prober"})  # server_hammer.py's /health/ prober
+
+
 def bench_names() -> list[str]:
-    return sorted(p.stem for p in BENCH.glob("*.py") if 'if __name__ == "__main__":' in p.read_text())
+    return sorted(
+        p.stem
+        for p in BENCH.glob("*.py")
+        if 'if __name__ == "__main__":' in p.read_text() and p.stem not in HELPER_SCRIPTS
+    )
 
 
 def smoke_declarations(name: str) -> dict[str, Any]:
@@ -100,7 +108,7 @@ def smoke_runs(tmp_path_factory: pytest.TempPathFactory) -> SmokeRuns:
     return SmokeRuns(tmp_path_factory.mktemp("bench_smoke"))
 
 
-@pytest.mark.heavy
+@pytest.mark.bench
 @pytest.mark.timeout(2 * SMOKE_TIMEOUT_S)  # over the suite's 300 s: a bench is a whole program
 @pytest.mark.parametrize("name", bench_names())
 def test_bench_runs_in_its_smallest_setting(name: str, smoke_runs: SmokeRuns) -> None:

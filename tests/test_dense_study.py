@@ -284,7 +284,7 @@ def test_pilot_summary_measures_cost_and_spread_and_says_how_many_seeds(tmp_path
 
 
 # ------------------------------------------------------------------------------ end to end, heavy
-@pytest.mark.heavy
+@pytest.mark.bench
 @pytest.mark.timeout(1500)  # three runs; the first takes ~4 min on a loaded 2-core machine
 def test_the_driver_runs_end_to_end_at_its_smallest_setting_and_resumes(tmp_path: Path) -> None:
     """SMOKE_ARGS (sft only, a few images and steps): the JSON, the unit files, a rerun that trains

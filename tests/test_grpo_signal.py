@@ -69,7 +69,7 @@ def test_an_out_folder_of_other_settings_is_refused(tmp_path: Path) -> None:
         grpo_signal.check_settings(tmp_path, grpo_signal.parse_args(["--out", str(tmp_path), "--steps", "5"]))
 
 
-@pytest.mark.heavy
+@pytest.mark.bench
 @pytest.mark.timeout(900)
 def test_the_bench_runs_end_to_end_at_its_smallest_setting_and_resumes(tmp_path: Path) -> None:
     command = [
