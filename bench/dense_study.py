@@ -471,7 +471,7 @@ def run_equal_compute(out: Path, stage1: Path, splits: dict[str, Path], args: ar
     per step, from its cheapest seed), evaluated on report at each."""
     from rollmatch.training.entry import run_training
 
-    runs = {arm: dense_summary.arm_runs(out, arm) for arm in args.arms}
+    runs = {arm: ls.arm_runs(out, arm) for arm in args.arms}
     costs = dense_summary.cost_per_step(runs)
     basis = costs.pop("basis")
     rollout_arms = [arm for arm in args.arms if arm != "sft"]

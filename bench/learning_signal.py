@@ -752,6 +752,14 @@ def plot(result: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def arm_runs(folder: Path, arm: str) -> dict[int, Any]:
+    """The finished runs of ``arm`` in a study folder (``arms/<arm>/seed<N>.json``), by seed."""
+    runs = {}
+    for path in sorted((folder / "arms" / arm).glob("seed*.json")):
+        runs[int(path.stem.removeprefix("seed"))] = json.loads(path.read_text())
+    return runs
+
+
 def cached(path: Path, compute: Any) -> Any:
     """``compute()`` once; its JSON is kept at ``path`` (written atomically) so a rerun resumes."""
     if path.exists():
