@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from learning_signal import paired_bootstrap  # bench scripts share the study's statistics
+from learning_signal import arm_runs, paired_bootstrap  # bench scripts share the study's statistics
 from study_stats import paired_t
 
 # Settings that may differ between the two studies; everything else must be equal.
@@ -104,7 +104,7 @@ def compare_studies(study: Path | list[Path], baseline: Path | list[Path], resam
     result["arms"] = {}
     arms = set(settings["study"]["arms"]) & set(settings["baseline"]["arms"])
     for arm in sorted(arms):
-        runs = {name: [_arm_runs(sides[name][s], arm) for s in stage1_seeds] for name in sides}
+        runs = {name: [arm_runs(sides[name][s], arm) for s in stage1_seeds] for name in sides}
         seeds = sorted(set.intersection(*(set(r) for side in runs.values() for r in side)))
         if not seeds:
             continue
@@ -166,13 +166,6 @@ def _settings(folder: Path) -> dict[str, Any]:
     if settings is None:
         raise SystemExit(f"{folder} is not a learning_signal.py study (no settings.json)")
     return settings
-
-
-def _arm_runs(folder: Path, arm: str) -> dict[int, Any]:
-    runs = {}
-    for path in sorted((folder / "arms" / arm).glob("seed*.json")):
-        runs[int(path.stem.removeprefix("seed"))] = json.loads(path.read_text())
-    return runs
 
 
 def _read(path: Path) -> dict[str, Any] | None:

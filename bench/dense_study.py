@@ -423,23 +423,8 @@ def run_arm(
     folder = root / "arms" / arm / f"seed{seed}"
 
     def train_and_evaluate() -> dict[str, Any]:
-        from rollmatch.training.entry import run_training
-
         cfg = arm_config(folder, arm, seed, stage1, splits, args, steps, min(eval_at))
-        seconds_log = folder / "train_seconds.jsonl"
-        if not (folder / "final" / "config.json").exists():
-            start_step, cpu_start = ls._resume_step(folder), time.process_time()
-            trained = run_training(cfg)
-            line = {
-                "seconds": trained.seconds,
-                "cpu_seconds": round(time.process_time() - cpu_start, 1),
-                "global_step": trained.global_step,
-                "start_step": start_step,
-            }
-            with seconds_log.open("a") as f:
-                f.write(json.dumps(line) + "\n")
-        lines = [json.loads(line) for line in seconds_log.read_text().splitlines()]
-        seconds, cpu_seconds = ls.training_cost(lines, steps)
+        seconds, cpu_seconds = ls.train_with_cost(cfg, folder, steps)
         evals = {}
         for step in eval_at:
             checkpoint = folder / "final" if step == steps else folder / f"checkpoint-{step}"
@@ -486,7 +471,7 @@ def run_equal_compute(out: Path, stage1: Path, splits: dict[str, Path], args: ar
     per step, from its cheapest seed), evaluated on report at each."""
     from rollmatch.training.entry import run_training
 
-    runs = {arm: dense_summary.arm_runs(out, arm) for arm in args.arms}
+    runs = {arm: ls.arm_runs(out, arm) for arm in args.arms}
     costs = dense_summary.cost_per_step(runs)
     basis = costs.pop("basis")
     rollout_arms = [arm for arm in args.arms if arm != "sft"]

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 import study_stats as st
-from learning_signal import paired_bootstrap
+from learning_signal import arm_runs, paired_bootstrap
 
 # Kept in the summary of an evaluation (the unit files hold everything, per-image counts included).
 METRICS = (
@@ -199,13 +199,6 @@ def replication(result: dict[str, Any], other: Path) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------ units
-def arm_runs(root: Path, arm: str) -> dict[int, Any]:
-    runs = {}
-    for path in sorted((root / "arms" / arm).glob("seed*.json")):
-        runs[int(path.stem.removeprefix("seed"))] = json.loads(path.read_text())
-    return runs
-
-
 def cost_per_step(runs: dict[str, dict[int, Any]]) -> dict[str, Any]:
     """Each arm's cost per step from its cheapest seed (the least disturbed by other work): CPU seconds
     of the training process when every arm measured them, else wall-clock seconds (``basis`` says)."""

@@ -499,24 +499,8 @@ def train_and_evaluate(
     args: argparse.Namespace,
     steps: int,
 ) -> dict[str, Any]:
-    from rollmatch.training.entry import run_training
-
     cfg = arm_config(folder, arm, seed, stage1, splits, args, steps)
-    seconds_log = folder / "train_seconds.jsonl"  # one line per invocation that finished
-    if not (folder / "final" / "config.json").exists():
-        start_step, cpu_start = _resume_step(folder), time.process_time()
-        result = run_training(cfg)
-        line = {
-            "seconds": result.seconds,
-            "cpu_seconds": round(time.process_time() - cpu_start, 1),  # every thread of this process
-            "global_step": result.global_step,
-            "start_step": start_step,
-        }
-        with seconds_log.open("a") as f:
-            f.write(json.dumps(line) + "\n")
-    seconds, cpu_seconds = training_cost(
-        [json.loads(line) for line in seconds_log.read_text().splitlines()], steps
-    )
+    seconds, cpu_seconds = train_with_cost(cfg, folder, steps)
     evals: dict[str, Any] = {}
     eval_steps = [steps] if arm == "sft_equal_compute" else args.eval_at
     for step in eval_steps:
@@ -538,6 +522,27 @@ def train_and_evaluate(
         "train_cpu_seconds": None if cpu_seconds is None else round(cpu_seconds, 1),
         "evals": evals,
     }
+
+
+def train_with_cost(cfg: RollmatchConfig, folder: Path, steps: int) -> tuple[float, float | None]:
+    """Train ``cfg`` into ``folder`` unless its ``final/`` exists (resuming an interrupted run), logging
+    each finished invocation's cost to ``folder/train_seconds.jsonl``; the :func:`training_cost` of
+    ``steps`` steps."""
+    from rollmatch.training.entry import run_training
+
+    seconds_log = folder / "train_seconds.jsonl"  # one line per invocation that finished
+    if not (folder / "final" / "config.json").exists():
+        start_step, cpu_start = _resume_step(folder), time.process_time()
+        result = run_training(cfg)
+        line = {
+            "seconds": result.seconds,
+            "cpu_seconds": round(time.process_time() - cpu_start, 1),  # every thread of this process
+            "global_step": result.global_step,
+            "start_step": start_step,
+        }
+        with seconds_log.open("a") as f:
+            f.write(json.dumps(line) + "\n")
+    return training_cost([json.loads(line) for line in seconds_log.read_text().splitlines()], steps)
 
 
 def training_cost(invocations: list[dict[str, Any]], steps: int) -> tuple[float, float | None]:
@@ -762,6 +767,14 @@ def plot(result: dict[str, Any], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def arm_runs(folder: Path, arm: str) -> dict[int, Any]:
+    """The finished runs of ``arm`` in a study folder (``arms/<arm>/seed<N>.json``), by seed."""
+    runs = {}
+    for path in sorted((folder / "arms" / arm).glob("seed*.json")):
+        runs[int(path.stem.removeprefix("seed"))] = json.loads(path.read_text())
+    return runs
 
 
 def cached(path: Path, compute: Any) -> Any:

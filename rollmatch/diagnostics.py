@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -35,6 +34,7 @@ from rollmatch.detection.matching import hungarian_match
 from rollmatch.detection.objects import DetObject, canonical_order
 from rollmatch.detection.scoring import ScoreCounts, ScoredResponse, score_response
 from rollmatch.detection.target_diffs import TargetDiffTotals, target_diff
+from rollmatch.evaluation import command_config, load_for_eval
 from rollmatch.rollout.alignment import check_prompt_alignment
 from rollmatch.rollout.types import Decoding, RolloutBackend
 
@@ -250,23 +250,7 @@ def _roll_out(
 
 def run_diagnose(cfg: RollmatchConfig, records: Sequence[Record], prefix_ks: Sequence[int]) -> dict[str, Any]:
     """:func:`diagnose` on ``cfg.model.path`` with the configured backend, ``eval.*`` matching and budget."""
-    from rollmatch.collectives import LocalCollectives
-    from rollmatch.detection.codec import build_codec
-    from rollmatch.models.pretrained import load_pretrained
-    from rollmatch.rollout.build import build_backend
-
-    encoder = PromptEncoder.from_pretrained(cfg.model.path, cfg.data, object_format=cfg.custom.object_format)
-    model = load_pretrained(cfg)
-    codec = build_codec(cfg.custom.object_format, encoder.tokenizer, [encoder.eos_token_id])
-    backend = build_backend(
-        cfg,
-        model=model,
-        tokenizer=encoder.tokenizer,
-        model_dir=cfg.model.path,
-        collectives=LocalCollectives(),
-        eos_token_id=encoder.eos_token_id,
-        pad_token_id=encoder.pad_token_id,
-    )
+    encoder, codec, backend = load_for_eval(cfg)
     try:
         result = diagnose(
             backend,
@@ -284,20 +268,9 @@ def run_diagnose(cfg: RollmatchConfig, records: Sequence[Record], prefix_ks: Seq
 
 
 def diagnose_command(args: argparse.Namespace) -> int:
-    from rollmatch.config.load import load_config
     from rollmatch.data.records import load_records
-    from rollmatch.rollout.build import machine_overrides
 
-    picked = [] if args.config else machine_overrides()
-    if picked:
-        print(
-            f"rollmatch diagnose: no --config, engine settings for this machine: {' '.join(picked)}",
-            file=sys.stderr,
-        )
-    overrides = [*picked, f"model.path={args.model}"]
-    if args.backend:
-        overrides.append(f"custom.extra.rollout_matching.rollout_backend={args.backend}")
-    cfg = load_config(args.config, [*overrides, *args.overrides])
+    cfg = command_config("diagnose", args)
     records = load_records(args.data, max_samples=args.max_samples)
     result = {"data": str(args.data), **run_diagnose(cfg, records, args.prefix_k)}
     text = json.dumps(result, indent=2)

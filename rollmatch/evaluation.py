@@ -200,23 +200,53 @@ def prediction_line(
     }
 
 
-def eval_command(args: argparse.Namespace) -> int:
+def command_config(command: str, args: argparse.Namespace, extra: Sequence[str] = ()) -> RollmatchConfig:
+    """The config of a model command (``rollmatch eval`` / ``diagnose``): ``--config`` (or, without one,
+    this machine's engine settings, printed), then ``--model``, ``--backend``, ``extra`` and the
+    command line's overrides."""
     from rollmatch.config.load import load_config
-    from rollmatch.data.records import load_records
     from rollmatch.rollout.build import machine_overrides
 
     picked = [] if args.config else machine_overrides()
     if picked:
         print(
-            f"rollmatch eval: no --config, engine settings for this machine: {' '.join(picked)}",
+            f"rollmatch {command}: no --config, engine settings for this machine: {' '.join(picked)}",
             file=sys.stderr,
         )
     overrides = [*picked, f"model.path={args.model}"]
     if args.backend:
         overrides.append(f"custom.extra.rollout_matching.rollout_backend={args.backend}")
-    if args.max_samples is not None:
-        overrides.append(f"eval.max_samples={args.max_samples}")
-    cfg = load_config(args.config, [*overrides, *args.overrides])
+    return load_config(args.config, [*overrides, *extra, *args.overrides])
+
+
+def load_for_eval(cfg: RollmatchConfig) -> tuple[PromptEncoder, ObjectCodec, RolloutBackend]:
+    """The prompt encoder, codec and rollout backend (``cfg``'s) of ``cfg.model.path`` in this one
+    process; the caller closes the backend."""
+    from rollmatch.collectives import LocalCollectives
+    from rollmatch.detection.codec import build_codec
+    from rollmatch.models.pretrained import load_pretrained
+    from rollmatch.rollout.build import build_backend
+
+    encoder = PromptEncoder.from_pretrained(cfg.model.path, cfg.data, object_format=cfg.custom.object_format)
+    model = load_pretrained(cfg)  # an evaluated model dir has adapters merged already
+    codec = build_codec(cfg.custom.object_format, encoder.tokenizer, [encoder.eos_token_id])
+    backend = build_backend(
+        cfg,
+        model=model,
+        tokenizer=encoder.tokenizer,
+        model_dir=cfg.model.path,
+        collectives=LocalCollectives(),
+        eos_token_id=encoder.eos_token_id,
+        pad_token_id=encoder.pad_token_id,
+    )
+    return encoder, codec, backend
+
+
+def eval_command(args: argparse.Namespace) -> int:
+    from rollmatch.data.records import load_records
+
+    extra = [] if args.max_samples is None else [f"eval.max_samples={args.max_samples}"]
+    cfg = command_config("eval", args, extra)
     if cfg.eval.decoding != cfg.rollout.decoding:
         print(
             f"rollmatch eval: decoding with eval.decoding ({_settings(cfg.eval.decoding)}); "
@@ -251,25 +281,11 @@ def _settings(section: DecodingConfig) -> str:
 def run_eval(cfg: RollmatchConfig, records: Sequence[Record], predictions_path: str | None) -> EvalResult:
     """Evaluate ``cfg.model.path`` with the configured backend (HF or vLLM) on ``records`` (the first
     ``eval.max_samples`` of them when set)."""
-    from rollmatch.collectives import LocalCollectives
-    from rollmatch.detection.codec import build_codec
-    from rollmatch.models.pretrained import load_pretrained
-    from rollmatch.rollout.build import build_backend, eval_decoding_from_config
+    from rollmatch.rollout.build import eval_decoding_from_config
 
     if cfg.eval.max_samples is not None:
         records = records[: cfg.eval.max_samples]
-    encoder = PromptEncoder.from_pretrained(cfg.model.path, cfg.data, object_format=cfg.custom.object_format)
-    model = load_pretrained(cfg)  # an evaluated model dir has adapters merged already
-    codec = build_codec(cfg.custom.object_format, encoder.tokenizer, [encoder.eos_token_id])
-    backend = build_backend(
-        cfg,
-        model=model,
-        tokenizer=encoder.tokenizer,
-        model_dir=cfg.model.path,
-        collectives=LocalCollectives(),
-        eos_token_id=encoder.eos_token_id,
-        pad_token_id=encoder.pad_token_id,
-    )
+    encoder, codec, backend = load_for_eval(cfg)
     try:
         return evaluate(
             backend,

@@ -98,19 +98,32 @@ def _coco_record(
         if ann.get("iscrowd", 0):
             continue
         where = f"{src}: annotation id {ann.get('id')} (image {file_name})"
-        category_id = _field(ann, "category_id", src)
-        if category_id not in categories:
-            raise DataError(f"{where}: category_id {category_id!r} is not in 'categories'")
-        bbox = _field(ann, "bbox", src)
-        if not isinstance(bbox, list) or len(bbox) != 4:
-            raise DataError(f"{where}: 'bbox' must be [x, y, w, h], got {bbox!r}")
-        x, y, w, h = (float(v) for v in bbox)
-        obj = _object_or_drop(categories[category_id], (x, y, x + w, y + h), size, where, dropped)
+        obj = _annotation_object(ann, categories, size, where, src, dropped)
         if obj is not None:
             objects.append(obj)
     return Record(
         id=Path(file_name).stem, images=(path,), width=size[0], height=size[1], objects=tuple(objects)
     )
+
+
+def _annotation_object(
+    ann: dict[str, Any],
+    categories: dict[Any, str],
+    size: tuple[int, int],
+    where: str,
+    src: Path,
+    dropped: list[str] | None,
+) -> RecordObject | None:
+    """The object of one COCO-style annotation (``category_id`` + ``bbox`` [x, y, w, h]), or ``None`` for a
+    zero-area box (:func:`_object_or_drop`; a negative size is a degenerate box); COCO and LVIS files share it."""
+    category_id = _field(ann, "category_id", src)
+    if category_id not in categories:
+        raise DataError(f"{where}: category_id {category_id!r} is not in 'categories'")
+    bbox = _field(ann, "bbox", src)
+    if not isinstance(bbox, list) or len(bbox) != 4:
+        raise DataError(f"{where}: 'bbox' must be [x, y, w, h], got {bbox!r}")
+    x, y, w, h = (float(v) for v in bbox)
+    return _object_or_drop(categories[category_id], (x, y, x + w, y + h), size, where, dropped)
 
 
 def _field(entry: dict[str, Any], key: str, src: Path) -> Any:
@@ -119,13 +132,18 @@ def _field(entry: dict[str, Any], key: str, src: Path) -> Any:
     return entry[key]
 
 
-def _read_coco_json(src: Path) -> dict[str, Any]:
+def _read_json(src: Path, what: str) -> Any:
+    """The JSON value of ``src``; a missing file or bad JSON is a :class:`DataError` (``what``: the file's kind)."""
     try:
-        data = json.loads(src.read_text(encoding="utf-8"))
+        return json.loads(src.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise DataError(f"COCO annotation file not found: {src}") from None
+        raise DataError(f"{what} not found: {src}") from None
     except json.JSONDecodeError as exc:
         raise DataError(f"{src}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+
+
+def _read_coco_json(src: Path) -> dict[str, Any]:
+    data = _read_json(src, "COCO annotation file")
     missing = [
         k for k in ("images", "annotations", "categories") if not isinstance(data, dict) or k not in data
     ]

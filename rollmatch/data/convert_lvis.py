@@ -26,7 +26,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from rollmatch.data.convert import _check_real_size, _field, _non_empty, _object_or_drop, _read_coco_json
+from rollmatch.data.convert import _annotation_object, _check_real_size, _field, _non_empty, _read_coco_json
 from rollmatch.data.records import Record
 from rollmatch.errors import DataError
 
@@ -87,16 +87,7 @@ def _lvis_record(
     objects = []
     for ann in annotations:
         where = f"{src}: annotation id {ann.get('id')} (image id {image_id})"
-        category_id = _field(ann, "category_id", src)
-        if category_id not in categories:
-            raise DataError(f"{where}: category_id {category_id!r} is not in 'categories'")
-        bbox = _field(ann, "bbox", src)
-        if not isinstance(bbox, list) or len(bbox) != 4:
-            raise DataError(f"{where}: 'bbox' must be [x, y, w, h], got {bbox!r}")
-        x, y, w, h = (float(v) for v in bbox)
-        if w < 0 or h < 0:
-            raise DataError(f"{where}: negative box size in {bbox!r}")
-        obj = _object_or_drop(categories[category_id], (x, y, x + w, y + h), size, where, dropped)
+        obj = _annotation_object(ann, categories, size, where, src, dropped)
         if obj is not None:
             objects.append(obj)
     return Record(id=str(image_id), images=(path,), width=size[0], height=size[1], objects=tuple(objects))

@@ -21,7 +21,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from rollmatch.data.convert import _check_real_size, _non_empty, _read_coco_json
+from rollmatch.data.convert import _check_real_size, _non_empty, _read_coco_json, _read_json
 from rollmatch.data.records import Record, checked_object
 from rollmatch.errors import DataError
 
@@ -44,12 +44,7 @@ def read_refs(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
             raise DataError(f"{src}: reading parquet needs pyarrow; `pip install pyarrow`") from None
         refs = pq.read_table(src).to_pylist()
     else:
-        try:
-            refs = json.loads(src.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise DataError(f"refs file not found: {src}") from None
-        except json.JSONDecodeError as exc:
-            raise DataError(f"{src}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+        refs = _read_json(src, "refs file")
     if not isinstance(refs, list):
         raise DataError(f"{src}: expected a list of refs, got {type(refs).__name__}")
     for i, ref in enumerate(refs):

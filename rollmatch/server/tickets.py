@@ -20,8 +20,33 @@ if TYPE_CHECKING:
     from rollmatch.server.prompts import PreparedPrompt
 
 
+class _Completion:
+    """The completion both records share: ``done``, ``error`` and the done-callbacks (fields of each)."""
+
+    done: threading.Event
+    error: BaseException | None
+    _callbacks: list[Callable[[], None]]
+
+    def on_done(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` (from the engine thread) once this is done; at once if it is."""
+        self._callbacks.append(callback)
+        if self.done.is_set():
+            callback()
+
+    def forget(self, callback: Callable[[], None]) -> None:
+        """Drop a callback registered with :meth:`on_done` (its waiter gave up)."""
+        if callback in self._callbacks:
+            self._callbacks.remove(callback)
+
+    def _finish(self, error: BaseException | None = None) -> None:
+        self.error = error
+        self.done.set()
+        for callback in list(self._callbacks):
+            callback()
+
+
 @dataclass(eq=False)  # identity: a ticket is one call, found in the queues by ``is``
-class CallTicket:
+class CallTicket(_Completion):
     """One submitted call: its prompts, where it stands, and (once done) its outputs or error."""
 
     call_id: int
@@ -46,26 +71,9 @@ class CallTicket:
     def request_id(self, index: int) -> str:
         return f"c{self.call_id}.{self.attempts}.{index}"
 
-    def on_done(self, callback: Callable[[], None]) -> None:
-        """Run ``callback`` (from the engine thread) once the call is done; at once if it is."""
-        self._callbacks.append(callback)
-        if self.done.is_set():
-            callback()
-
-    def forget(self, callback: Callable[[], None]) -> None:
-        """Drop a callback registered with :meth:`on_done` (its waiter gave up)."""
-        if callback in self._callbacks:
-            self._callbacks.remove(callback)
-
-    def _finish(self, error: BaseException | None = None) -> None:
-        self.error = error
-        self.done.set()
-        for callback in list(self._callbacks):
-            callback()
-
 
 @dataclass(eq=False)
-class EngineOperation:
+class EngineOperation(_Completion):
     """An exclusive engine operation; ``fn`` returns the new weight version (a load) or ``None``.
     ``label`` names a load in the broken reason (e.g. ``weight version 3 (full)``)."""
 
@@ -77,18 +85,3 @@ class EngineOperation:
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
     _callbacks: list[Callable[[], None]] = field(default_factory=list)
-
-    def on_done(self, callback: Callable[[], None]) -> None:
-        self._callbacks.append(callback)
-        if self.done.is_set():
-            callback()
-
-    def forget(self, callback: Callable[[], None]) -> None:
-        if callback in self._callbacks:
-            self._callbacks.remove(callback)
-
-    def _finish(self, error: BaseException | None = None) -> None:
-        self.error = error
-        self.done.set()
-        for callback in list(self._callbacks):
-            callback()

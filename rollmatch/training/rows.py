@@ -93,7 +93,14 @@ def padding_row(segment: Segment) -> Row:
     """A row that runs a forward/backward and trains nothing: ``segment`` with every weight zeroed.
 
     A real segment (image included), so every parameter takes part in the backward as DDP expects.
+    Its unlikelihood flags go too (they are a loss term of their own, not scaled by ``weights``); its
+    advantages stay, so a GRPO step's rows all take the policy-gradient path (zero weight trains nothing).
     """
     return [
-        replace(segment, sample_id=f"{segment.sample_id}#padding", weights=torch.zeros_like(segment.weights))
+        replace(
+            segment,
+            sample_id=f"{segment.sample_id}#padding",
+            weights=torch.zeros_like(segment.weights),
+            unlikelihood_weights=None,
+        )
     ]
