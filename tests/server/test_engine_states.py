@@ -258,12 +258,13 @@ def test_a_weight_load_ticks_the_watchdog_per_tensor(own_engine: HFServerEngine)
 def test_an_hf_weight_update_waits_for_one_capped_step_not_for_a_whole_big_call(
     own_engine: HFServerEngine, raccoon_requests: list[Any]
 ) -> None:
-    # Pins: an HF step runs at most max_step_prompts prompts, so an update (drain timeout 0.3 s)
-    # aborts a big call at the next step boundary and re-runs it (before: one step ran the whole
-    # call, and the update waited for all of it whatever --drain-timeout-s said).
-    server = RolloutServer(own_engine, ServerLimits(drain_timeout_s=0.3))
+    # Pins: an HF step runs at most max_step_prompts prompts, so an update (a drain timeout shorter
+    # than any step) aborts a big call at the next step boundary and re-runs it (before: one step ran
+    # the whole call, and the update waited for all of it whatever --drain-timeout-s said). Three
+    # steps' worth of prompts: the update lands before the last step however fast the machine is.
+    server = RolloutServer(own_engine, ServerLimits(drain_timeout_s=0.01))
     try:
-        prompts = prepared_prompts(server, raccoon_requests[:1]) * (2 * own_engine.max_step_prompts)
+        prompts = prepared_prompts(server, raccoon_requests[:1]) * (3 * own_engine.max_step_prompts)
         ticket = server.scheduler.submit(prompts, GREEDY, 0)
         deadline = time.monotonic() + 30
         while server.health().running_calls == 0:
