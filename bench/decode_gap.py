@@ -38,16 +38,18 @@ import statistics
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, fields
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
+
+from tiny_size_flags import add_size_flags, size_from
 
 import rollmatch  # noqa: F401  (environment workarounds before transformers loads)
 from rollmatch.config.schema import DataConfig
 from rollmatch.data.convert import from_voc
 from rollmatch.data.prompts import PromptEncoder
 from rollmatch.data.records import Record
-from rollmatch.models.tiny import TinySize, build_tiny_model
+from rollmatch.models.tiny import build_tiny_model
 from rollmatch.protocol import InferBody, InferRequest, RequestConfig, encode_image
 from rollmatch.server.limits import ServerLimits
 from rollmatch.server.rollout_server import RolloutServer
@@ -68,11 +70,7 @@ def main() -> None:
     parser.add_argument("--images", type=int, default=4, help="images per arriving prompt")
     parser.add_argument("--long-tokens", type=int, default=256, help="new tokens of the running call")
     parser.add_argument("--max-pixels", type=int, default=128 * 28 * 28, help="processor max_pixels")
-    defaults = TinySize()
-    for size_field in fields(TinySize):
-        if size_field.name != "rope_theta":
-            flag = f"--{size_field.name.replace('_', '-')}"
-            parser.add_argument(flag, type=int, default=getattr(defaults, size_field.name))
+    add_size_flags(parser)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         print(json.dumps(run(args, Path(tmp)), indent=2, sort_keys=True))
@@ -81,7 +79,7 @@ def main() -> None:
 def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     from rollmatch.server.engines import VllmServerEngine
 
-    size = TinySize(**{f.name: getattr(args, f.name) for f in fields(TinySize) if f.name != "rope_theta"})
+    size = size_from(args)
     model_dir = build_tiny_model("qwen2_5_vl", tmp / "model", size=size)
     data = DataConfig(coord_frame="norm1000", max_pixels=args.max_pixels)
     encoder = PromptEncoder.from_pretrained(str(model_dir), data)

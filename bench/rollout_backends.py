@@ -49,17 +49,18 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, fields
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
+from tiny_size_flags import add_size_flags, size_from
 
 import rollmatch  # noqa: F401  (environment workarounds before transformers loads)
 from rollmatch.config.schema import DataConfig
 from rollmatch.data.convert import from_voc
 from rollmatch.data.prompts import PromptEncoder
-from rollmatch.models.tiny import TinySize, build_tiny_model
+from rollmatch.models.tiny import build_tiny_model
 from rollmatch.rollout.hf import HFBackend
 from rollmatch.rollout.types import Decoding, Rollout, RolloutRequest
 from rollmatch.rollout.vllm_colocate import VllmColocateBackend
@@ -84,11 +85,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds per engine and batch")
     parser.add_argument("--family", default="qwen2_5_vl")
-    defaults = TinySize()
-    for size_field in fields(TinySize):
-        if size_field.name != "rope_theta":
-            flag = "--" + size_field.name.replace("_", "-")
-            parser.add_argument(flag, type=int, default=getattr(defaults, size_field.name))
+    add_size_flags(parser)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--max-num-seqs", type=int, default=None, help="vLLM (default: the project's)")
     parser.add_argument("--compiled", action="store_true", help="vLLM without enforce_eager (CPU: inductor)")
@@ -108,7 +105,7 @@ def main() -> None:
 
 
 def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
-    size = TinySize(**{f.name: getattr(args, f.name) for f in fields(TinySize) if f.name != "rope_theta"})
+    size = size_from(args)
     model_dir = str(build_tiny_model(args.family, tmp / "model", size=size))
     encoder = PromptEncoder.from_pretrained(model_dir, DataConfig(coord_frame="norm1000"))
     rounds = args.repeats + 1

@@ -37,7 +37,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import asdict, fields
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -45,12 +45,13 @@ import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from server_process import free_port, start_server
+from tiny_size_flags import add_size_flags, size_from
 
 import rollmatch  # noqa: F401  (environment workarounds before transformers loads)
 from rollmatch.config.schema import DataConfig
 from rollmatch.data.convert import from_voc
 from rollmatch.data.prompts import PromptEncoder
-from rollmatch.models.tiny import TinySize, build_tiny_model
+from rollmatch.models.tiny import build_tiny_model
 from rollmatch.protocol import InferBody, InferRequest, RequestConfig, encode_image
 
 DEFAULT_DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
@@ -69,19 +70,14 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2, help="prompts per client call (b)")
     parser.add_argument("--rounds", type=int, default=2, help="timed rounds per K (after one warm-up call)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    defaults = TinySize()
-    for size_field in fields(TinySize):
-        if size_field.name != "rope_theta":
-            flag = f"--{size_field.name.replace('_', '-')}"
-            default = BENCH_SIZE.get(size_field.name, getattr(defaults, size_field.name))
-            parser.add_argument(flag, type=int, default=default)
+    add_size_flags(parser, **BENCH_SIZE)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         print(json.dumps(run(args, Path(tmp)), indent=2, sort_keys=True))
 
 
 def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
-    size = TinySize(**{f.name: getattr(args, f.name) for f in fields(TinySize) if f.name != "rope_theta"})
+    size = size_from(args)
     model_dir = build_tiny_model("qwen2_5_vl", tmp / "model", size=size)
     encoder = PromptEncoder.from_pretrained(str(model_dir), DataConfig(coord_frame="norm1000"))
     per_round = 2 * args.batch * sum(args.clients)
