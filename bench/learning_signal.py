@@ -42,6 +42,8 @@ CPU hours on 2 cores; stop and rerun at will)::
     # a second stage-1 seed (initialisation and data order) per format, for a seed-level interval:
     .venv/bin/python bench/learning_signal.py --out runs/learning_signal_s1 --stage1-seed 1 \
         --arms sft prefix_fn_supervised
+    # the zero-training diagnostics of a stage-1 (docs/detection.md "Diagnostics"), no arms:
+    .venv/bin/python bench/learning_signal.py --out runs/learning_signal --diagnose
 """
 
 from __future__ import annotations
@@ -120,7 +122,7 @@ def run_study(args: argparse.Namespace) -> dict[str, Any]:
     settings = {
         k: v
         for k, v in vars(args).items()
-        if k not in ("out", "docs", "argv", "only_gate", "ignore_gate", "summarize")
+        if k not in ("out", "docs", "argv", "only_gate", "ignore_gate", "summarize", "diagnose")
     }
     settings_path = out / "settings.json"
     saved = json.loads(settings_path.read_text()) if settings_path.exists() else settings
@@ -142,7 +144,11 @@ def run_study(args: argparse.Namespace) -> dict[str, Any]:
         "data": data_summary(splits),
         "gate": gate,
     }
-    if (gate["passed"] or args.ignore_gate) and not args.only_gate:
+    if args.diagnose and not args.summarize:
+        cached(out / "diagnostics.json", lambda: run_diagnostics(out, stage1, splits, args))
+    if (out / "diagnostics.json").exists():
+        result["diagnostics"] = json.loads((out / "diagnostics.json").read_text())
+    if (gate["passed"] or args.ignore_gate) and not (args.only_gate or args.diagnose):
         runs: dict[str, dict[int, Any]] = {arm: {} for arm in [*ARMS, "sft_equal_compute"]}
         missing = []
         # Every seed's arms first, then SFT at equal compute: its step count comes from the cost per
@@ -209,6 +215,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--backend", choices=["hf", "vllm"], default=_default_backend())
     parser.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples")
     parser.add_argument("--only-gate", action="store_true", help="stop after stage-1 and the gate")
+    parser.add_argument(
+        "--diagnose", action="store_true", help="stage-1, gate, then `rollmatch diagnose` on dev (no arms)"
+    )
     parser.add_argument(
         "--ignore-gate",
         action="store_true",
@@ -315,6 +324,19 @@ def stage1_checkpoint(out: Path, splits: dict[str, Path], args: argparse.Namespa
         cfg["training"]["resume_from_checkpoint"] = "latest"
     run_training(load_config_dict(cfg, [], source="bench/learning_signal.py stage-1"))
     return final
+
+
+def run_diagnostics(
+    out: Path, stage1: Path, splits: dict[str, Path], args: argparse.Namespace
+) -> dict[str, Any]:
+    """``rollmatch diagnose`` on dev (no training): token-id differences of each target to SFT's,
+    reordered-GT targets that differ only by an appended miss, the prefix-sensitivity probe."""
+    from rollmatch.diagnostics import run_diagnose
+
+    cfg = load_config_dict(
+        base_config(out / "diagnostics", str(stage1), splits, args, seed=0), [], source="diagnose"
+    )
+    return run_diagnose(cfg, load_records(splits["dev"]), [1, 2, 3])
 
 
 def run_gate(out: Path, stage1: Path, splits: dict[str, Path], args: argparse.Namespace) -> dict[str, Any]:
