@@ -28,6 +28,7 @@ Leaves out: what to start (``launch.plan``) and how children are signalled (``la
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
 import time
@@ -303,6 +304,8 @@ class _Run:
         """Restart each server that exited or stopped answering ``/health/`` while restarts are left
         (``launch.restart_servers``); the outcome that ends the launch when one is out of restarts."""
         when = "while the learner was running" if learner else "after start-up"
+        if self.plan.restart_servers and learner is not None and learner.exit_code() is not None:
+            return None  # the learner ended (its exit code tells how): no server is needed any more
         for index, child in enumerate(self.servers):
             why = self._server_problem(child)
             if why is None:
@@ -328,6 +331,9 @@ class _Run:
             if stop.event.wait(backoff_s) and (stop.received is not None or stop.warned):
                 return None  # the watch loop acts on the signal
             self._restarts[child.spec.name] = used + 1
+            log = child.spec.log_path  # kept: why it died; the restart writes a fresh one
+            with contextlib.suppress(OSError):
+                log.rename(log.with_name(f"{log.stem}.before-restart-{used + 1}{log.suffix}"))
             self.servers[index] = self._start(child.spec)
             self._answered[child.spec.name] = time.monotonic()  # it gets the start-up timeout to answer
         return None

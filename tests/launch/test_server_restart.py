@@ -25,7 +25,7 @@ from rollmatch.launch.processes import survivors
 
 pytestmark = pytest.mark.heavy
 RUN_TIMEOUT_S = 480
-STEPS = 40
+STEPS = 200  # cheap steps (about 0.5 s): the restart (a fresh process, ~25 s here) must fit well inside
 
 
 def _server_record(run: Any, name: str) -> dict[str, Any]:
@@ -50,7 +50,7 @@ def test_a_killed_server_is_restarted_resynced_and_serves_again_while_the_run_tr
     launch_config: Callable[..., Path], start_launch: Callable[..., Any], tmp_path: Path
 ) -> None:
     config = launch_config(
-        custom={"extra": {"rollout_matching": {"vllm": {"server": {"timeout_s": 30, "min_healthy": 1}}}}},
+        custom={"extra": {"rollout_matching": {"vllm": {"server": {"timeout_s": 120, "min_healthy": 1}}}}},
         stage2_ab={
             "schedule": {"b_ratio": 1.0},
             "channel_b": {
@@ -64,7 +64,7 @@ def test_a_killed_server_is_restarted_resynced_and_serves_again_while_the_run_tr
     )
     out = tmp_path / "out"
     run = start_launch(config, "--cpu", "--servers", "2", "--learner-procs", "2", "--engine", "hf")
-    run.wait_for(lambda: len(_logged(out)) >= 2, 300, "two trained steps")
+    run.wait_for(lambda: len(_logged(out)) >= 1, 300, "a trained step")
     victim = _server_record(run, "server-1")
     os.kill(victim["pid"], signal.SIGKILL)
     killed_at_step = len(_logged(out))
