@@ -23,6 +23,7 @@ so no rank generates with stale weights and a failed push fails every rank; with
 from __future__ import annotations
 
 import logging
+import re
 import socket
 import time
 from collections import Counter
@@ -406,7 +407,8 @@ class ServerBackend:
 
     def _failed_targets(self, exc: RollmatchError, targets: list[ServerConnection]) -> list[ServerConnection]:
         """The servers a failed push names, or, when it names none, those that stopped answering."""
-        named = [conn for conn in targets if conn.url in str(exc)]
+        text = str(exc)  # a URL followed by more of a host or port is another server's
+        named = [conn for conn in targets if re.search(re.escape(conn.url) + r"(?![\w.-])", text)]
         if named:
             return named
         answering = self.pool.answering(targets)

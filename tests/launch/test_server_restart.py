@@ -102,6 +102,9 @@ def test_a_killed_server_is_restarted_resynced_and_serves_again_while_the_run_tr
     output = run.output()
     assert code == 0, output[-6000:]
     assert "restarting it in 1s on the same devices and port (restart 1 of 1)" in output, output[-6000:]
+    # rank 0's push to the dead server failed: only that server was dropped, the push sent again to the other
+    assert "sending it again to ['http://127.0.0.1:" in output, output[-6000:]
+    assert "answer again: re-syncing them" in output, output[-6000:]
     logged = _logged(out)
     assert len(logged) == STEPS
     assert sum(h.get("servers/failovers", 0.0) for h in logged) >= 1
