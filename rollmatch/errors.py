@@ -81,6 +81,12 @@ class ServerBusy(BackendError):
         self.retry_after_s = float(retry_after_s)
 
 
+class ServerDown(BackendError):
+    """A rollout server stopped answering a call: no connection, a 5xx, a timeout, or ``/health/``
+    reporting it stalled or not answering. The client may mark it down and re-send the call elsewhere
+    (``vllm.server.min_healthy``); a 4xx or a malformed answer is not this (every server would refuse)."""
+
+
 class PromptAlignmentError(RollmatchError):
     """A backend used different prompt token ids than the trainer encoded."""
 

@@ -235,6 +235,14 @@ class ServerConfig(Section):
         240.0, gt=0.0, description="Reachability (/health/ polling) and communicator init timeout (s)."
     )
     infer_timeout_s: float | None = Field(None, description="HTTP timeout of /infer/; null or <= 0: none.")
+    min_healthy: int | None = Field(
+        None,
+        ge=1,
+        description="Keep training while at least this many servers answer: a server that stops answering "
+        "(connection, 5xx, timeout, unhealthy /health/) is dropped, its calls re-sent to the others, and it "
+        "is used again once re-synced to the learner's weights. null: every server (the first failure ends "
+        "the run). docs/runbook.md 'When a server dies'.",
+    )
     image_wire: Literal["png", "resized_bmp"] = Field(
         "png",
         description="How /infer/ carries images. png: each original image as PNG (any swift-style server). "
@@ -650,6 +658,15 @@ class LaunchSettings(Section):
     engine: Literal["vllm", "hf"] = Field("vllm", description="Rollout server engine (`--engine`).")
     grace_s: float = Field(
         10.0, ge=0.0, description="Seconds between SIGTERM and SIGKILL at teardown (`--grace-s`)."
+    )
+    restart_servers: int = Field(
+        0,
+        ge=0,
+        description="Restarts per rollout server that exits or stops answering /health/ for "
+        "`vllm.server.timeout_s`, on the same devices and port, with backoff (1, 2, 4 ... 30 s); one that "
+        "keeps dying is given up (exit 3). 0: a dead server ends the launch. Pair with "
+        "`vllm.server.min_healthy` so the learner trains on while it is away (docs/runbook.md 'When a server "
+        "dies').",
     )
     nodes: NodesConfig = Field(default_factory=NodesConfig)
     slurm: SlurmSettings = Field(default_factory=SlurmSettings)

@@ -114,6 +114,7 @@ class LaunchPlan:
     node_rank: int = 0
     node_count: int = 1
     learner_nodes: tuple[int, ...] = (0,)  # the node ranks that run a learner
+    restart_servers: int = 0  # launch.restart_servers: restarts per server before the launch gives up
 
     @property
     def processes(self) -> tuple[ProcessSpec, ...]:
@@ -257,6 +258,7 @@ def build_plan(
         node_rank=request.node_rank,
         node_count=nodes.count,
         learner_nodes=tuple(learner_nodes),
+        restart_servers=cfg.launch.restart_servers,
     )
 
 

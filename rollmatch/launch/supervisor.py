@@ -4,6 +4,9 @@ Owns: :func:`run_plan` and the exit-code contract of ``rollmatch launch``:
 - the learner's exit code when it exits (0 on success); a learner ended by signal N gives 128 + N;
 - :data:`EXIT_SERVER_FAILED` (3) when a rollout server exits during start-up, is not healthy within
   ``vllm.server.timeout_s``, or dies while the learner runs (the message names it and shows its log);
+  with ``launch.restart_servers: N`` a server that exits or stops answering ``/health/`` for
+  ``vllm.server.timeout_s`` after start-up is restarted instead (same command: same devices and port),
+  after a backoff of 1, 2, 4 ... 30 s, each restart logged; after N restarts it is given up (3, named);
   on several nodes a learner node also waits for every other node's servers (``/health/``) first;
 - :data:`EXIT_NODE_LOST` (4) on several nodes when another node is lost, never joined, or failed
   (``launch.heartbeat``: the message names the node), whether or not this node's learner failed first;
@@ -25,6 +28,7 @@ Leaves out: what to start (``launch.plan``) and how children are signalled (``la
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
 import time
@@ -51,6 +55,8 @@ _POLL_S = 0.5
 _PROGRESS_EVERY_S = 10.0
 _PIDS_EVERY_S = 2.0
 _TIMEOUT_KEY = "custom.extra.rollout_matching.vllm.server.timeout_s"
+_HEALTH_EVERY_S = 2.0  # with launch.restart_servers: how often the running servers' /health/ is asked
+_MAX_BACKOFF_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -76,7 +82,7 @@ def run_plan(
         heartbeat.start()
     console = ConsoleMerge()
     watchdog = Watchdog(plan.launch_dir / WATCHDOG_LOG, grace_s)
-    run = _Run(plan, console, plan.launch_dir / pids_name, watchdog, heartbeat)
+    run = _Run(plan, console, plan.launch_dir / pids_name, watchdog, heartbeat, grace_s=grace_s)
     outcome = Outcome(1, "the launcher failed (see the error above)")
     with _StopSignals() as stop:
         try:
@@ -128,8 +134,11 @@ class _Run:
         pids_path: Path,
         watchdog: Watchdog,
         heartbeat: NodeHeartbeat | None = None,
+        *,
+        grace_s: float = 10.0,
     ):
         self.plan = plan
+        self._grace_s = grace_s
         self.heartbeat = heartbeat
         self.console = console
         self.pids_path = pids_path
@@ -139,6 +148,10 @@ class _Run:
         self.servers: list[Child] = []
         self._seen: dict[int, list[dict[str, Any]]] = {}
         self._pids_written = 0.0
+        self._restarts: dict[str, int] = {}  # server name -> restarts so far
+        self._answered: dict[str, float] = {}  # server name -> when /health/ last answered 200 (restarts on)
+        self._next_health = 0.0
+        self._session = requests.Session()
 
     def execute(self, stop: _StopSignals) -> Outcome:
         for spec in self.plan.servers:
@@ -259,11 +272,9 @@ class _Run:
                 return lost
             if learner is None and (done := self._learners_done()) is not None:
                 return done
-            dead = next((s for s in self.servers if s.exit_code() is not None), None)
-            if dead is not None:
-                return self._server_failed(
-                    dead, "while the learner was running" if learner else "after start-up"
-                )
+            failed = self._restart_failed_servers(stop, learner)
+            if failed is not None:
+                return failed
             if learner is not None and (code := learner.exit_code()) is not None:
                 if code != 0:  # a server crash that made the learner fail is reported as the cause
                     time.sleep(_POLL_S)
@@ -288,6 +299,65 @@ class _Run:
                 return Outcome(code if code >= 0 else 128 - code, message)
             self._refresh_pids()
             stop.event.wait(_POLL_S)
+
+    def _restart_failed_servers(self, stop: _StopSignals, learner: Child | None) -> Outcome | None:
+        """Restart each server that exited or stopped answering ``/health/`` while restarts are left
+        (``launch.restart_servers``); the outcome that ends the launch when one is out of restarts."""
+        when = "while the learner was running" if learner else "after start-up"
+        if self.plan.restart_servers and learner is not None and learner.exit_code() is not None:
+            return None  # the learner ended (its exit code tells how): no server is needed any more
+        for index, child in enumerate(self.servers):
+            why = self._server_problem(child)
+            if why is None:
+                continue
+            used = self._restarts.get(child.spec.name, 0)
+            if used >= self.plan.restart_servers:
+                if used == 0:
+                    return self._server_failed(child, when)
+                return Outcome(
+                    EXIT_SERVER_FAILED,
+                    f"rollout server {child.spec.name} ({child.spec.url}) {why} {when}, after {used} restart(s): "
+                    f"given up (launch.restart_servers = {self.plan.restart_servers}). Last lines of "
+                    f"{child.spec.log_path}:\n{child.log_tail()}",
+                )
+            if child.exit_code() is None:  # not answering: stop it before starting it again on its port
+                terminate_all([child], self._grace_s)
+            backoff_s = min(2.0**used, _MAX_BACKOFF_S)
+            self.console.say(
+                f"rollout server {child.spec.name} ({child.spec.url}) {why}: restarting it in {backoff_s:.0f}s on "
+                f"the same devices and port (restart {used + 1} of {self.plan.restart_servers}). Last lines of "
+                f"{child.spec.log_path}:\n{child.log_tail(5)}"
+            )
+            if stop.event.wait(backoff_s) and (stop.received is not None or stop.warned):
+                return None  # the watch loop acts on the signal
+            self._restarts[child.spec.name] = used + 1
+            log = child.spec.log_path  # kept: why it died; the restart writes a fresh one
+            with contextlib.suppress(OSError):
+                log.rename(log.with_name(f"{log.stem}.before-restart-{used + 1}{log.suffix}"))
+            self.servers[index] = self._start(child.spec)
+            self._answered[child.spec.name] = time.monotonic()  # it gets the start-up timeout to answer
+        return None
+
+    def _server_problem(self, child: Child) -> str | None:
+        """Why ``child`` needs a restart: it exited, or (restarts on) ``/health/`` has not answered 200
+        for ``vllm.server.timeout_s``; None while it serves."""
+        code = child.exit_code()
+        if code is not None:
+            return f"exited with code {code}"
+        if self.plan.restart_servers == 0:
+            return None
+        now = time.monotonic()
+        name = child.spec.name
+        self._answered.setdefault(name, now)
+        if now >= self._next_health:
+            if _healthy(self._session, child.spec.url or ""):
+                self._answered[name] = now
+            if child is self.servers[-1]:
+                self._next_health = now + _HEALTH_EVERY_S
+        silent_s = now - self._answered[name]
+        if silent_s > self.plan.health_timeout_s:
+            return f"did not answer /health/ for {silent_s:.0f}s ({_TIMEOUT_KEY})"
+        return None
 
     def _warn(self, learner: Child | None) -> None:
         """SIGUSR1 to torchrun's ranks (its direct children), which save a checkpoint at the end of the

@@ -8,6 +8,12 @@ weight sync through the update transaction. Leaves out: one
 server's HTTP calls (``rollout.connection``), the wire shapes (``rollmatch.protocol``), the
 transaction (``sync.transaction``) and the group (``sync.transport``).
 
+Several servers (``rollout.server_pool``): a server that stops answering is marked down and its
+unfinished chunk re-sent to a healthy one, while at least ``vllm.server.min_healthy`` servers are up
+(default: all of them, so the first failure ends the run). Pushes skip down servers; a down server
+that answers ``/health/`` again gets the next push (fresh groups, full weights) and is used again only
+then. A push that fails marks the servers that caused it down and is sent again, once, to the rest.
+
 Multi-process learners: every rank may generate; only rank 0 opens the weight-sync groups and
 pushes. ``sync_weights`` is ``barrier -> rank 0 push -> broadcast of the outcome`` on every rank,
 so no rank generates with stale weights and a failed push fails every rank; with sharded parameters
@@ -17,8 +23,10 @@ so no rank generates with stale weights and a failed push fails every rank; with
 from __future__ import annotations
 
 import logging
+import re
 import socket
 import time
+from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -42,7 +50,6 @@ from rollmatch.protocol import (
     InferBody,
     InferRequest,
     InitCommunicatorBody,
-    InitCommunicatorReply,
     RolloutOutput,
     ServerInfo,
     fingerprint_mismatches,
@@ -52,6 +59,8 @@ from rollmatch.protocol import (
 from rollmatch.rollout.chunking import contiguous_chunks
 from rollmatch.rollout.connection import KEY, ServerConnection, encode_body
 from rollmatch.rollout.image_wire import ImageWire, OriginalPng, build_image_wire
+from rollmatch.rollout.replies import init_reply, reply_rollout
+from rollmatch.rollout.server_pool import ServerPool
 from rollmatch.rollout.types import Decoding, Rollout, RolloutProvenance, RolloutRequest, SyncReport
 from rollmatch.sync.digest import new_digest_key, parse_digest_key
 from rollmatch.sync.transaction import AdapterPayload, push_update
@@ -104,10 +113,12 @@ class ServerBackend:
         fallback_to_full: bool = True,
         bucket_bytes: int = 64 << 20,
         image_wire: ImageWire | None = None,
+        min_healthy: int | None = None,
     ):
         if not connections:
             raise BackendError("ServerBackend needs at least one server connection")
         self.connections = list(connections)
+        self.pool = ServerPool(self.connections, min_healthy=min_healthy)
         self.collectives = collectives
         self.tokenizer = tokenizer
         self.sync_mode = sync_mode
@@ -116,9 +127,11 @@ class ServerBackend:
         self.image_wire: ImageWire = image_wire if image_wire is not None else OriginalPng()
         self._version = 0
         self._transports: list[GroupTransport] = []
+        self._group_members: list[ServerConnection] = []  # the servers of the open groups, in order
         self._digest_key = b""  # the groups' checksum key, sent with every init (sync.digest)
         self._group_stale = True
         self._frozen_synced = False  # frozen weights (training.freeze) already pushed to every server
+        self._export_sharded = False  # the last push gathered sharded parameters (ZeRO-3 / FSDP2)
         self._closed = False
         self.last_infer_timings: list[InferTiming] = []  # one per server of the latest generate()
 
@@ -160,6 +173,7 @@ class ServerBackend:
             sync_mode=mode,
             fallback_to_full=vllm.sync.fallback_to_full,
             image_wire=build_image_wire(vllm.server.image_wire, processor),
+            min_healthy=vllm.server.min_healthy,
         )
         with ThreadPoolExecutor(max_workers=len(connections)) as pool:
             list(pool.map(ServerConnection.wait_healthy, connections))
@@ -213,17 +227,18 @@ class ServerBackend:
             )
 
     def generate(self, requests: Sequence[RolloutRequest], decoding: Decoding, seed: int) -> list[Rollout]:
-        """Split into contiguous chunks (one per server), roll out in parallel, keep request order.
+        """Split into contiguous chunks (one per healthy server), roll out in parallel, keep request order.
 
         ``seed`` is the step's seed (:func:`~rollmatch.rollout.chunking.step_seed`); the chunk starting
-        at request ``s`` is sent with ``seed + s``.
+        at request ``s`` is sent with ``seed + s``, also when it is re-sent to another server.
         """
         if not requests:
             return []
+        servers = self.pool.usable()
         jobs = [
-            (conn, start, end)
+            (conn, (start, end))
             for conn, (start, end) in zip(
-                self.connections, contiguous_chunks(len(requests), len(self.connections)), strict=True
+                servers, contiguous_chunks(len(requests), len(servers)), strict=True
             )
             if end > start
         ]
@@ -236,20 +251,23 @@ class ServerBackend:
                 decoding.top_k,
                 decoding.repetition_penalty,
                 decoding.max_new_tokens,
-                {conn.url: seed + start for conn, start, _ in jobs},
+                {conn.url: seed + start for conn, (start, _) in jobs},
             )
-        if len(jobs) == 1:  # one server: no thread to start and hand the answer back from
-            conn, start, end = jobs[0]
-            chunks = [self._infer_chunk(conn, requests[start:end], decoding, seed + start)]
-        else:
-            with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
-                futures = [
-                    pool.submit(self._infer_chunk, conn, requests[start:end], decoding, seed + start)
-                    for conn, start, end in jobs
-                ]
-                chunks = [future.result() for future in futures]
+
+        def call(conn: ServerConnection, span: tuple[int, int]) -> tuple[list[Rollout], InferTiming]:
+            start, end = span
+            return self._infer_chunk(conn, requests[start:end], decoding, seed + start)
+
+        chunks: list[tuple[list[Rollout], InferTiming]] = self.pool.run_chunks(jobs, call)  # type: ignore[assignment]
         self.last_infer_timings = [timing for _, timing in chunks]
-        return [rollout for rollouts, _ in chunks for rollout in rollouts]
+        rollouts = [rollout for chunk, _ in chunks for rollout in chunk]
+        for rollout in rollouts:
+            self.pool.seen_version(rollout.weight_version)
+        return rollouts
+
+    def take_server_sums(self) -> Counter[str]:
+        """``servers/*`` sums since the last call (:meth:`ServerPool.take_sums`)."""
+        return self.pool.take_sums()
 
     def _infer_chunk(
         self, conn: ServerConnection, chunk: Sequence[RolloutRequest], decoding: Decoding, seed: int
@@ -273,7 +291,7 @@ class ServerBackend:
         outputs = self._parse_reply(conn, reply.content, len(chunk))
         provenance = RolloutProvenance(backend=self.name, seed=seed, decoding=decoding, server=conn.url)
         rollouts = [
-            _rollout(conn, request, output, provenance)
+            reply_rollout(conn, request, output, provenance)
             for request, output in zip(chunk, outputs, strict=True)
         ]
         timing = InferTiming(
@@ -324,6 +342,9 @@ class ServerBackend:
         if isinstance(outcome, str):
             raise SyncError(f"rank 0's weight push of version {version} failed: {outcome}")
         self._version = outcome.version
+        for conn in self.connections:  # every rank uses the servers rank 0 pushed to at once
+            if conn.url in outcome.servers:
+                self.pool.admit(conn, outcome.version)
         return outcome
 
     def close(self) -> None:
@@ -353,9 +374,50 @@ class ServerBackend:
 
     # --------------------------------------------------------------------------------- rank 0
     def _push(self, model: Any, version: int) -> SyncReport:
+        """Push to the healthy servers and to the down ones that answer ``/health/`` again (fresh groups,
+        full weights); when that fails on some servers, mark them down and push once more to the rest."""
+        targets = self._push_targets()
+        try:
+            return self._push_to(model, version, targets)
+        except RollmatchError as exc:
+            failed = self._failed_targets(exc, targets)
+            if not failed or len(targets) - len(failed) < self.pool.min_healthy or self._export_sharded:
+                raise  # nothing to go on with (sharded: the other ranks ran their gathers once already)
+            for conn in failed:
+                self.pool.mark_down(conn, f"weight push of version {version} failed: {exc}")
+            rest = [conn for conn in targets if conn not in failed]
+            log.warning(
+                "weight push of version %d failed (%s): sending it again to %s",
+                version,
+                exc,
+                [c.url for c in rest],
+            )
+            return self._push_to(model, version, rest)
+
+    def _push_targets(self) -> list[ServerConnection]:
+        back = self.pool.answering()
+        if back:
+            log.warning("rollout server(s) %s answer again: re-syncing them", [c.url for c in back])
+        targets = [c for c in self.connections if not self.pool.is_down(c) or c in back]
+        if len(targets) < self.pool.min_healthy:
+            self.pool.check_enough()
+        if back or targets != self._group_members:
+            self._group_stale = True  # a server left or rejoins: fresh groups, every tensor sent
+        return targets
+
+    def _failed_targets(self, exc: RollmatchError, targets: list[ServerConnection]) -> list[ServerConnection]:
+        """The servers a failed push names, or, when it names none, those that stopped answering."""
+        text = str(exc)  # a URL followed by more of a host or port is another server's
+        named = [conn for conn in targets if re.search(re.escape(conn.url) + r"(?![\w.-])", text)]
+        if named:
+            return named
+        answering = self.pool.answering(targets)
+        return [conn for conn in targets if conn not in answering]
+
+    def _push_to(self, model: Any, version: int, targets: list[ServerConnection]) -> SyncReport:
         if self.sync_mode == "adapter":
             try:
-                return self._push_mode(model, version, "adapter")
+                return self._push_mode(model, version, "adapter", targets)
             except SyncError as exc:
                 if not self.fallback_to_full:
                     raise SyncError(
@@ -364,23 +426,23 @@ class ServerBackend:
                     ) from exc
                 log.warning("adapter sync failed (%s); using full sync for the rest of the run", exc)
                 self.sync_mode = "full"
-        return self._push_mode(model, version, "full")
+        return self._push_mode(model, version, "full", targets)
 
-    def _push_mode(self, model: Any, version: int, mode: str) -> SyncReport:
-        if self._group_stale:  # new groups: the servers may have restarted, send every tensor once
-            self._frozen_synced = False
+    def _push_mode(self, model: Any, version: int, mode: str, targets: list[ServerConnection]) -> SyncReport:
+        if self._group_stale or targets != self._group_members:  # the servers may have restarted
+            self._group_stale, self._frozen_synced = True, False  # new groups: send every tensor once
         tensors = SyncTensors(model, mode, skip_frozen=self._frozen_synced)  # type: ignore[arg-type]
+        self._export_sharded = tensors.gather is not None
         try:
             if self._group_stale:
-                self._open_groups(model)
+                self._open_groups(model, targets)
             adapter = (
                 AdapterPayload(peft_adapter_config(model), lora_int_id=version + 1)
                 if mode == "adapter"
                 else None
             )
-            targets = list(zip(self.connections, self._transports, strict=True))
             result = push_update(
-                targets,
+                list(zip(self._group_members, self._transports, strict=True)),
                 tensors,
                 version=version,
                 mode=mode,  # type: ignore[arg-type]
@@ -394,16 +456,24 @@ class ServerBackend:
         finally:
             tensors.drain()  # whatever failed, run the gathers other ranks wait in (sharded parameters)
         self._frozen_synced = mode == "full"
-        return SyncReport(version=version, num_bytes=result.num_bytes, seconds=result.seconds, mode=mode)  # type: ignore[arg-type]
+        for conn in targets:
+            self.pool.admit(conn, version)
+        return SyncReport(
+            version=version,
+            num_bytes=result.num_bytes,
+            seconds=result.seconds,
+            mode=mode,  # type: ignore[arg-type]
+            servers=tuple(conn.url for conn in targets),
+        )
 
-    def _open_groups(self, model: Any) -> None:
+    def _open_groups(self, model: Any, targets: list[ServerConnection]) -> None:
         """Close stale groups, then form one private group per server (trainer = last rank), every one
         with the same fresh digest key, so each bucket is digested once."""
         self._close_groups(notify=True)
         device = next(strip_parallel_wrappers(model).parameters()).device
         backend = default_backend(device)
         self._digest_key = new_digest_key()
-        for conn in self.connections:
+        for conn in targets:
             server_ranks = int(conn.get("/get_world_size/", "communicator init")["world_size"])
             group_host = socket.gethostbyname(conn.host)  # the server listens on the address we reach it at
             body = InitCommunicatorBody(
@@ -415,7 +485,7 @@ class ServerBackend:
                 digest_key=self._digest_key.hex(),
             )
             conn.sync_lease = None
-            reply = _init_reply(conn, conn.post("/init_communicator/", body, "communicator init"))
+            reply = init_reply(conn, conn.post("/init_communicator/", body, "communicator init"))
             if parse_digest_key(reply.digest_key, f"{conn.url} /init_communicator/") != self._digest_key:
                 raise SyncError(
                     f"rollout server {conn.url}: /init_communicator/ answered another digest key than the trainer "
@@ -433,6 +503,7 @@ class ServerBackend:
                     device=device,
                 )
             )
+            self._group_members.append(conn)
         self._group_stale = False
 
     def _close_groups(self, *, notify: bool) -> None:
@@ -441,6 +512,9 @@ class ServerBackend:
         if notify and self.collectives.is_main:
             for conn in self.connections:
                 if conn.sync_lease is None:  # no group of ours there: nothing to close
+                    continue
+                if self.pool.is_down(conn):  # gone or frozen: its next init replaces the group
+                    conn.sync_lease = None
                     continue
                 try:
                     conn.post(
@@ -452,78 +526,8 @@ class ServerBackend:
                 except BackendError as exc:  # the server may be gone already; closing must still finish
                     log.warning("%s", exc)
                 conn.sync_lease = None
-        self._transports = []
+        self._transports, self._group_members = [], []
         self._group_stale = True
-
-
-def _init_reply(conn: ServerConnection, answer: Any) -> InitCommunicatorReply:
-    try:
-        return InitCommunicatorReply.model_validate(answer)
-    except ValidationError as exc:
-        first = exc.errors(include_input=False, include_url=False)[0]
-        raise SyncError(
-            f"rollout server {conn.url}: /init_communicator/ answered no sync lease and digest key "
-            f"({'.'.join(map(str, first['loc'])) or 'answer'}: {first['msg']}); is it a rollmatch server of the "
-            "same protocol version?"
-        ) from None
-
-
-def _rollout(
-    conn: ServerConnection, request: RolloutRequest, output: RolloutOutput, provenance: RolloutProvenance
-) -> Rollout:
-    choice = output.response.choices[0]
-    if choice.token_ids is None or output.response.prompt_token_ids is None:
-        raise BackendError(f"rollout server {conn.url} returned no token ids (return_details ignored)")
-    return Rollout(
-        sample_id=request.sample_id,
-        prompt_token_ids=output.response.prompt_token_ids,
-        response_token_ids=choice.token_ids,
-        text=choice.message.content,
-        finish_reason=choice.finish_reason,
-        weight_version=output.weight_version,
-        provenance=provenance,
-        **_behaviour_logprobs(
-            conn, choice.token_ids, choice.finish_reason, choice.logprobs, output.rollout_logprobs
-        ),
-    )
-
-
-def _behaviour_logprobs(
-    conn: ServerConnection,
-    token_ids: list[int],
-    finish_reason: str,
-    content: dict[str, list[dict[str, Any]]] | None,
-    rollout_logprobs: list[list[float]],
-) -> dict[str, Any]:
-    """``response_logprobs`` / ``stop_token_id`` / ``stop_logprob`` of a reply item (asked with
-    ``request_config.logprobs``): one value per response token, then the stop token's (its id from the
-    ``token_id:<id>`` of the last ``choice.logprobs`` entry) when the server sent one more."""
-    if not rollout_logprobs:
-        raise BackendError(
-            f"rollout server {conn.url} returned no log-probs although request_config.logprobs was set; "
-            "update the server (rollmatch serve records the sampled tokens' log-probs)"
-        )
-    values = rollout_logprobs[0]
-    extra = len(values) - len(token_ids)
-    if extra not in (0, 1) or (extra == 1 and finish_reason != "stop"):
-        raise BackendError(
-            f"rollout server {conn.url} returned {len(values)} log-probs for {len(token_ids)} response tokens "
-            f"(finish_reason {finish_reason!r}); expected one per token, plus one for a stop token"
-        )
-    stop_token_id = None
-    if extra:
-        token = str((content or {}).get("content", [{}])[-1].get("token", ""))
-        if not token.startswith("token_id:") or not token[len("token_id:") :].isdigit():
-            raise BackendError(
-                f"rollout server {conn.url} sent a stop token's log-prob without its id (choice.logprobs "
-                f"entry {token[:40]!r}, expected 'token_id:<id>')"
-            )
-        stop_token_id = int(token[len("token_id:") :])
-    return {
-        "response_logprobs": values[: len(token_ids)],
-        "stop_token_id": stop_token_id,
-        "stop_logprob": values[-1] if extra else None,
-    }
 
 
 def trainer_processor(cfg: RollmatchConfig, model_dir: str) -> Any:

@@ -4,7 +4,8 @@ Owns: :class:`ServerConnection` (reachability, calls with explicit timeouts, the
 sync lease on every request and the sync key on the calls that change the sync state, ``/health/``
 watching of calls without a timeout, 429 backoff within the call's time, one resend of an
 idempotent call whose connection closed before any answer, errors that name the URL and the
-phase). Leaves out: what is sent (``rollmatch.protocol``), chunking and weight sync
+phase: :class:`~rollmatch.errors.ServerDown` when the server stopped answering, which a client may
+fail over). Leaves out: what is sent (``rollmatch.protocol``), chunking and weight sync
 (``rollout.client``), and how images are encoded (``rollout.image_wire``).
 
 Connections are reused: every call of one ``ServerConnection`` goes through one
@@ -29,7 +30,7 @@ from urllib.parse import urlparse
 
 import requests
 
-from rollmatch.errors import BackendError, ServerBusy, SyncError
+from rollmatch.errors import BackendError, ServerBusy, ServerDown, SyncError
 from rollmatch.protocol import (
     API_KEY_ENV,
     LEASE_HEADER,
@@ -131,7 +132,7 @@ class ServerConnection:
             try:
                 reply = self._send(method, path, payload, timeout, headers, fresh_connection=once)
             except requests.Timeout as exc:
-                raise BackendError(
+                raise ServerDown(
                     f"rollout server {self.url}: {phase} ({method} {path}) got no answer within {timeout}s"
                 ) from exc
             except requests.RequestException as exc:
@@ -145,7 +146,7 @@ class ServerConnection:
                 if not reconnected and closed_before_answer(exc):
                     reconnected = True
                     continue
-                raise BackendError(
+                raise ServerDown(
                     f"rollout server {self.url}: {phase} ({method} {path}) failed: {exc}; is the server still "
                     f"running? {ALTERNATIVES}"
                 ) from exc
@@ -165,6 +166,8 @@ class ServerConnection:
         if reply.status_code != 200:
             detail = detail_of(reply)
             error = SyncError if reply.status_code == 409 else BackendError
+            if reply.status_code >= 500 and not once:  # broken or stalled: other servers may answer
+                error = ServerDown
             hint = {
                 401: f" (set {API_KEY_ENV} to the server's --api-key)",
                 403: f" (set {SYNC_KEY_ENV} to the server's --sync-key)",
@@ -225,13 +228,13 @@ class ServerConnection:
                         last_answer = time.monotonic()
                         continue
                     if reply.status_code == 503:  # broken or stalled: it will not answer this call
-                        raise BackendError(
+                        raise ServerDown(
                             f"rollout server {self.url}: {phase} ({method} {path}) abandoned: the server reports "
                             f"itself unhealthy: {detail_of(reply)}; restart it"
                         )
                     last_problem = f"HTTP {reply.status_code}"
                 if time.monotonic() - last_answer > self.timeout_s:
-                    raise BackendError(
+                    raise ServerDown(
                         f"rollout server {self.url}: {phase} ({method} {path}) abandoned: GET /health/ got no "
                         f"answer for {self.timeout_s:.0f}s ({KEY}.server.timeout_s; last: {last_problem}); the "
                         f"server is frozen or gone. Restart it, {ALTERNATIVES}"

@@ -79,12 +79,14 @@ class Rollout:
 
 @dataclass(frozen=True)
 class SyncReport:
-    """What one weight push did: bytes sent, seconds taken, the version now served."""
+    """What one weight push did: bytes sent, seconds taken, the version now served (and, for rollout
+    servers, the URLs of the servers that now serve it)."""
 
     version: int
     num_bytes: int
     seconds: float
     mode: Literal["full", "adapter", "none"]
+    servers: tuple[str, ...] = ()
 
 
 @runtime_checkable

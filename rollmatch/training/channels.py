@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -142,6 +142,8 @@ class RolloutChannel(_SegmentFactory):
         self.decoding = decoding_from_config(cfg)
         self.decode_batch_size = decode_batch_size
         self.rollouts_per_record = cfg.rollout.rollouts_per_record
+        # Rollout servers report failovers (``servers/*``); the other backends have no such sums.
+        self._server_sums: Callable[[], Counter[str]] | None = getattr(backend, "take_server_sums", None)
         # The objective picks how a record's rollouts become targets, once.
         self._grpo = GrpoGroups(encoder, codec, cfg) if cfg.loss.objective == "grpo" else None
 
@@ -174,6 +176,8 @@ class RolloutChannel(_SegmentFactory):
             )
         out = ChannelOutput(segments=[])
         out.sums["rollout/seconds"] += seconds
+        if self._server_sums is not None:
+            out.sums.update(self._server_sums())
         for index, (record, enc) in enumerate(zip(records, encoded, strict=True)):
             group = rollouts[index * per_record : (index + 1) * per_record]
             for rollout in group:

@@ -158,6 +158,19 @@ def grpo_metrics(sums: Sums, steps: int) -> dict[str, float]:
     return out
 
 
+def server_metrics(sums: Sums, steps: int) -> dict[str, float]:
+    """``servers/*`` (rollout servers): the mean number of healthy servers a rollout call saw, and per
+    step the servers marked down and the calls re-sent, summed over the ranks' clients."""
+    calls = float(sums.get("servers/calls", 0))
+    if not calls:
+        return {}
+    return {
+        "servers/healthy": float(sums.get("servers/healthy_sum", 0)) / calls,
+        "servers/failovers": float(sums.get("servers/failovers", 0)) / steps,
+        "servers/resent_calls": float(sums.get("servers/resent_calls", 0)) / steps,
+    }
+
+
 METRIC_FAMILIES: tuple[Callable[[Sums, int], dict[str, float]], ...] = (
     rollout_metrics,
     grpo_metrics,
@@ -165,6 +178,7 @@ METRIC_FAMILIES: tuple[Callable[[Sums, int], dict[str, float]], ...] = (
     sample_metrics,
     stage2_metrics,
     async_metrics,
+    server_metrics,
 )
 
 

@@ -15,6 +15,7 @@ runs) and the trainer loop (``training.trainer``).
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -273,6 +274,7 @@ class ActorRolloutClient:
             collectives=LocalCollectives(),
             tokenizer=backend.tokenizer,
             image_wire=backend.image_wire,
+            min_healthy=backend.pool.min_healthy,
         )
 
     @property
@@ -281,6 +283,9 @@ class ActorRolloutClient:
 
     def generate(self, requests: list[RolloutRequest], decoding: Decoding, seed: int) -> list[Rollout]:
         return self._client.generate(requests, decoding, seed)
+
+    def take_server_sums(self) -> Counter[str]:
+        return self._client.take_server_sums()
 
     def sync_weights(self, model: Any, version: int) -> SyncReport:
         raise RuntimeError("the rollout actor never pushes weights; the learner's rank 0 does")

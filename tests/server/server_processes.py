@@ -46,13 +46,16 @@ class ServerProcess:
                 self.process.wait(timeout=20)
 
 
-def launch_server(model_dir: Path, port: int, log_path: Path, *extra: str) -> ServerProcess:
-    """Start ``rollmatch serve`` and wait until ``/health/`` answers (or fail with the server log)."""
+def launch_server(
+    model_dir: Path, port: int, log_path: Path, *extra: str, command: list[str] | None = None
+) -> ServerProcess:
+    """Start ``rollmatch serve`` and wait until ``/health/`` answers (or fail with the server log).
+    ``command``: what runs in place of ``python -m rollmatch.cli`` (a fault-injecting stand-in)."""
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
+    if command is not None:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     command = [
-        sys.executable,
-        "-m",
-        "rollmatch.cli",
+        *(command or [sys.executable, "-m", "rollmatch.cli"]),
         "serve",
         "--model",
         str(model_dir),

@@ -33,6 +33,7 @@ CONDITIONS: dict[str, set[str] | None] = {
     "stage2_ab": {"micro", "step", "async"},
     "step mode": {"step"},
     "async": {"async"},
+    "rollout servers": {"async"},
     "evaluation": {"sft"},
     "invalid elements": None,
 }

@@ -1,0 +1,201 @@
+"""Which rollout servers a client may use now: failover, the ``min_healthy`` floor and re-admission.
+
+Owns: :class:`ServerPool`, one client's view of its servers' health (the learner's backend and every
+async actor's client keep one each). A server whose call fails with
+:class:`~rollmatch.errors.ServerDown` (no connection, a 5xx, a timeout, ``/health/`` reporting it
+stalled or not answering) is marked *down*; :meth:`ServerPool.run_chunks` re-sends that server's
+unfinished chunk to a healthy one, at most once per failure, and keeps exactly one result per chunk
+(the first call's result never arrived, so nothing is duplicated). While fewer than ``min_healthy``
+servers are up the client fails, naming the down servers (``min_healthy`` = every server: the first
+failure ends the run, as before failover existed).
+
+Re-admission: a down server is used again only once it answers ``/health/``, its ``/stats/`` show the
+version it serves was pushed to it (a restarted server serves the model directory's weights: no
+push, not admitted), and that version is not older than the newest this client has seen. The learner's
+pusher brings it there: it pushes full weights on fresh groups to every down server that answers
+``/health/`` again (``rollout.client``), then :meth:`admit` marks it up at once. Leaves out: HTTP
+(``rollout.connection``), chunking and the weight push itself (``rollout.client``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+import requests
+
+from rollmatch.errors import BackendError, ServerDown
+from rollmatch.protocol import ServerStats
+from rollmatch.rollout.connection import KEY, ServerConnection
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+_PROBE_EVERY_S = 5.0  # how often a down server is asked whether it is back (each probe: <= 2 s)
+_PROBE_TIMEOUT_S = 2.0
+MIN_HEALTHY_KEY = f"{KEY}.server.min_healthy"
+
+
+class ServerPool:
+    """One client's servers, each up or down (see the module docstring)."""
+
+    def __init__(self, connections: Sequence[ServerConnection], *, min_healthy: int | None = None):
+        self.connections = list(connections)
+        total = len(self.connections)
+        self.min_healthy = total if min_healthy is None else int(min_healthy)
+        if not 1 <= self.min_healthy <= total:
+            raise BackendError(
+                f"{MIN_HEALTHY_KEY} is {self.min_healthy} but the run has {total} server(s): set it between 1 "
+                f"and {total}, or leave it null (every server must stay healthy)"
+            )
+        self._down: dict[str, str] = {}  # url -> why it went down
+        self._next_probe: dict[str, float] = {}
+        self._version_floor = 0  # the newest weight version a reply of any server carried
+        self._sums: Counter[str] = Counter()
+
+    # ------------------------------------------------------------------------------- state
+    def is_down(self, conn: ServerConnection) -> bool:
+        return conn.url in self._down
+
+    @property
+    def healthy(self) -> list[ServerConnection]:
+        """The servers in use now (no probing)."""
+        return [c for c in self.connections if c.url not in self._down]
+
+    def mark_down(self, conn: ServerConnection, why: str) -> None:
+        """Stop using ``conn`` until it is re-admitted; counts one failover."""
+        if conn.url in self._down:
+            return
+        self._down[conn.url] = why
+        self._next_probe[conn.url] = time.monotonic() + _PROBE_EVERY_S
+        self._sums["servers/failovers"] += 1
+        log.warning(
+            "rollout server %s marked down (%d of %d servers left): %s",
+            conn.url,
+            len(self.healthy),
+            len(self.connections),
+            why,
+        )
+
+    def admit(self, conn: ServerConnection, version: int) -> None:
+        """``conn`` now serves ``version``, pushed by this run: use it again."""
+        self.seen_version(version)
+        if self._down.pop(conn.url, None) is not None:
+            log.warning("rollout server %s re-admitted at weight version %d", conn.url, version)
+
+    def seen_version(self, version: int) -> None:
+        self._version_floor = max(self._version_floor, int(version))
+
+    def check_enough(self) -> None:
+        """Raise, naming every down server, when fewer than ``min_healthy`` are up."""
+        if len(self.healthy) >= self.min_healthy:
+            return
+        down = "; ".join(f"{url} ({why})" for url, why in self._down.items())
+        lower = (
+            f", or lower {MIN_HEALTHY_KEY} to keep training on the others"
+            if len(self.connections) > 1
+            else ""
+        )
+        raise BackendError(
+            f"rollout server(s) down: {down}. {len(self.healthy)} of {len(self.connections)} server(s) healthy, "
+            f"fewer than {MIN_HEALTHY_KEY} = {self.min_healthy}. Restart them (`launch.restart_servers` does it "
+            f"under `rollmatch launch`){lower}"
+        )
+
+    def take_sums(self) -> Counter[str]:
+        """``servers/*`` sums since the last call: failovers, re-sent calls, and the healthy-server count
+        seen by each rollout call (``servers/healthy_sum`` over ``servers/calls``)."""
+        sums, self._sums = self._sums, Counter()
+        return sums
+
+    # --------------------------------------------------------------------------- rollouts
+    def usable(self) -> list[ServerConnection]:
+        """The healthy servers after re-admitting those that are back at a pushed version; raises
+        below ``min_healthy``."""
+        now = time.monotonic()
+        for conn in [c for c in self.connections if c.url in self._down]:
+            if now < self._next_probe.get(conn.url, 0.0):
+                continue
+            self._next_probe[conn.url] = now + _PROBE_EVERY_S
+            version = self._pushed_version(conn)
+            if version is not None and version >= self._version_floor:
+                self.admit(conn, version)
+        self.check_enough()
+        return self.healthy
+
+    def answering(self, among: Sequence[ServerConnection] | None = None) -> list[ServerConnection]:
+        """Of ``among`` (default: the down servers, which the pusher re-syncs), those whose ``/health/``
+        answers 200."""
+        candidates = [c for c in self.connections if c.url in self._down] if among is None else among
+        return [c for c in candidates if _health_ok(c)]
+
+    def run_chunks(
+        self,
+        assigned: Sequence[tuple[ServerConnection, T]],
+        call: Callable[[ServerConnection, T], object],
+    ) -> list[object]:
+        """``call(server, chunk)`` for every pair, in parallel; results in order. A chunk whose server is
+        down (:class:`ServerDown`) goes to the next healthy server once per failure; any other error is
+        raised once every call ended. Raises below ``min_healthy``."""
+        results: dict[int, object] = {}
+        pending = [(index, conn, chunk) for index, (conn, chunk) in enumerate(assigned)]
+        self._sums["servers/calls"] += 1
+        self._sums["servers/healthy_sum"] += len(self.healthy)
+        while pending:
+            failed: list[tuple[int, T]] = []
+            for (index, conn, chunk), outcome in zip(pending, _run_all(pending, call), strict=True):
+                if isinstance(outcome, ServerDown):
+                    self.mark_down(conn, str(outcome))
+                    failed.append((index, chunk))
+                elif isinstance(outcome, BaseException):
+                    raise outcome
+                else:
+                    results[index] = outcome
+            if not failed:
+                break
+            self.check_enough()
+            healthy = self.healthy
+            self._sums["servers/resent_calls"] += len(failed)
+            pending = [(index, healthy[n % len(healthy)], chunk) for n, (index, chunk) in enumerate(failed)]
+            log.warning(
+                "re-sending %d rollout call(s) to %s", len(failed), sorted({c.url for _, c, _ in pending})
+            )
+        return [results[index] for index in range(len(assigned))]
+
+    def _pushed_version(self, conn: ServerConnection) -> int | None:
+        """The version ``conn`` serves if it answers and that version was pushed to it, else None."""
+        if not _health_ok(conn):
+            return None
+        try:
+            reply = conn.session.get(f"{conn.url}/stats/", timeout=_PROBE_TIMEOUT_S)
+            stats = ServerStats.model_validate(reply.json()) if reply.status_code == 200 else None
+        except (requests.RequestException, ValueError):
+            return None
+        if stats is None or stats.weight_version not in stats.pushes_by_version:
+            return None
+        return stats.weight_version
+
+
+def _health_ok(conn: ServerConnection) -> bool:
+    try:
+        return conn.session.get(f"{conn.url}/health/", timeout=_PROBE_TIMEOUT_S).status_code == 200
+    except requests.RequestException:
+        return False
+
+
+def _run_all(
+    pending: Sequence[tuple[int, ServerConnection, T]], call: Callable[[ServerConnection, T], object]
+) -> list[object]:
+    """Each call's result or exception (every call ends before this returns)."""
+    if len(pending) == 1:  # one server: no thread to start and hand the answer back from
+        _, conn, chunk = pending[0]
+        try:
+            return [call(conn, chunk)]
+        except BaseException as exc:  # handed back to run_chunks, which decides
+            return [exc]
+    with ThreadPoolExecutor(max_workers=len(pending)) as pool:
+        futures = [pool.submit(call, conn, chunk) for _, conn, chunk in pending]
+        return [future.exception() or future.result() for future in futures]

@@ -1,0 +1,116 @@
+"""``launch.restart_servers``: the supervisor restarts a rollout server that exits or freezes, with the
+same command and port, logs each restart, and gives up naming a server that keeps failing.
+
+Real processes: a stand-in server (a small HTTP server answering ``/health/`` on its port, which exits
+or freezes itself with SIGSTOP on cue) and a stand-in learner (sleeps, then exits 0). The full chaos run
+with real servers and a real learner is tests/launch/test_server_restart.py.
+"""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from local_ports import free_tcp_port
+
+from rollmatch.config.schema import RollmatchConfig
+from rollmatch.launch.layout import Layout
+from rollmatch.launch.plan import LaunchPlan, ProcessSpec
+from rollmatch.launch.supervisor import EXIT_SERVER_FAILED, run_plan
+
+SERVER = textwrap.dedent(
+    """
+    import os, signal, sys, threading, time
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    port, fault, marker = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    first_run = not os.path.exists(marker)
+    open(marker, "a").write("started\\n")
+
+    class Health(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    def fault_later():
+        time.sleep(1.5)
+        print(f"stand-in server: {fault}", flush=True)
+        if fault == "exit-once" and first_run:
+            os._exit(1)
+        if fault == "freeze":
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+    threading.Thread(target=fault_later, daemon=True).start()
+    server = HTTPServer(("127.0.0.1", port), Health)
+    server.allow_reuse_address = True
+    server.serve_forever()
+    """
+)
+
+
+def _plan(tmp_path: Path, fault: str, learner_s: float) -> LaunchPlan:
+    script = tmp_path / "stand_in_server.py"
+    script.write_text(SERVER)
+    port = free_tcp_port()
+    server = ProcessSpec(
+        role="server",
+        index=0,
+        command=(sys.executable, str(script), str(port), fault, str(tmp_path / "starts.txt")),
+        env={},
+        log_path=tmp_path / "server-0.log",
+        url=f"http://127.0.0.1:{port}",
+    )
+    learner = ProcessSpec(
+        role="learner",
+        index=0,
+        command=(sys.executable, "-c", f"import time; time.sleep({learner_s})"),
+        env={},
+        log_path=tmp_path / "learner-0.log",
+    )
+    return LaunchPlan(
+        servers=(server,),
+        learner=learner,
+        endpoints=(),
+        learner_config=RollmatchConfig(),
+        learner_config_path=tmp_path / "learner.yaml",
+        launch_dir=tmp_path,
+        health_timeout_s=3.0,
+        layout=Layout(
+            on_cpu=True, server_devices=(), learner_devices=(), learner_procs=1, tensor_parallel_size=1
+        ),
+        engine="hf",
+        restart_servers=1,
+    )
+
+
+@pytest.mark.timeout(120)
+def test_a_server_that_exits_is_restarted_on_its_port_and_the_run_finishes(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    assert run_plan(_plan(tmp_path, "exit-once", learner_s=8.0), grace_s=1.0) == 0
+    output = capfd.readouterr().out
+    assert "rollout server server-0 (http://127.0.0.1:" in output
+    assert "exited with code 1: restarting it in 1s on the same devices and port (restart 1 of 1)" in output
+    assert "learner finished with exit code 0" in output
+    assert (tmp_path / "starts.txt").read_text().count("started") == 2
+    assert "exit-once" in (tmp_path / "server-0.before-restart-1.log").read_text()  # the first run's log kept
+
+
+@pytest.mark.timeout(120)
+def test_a_frozen_server_is_restarted_then_given_up_naming_it(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    assert run_plan(_plan(tmp_path, "freeze", learner_s=120.0), grace_s=1.0) == EXIT_SERVER_FAILED
+    output = capfd.readouterr().out
+    assert "did not answer /health/ for" in output and "restart 1 of 1" in output
+    last = output[output.index("after 1 restart(s)") - 200 :]
+    assert (
+        "rollout server server-0 (http://127.0.0.1:" in last
+        and "given up (launch.restart_servers = 1)" in last
+    )
+    assert (tmp_path / "starts.txt").read_text().count("started") == 2

@@ -1,0 +1,142 @@
+"""``ServerPool`` on its own: chunk failover, the ``min_healthy`` floor and its errors, the sums.
+
+The servers are real sockets on 127.0.0.1: one that answers ``/health/`` and ``/stats/`` like a rollout
+server (a tiny HTTP server in a thread), and ports nothing listens on. The calls are the test's own;
+only :class:`~rollmatch.errors.ServerDown` is raised to inject a failure.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import ClassVar
+
+import pytest
+from local_ports import free_tcp_port
+
+from rollmatch.errors import BackendError, ServerDown
+from rollmatch.rollout import server_pool
+from rollmatch.rollout.connection import ServerConnection
+from rollmatch.rollout.server_pool import ServerPool
+
+
+def _conn(url: str) -> ServerConnection:
+    return ServerConnection(url, 1, timeout_s=2.0, infer_timeout_s=None)
+
+
+class _Stats(BaseHTTPRequestHandler):
+    version = 3
+    pushed: ClassVar[dict[str, int]] = {}
+
+    def do_GET(self) -> None:
+        body = {"status": "ok", "weight_version": self.version}
+        if self.path == "/stats/":
+            body = {
+                "weight_version": self.version,
+                "pushes_by_version": self.pushed,
+                "failed_pushes": 0,
+                "infer_requests": 0,
+                "infer_calls": 0,
+                "communicator": "none",
+            }
+        data = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def answering_url() -> Iterator[str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Stats)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_a_failed_chunk_goes_once_to_a_healthy_server_and_results_keep_their_order() -> None:
+    a, b, c = (_conn(f"http://127.0.0.1:{free_tcp_port()}") for _ in range(3))
+    pool = ServerPool([a, b, c], min_healthy=1)
+    calls: list[tuple[str, int]] = []
+
+    def call(conn: ServerConnection, chunk: int) -> str:
+        calls.append((conn.url, chunk))
+        if conn is b:
+            raise ServerDown(f"rollout server {b.url}: gone")
+        return f"{chunk}@{conn.url}"
+
+    results = pool.run_chunks([(a, 0), (b, 1), (c, 2)], call)
+    assert results == [f"0@{a.url}", f"1@{a.url}", f"2@{c.url}"]
+    assert sorted(calls) == sorted([(a.url, 0), (b.url, 1), (c.url, 2), (a.url, 1)])  # chunk 1 re-sent once
+    assert pool.healthy == [a, c] and pool.is_down(b)
+    assert pool.take_sums() == {
+        "servers/calls": 1,
+        "servers/healthy_sum": 3,
+        "servers/failovers": 1,
+        "servers/resent_calls": 1,
+    }
+    assert pool.take_sums() == {}
+
+
+def test_below_min_healthy_the_error_names_every_down_server_and_the_key() -> None:
+    a, b = (_conn(f"http://127.0.0.1:{free_tcp_port()}") for _ in range(2))
+    pool = ServerPool([a, b])  # default: every server
+
+    def call(conn: ServerConnection, chunk: int) -> int:
+        if conn is b:
+            raise ServerDown(f"rollout server {b.url}: connection refused")
+        return chunk
+
+    with pytest.raises(BackendError) as caught:
+        pool.run_chunks([(a, 0), (b, 1)], call)
+    message = str(caught.value)
+    assert b.url in message and "connection refused" in message and a.url not in message
+    assert (
+        "min_healthy = 2" in message
+        and "lower custom.extra.rollout_matching.vllm.server.min_healthy" in message
+    )
+
+
+def test_other_errors_are_raised_without_failover() -> None:
+    a, b = (_conn(f"http://127.0.0.1:{free_tcp_port()}") for _ in range(2))
+    pool = ServerPool([a, b], min_healthy=1)
+
+    def call(conn: ServerConnection, chunk: int) -> int:
+        if conn is b:
+            raise BackendError(f"rollout server {b.url}: HTTP 422: bad request")  # every server would refuse
+        return chunk
+
+    with pytest.raises(BackendError, match="HTTP 422"):
+        pool.run_chunks([(a, 0), (b, 1)], call)
+    assert pool.healthy == [a, b]
+
+
+def test_min_healthy_outside_one_to_the_server_count_is_refused() -> None:
+    conns = [_conn(f"http://127.0.0.1:{free_tcp_port()}")]
+    with pytest.raises(BackendError, match=r"min_healthy is 2 but the run has 1 server"):
+        ServerPool(conns, min_healthy=2)
+
+
+def test_a_down_server_is_readmitted_only_at_a_pushed_version_not_older_than_seen(
+    answering_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(server_pool, "_PROBE_EVERY_S", 0.0)
+    back, other = _conn(answering_url), _conn(f"http://127.0.0.1:{free_tcp_port()}")
+    pool = ServerPool([back, other], min_healthy=1)
+    pool.mark_down(back, "killed")
+    _Stats.version, _Stats.pushed = 3, {}  # restarted: serves weights nobody pushed
+    assert pool.usable() == [other]
+    _Stats.pushed = {"3": 1}
+    pool.seen_version(4)  # a newer version was served since
+    assert pool.usable() == [other]
+    _Stats.version, _Stats.pushed = 4, {"3": 1, "4": 1}
+    assert pool.usable() == [back, other]
+    assert pool.answering([back, other]) == [back]

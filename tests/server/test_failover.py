@@ -1,0 +1,143 @@
+"""Failover between real ``rollmatch serve`` processes (``vllm.server.min_healthy``, ``rollout.server_pool``).
+
+- a SIGKILLed server is dropped, its chunk re-sent once to the other server, every rollout returned once
+  in request order; restarted on the same port it is not used before a push, the next push re-syncs
+  it (fresh groups, full weights) and it serves again at the learner's version;
+- a server whose engine stalls is detected through ``/health/`` (503) and treated the same way; with
+  the default ``min_healthy`` (every server) the same stall fails the call naming the server.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from server_processes import REPO, launch_server
+from transformers import AutoModelForImageTextToText
+
+from rollmatch.collectives import LocalCollectives
+from rollmatch.errors import BackendError
+from rollmatch.rollout import server_pool
+from rollmatch.rollout.client import ServerBackend
+from rollmatch.rollout.types import Decoding
+
+pytestmark = pytest.mark.heavy
+DECODING = Decoding(max_new_tokens=4)
+
+
+def _backend(cfg: Any, tiny_model_dir: Path, prompt_encoder: Any, model: Any = None) -> ServerBackend:
+    return ServerBackend.from_config(
+        cfg,
+        model=model,
+        tokenizer=prompt_encoder.tokenizer,
+        model_dir=str(tiny_model_dir),
+        collectives=LocalCollectives(),
+    )
+
+
+def _servers_of(rollouts: list[Any]) -> list[str]:
+    return [r.provenance.server for r in rollouts]
+
+
+def test_a_killed_server_is_dropped_resent_and_rejoins_after_the_next_push(
+    start_server: Callable[..., Any],
+    server_config: Callable[..., Any],
+    tiny_model_dir: Path,
+    raccoon_requests: list[Any],
+    prompt_encoder: Any,
+    free_port: Callable[[], int],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(server_pool, "_PROBE_EVERY_S", 0.0)  # ask the down server at every call
+    first, second = (
+        start_server(tiny_model_dir, "--engine", "hf"),
+        start_server(tiny_model_dir, "--engine", "hf"),
+    )
+    model = AutoModelForImageTextToText.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    cfg = server_config(
+        servers=[{"base_url": s.url, "group_port": free_port()} for s in (first, second)],
+        timeout_s=20.0,
+        min_healthy=1,
+    )
+    backend = _backend(cfg, tiny_model_dir, prompt_encoder, model)
+    requests = raccoon_requests[:3]
+    ids = [r.sample_id for r in requests]
+    try:
+        backend.sync_weights(model, 1)
+        assert _servers_of(backend.generate(requests, DECODING, seed=0)) == [first.url] * 2 + [second.url]
+        assert backend.take_server_sums() == {"servers/calls": 1, "servers/healthy_sum": 2}
+
+        second.process.send_signal(signal.SIGKILL)
+        second.process.wait(timeout=30)
+        rollouts = backend.generate(requests, DECODING, seed=0)
+        assert [r.sample_id for r in rollouts] == ids  # each request once, in order
+        assert _servers_of(rollouts) == [first.url] * 3 and {r.weight_version for r in rollouts} == {1}
+        sums = backend.take_server_sums()
+        assert (sums["servers/failovers"], sums["servers/resent_calls"]) == (1, 1), sums
+        assert _servers_of(backend.generate(requests, DECODING, seed=0)) == [first.url] * 3
+        assert backend.take_server_sums()["servers/failovers"] == 0  # down: not tried again
+
+        restarted = launch_server(tiny_model_dir, second.port, tmp_path / "restarted.log", "--engine", "hf")
+        try:
+            assert restarted.get("/info/")["weight_version"] == 0  # the model directory's weights
+            # it answers /health/, but nothing was pushed to it: not used
+            assert _servers_of(backend.generate(requests, DECODING, seed=0)) == [first.url] * 3
+            report = backend.sync_weights(model, 2)  # re-initialises its group and sends it every tensor
+            assert report.servers == (first.url, second.url)
+            assert restarted.get("/info/")["weight_version"] == 2 == first.get("/info/")["weight_version"]
+            rollouts = backend.generate(requests, DECODING, seed=0)
+            assert _servers_of(rollouts) == [first.url] * 2 + [second.url]
+            assert {r.weight_version for r in rollouts} == {2}
+        finally:
+            restarted.stop()
+    finally:
+        backend.close()
+
+
+def test_a_stalled_engine_is_detected_by_health_and_its_calls_resent(
+    start_server: Callable[..., Any],
+    server_config: Callable[..., Any],
+    tiny_model_dir: Path,
+    raccoon_requests: list[Any],
+    prompt_encoder: Any,
+    free_port: Callable[[], int],
+    tmp_path: Path,
+) -> None:
+    healthy = start_server(tiny_model_dir, "--engine", "hf")
+    # The real server process with an engine that never returns from its step (tests/server/stuck_server.py).
+    stuck = launch_server(
+        tiny_model_dir,
+        free_port(),
+        tmp_path / "stuck.log",
+        "--engine",
+        "hf",
+        "--engine-stall-timeout-s",
+        "2",
+        command=[sys.executable, str(REPO / "tests/server/stuck_server.py")],
+    )
+    servers = [{"base_url": s.url, "group_port": free_port()} for s in (healthy, stuck)]
+    requests = raccoon_requests[:2]
+    try:
+        backend = _backend(
+            server_config(servers=servers, timeout_s=30.0, min_healthy=1), tiny_model_dir, prompt_encoder
+        )
+        strict = _backend(server_config(servers=servers, timeout_s=30.0), tiny_model_dir, prompt_encoder)
+        rollouts = backend.generate(requests, DECODING, seed=0)  # /infer/ has no HTTP timeout: /health/ tells
+        assert _servers_of(rollouts) == [healthy.url] * 2
+        assert [r.sample_id for r in rollouts] == [r.sample_id for r in requests]
+        assert backend.take_server_sums()["servers/resent_calls"] == 1
+        backend.close()
+
+        with pytest.raises(BackendError) as caught:
+            strict.generate(requests, DECODING, seed=0)
+        message = str(caught.value)
+        assert stuck.url in message and "min_healthy" in message and "HTTP 503" in message, message
+        strict.close()
+    finally:
+        stuck.stop()
