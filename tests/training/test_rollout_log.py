@@ -245,3 +245,141 @@ def test_tensorboard_in_report_to_without_a_writer_is_an_error_naming_the_phase(
     log.rolled_out([record], [encoded], [rollout_of(encoder, encoded.input_ids, "[]")], [segment])
     with pytest.raises(RuntimeError, match="no TensorBoard writer"):
         log.trained(0, [segment])
+
+
+@pytest.mark.heavy
+def test_async_mode_logs_from_the_learner_what_each_step_trains(
+    loaded_tiny, tiny_model_dir, make_config, tmp_path
+):
+    """The actor rolls out in its thread and only remembers; the learner's step logs the packs it trains
+    (the record trace says which), with the version they were rolled out under (window 0: the step's)."""
+    from rollmatch.collectives import LocalCollectives
+    from rollmatch.rollout.hf import HFBackend
+    from rollmatch.training.actor import RolloutActor
+    from rollmatch.training.async_mode import AsyncPacks
+    from rollmatch.training.channel_modes import WindowRows
+    from rollmatch.training.channels import GTChannel, RolloutChannel
+    from rollmatch.training.ready_packs import ReadyPackQueue, VersionPurePacker
+    from rollmatch.training.record_stream import RecordStream
+    from rollmatch.training.rows import RowPlanner
+    from rollmatch.training.step import ABSchedule, StepPlanner
+
+    model, _ = loaded_tiny
+    cfg = make_config(
+        {
+            "custom": {"trainer_variant": "stage2_ab_training"},
+            "stage2_ab": {"schedule": {"b_ratio": 1.0}},
+            "training": {"log_rollouts_every": 1, "log_rollouts_count": 3},
+        }
+    )
+    encoder = PromptEncoder.from_pretrained(str(tiny_model_dir), cfg.data)
+    codec = build_codec("qwen_json", encoder.tokenizer, [encoder.eos_token_id])
+    records = load_records(cfg.data.train_jsonl)
+    log = RolloutLog(cfg, encoder, codec)
+    backend = HFBackend(
+        model, encoder.tokenizer, eos_token_id=encoder.eos_token_id, pad_token_id=encoder.pad_token_id
+    )
+
+    def rows() -> RowPlanner:
+        return RowPlanner(
+            packing=True, packing_length=1024, carry_limit=16, pad_token_id=encoder.pad_token_id
+        )
+
+    queue: ReadyPackQueue[Any] = ReadyPackQueue(8)
+    actor = RolloutActor(
+        rollouts=RolloutChannel(model, encoder, codec, cfg, backend, decode_batch_size=2, rollout_log=log),
+        stream=RecordStream(records, rank=0, world_size=1, seed=0),
+        queue=queue,
+        packer=VersionPurePacker(length=lambda s: s.length, capacity=1024, batch_size=None),
+        decode_batch_size=2,
+        prefetch_target=2,
+        version_window=0,
+        training_seed=0,
+        rank=0,
+    )
+    trace = tmp_path / "trace.jsonl"
+    channel = AsyncPacks(
+        backend=backend,
+        model=model,
+        actor=actor,
+        queue=queue,
+        rows=rows(),
+        version_window=0,
+        sync_every_steps=1,
+        accounting_path=None,
+        max_wait_s=60.0,
+        trace_path=str(trace),
+    )
+    steps = StepPlanner(
+        schedule=ABSchedule(1.0),
+        channel_a=WindowRows(GTChannel(model, encoder, codec, cfg).produce, rows()),
+        channel_b=channel,
+        sync=channel,
+        collectives=LocalCollectives(),
+        report_ab=True,
+        rollout_log=log,
+    )
+    try:
+        for step in range(2):
+            plan = steps.plan([records[:1]], step)
+            assert plan.kind == "B"
+            for micro in plan.micro_steps:
+                micro.finish(model, torch.zeros(()))
+    finally:
+        assert actor.stop(timeout_s=30.0)
+    trained = {
+        line["step"]: {r[1] for r in line["records"]}
+        for line in map(json.loads, trace.read_text().splitlines())
+        if line["event"] == "trained"
+    }
+    out = Path(cfg.training.output_dir) / "rollouts"
+    for step in (1, 2):
+        lines = [json.loads(x) for x in (out / f"step-{step}.jsonl").read_text().splitlines()]
+        assert lines and {line["id"] for line in lines} <= trained[step - 1]
+        assert {line["weight_version"] for line in lines} == {step - 1}
+
+
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_step_mode_logs_the_rollouts_its_last_micro_step_trains(
+    loaded_tiny, tiny_model_dir, make_config, train_plan, pipeline
+) -> None:
+    from rollmatch.collectives import LocalCollectives
+    from rollmatch.training.variants import BuildContext, build_variant
+
+    model, _ = loaded_tiny
+    cfg = make_config(
+        {
+            "custom": {"trainer_variant": "stage2_ab_training"},
+            "stage2_ab": {
+                "schedule": {"b_ratio": 1.0},
+                "channel_b": {"mode": "step", "rollout_decode_batch_size": 1},
+            },
+            "training": {"log_rollouts_every": 1, "log_rollouts_count": 3},
+        }
+    )
+    encoder = PromptEncoder.from_pretrained(str(tiny_model_dir), cfg.data)
+    codec = build_codec("qwen_json", encoder.tokenizer, [encoder.eos_token_id])
+    records = load_records(cfg.data.train_jsonl)
+    log = RolloutLog(cfg, encoder, codec)
+    ctx = BuildContext(
+        cfg=cfg,
+        model=model,
+        encoder=encoder,
+        codec=codec,
+        collectives=LocalCollectives(),
+        gradient_accumulation_steps=1,
+        train_records=records,
+        rollout_log=log,
+    )
+    parts = build_variant(ctx)
+    parts.planner.channel_b.pipeline = pipeline  # in process: the pipeline's rollout thread, same backend
+    try:
+        train_plan(model, parts.planner.plan([records[:2]], 0))
+    finally:
+        parts.close()
+        model.zero_grad(set_to_none=True)
+    lines = [
+        json.loads(x)
+        for x in (Path(cfg.training.output_dir) / "rollouts" / "step-1.jsonl").read_text().splitlines()
+    ]
+    assert sorted(line["id"] for line in lines) == sorted(r.id for r in records[:2])
