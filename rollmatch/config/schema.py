@@ -422,10 +422,10 @@ class TrainingConfig(Section):
         50,
         ge=0,
         description="Rank 0 logs `log_rollouts_count` of the rollouts an optimizer step trains on, at the first "
-        "step and every N steps after (a step that trains no rollouts passes it on to the next that does): a "
+        "step that trains rollouts and then at every N-th step (a due step that trains none passes it on): a "
         "picture each (GT / matched / false positive / missed boxes, the parse failure) to TensorBoard and W&B "
         "when in `report_to`, and <output_dir>/rollouts/step-N.jsonl (raw rollouts, parse, match, target "
-        "summary) with step-N/*.png beside it. 0: off. Costs about 0.05 s per logged rollout (docs/runbook.md).",
+        "summary) with step-N/*.png beside it. 0: off. About 0.06 s of CPU per logged rollout (docs/runbook.md).",
     )
     log_rollouts_count: int = Field(
         4, gt=0, description="Rollouts logged per logged step (`log_rollouts_every`), other records first."
