@@ -247,7 +247,6 @@ def test_tensorboard_in_report_to_without_a_writer_is_an_error_naming_the_phase(
         log.trained(0, [segment])
 
 
-@pytest.mark.heavy
 def test_async_mode_logs_from_the_learner_what_each_step_trains(
     loaded_tiny, tiny_model_dir, make_config, tmp_path
 ):
