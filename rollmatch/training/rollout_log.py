@@ -98,7 +98,6 @@ class RolloutLog:
         self._next_due = 1
         self._open_step: int | None = None  # the logged step still taking rollouts, and how many it has
         self._logged: list[str] = []  # "<record id>#<sample>" of the open step
-        self.seconds = 0.0  # total time spent scoring, drawing and writing (for the runbook's cost figure)
 
     # ------------------------------------------------------------------------------- producers
     def rolled_out(
@@ -144,7 +143,6 @@ class RolloutLog:
         self._logged.extend(_key(source) for _, source in chosen)
         self._next_due = (step // self.every + 1) * self.every
         elapsed = time.perf_counter() - start
-        self.seconds += elapsed
         log.info(
             "logged %d rollouts of step %d to %s (%.2fs)",
             len(chosen),
@@ -195,7 +193,8 @@ class RolloutLog:
                 fh.write(png)
             lines.append(line)
             pictures.append(_Logged(index, picture, line, png))
-        with open(os.path.join(self.out_dir, f"step-{step}.jsonl"), "a") as fh:
+        # A step's first lines start its file (a resumed run that trains the step again rewrites it).
+        with open(os.path.join(self.out_dir, f"step-{step}.jsonl"), "w" if first_index == 0 else "a") as fh:
             fh.writelines(json.dumps(line) + "\n" for line in lines)
         self._to_trackers(step, pictures)
 

@@ -197,6 +197,11 @@ def test_a_logged_line_and_picture_show_matched_false_positive_missed_and_the_pa
     assert sorted(p.name for p in out.glob("*.jsonl")) == ["step-1.jsonl"]
     log.trained(2, [segment])
     assert (out / "step-3.jsonl").exists()
+    # a resumed run that trains step 1 again rewrites its file instead of adding to it
+    again = RolloutLog(cfg, encoder, codec)
+    again.rolled_out([record], [encoded], [rollout], [segment])
+    again.trained(0, [segment])
+    assert len((out / "step-1.jsonl").read_text().splitlines()) == 1
 
 
 def test_a_due_step_without_rollouts_passes_it_on_and_a_dead_segment_is_forgotten(parts) -> None:
