@@ -95,6 +95,7 @@ ROLLOUT_PHASE: dict[str, Any] = {
         "max_steps": 40,
         "learning_rate": 3e-4,
         "logging_steps": 5,
+        "log_rollouts_every": 10,  # the rollouts of steps 1, 10, 20, 30, 40 under {out}/rollout/rollouts
         "warmup_ratio": 0.0,
         "global_max_length": 4096,
     },

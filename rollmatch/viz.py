@@ -1,9 +1,11 @@
 """Pictures of detections: ground truth and predictions drawn on each image, and grids of images.
 
 Owns: :func:`draw_detections` (one image: matched predictions, false positives, missed ground
-truth dashed, every box with its label), :func:`render_pictures` (records + a predictions JSONL
+truth dashed, every box with its label, optional note lines under it), :func:`parse_note` (why a
+response's parse lost objects, in one line), :func:`render_pictures` (records + a predictions JSONL
 -> one PNG per image and ``grid.png``), :func:`compose_grid` (titled rows of pictures, e.g. a
-before/after comparison) and the ``rollmatch viz`` command.
+before/after comparison) and the ``rollmatch viz`` command. Training draws the rollouts it logs
+(``training.rollout_log``) with :func:`draw_detections` too.
 Leaves out: rolling out and scoring (``rollmatch.evaluation`` writes the predictions JSONL read
 here), and coordinate frames: records and predictions are both pixels of the original image, whatever
 frame the model answered in (``rollmatch eval`` converted them), so nothing here depends on the model. Matching is redone here with the evaluation's ``matching.*`` settings (Hungarian; by default
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,11 +68,13 @@ def draw_detections(
     record_id: str = "",
     longest_side: int = 448,
     matching: MatchingConfig | None = None,
+    note: Sequence[str] = (),
 ) -> Picture:
     """Draw ``ground_truth`` and ``predictions`` (pixel boxes of ``image``) on a resized copy.
 
     The copy's longest side is ``longest_side`` (boxes are scaled with it), so small images get
     readable labels. ``matching``: the evaluation's settings (default: IoU >= 0.5, geometry only).
+    ``note``: lines of text written in a band under the image (the picture grows by the band).
     """
     scale = longest_side / max(image.size)
     canvas = image.convert("RGB").resize(
@@ -103,7 +107,21 @@ def draw_detections(
         labelled.append((box, obj.label, colour))
     for box, label, colour in labelled:
         _label(draw, box, label, colour, font)
+    if note:
+        canvas = _with_note(canvas, note, font)
     return Picture(record_id, canvas, tp=len(match.pairs), fp=len(match.fp), fn=len(match.fn))
+
+
+def parse_note(invalid: Mapping[str, int], truncated: bool) -> str | None:
+    """Why a strict parse kept fewer objects than the response wrote, in one line; None when it lost none.
+
+    ``invalid``: reason -> count (``detection.codec``'s ``ELEMENT_REASONS`` / ``LIST_REASONS``);
+    ``truncated``: the response hit ``max_new_tokens`` or ended inside the list.
+    """
+    parts = [f"{reason} x{count}" for reason, count in sorted(invalid.items()) if count]
+    if truncated:
+        parts.insert(0, "truncated")
+    return ", ".join(parts) or None
 
 
 def render_pictures(
@@ -139,7 +157,7 @@ def render_pictures(
             record_id=record.id,
             matching=matching,
         )
-        path = out / f"{_file_stem(record.id)}.png"
+        path = out / f"{file_stem(record.id)}.png"
         picture.image.save(path)
         paths.append(path)
         pictures.append(picture)
@@ -265,6 +283,20 @@ def _label(
     draw.text((x + 2 - left, y + 1 - top), text, fill=(0, 0, 0), font=font)
 
 
+def _with_note(canvas: Image.Image, lines: Sequence[str], font: ImageFont.FreeTypeFont) -> Image.Image:
+    """``canvas`` with a dark band under it holding ``lines`` (each cut to the picture's width)."""
+    probe = ImageDraw.Draw(canvas)
+    line_h = int(probe.textbbox((0, 0), "Ag", font=font)[3]) + 4
+    band = Image.new("RGB", (canvas.width, canvas.height + line_h * len(lines) + 4), (24, 24, 24))
+    band.paste(canvas, (0, 0))
+    draw = ImageDraw.Draw(band)
+    for index, line in enumerate(lines):
+        while len(line) > 3 and draw.textlength(line, font=font) > canvas.width - 6:
+            line = line[:-4] + "..."
+        draw.text((3, canvas.height + 2 + index * line_h), line, fill=(230, 230, 230), font=font)
+    return band
+
+
 def _legend(draw: ImageDraw.ImageDraw, title: str, font: ImageFont.FreeTypeFont) -> None:
     x = 6
     for name, colour in (
@@ -279,5 +311,6 @@ def _legend(draw: ImageDraw.ImageDraw, title: str, font: ImageFont.FreeTypeFont)
         draw.text((x + 10, 5), title, fill=(160, 160, 160), font=font)
 
 
-def _file_stem(record_id: str) -> str:
+def file_stem(record_id: str) -> str:
+    """``record_id`` as a safe file name (other characters become ``_``)."""
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in record_id)

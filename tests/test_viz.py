@@ -132,3 +132,15 @@ def test_eval_pictures_draws_the_first_n_images(tiny_model_dir: Path, tmp_path: 
     assert main(argv) == 0
     pictures = tmp_path / "eval" / "pictures"
     assert sorted(p.name for p in pictures.iterdir()) == ["grid.png", "val-00000.png", "val-00001.png"]
+
+
+def test_a_note_is_written_under_the_picture_and_parse_note_says_what_the_parse_lost() -> None:
+    from rollmatch.viz import parse_note
+
+    image = Image.new("RGB", (100, 100), BACKGROUND)
+    plain = draw_detections(image, [GT_MATCHED], [PRED_MATCHED], longest_side=100)
+    noted = draw_detections(image, [GT_MATCHED], [PRED_MATCHED], longest_side=100, note=["a", "b" * 200])
+    assert noted.image.width == plain.image.width and noted.image.height > plain.image.height
+    assert np.array_equal(np.asarray(noted.image)[:100], np.asarray(plain.image))  # the picture is unchanged
+    assert parse_note({}, False) is None
+    assert parse_note({"bad_json": 2, "degenerate_box": 0}, True) == "truncated, bad_json x2"

@@ -41,6 +41,7 @@ from rollmatch.rollout.build import decoding_from_config
 from rollmatch.rollout.chunking import step_seed
 from rollmatch.rollout.types import Rollout, RolloutBackend
 from rollmatch.training.grpo_targets import GrpoGroups, PolicyTokens
+from rollmatch.training.rollout_log import RolloutLog
 from rollmatch.training.schedule import fixed_size_chunks
 
 
@@ -136,9 +137,13 @@ class RolloutChannel(_SegmentFactory):
         backend: RolloutBackend,
         *,
         decode_batch_size: int | None = None,
+        rollout_log: RolloutLog | None = None,
     ):
         super().__init__(model, encoder, codec, cfg)
         self.backend = backend
+        self.rollout_log = (
+            rollout_log  # remembers the rollout behind each segment (training.log_rollouts_every)
+        )
         self.decoding = decoding_from_config(cfg)
         self.decode_batch_size = decode_batch_size
         self.rollouts_per_record = cfg.rollout.rollouts_per_record
@@ -186,6 +191,8 @@ class RolloutChannel(_SegmentFactory):
                 out.sums.update(sums)
                 out.segments.append(self.segment(enc, target, created_step, policy))
             out.versions.extend(rollout.weight_version for rollout in group)
+        if self.rollout_log is not None:
+            self.rollout_log.rolled_out(records, encoded, rollouts, out.segments)
         return out
 
     def group_targets(

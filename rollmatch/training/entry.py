@@ -18,7 +18,12 @@ from typing import Any
 import torch
 from transformers import TrainingArguments, set_seed
 
-from rollmatch.collectives import build_collectives, exit_hard_on_fatal_distributed_error, init_default_group
+from rollmatch.collectives import (
+    Collectives,
+    build_collectives,
+    exit_hard_on_fatal_distributed_error,
+    init_default_group,
+)
 from rollmatch.config.hf_args import eval_strategy, training_arguments_kwargs
 from rollmatch.config.load import load_config
 from rollmatch.config.rules import check_runtime
@@ -36,6 +41,7 @@ from rollmatch.training.metrics import JsonlMetricsCallback, summarize
 from rollmatch.training.param_groups import freeze_groups
 from rollmatch.training.periodic_eval import DetectionEval, build_detection_eval
 from rollmatch.training.preemption import CheckpointOnWarning
+from rollmatch.training.rollout_log import RolloutLog
 from rollmatch.training.sizing import check_row_sizing
 from rollmatch.training.step import SyncBeforeRollouts
 from rollmatch.training.trainer import RecordDataset, RollmatchTrainer, keep_records
@@ -103,6 +109,7 @@ def run_training(cfg: RollmatchConfig) -> TrainResult:
     records = load_records(cfg.data.train_jsonl, max_samples=cfg.data.max_samples)
     check_row_sizing(cfg, records, encoder, codec)
     holder: dict[str, Any] = {}
+    rollout_log = rollout_log_for(cfg, encoder, codec, collectives)
     ctx = BuildContext(
         cfg=cfg,
         model=model,
@@ -112,6 +119,7 @@ def run_training(cfg: RollmatchConfig) -> TrainResult:
         gradient_accumulation_steps=gas,
         train_records=records,
         optimizer_getter=lambda: getattr(holder.get("trainer"), "optimizer", None),
+        rollout_log=rollout_log,
     )
     parts = build_variant(ctx)
     start = time.perf_counter()
@@ -135,6 +143,8 @@ def run_training(cfg: RollmatchConfig) -> TrainResult:
             callbacks=[JsonlMetricsCallback(os.path.join(cfg.training.output_dir, "metrics.jsonl")), warning],
         )
         holder["trainer"] = trainer
+        if rollout_log is not None:  # its pictures go through HF's TensorBoard writer
+            rollout_log.writers = lambda: trainer.callback_handler.callbacks
         if resume is not None:
             trainer.load_rank_state(resume)
         warning.install()
@@ -152,6 +162,15 @@ def run_training(cfg: RollmatchConfig) -> TrainResult:
         seconds=time.perf_counter() - start,
         log_history=list(trainer.state.log_history),
     )
+
+
+def rollout_log_for(
+    cfg: RollmatchConfig, encoder: PromptEncoder, codec: Any, collectives: Collectives
+) -> RolloutLog | None:
+    """Rank 0's rollout log (``training.log_rollouts_every``); None when off or nothing is rolled out."""
+    if cfg.training.log_rollouts_every <= 0 or cfg.custom.trainer_variant == "sft" or not collectives.is_main:
+        return None
+    return RolloutLog(cfg, encoder, codec)
 
 
 def eval_for_variant(ctx: BuildContext, parts: VariantParts) -> DetectionEval | None:

@@ -40,6 +40,7 @@ from rollmatch.collectives import Collectives
 from rollmatch.data.records import Record
 from rollmatch.errors import BackendError, PackingError
 from rollmatch.rollout.types import RolloutBackend, SyncReport
+from rollmatch.training.rollout_log import RolloutLog
 from rollmatch.training.rows import MicroBatch, Row, padding_row, spread_rows
 from rollmatch.training.schedule import StepKind, realized_b_ratio, step_kind
 
@@ -178,6 +179,7 @@ class StepPlanner:
         sync: SyncPolicy | None,
         collectives: Collectives,
         report_ab: bool,
+        rollout_log: RolloutLog | None = None,
     ):
         self.schedule = schedule
         self.channel_a = channel_a
@@ -185,6 +187,7 @@ class StepPlanner:
         self.sync = sync
         self.collectives = collectives
         self.report_ab = report_ab  # stage2_ab/* metrics (stage2_ab_training only)
+        self.rollout_log = rollout_log  # told what each Channel-B step trains (rows known at take)
 
     def plan(self, windows: Windows, global_step: int, *, final: bool = False) -> StepPlan:
         """Everything before the forward/backward passes of optimizer step ``global_step``."""
@@ -203,6 +206,8 @@ class StepPlanner:
         failure: BaseException | None = None
         try:
             batch = channel.take(windows, global_step, final=final)
+            if kind == "B" and self.rollout_log is not None:
+                self.rollout_log.trained(global_step, [segment for row in batch.rows for segment in row])
             if self.channel_b is not None:
                 sums, gauges = self.channel_b.step_metrics(global_step)
                 batch.sums.update(sums)

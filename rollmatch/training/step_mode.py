@@ -128,6 +128,11 @@ class StepRollouts:
     def close(self) -> None:
         return None
 
+    def log_trained(self, global_step: int, segments: Sequence[Segment]) -> None:
+        """Every segment a step-mode step rolls out, it trains: the rollout log sees them as they come."""
+        if self.rollouts.rollout_log is not None:
+            self.rollouts.rollout_log.trained(global_step, segments)
+
 
 class DeferredStep(MicroStep):
     """The last micro-step of a step-mode step: rolls out the whole budget, then trains every row."""
@@ -144,6 +149,7 @@ class DeferredStep(MicroStep):
         owner = self.owner
         wait_start = time.perf_counter()
         produced = owner.rollouts.produce(self.records, self.step)
+        owner.log_trained(self.step, produced.segments)
         self.sums.update(produced.sums)
         self.sums["stage2_ab/step/learner_wait_s"] += time.perf_counter() - wait_start
         self.total_weight = sum(s.weight_sum for s in produced.segments)
@@ -249,6 +255,7 @@ class PipelinedStep(DeferredStep):
         return item
 
     def _add(self, out: ChannelOutput, pending: list[Segment]) -> None:
+        self.owner.log_trained(self.step, out.segments)
         self.sums.update(out.sums)
         self.total_weight += sum(s.weight_sum for s in out.segments)
         self.sums["target/supervised_tokens"] += sum(s.supervised_tokens for s in out.segments)

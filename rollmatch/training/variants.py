@@ -37,6 +37,7 @@ from rollmatch.training.channels import GTChannel, RolloutChannel
 from rollmatch.training.offload import with_rollout_offload
 from rollmatch.training.ready_packs import ReadyPackQueue, VersionPurePacker
 from rollmatch.training.record_stream import RecordStream
+from rollmatch.training.rollout_log import RolloutLog
 from rollmatch.training.rows import RowPlanner
 from rollmatch.training.step import ABSchedule, Channel, ConstantSchedule, StepPlanner, SyncBeforeRollouts
 from rollmatch.training.step_mode import StepRecordStream, StepRollouts, rank_share, rollouts_per_step
@@ -54,6 +55,7 @@ class BuildContext:
     gradient_accumulation_steps: int
     train_records: list[Record] = field(default_factory=list)
     optimizer_getter: Callable[[], Any] = lambda: None
+    rollout_log: RolloutLog | None = None  # rank 0 with training.log_rollouts_every > 0
 
 
 @dataclass
@@ -92,7 +94,9 @@ def build_sft(ctx: BuildContext) -> VariantParts:
 
 def build_rollout_matching(ctx: BuildContext) -> VariantParts:
     backend = backend_for(ctx)
-    rollouts = RolloutChannel(ctx.model, ctx.encoder, ctx.codec, ctx.cfg, backend)
+    rollouts = RolloutChannel(
+        ctx.model, ctx.encoder, ctx.codec, ctx.cfg, backend, rollout_log=ctx.rollout_log
+    )
     channel_b = WindowRows(rollouts.produce, row_planner(ctx), per_record=rollouts.rollouts_per_record)
     planner = StepPlanner(
         schedule=ConstantSchedule("B"),
@@ -101,6 +105,7 @@ def build_rollout_matching(ctx: BuildContext) -> VariantParts:
         sync=SyncBeforeRollouts(backend, ctx.model),
         collectives=ctx.collectives,
         report_ab=False,
+        rollout_log=ctx.rollout_log,
     )
     return VariantParts(planner=planner, backend=backend, stateful={"channel_b": channel_b})
 
@@ -133,6 +138,7 @@ def build_stage2(ctx: BuildContext) -> VariantParts:
         sync=sync,
         collectives=ctx.collectives,
         report_ab=True,
+        rollout_log=ctx.rollout_log,
     )
     stateful = {"channel_a": channel_a}
     if mode != "step":  # step mode carries nothing between steps
@@ -172,7 +178,13 @@ def backend_for(ctx: BuildContext) -> RolloutBackend:
 def rollout_channel(ctx: BuildContext, backend: RolloutBackend) -> RolloutChannel:
     decode_batch_size = ctx.cfg.stage2_ab.channel_b.rollout_decode_batch_size
     return RolloutChannel(
-        ctx.model, ctx.encoder, ctx.codec, ctx.cfg, backend, decode_batch_size=decode_batch_size
+        ctx.model,
+        ctx.encoder,
+        ctx.codec,
+        ctx.cfg,
+        backend,
+        decode_batch_size=decode_batch_size,
+        rollout_log=ctx.rollout_log,
     )
 
 

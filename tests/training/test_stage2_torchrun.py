@@ -74,3 +74,7 @@ def test_every_rank_runs_rank_zeros_kind_for_the_whole_window(make_config, tmp_p
     assert steps[1]["stage2_ab/micro_steps_b"] == 4
     assert steps[1]["stage2_ab/rollouts"] == 4
     assert steps[1]["stage2_ab/loss_b"] == pytest.approx(steps[1]["loss"], rel=1e-4)
+    # rollout log (default on): step 1 (Channel-A) passed it on to step 2, whose rank-0 rollouts it logged
+    rollouts = Path(cfg.training.output_dir) / "rollouts"
+    assert sorted(p.name for p in rollouts.glob("*.jsonl")) == ["step-2.jsonl"]
+    assert len((rollouts / "step-2.jsonl").read_text().splitlines()) == 2  # rank 0's 2 records of the step
