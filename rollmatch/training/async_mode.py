@@ -109,18 +109,31 @@ class AsyncPacks:
         if wants_b and self.queue.eligible(version, self.version_window) < micro_steps:
             self.actor.flush_waiting()
             self.queue.drop_stale(version, self.version_window)
-        deadline = time.monotonic() + (self.max_wait_s if wants_b else 0.0)
-        while self.queue.eligible(version, self.version_window) < micro_steps and self.actor.failure is None:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            self.queue.wait_for_change(min(remaining, _WAIT_SLICE_S))
-            self.queue.drop_stale(version, self.version_window)
+        if wants_b and self.max_wait_s > 0:
+            self._wait_for_packs(version, micro_steps)
         if self.actor.failure is not None:
             return ChannelStatus(failure=f"rollout actor: {self.actor.failure}")
         if not wants_b:
             return ChannelStatus(ready=self.queue.eligible(version, self.version_window))
         return ChannelStatus(ready=self.queue.reserve(micro_steps, version, self.version_window))
+
+    def _wait_for_packs(self, version: int, micro_steps: int) -> None:
+        """Up to ``max_wait_s`` until ``micro_steps`` packs are eligible under ``version`` (or the actor
+        failed). Meanwhile the actor completes the partial pack that used the last of its admission room:
+        with no later B step in the window no rollout may be admitted to fill it (window 0)."""
+        deadline = time.monotonic() + self.max_wait_s
+        self.actor.set_step_waiting(True)
+        try:
+            while (
+                self.queue.eligible(version, self.version_window) < micro_steps and self.actor.failure is None
+            ):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self.queue.wait_for_change(min(remaining, _WAIT_SLICE_S))
+                self.queue.drop_stale(version, self.version_window)
+        finally:
+            self.actor.set_step_waiting(False)
 
     def take(self, windows: Windows, global_step: int, *, final: bool) -> ChannelBatch:
         version = self.ver
