@@ -335,7 +335,9 @@ class AsyncConfig(Section):
     """Async actor-learner (`channel_b.mode: async`): ready-pack queue per learner rank."""
 
     queue_limit: int = Field(
-        8, gt=0, description="Max ready packs queued per rank; the oldest is dropped beyond it."
+        8,
+        gt=0,
+        description="Max ready packs held per rank, counting those reserved for or trained by the current step; beyond it the queued pack of the oldest weight version is dropped.",
     )
     prefetch_target_packs: int = Field(2, gt=0, description="Eligible packs the actor keeps ready.")
     version_window: int = Field(

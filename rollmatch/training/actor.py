@@ -164,7 +164,7 @@ class RolloutActor:
         try:
             while not self._stop.is_set():
                 held = self.queue.eligible(self._next_version(), self.version_window)
-                if held >= self.prefetch_target:
+                if held >= self.prefetch_target or self.queue.free <= 0:  # enough ready, or no room
                     self.queue.wait_for_change(_IDLE_WAIT_S)
                     continue
                 admitted = self._admitted_rollouts(held)
