@@ -354,7 +354,7 @@ class AsyncConfig(Section):
     )
     record_trace: bool = Field(
         False,
-        description="Append every record a step trains or drops (step, stream position, record id, weight version) to <output_dir>/async/rank<R>.records.jsonl: an audit of what each rank learned from, e.g. across a resume.",
+        description="Append every record a step trains or drops (step, stream position, record id, weight version) to <output_dir>/async/rank<R>.records.jsonl, and at shutdown those still held (`discarded`): an audit of what each rank learned from, e.g. across a resume.",
     )
     admission_control: bool = Field(
         True,

@@ -76,6 +76,7 @@ class AsyncPacks:
         self.max_wait_s = max_wait_s
         self.trace_path = trace_path  # async.record_trace: one JSON line per step that trains or drops
         self._last_report = (time.perf_counter(), 0)  # (time, actor rollouts) at the previous step
+        self._last_step = 0  # the latest step whose metrics were taken (the trace's step at shutdown)
         self._closed = False
 
     def version_of(self, global_step: int) -> int:
@@ -158,6 +159,7 @@ class AsyncPacks:
     def step_metrics(self, global_step: int) -> tuple[Counter[str], dict[str, tuple[GaugeKind, float]]]:
         """Every step, A or B: the actor's rollout metrics since the last step and the queue's state."""
         self.actor.set_current_version(self.ver, global_step + 1)  # this step took its packs (or ran A)
+        self._last_step = global_step
         dropped = self.queue.take_dropped_origins()
         self.actor.stream.ledger.mark_done([o.stream_position for o in dropped])
         self._trace(global_step, "dropped", [(o, None) for o in dropped])
@@ -189,6 +191,10 @@ class AsyncPacks:
         self._closed = True
         self.actor.stop(_STOP_TIMEOUT_S)
         self.actor.rollouts.backend.close()
+        # The trace ends complete: packs dropped since the last step, then every record still held.
+        self._trace(self._last_step, "dropped", [(o, None) for o in self.queue.take_dropped_origins()])
+        held = [*self.queue.untaken_origins(), *self.actor.packer.waiting_origins]
+        self._trace(self._last_step, "discarded", [(o, None) for o in held])
         left = self.queue.discard_all()
         counts = self.queue.counts
         actor = self.actor

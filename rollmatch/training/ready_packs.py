@@ -138,6 +138,11 @@ class VersionPurePacker(Generic[S]):
     def waiting(self) -> int:
         return len(self._waiting)
 
+    @property
+    def waiting_origins(self) -> list[SegmentOrigin]:
+        """The records of the waiting segments."""
+        return [origin for _, origin in self._waiting]
+
     def add(self, segment: S, origin: SegmentOrigin, version: int) -> list[ReadyPack[S]]:
         """Add one segment rolled out under ``version``; returns the packs completed by it."""
         packs: list[ReadyPack[S]] = []
@@ -280,6 +285,11 @@ class ReadyPackQueue(Generic[S]):
     def versions(self) -> list[int]:
         with self._lock:
             return [p.version for p in self._packs]
+
+    def untaken_origins(self) -> list[SegmentOrigin]:
+        """The records of the packs queued or reserved, not taken by a step."""
+        with self._lock:
+            return [o for pack in [*self._reserved, *self._packs] for o in pack.origins]
 
     def discard_all(self) -> int:
         """Shutdown: count every queued pack as discarded and empty the queue; returns how many."""
