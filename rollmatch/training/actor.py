@@ -6,8 +6,9 @@ them version-pure (``training.ready_packs``) and put the packs into the rank's b
 paces itself: while ``prefetch_target_packs`` eligible packs wait it sleeps until the learner takes some
 or the version moves on; with admission control it also does not start a batch whose packs would be
 stale by the step that consumes them (``ready_packs.admission_room``), and while a step waits for packs
-it completes the partial pack that used the last of that room (else the step would wait in vain). Leaves out: the learner's
-decisions (``training.async_mode``) and the record stream itself (``training.record_stream``).
+it completes the partial pack that used the last of that room (else the step would wait in vain).
+Leaves out: the learner's decisions (``training.async_mode``) and the record stream itself
+(``training.record_stream``).
 
 Failure and shutdown: any exception in the thread (a dead or frozen server surfaces as a
 :class:`~rollmatch.errors.BackendError` naming its URL, within the client's timeouts) is kept and

@@ -11,7 +11,8 @@ run (they share one notion of the weight version):
 - **status**: stale packs (``ver_pack < ver - version_window``) are dropped and counted; a step that
   wants B waits up to ``max_wait_s`` for one eligible pack per micro-step and *reserves* what it has
   (the actor can no longer evict them), then reports how many. The planner runs B only if every rank
-  holds one per micro-step; otherwise the reserved packs go back to the queue at the next step.
+  holds one per micro-step; otherwise the reserved packs go back to the queue at the next step. While
+  it waits, the actor completes the partial pack that used the last of its admission room.
   ``version_window: 0`` is on-policy: B trains only on rollouts of the weights it is about to update.
 - **take**: a B step pops its reserved packs, exactly one per micro-step (one packed row each: DDP
   lock-step); it cannot fail, since the vote counted reserved packs only.
@@ -74,7 +75,9 @@ class AsyncPacks:
         self.sync_every_steps = sync_every_steps
         self.accounting_path = accounting_path
         self.max_wait_s = max_wait_s
-        self.trace_path = trace_path  # async.record_trace: one JSON line per step that trains or drops
+        self.trace_path = (
+            trace_path  # async.record_trace: a JSON line per step that trains or drops, and at exit
+        )
         self._last_report = (time.perf_counter(), 0)  # (time, actor rollouts) at the previous step
         self._last_step = 0  # the latest step whose metrics were taken (the trace's step at shutdown)
         self._closed = False
