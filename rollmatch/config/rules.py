@@ -25,6 +25,7 @@ from rollmatch.config.launch_rules import launch_problems
 from rollmatch.config.objective_rules import rule_grpo, rule_rollouts_per_record
 from rollmatch.config.schema import RollmatchConfig, ServerConfig, ServerEndpoint
 from rollmatch.config.sharding import sharding_problems
+from rollmatch.config.wait_rules import first_push_problems, rule_async_on_policy, rule_async_wait
 from rollmatch.errors import ConfigError, ConfigProblem
 
 _RM = "custom.extra.rollout_matching"
@@ -59,6 +60,7 @@ def check_runtime(
             )
         )
     problems.extend(_async_gas_problems(cfg, world_size=world_size))
+    problems.extend(first_push_problems(cfg, world_size=world_size))
     problems.extend(
         _colocated_engine_problems(
             cfg, world_size=world_size, device_count=device_count, device_type=device_type
@@ -276,23 +278,6 @@ def _rule_async_queue(cfg: RollmatchConfig) -> list[ConfigProblem]:
     ]
 
 
-def _rule_async_wait(cfg: RollmatchConfig) -> list[ConfigProblem]:
-    """`stage2_ab.channel_b.async.max_wait_s` < `training.collective_timeout_s` (a rank waiting for packs must not outlast the others' collective wait)."""
-    settings = cfg.stage2_ab.channel_b.async_
-    timeout = cfg.training.collective_timeout_s
-    if cfg.stage2_ab.channel_b.mode != "async" or settings.max_wait_s < timeout:
-        return []
-    return [
-        ConfigProblem(
-            f"{_CHANNEL_B}.async.max_wait_s",
-            settings.max_wait_s,
-            f"not below training.collective_timeout_s = {timeout:g}: while one rank waits for its ready packs the "
-            "others wait in the step's collective and would time out first; lower max_wait_s (leave room for "
-            "the step itself) or raise training.collective_timeout_s",
-        )
-    ]
-
-
 def _rule_step_mode(cfg: RollmatchConfig) -> list[ConfigProblem]:
     """`stage2_ab.channel_b.rollouts_per_step` is read only by `channel_b.mode: step`; step mode refuses `training.deepspeed`."""
     channel_b = cfg.stage2_ab.channel_b
@@ -473,7 +458,8 @@ STATIC_RULES: tuple[Rule, ...] = (
     _rule_pipeline,
     _rule_async,
     _rule_async_queue,
-    _rule_async_wait,
+    rule_async_wait,
+    rule_async_on_policy,
     _rule_step_mode,
     _rule_offload,
     _rule_pixels,
@@ -500,6 +486,9 @@ RUNTIME_RULE_DESCRIPTIONS: tuple[str, ...] = (
     "World size > 1: `stage2_ab.channel_b.mode: step` is refused; use async.",
     "Async mode: `stage2_ab.channel_b.async.prefetch_target_packs` >= the gradient accumulation steps in force "
     "(a B step takes one ready pack per micro-step).",
+    "World size > 1 with rollout servers: `vllm.server.timeout_s` <= `training.collective_timeout_s` minus a "
+    "margin (a tenth of it, at least 10 s): the other ranks wait in a collective while rank 0 forms the "
+    "weight-sync group of the first push, which waits up to `timeout_s` for a server.",
     "`rollout_backend: vllm` with `vllm.mode: colocate` (trainer variants that roll out): "
     "`tensor_parallel_size` <= visible GPUs and dividing the world size, exactly 1 on CPU; "
     "`vllm.sleep_level` 0 on CPU.",

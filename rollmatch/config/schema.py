@@ -232,7 +232,9 @@ class ServerConfig(Section):
         None, description="Legacy form: int -> group_port + i for server i, or one per base_url."
     )
     timeout_s: float = Field(
-        240.0, gt=0.0, description="Reachability (/health/ polling) and communicator init timeout (s)."
+        240.0,
+        gt=0.0,
+        description="Reachability (/health/ polling) and communicator init timeout (s). With several learner ranks at most `training.collective_timeout_s` minus a margin (a tenth of it, at least 10 s): the other ranks wait while rank 0 forms the weight-sync groups.",
     )
     infer_timeout_s: float | None = Field(None, description="HTTP timeout of /infer/; null or <= 0: none.")
     min_healthy: int | None = Field(
@@ -343,7 +345,9 @@ class AsyncConfig(Section):
     """Async actor-learner (`channel_b.mode: async`): ready-pack queue per learner rank."""
 
     queue_limit: int = Field(
-        8, gt=0, description="Max ready packs queued per rank; the oldest is dropped beyond it."
+        8,
+        gt=0,
+        description="Max ready packs held per rank, counting those reserved for or trained by the current step; beyond it the queued pack of the oldest weight version is dropped.",
     )
     prefetch_target_packs: int = Field(2, gt=0, description="Eligible packs the actor keeps ready.")
     version_window: int = Field(
@@ -354,11 +358,11 @@ class AsyncConfig(Section):
         0.0,
         ge=0.0,
         le=3600.0,
-        description="A step that wants B waits up to this long for its ready packs before running Channel-A instead (0: no wait).",
+        description="A step that wants B waits up to this long for its ready packs before running Channel-A instead (0: no wait). At most `training.collective_timeout_s` minus a margin (a tenth of it, at least 10 s); `version_window: 0` needs it > 0.",
     )
     record_trace: bool = Field(
         False,
-        description="Append every record a step trains or drops (step, stream position, record id, weight version) to <output_dir>/async/rank<R>.records.jsonl: an audit of what each rank learned from, e.g. across a resume.",
+        description="Append every record a step trains or drops (step, stream position, record id, weight version) to <output_dir>/async/rank<R>.records.jsonl, and at shutdown those still held (`discarded`): an audit of what each rank learned from, e.g. across a resume.",
     )
     admission_control: bool = Field(
         True,
@@ -461,7 +465,11 @@ class TrainingConfig(Section):
     resume_from_checkpoint: str | None = Field(None, description="Checkpoint dir, or `latest`.")
     deepspeed: str | None = Field(None, description="DeepSpeed JSON config path (HF Trainer integration).")
     dataloader_num_workers: int = Field(0, ge=0, description="DataLoader worker processes (0: main process).")
-    collective_timeout_s: float = Field(600.0, gt=0.0, description="Timeout of every cross-rank wait.")
+    collective_timeout_s: float = Field(
+        600.0,
+        gt=0.0,
+        description="Timeout of every cross-rank wait. Waits other ranks sit out in a collective leave it a margin (a tenth, at least 10 s): `stage2_ab.channel_b.async.max_wait_s` and, with several ranks, `vllm.server.timeout_s` (the first push's group init).",
+    )
     eval_strategy: Literal["no", "steps", "epoch"] | None = Field(
         None,
         description="Detection eval on data.val_jsonl during training (docs/runbook.md); null: `steps` if "

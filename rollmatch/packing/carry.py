@@ -58,22 +58,39 @@ class CarryBuffer:
         return tuple(self._waiting)
 
     def take_rows(
-        self, new_segments: Sequence[Segment], *, min_rows: int, drain: bool = False
+        self,
+        new_segments: Sequence[Segment],
+        *,
+        min_rows: int,
+        drain: bool = False,
+        max_rows: int | None = None,
     ) -> list[list[Segment]]:
         """Add ``new_segments`` and take this step's rows (each in age order, oldest segment pinned).
 
         At least ``min_rows`` rows (while segments wait), then more while :data:`RESERVE_ROWS` rows'
-        worth of tokens or more than ``max_segments`` segments would wait; ``drain`` takes everything. Raises
-        :class:`PackingError` (buffer unchanged) if a segment exceeds the row capacity.
+        worth of tokens or more than ``max_segments`` segments would wait; ``drain`` takes everything;
+        never more than ``max_rows`` (the rest waits). Raises :class:`PackingError` (buffer unchanged) if a
+        segment exceeds the row capacity, or if ``max_rows`` leaves more than ``max_segments`` waiting.
         """
         self._check_fit(new_segments)
         waiting = [*self._waiting, *new_segments]
         rows: list[list[Segment]] = []
-        while waiting and (len(rows) < min_rows or drain or self._over_limits(waiting)):
+        while (
+            waiting
+            and (max_rows is None or len(rows) < max_rows)
+            and (len(rows) < min_rows or drain or self._over_limits(waiting))
+        ):
             picked = select_row([s.length for s in waiting], self.capacity_tokens)
             chosen = set(picked)
             rows.append([waiting[i] for i in picked])
             waiting = [s for i, s in enumerate(waiting) if i not in chosen]
+        if len(waiting) > self.max_segments and not drain:
+            raise PackingError(
+                f"{len(waiting)} segments ({sum(s.length for s in waiting)} tokens) would wait for a later step, "
+                f"more than `{_BUFFER_KEY}` = {self.max_segments}: the step trains at most {max_rows} row(s) of "
+                f"{self.capacity_tokens} tokens (one per micro-step with several ranks) and its segments need "
+                f"more; raise `{_CAPACITY_KEY}` or `{_BUFFER_KEY}`, or lower `training.per_device_train_batch_size`"
+            )
         self._waiting = waiting
         return rows
 

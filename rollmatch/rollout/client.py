@@ -39,7 +39,7 @@ from rollmatch.config.frames import resolve_coord_frame
 from rollmatch.config.rules import resolve_servers, resolve_sync_mode, sync_mode_problems
 from rollmatch.config.schema import RollmatchConfig
 from rollmatch.data.prompts import PROBE_IMAGE_SIZE, image_probe
-from rollmatch.errors import BackendError, ConfigError, ConfigProblem, RollmatchError, SyncError
+from rollmatch.errors import BackendError, ConfigError, ConfigProblem, SyncError
 from rollmatch.models.wrappers import strip_parallel_wrappers
 from rollmatch.protocol import (
     INFER_REPLY,
@@ -328,11 +328,11 @@ class ServerBackend:
         coll = self.collectives
         coll.barrier(f"weight sync v{version}: before push")
         outcome: SyncReport | str | None = None
-        failure: RollmatchError | None = None
+        failure: Exception | None = None
         if coll.is_main:
             try:
                 outcome = self._push(model, version)
-            except RollmatchError as exc:
+            except Exception as exc:  # any cause (a DNS error, a bad answer): every rank must hear it
                 failure, outcome = exc, f"{type(exc).__name__}: {exc}"
         else:  # sharded parameters (ZeRO-3 / FSDP2): take part in rank 0's per-bucket gathers
             SyncTensors(model, self.sync_mode).drain()  # type: ignore[arg-type]
@@ -450,7 +450,7 @@ class ServerBackend:
                 bucket_bytes=self.bucket_bytes,
                 adapter=adapter,
             )
-        except RollmatchError:
+        except Exception:
             self._group_stale = True  # a half-sent bucket leaves the group out of step: rebuild it next time
             raise
         finally:

@@ -5,8 +5,10 @@ Owns :class:`RolloutActor`: read the rank's record stream, roll the records out 
 them version-pure (``training.ready_packs``) and put the packs into the rank's bounded queue. The actor
 paces itself: while ``prefetch_target_packs`` eligible packs wait it sleeps until the learner takes some
 or the version moves on; with admission control it also does not start a batch whose packs would be
-stale by the step that consumes them (``ready_packs.admission_room``). Leaves out: the learner's
-decisions (``training.async_mode``) and the record stream itself (``training.record_stream``).
+stale by the step that consumes them (``ready_packs.admission_room``), and while a step waits for packs
+it completes the partial pack that used the last of that room (else the step would wait in vain).
+Leaves out: the learner's decisions (``training.async_mode``) and the record stream itself
+(``training.record_stream``).
 
 Failure and shutdown: any exception in the thread (a dead or frozen server surfaces as a
 :class:`~rollmatch.errors.BackendError` naming its URL, within the client's timeouts) is kept and
@@ -87,6 +89,7 @@ class RolloutActor:
         self._sums_lock = threading.Lock()
         self._packer_lock = threading.Lock()  # the actor adds segments, the learner may flush them
         self._sums: Counter[str] = Counter()  # rollout/match/parse sums since the learner last took them
+        self._step_waiting = threading.Event()  # a step is waiting for packs (the learner's max_wait_s)
         self.rollouts_total = 0  # every rollout returned by the servers
         self.discarded_after_stop = 0  # of those, returned after the stop flag: never packed
         self.busy_seconds = 0.0
@@ -110,6 +113,16 @@ class RolloutActor:
         self.current_version = version
         if next_step is not None:
             self.next_step = next_step
+        self.queue.notify()
+
+    def set_step_waiting(self, waiting: bool) -> None:
+        """The learner waits for this step's packs (``max_wait_s``) or stopped waiting. While it waits, an
+        actor whose admission room is used up by the segments waiting in its packer flushes them into a
+        pack at once: no later rollout may be admitted to complete that pack before the step decides."""
+        if waiting:
+            self._step_waiting.set()
+        else:
+            self._step_waiting.clear()
         self.queue.notify()
 
     def flush_waiting(self) -> int:
@@ -152,10 +165,12 @@ class RolloutActor:
         try:
             while not self._stop.is_set():
                 held = self.queue.eligible(self._next_version(), self.version_window)
-                if held >= self.prefetch_target:
+                if held >= self.prefetch_target or self.queue.free <= 0:  # enough ready, or no room
                     self.queue.wait_for_change(_IDLE_WAIT_S)
                     continue
                 admitted = self._admitted_rollouts(held)
+                if admitted == 0 and self._step_waiting.is_set() and self.flush_waiting():
+                    continue  # the waiting step's last pack was the partial one (``set_step_waiting``)
                 if admitted == 0:
                     started = time.perf_counter()
                     self.queue.wait_for_change(_IDLE_WAIT_S)
@@ -181,7 +196,8 @@ class RolloutActor:
             return self.decode_batch_size
         per_record = self.rollouts.rollouts_per_record
         room = admission_room(
-            # Segments waiting in the packer count as a pack: the learner flushes them when it lacks one.
+            # Segments waiting in the packer count as a pack: the learner flushes them when it lacks one,
+            # and the actor itself while a step waits for packs (``set_step_waiting``).
             held=held + (1 if self.packer.waiting else 0),
             current_version=self.current_version,
             next_step=self.next_step,

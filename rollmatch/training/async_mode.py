@@ -11,7 +11,8 @@ run (they share one notion of the weight version):
 - **status**: stale packs (``ver_pack < ver - version_window``) are dropped and counted; a step that
   wants B waits up to ``max_wait_s`` for one eligible pack per micro-step and *reserves* what it has
   (the actor can no longer evict them), then reports how many. The planner runs B only if every rank
-  holds one per micro-step; otherwise the reserved packs go back to the queue at the next step.
+  holds one per micro-step; otherwise the reserved packs go back to the queue at the next step. While
+  it waits, the actor completes the partial pack that used the last of its admission room.
   ``version_window: 0`` is on-policy: B trains only on rollouts of the weights it is about to update.
 - **take**: a B step pops its reserved packs, exactly one per micro-step (one packed row each: DDP
   lock-step); it cannot fail, since the vote counted reserved packs only.
@@ -74,8 +75,11 @@ class AsyncPacks:
         self.sync_every_steps = sync_every_steps
         self.accounting_path = accounting_path
         self.max_wait_s = max_wait_s
-        self.trace_path = trace_path  # async.record_trace: one JSON line per step that trains or drops
+        self.trace_path = (
+            trace_path  # async.record_trace: a JSON line per step that trains or drops, and at exit
+        )
         self._last_report = (time.perf_counter(), 0)  # (time, actor rollouts) at the previous step
+        self._last_step = 0  # the latest step whose metrics were taken (the trace's step at shutdown)
         self._closed = False
 
     def version_of(self, global_step: int) -> int:
@@ -109,18 +113,31 @@ class AsyncPacks:
         if wants_b and self.queue.eligible(version, self.version_window) < micro_steps:
             self.actor.flush_waiting()
             self.queue.drop_stale(version, self.version_window)
-        deadline = time.monotonic() + (self.max_wait_s if wants_b else 0.0)
-        while self.queue.eligible(version, self.version_window) < micro_steps and self.actor.failure is None:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            self.queue.wait_for_change(min(remaining, _WAIT_SLICE_S))
-            self.queue.drop_stale(version, self.version_window)
+        if wants_b and self.max_wait_s > 0:
+            self._wait_for_packs(version, micro_steps)
         if self.actor.failure is not None:
             return ChannelStatus(failure=f"rollout actor: {self.actor.failure}")
         if not wants_b:
             return ChannelStatus(ready=self.queue.eligible(version, self.version_window))
         return ChannelStatus(ready=self.queue.reserve(micro_steps, version, self.version_window))
+
+    def _wait_for_packs(self, version: int, micro_steps: int) -> None:
+        """Up to ``max_wait_s`` until ``micro_steps`` packs are eligible under ``version`` (or the actor
+        failed). Meanwhile the actor completes the partial pack that used the last of its admission room:
+        with no later B step in the window no rollout may be admitted to fill it (window 0)."""
+        deadline = time.monotonic() + self.max_wait_s
+        self.actor.set_step_waiting(True)
+        try:
+            while (
+                self.queue.eligible(version, self.version_window) < micro_steps and self.actor.failure is None
+            ):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self.queue.wait_for_change(min(remaining, _WAIT_SLICE_S))
+                self.queue.drop_stale(version, self.version_window)
+        finally:
+            self.actor.set_step_waiting(False)
 
     def take(self, windows: Windows, global_step: int, *, final: bool) -> ChannelBatch:
         version = self.ver
@@ -145,6 +162,7 @@ class AsyncPacks:
     def step_metrics(self, global_step: int) -> tuple[Counter[str], dict[str, tuple[GaugeKind, float]]]:
         """Every step, A or B: the actor's rollout metrics since the last step and the queue's state."""
         self.actor.set_current_version(self.ver, global_step + 1)  # this step took its packs (or ran A)
+        self._last_step = global_step
         dropped = self.queue.take_dropped_origins()
         self.actor.stream.ledger.mark_done([o.stream_position for o in dropped])
         self._trace(global_step, "dropped", [(o, None) for o in dropped])
@@ -176,6 +194,10 @@ class AsyncPacks:
         self._closed = True
         self.actor.stop(_STOP_TIMEOUT_S)
         self.actor.rollouts.backend.close()
+        # The trace ends complete: packs dropped since the last step, then every record still held.
+        self._trace(self._last_step, "dropped", [(o, None) for o in self.queue.take_dropped_origins()])
+        held = [*self.queue.untaken_origins(), *self.actor.packer.waiting_origins]
+        self._trace(self._last_step, "discarded", [(o, None) for o in held])
         left = self.queue.discard_all()
         counts = self.queue.counts
         actor = self.actor

@@ -7,7 +7,8 @@ Owns (pure, thread-safe where it says so, no torch.distributed, no HTTP):
 - :class:`VersionPurePacker`: turns a stream of version-tagged segments into packs that never mix two
   versions — when a newer version arrives, segments of older versions are flushed into their own packs;
 - :class:`ReadyPackQueue`: the per-rank FIFO between the actor thread and the learner: bounded by
-  ``queue_limit`` (drop-oldest), stale packs (``ver < current - version_window``) dropped at
+  ``queue_limit`` counting reserved and in-training packs (drop-oldest: the oldest weight version
+  first, so a late stale pack never evicts a fresh one), stale packs (``ver < current - version_window``) dropped at
   consumption, packs *reserved* for a step once its vote counted them (the actor's drop-oldest can no
   longer evict them, so the step's ``take`` cannot fail), and counters that account for every pack
   produced.
@@ -137,6 +138,11 @@ class VersionPurePacker(Generic[S]):
     def waiting(self) -> int:
         return len(self._waiting)
 
+    @property
+    def waiting_origins(self) -> list[SegmentOrigin]:
+        """The records of the waiting segments."""
+        return [origin for _, origin in self._waiting]
+
     def add(self, segment: S, origin: SegmentOrigin, version: int) -> list[ReadyPack[S]]:
         """Add one segment rolled out under ``version``; returns the packs completed by it."""
         packs: list[ReadyPack[S]] = []
@@ -188,7 +194,8 @@ class VersionPurePacker(Generic[S]):
 class ReadyPackQueue(Generic[S]):
     """The per-rank FIFO of ready packs between the actor (producer) and the learner (consumer).
 
-    Thread-safe. ``put`` drops the oldest pack when ``limit`` packs are queued. ``reserve`` drops stale
+    Thread-safe. ``put`` drops the oldest pack (oldest weight version first) when the queue would hold
+    more than ``limit`` packs, reserved and in-training ones counted (never dropped). ``reserve`` drops stale
     packs, then sets the oldest eligible ones aside for the coming step (``put`` never evicts them);
     ``take_reserved`` pops them for the step's passes, ``mark_trained`` counts them once their backward
     ran, and ``unreserve`` puts them back in front when the step ran Channel-A. A condition variable
@@ -219,11 +226,14 @@ class ReadyPackQueue(Generic[S]):
             pack.seq = self.counts.produced
             self.counts.add("produced", [pack])
             self._packs.append(pack)
-            while len(self._packs) > self.limit:
-                oldest = self._packs.popleft()
-                self.counts.add("dropped_oldest", [oldest])
-                self.dropped_origins.extend(oldest.origins)
+            self._evict_over_limit_locked()
             self.changed.notify_all()
+
+    @property
+    def free(self) -> int:
+        """How many more packs fit before ``put`` evicts one (queued, reserved and in-training count)."""
+        with self._lock:
+            return self.limit - self._depth_locked()
 
     def drop_stale(self, current_version: int, version_window: int) -> int:
         """Drop every pack too old to train under ``current_version``; returns how many."""
@@ -250,10 +260,7 @@ class ReadyPackQueue(Generic[S]):
         with self._lock:
             self._packs.extendleft(reversed(self._reserved))
             self._reserved.clear()
-            while len(self._packs) > self.limit:  # the actor filled the queue meanwhile
-                oldest = self._packs.popleft()
-                self.counts.add("dropped_oldest", [oldest])
-                self.dropped_origins.extend(oldest.origins)
+            self._evict_over_limit_locked()  # the actor filled the queue meanwhile
 
     def take_reserved(self, count: int) -> list[ReadyPack[S]]:
         """Pop ``count`` reserved packs for the step whose vote counted them; they count as trained
@@ -273,10 +280,16 @@ class ReadyPackQueue(Generic[S]):
         with self._lock:
             done = [self._training.popleft() for _ in range(min(count, len(self._training)))]
             self.counts.add("trained", done)
+            self.changed.notify_all()  # room in the queue for the actor
 
     def versions(self) -> list[int]:
         with self._lock:
             return [p.version for p in self._packs]
+
+    def untaken_origins(self) -> list[SegmentOrigin]:
+        """The records of the packs queued or reserved, not taken by a step."""
+        with self._lock:
+            return [o for pack in [*self._reserved, *self._packs] for o in pack.origins]
 
     def discard_all(self) -> int:
         """Shutdown: count every queued pack as discarded and empty the queue; returns how many."""
@@ -305,6 +318,20 @@ class ReadyPackQueue(Generic[S]):
         with self._lock:
             origins, self.dropped_origins = self.dropped_origins, []
             return origins
+
+    def _depth_locked(self) -> int:
+        return len(self._packs) + len(self._reserved) + len(self._training)
+
+    def _evict_over_limit_locked(self) -> None:
+        """Hold at most ``limit`` packs, reserved and in-training ones included (those are never
+        evicted): drop the queued pack of the oldest weight version, the earliest produced among those.
+        A stale pack put into a full queue is thus dropped itself, not the oldest fresh one."""
+        while self._depth_locked() > self.limit and self._packs:
+            index = min(range(len(self._packs)), key=lambda i: (self._packs[i].version, self._packs[i].seq))
+            oldest = self._packs[index]
+            del self._packs[index]
+            self.counts.add("dropped_oldest", [oldest])
+            self.dropped_origins.extend(oldest.origins)
 
     def _drop_stale_locked(self, current_version: int, version_window: int) -> int:
         fresh = [p for p in self._packs if is_eligible(p.version, current_version, version_window)]

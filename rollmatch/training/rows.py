@@ -11,6 +11,7 @@ decisions (``training.step``).
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import replace
@@ -23,6 +24,7 @@ from rollmatch.packing.carry import CarryBuffer
 from rollmatch.packing.collate import pack_row, pad_batch
 from rollmatch.packing.segment import Segment
 
+log = logging.getLogger(__name__)
 MicroBatch = dict[str, Any]
 Row = list[Segment]
 
@@ -30,10 +32,20 @@ Row = list[Segment]
 class RowPlanner:
     """One channel's rows: packed (through its carry buffer) or one padded batch per micro-batch."""
 
-    def __init__(self, *, packing: bool, packing_length: int, carry_limit: int, pad_token_id: int):
+    def __init__(
+        self,
+        *,
+        packing: bool,
+        packing_length: int,
+        carry_limit: int,
+        pad_token_id: int,
+        one_row_per_micro_step: bool = False,
+    ):
         self.packing = packing
         self.packing_length = packing_length
         self.pad_token_id = pad_token_id
+        # Several ranks (DDP): a step takes at most one packed row per micro-step, the rest waits.
+        self.one_row_per_micro_step = one_row_per_micro_step
         self.carry = (
             CarryBuffer(capacity_tokens=packing_length, max_segments=carry_limit) if packing else None
         )
@@ -42,12 +54,22 @@ class RowPlanner:
         """This step's rows for the segments its micro-batches brought (``drain``: empty the carry too).
 
         Packed: the step's segments are packed ahead, across its micro-batches — at least one row, more
-        while a reserve of rows would wait (``packing.carry``). Padded: one batch per micro-batch.
+        while a reserve of rows would wait (``packing.carry``); with ``one_row_per_micro_step`` at most one
+        per micro-batch (a ``drain`` then leaves what does not fit untrained, logged). Padded: one batch
+        per micro-batch.
         """
         if self.carry is None:
             return [list(batch) for batch in micro_batches]
         new = [s for batch in micro_batches for s in batch]
-        return self.carry.take_rows(new, min_rows=1, drain=drain)
+        max_rows = len(micro_batches) if self.one_row_per_micro_step else None
+        rows = self.carry.take_rows(new, min_rows=1, drain=drain, max_rows=max_rows)
+        if drain and len(self.carry):
+            log.warning(
+                "%d segment(s) left untrained in the carry buffer at the end of the run: with several ranks "
+                "every micro-step trains exactly one row",
+                len(self.carry),
+            )
+        return rows
 
     def all_rows(self, segments: Sequence[Segment], batch_size: int) -> list[Row]:
         """Every segment in rows now, nothing carried (step mode): packed, or ``batch_size`` per batch."""

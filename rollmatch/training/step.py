@@ -297,6 +297,8 @@ class StepPlanner:
                 "targets (check `loss.*` weights and that targets are not empty)"
             )
         num_rows = max(rank_view["rows"] for rank_view in gathered)
+        if self.collectives.world_size > 1:  # DDP: exactly one forward/backward per micro-step, every rank
+            num_rows = max(num_rows, count)
         sums["step/padding_rows"] += sum(num_rows - rank_view["rows"] for rank_view in gathered)
         rows = list(batch.rows)
         if len(rows) < num_rows:  # keep DDP in lock-step: the same number of passes on every rank

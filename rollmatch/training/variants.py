@@ -154,6 +154,7 @@ def row_planner(ctx: BuildContext) -> RowPlanner:
         packing_length=t.global_max_length,
         carry_limit=t.carry_buffer_size,
         pad_token_id=ctx.encoder.pad_token_id,
+        one_row_per_micro_step=ctx.collectives.world_size > 1,  # DDP lock-step: one pass per micro-step
     )
 
 

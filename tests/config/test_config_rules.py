@@ -182,17 +182,45 @@ def test_async_in_server_mode_loads() -> None:
     assert cfg.stage2_ab.channel_b.async_.queue_limit == 8
 
 
-@pytest.mark.parametrize("wait", [30.0, 45.0])
-def test_async_max_wait_must_stay_below_the_collective_timeout(problems_of, wait: float) -> None:
+@pytest.mark.parametrize(
+    ("wait", "timeout", "most"),
+    [
+        (20.5, 30.0, 20.0),
+        (30.0, 30.0, 20.0),
+        (45.0, 30.0, 20.0),
+        (599.9, 600.0, 540.0),
+        (541.0, 600.0, 540.0),
+    ],
+)
+def test_async_max_wait_leaves_the_collective_timeout_its_margin(
+    problems_of, wait: float, timeout: float, most: float
+) -> None:
+    """A tenth of the collective timeout, at least 10 s: 599.9 s against 600 s would time the vote out."""
     data = {
         **server_mode(SERVERS),
         "stage2_ab": {"channel_b": {"mode": "async", "async": {"max_wait_s": wait}}},
-        "training": {"collective_timeout_s": 30.0},
+        "training": {"collective_timeout_s": timeout},
     }
     problem = problems_of(data).only("stage2_ab.channel_b.async.max_wait_s")
-    assert problem.value == wait and "training.collective_timeout_s = 30" in problem.fix
-    data["stage2_ab"]["channel_b"]["async"]["max_wait_s"] = 29.0
-    assert load_config_dict(data).stage2_ab.channel_b.async_.max_wait_s == 29.0
+    assert problem.value == wait and f"training.collective_timeout_s = {timeout:g}" in problem.fix
+    assert f"max_wait_s <= {most:g}" in problem.fix
+    data["stage2_ab"]["channel_b"]["async"]["max_wait_s"] = most
+    assert load_config_dict(data).stage2_ab.channel_b.async_.max_wait_s == most
+
+
+def test_async_on_policy_without_a_wait_is_refused_naming_max_wait_s(problems_of) -> None:
+    data = {
+        **server_mode(SERVERS),
+        "stage2_ab": {"channel_b": {"mode": "async", "async": {"version_window": 0}}},
+    }
+    problem = problems_of(data).only("stage2_ab.channel_b.async.max_wait_s")
+    assert (
+        problem.value == 0.0
+        and "version_window: 0" in problem.fix
+        and "never trains Channel-B" in problem.fix
+    )
+    data["stage2_ab"]["channel_b"]["async"]["max_wait_s"] = 60.0
+    assert load_config_dict(data).stage2_ab.channel_b.async_.version_window == 0
 
 
 # ------------------------------------------------------------------------------------ lora / sync
@@ -351,6 +379,20 @@ def test_runtime_step_mode_under_several_ranks() -> None:
     assert check_runtime(cfg, world_size=1, device_count=0, device_type="cpu") == []
     (problem,) = check_runtime(cfg, world_size=4, device_count=0, device_type="cpu")
     assert problem.key == "stage2_ab.channel_b.mode" and "stage2_ab.channel_b.mode: async" in problem.fix
+
+
+def test_runtime_first_push_leaves_the_collective_timeout_its_margin() -> None:
+    """Several ranks wait in a collective while rank 0 forms the weight-sync groups of its first push."""
+    data = server_mode({**SERVERS, "timeout_s": 240.0})
+    data["custom"]["trainer_variant"] = "stage2_ab_training"
+    data |= {"stage2_ab": {"schedule": {"b_ratio": 0.5}}, "training": {"collective_timeout_s": 250.0}}
+    cfg = load_config_dict(data)
+    assert check_runtime(cfg, world_size=1, device_count=0, device_type="cpu") == []
+    (problem,) = check_runtime(cfg, world_size=2, device_count=0, device_type="cpu")
+    assert problem.key == f"{SERVER}.timeout_s" and problem.value == 240.0
+    assert "timeout_s <= 225" in problem.fix and "training.collective_timeout_s = 250" in problem.fix
+    data["training"]["collective_timeout_s"] = 600.0  # the defaults: 240 s leaves 360 s
+    assert check_runtime(load_config_dict(data), world_size=2, device_count=0, device_type="cpu") == []
 
 
 def test_runtime_tensor_parallel_size() -> None:

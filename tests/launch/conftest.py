@@ -95,7 +95,7 @@ def write_config(path: Path, *, model: str, train_jsonl: str, output_dir: Path, 
             "save_steps": 1000,
             "packing": True,
             "global_max_length": 1024,
-            "collective_timeout_s": 120,
+            "collective_timeout_s": 200,  # leaves the first push's group init (server timeout_s 180) its margin
         },
     }
     path.write_text(yaml.safe_dump(deep_merge(base, sections)))

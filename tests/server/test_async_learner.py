@@ -256,8 +256,10 @@ def test_an_async_run_resumed_from_a_checkpoint_neither_repeats_nor_skips_a_reco
     free_port: Callable[[], int],
 ) -> None:
     """Stop after a checkpoint (run 1: 3 steps, a checkpoint after 2), resume from it (run 2: steps 2-4):
-    on every rank no record is trained or dropped twice, none before the checkpoint's frontier is
-    skipped, ``ver`` continues and the lag stays within the window."""
+    on every rank no record is trained or dropped twice, none is skipped (below the checkpoint's
+    frontier, nor at or above it: every stream position up to the last one the resumed run read was
+    trained, dropped or discarded at its end by exactly one of the runs), ``ver`` continues and the lag
+    stays within the window."""
     import torch
 
     server = vllm_server
@@ -286,8 +288,9 @@ def test_an_async_run_resumed_from_a_checkpoint_neither_repeats_nor_skips_a_reco
             runs["first"] / "checkpoint-2" / f"rollmatch_state_rank{rank}.pt", weights_only=False
         )
         ledger = saved["channel_b"]["ledger"]
-        before = [r for line in trace(runs["first"], rank) if line["step"] < 2 for r in line["records"]]
-        after = [r for line in trace(runs["resumed"], rank) for r in line["records"]]
+        first = [line for line in trace(runs["first"], rank) if line["event"] != "discarded"]
+        before = [r for line in first if line["step"] < 2 for r in line["records"]]
+        after = [r for line in trace(runs["resumed"], rank) for r in line["records"]]  # discarded ones too
         done_before = {position for position, _, _ in before}
         done_after = {position for position, _, _ in after}
         assert len(done_before) == len(before) and len(done_after) == len(after)  # nothing twice within a run
@@ -295,6 +298,12 @@ def test_an_async_run_resumed_from_a_checkpoint_neither_repeats_nor_skips_a_reco
         frontier = ledger["frontier"]
         assert set(range(frontier)) | set(ledger["done_ahead"]) == done_before  # the checkpoint's ledger
         assert min(done_after) >= frontier  # the resumed actor read on from the frontier
+        # Nothing skipped at or above the frontier either: the resumed run's trace ends with what it still
+        # held, so every position up to the last one it read is accounted for by exactly one of the runs.
+        last_read = max(done_after)
+        assert last_read > max(done_before, default=0)
+        missing = set(range(last_read + 1)) - done_before - done_after
+        assert not missing, (sorted(missing), frontier, ledger["done_ahead"])
         for line in trace(runs["resumed"], rank):  # every trained rollout within version_window (2)
             if line["event"] == "trained":
                 assert all(line["step"] - version <= 2 for _, _, version in line["records"]), line

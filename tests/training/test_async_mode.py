@@ -12,6 +12,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from thread_ranks import ThreadRanks, on_ranks
 
 from rollmatch.collectives import LocalCollectives
 from rollmatch.data.prompts import PromptEncoder
@@ -255,56 +256,42 @@ def test_no_trained_pack_ever_lags_beyond_the_window_in_the_whole_step_loop(
     assert channel.queue.counts.balance(0) == 0
 
 
-def test_a_one_rank_failure_in_take_reaches_the_other_rank_in_the_same_step(tiny) -> None:
-    """The rank whose channel failed still joins the step's gather; both raise there, at once."""
-    import concurrent.futures
+def test_a_one_rank_failure_in_take_reaches_the_other_rank_in_the_same_step(tiny, tmp_path) -> None:
+    """Two ranks each reserve their packs and vote B; rank 1 then fails in ``take`` (its record trace
+    cannot be written: a directory stands at its path). Rank 1 still joins the step's gather with its
+    error, so both raise there, at once, instead of rank 0 waiting out the collective timeout."""
+    blocked = tmp_path / "trace-is-a-directory"
+    blocked.mkdir()
 
-    from rollmatch.collectives import LocalCollectives
-
-    class TwoRanks(LocalCollectives):  # rank 0 and rank 1 of one gather, in one process
-        def __init__(self, rank: int, board: dict[int, Any], barrier: threading.Barrier):
-            super().__init__()
-            self.rank, self.board, self.barrier = rank, board, barrier
-            self.world_size = 2
-
-        @property
-        def is_main(self) -> bool:
-            return self.rank == 0
-
-        def all_gather_object(self, value: Any, phase: str) -> list[Any]:
-            self.board[self.rank] = value
-            self.barrier.wait(timeout=20)
-            values = [self.board[0], self.board[1]]
-            self.barrier.wait(timeout=20)
-            return values
-
-    board: dict[int, Any] = {}
-    barrier = threading.Barrier(2)
-
-    def plan_on(rank: int) -> str:
-        channel_a = WindowRows(GTChannel(tiny.model, tiny.encoder, tiny.codec, tiny.cfg).produce, rows(tiny))
-        if rank == 1:  # this rank's channel fails while building its rows
-            channel_a.take = lambda *a, **k: (_ for _ in ()).throw(ValueError("a broken record"))
+    def plan_on(collectives: ThreadRanks) -> tuple[str, Any]:
+        channel = async_channel(tiny, window=0)
+        if collectives.rank == 1:
+            channel.trace_path = str(blocked)
+        for index in range(2):
+            channel.queue.put(ready_pack(tiny, 0, 2 * index + collectives.rank))
         steps = StepPlanner(
-            schedule=ABSchedule(0.0),
-            channel_a=channel_a,
-            channel_b=None,
-            sync=None,
-            collectives=TwoRanks(rank, board, barrier),
-            report_ab=False,
+            schedule=ABSchedule(1.0),
+            channel_a=None,
+            channel_b=channel,
+            sync=channel,
+            collectives=collectives,
+            report_ab=True,
         )
         try:
-            steps.plan([tiny.records[:1]], 0)
+            steps.plan([tiny.records[:1], tiny.records[1:2]], 0)
         except Exception as exc:
-            return f"{type(exc).__name__}: {exc}"
-        return "no error"
+            return f"{type(exc).__name__}: {exc}", channel
+        return "no error", channel
 
     started = time.monotonic()
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        outcomes = list(pool.map(plan_on, [0, 1]))
-    assert outcomes[1] == "ValueError: a broken record"
-    assert outcomes[0].startswith("BackendError") and "rank 1: ValueError: a broken record" in outcomes[0]
-    assert time.monotonic() - started < 15
+    (rank0, channel0), (rank1, channel1) = on_ranks(2, plan_on)
+    assert rank1.startswith("IsADirectoryError") and str(blocked) in rank1
+    assert rank0.startswith("BackendError") and f"rank 1: {rank1}" in rank0, rank0
+    assert time.monotonic() - started < 30
+    for channel in (channel0, channel1):  # both voted B on reserved packs and took them
+        assert channel.queue.counts.produced == 2 and channel.queue.eligible(0, 0) == 0
+        channel.queue.discard_all()  # shutdown: the taken packs were never trained, so they are discarded
+        assert channel.queue.counts.discarded == 2 and channel.queue.counts.balance(0) == 0
 
 
 def test_a_step_the_schedule_wants_on_channel_a_never_waits(tiny) -> None:

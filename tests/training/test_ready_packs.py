@@ -92,6 +92,34 @@ def test_queue_drops_the_oldest_when_full_and_counts_it() -> None:
     assert queue.counts.balance(len(queue)) == 0
 
 
+def test_a_stale_pack_put_into_a_full_queue_is_dropped_itself_not_the_oldest_fresh_pack() -> None:
+    queue: ReadyPackQueue[int] = ReadyPackQueue(limit=2)
+    queue.put(pack(3, 0))
+    queue.put(pack(3, 1))
+    queue.put(pack(1, 2))  # late rollouts of an older version (a server that reported v1 mid-sync)
+    assert [p.origins[0].stream_position for p in queue.take_reserved(0)] == []
+    assert queue.versions() == [3, 3]
+    assert [o.stream_position for o in queue.take_dropped_origins()] == [2]
+    assert queue.counts.dropped_oldest == 1 and queue.counts.balance(len(queue)) == 0
+
+
+def test_queue_depth_counts_reserved_and_in_training_packs_against_the_limit() -> None:
+    queue: ReadyPackQueue[int] = ReadyPackQueue(limit=3)
+    for position in range(3):
+        queue.put(pack(2, position))
+    assert queue.reserve(2, current_version=2, version_window=0) == 2
+    queue.take_reserved(1)  # one pack in training, one reserved, one queued: the queue is full
+    assert len(queue) == 3
+    for position in range(3, 6):  # the actor keeps producing while the step trains
+        queue.put(pack(2, position))
+        assert len(queue) <= 3
+    assert queue.free == 0  # the actor paces on it
+    assert queue.versions() == [2]  # only the newest queued pack is left beside the two held ones
+    assert queue.counts.dropped_oldest == 3 and queue.counts.balance(len(queue)) == 0
+    queue.mark_trained(1)
+    assert queue.free == 1
+
+
 def test_stale_pack_under_version_window_one_is_dropped_counted_and_never_trained() -> None:
     queue: ReadyPackQueue[int] = ReadyPackQueue(limit=8)
     queue.put(pack(0, 3))  # stale at version 2 with window 1
@@ -121,7 +149,8 @@ def test_reserved_packs_survive_a_stale_pack_put_into_a_full_queue_before_take()
         queue.put(pack(2, position))
     taken = queue.take_reserved(2)  # no error: the reserved packs were never evicted
     assert [p.origins[0].stream_position for p in taken] == [0, 1]
-    assert queue.counts.dropped_oldest == 1 and queue.counts.balance(len(queue)) == 0
+    # The two reserved packs fill the limit: each late pack is dropped itself.
+    assert queue.counts.dropped_oldest == 3 and queue.counts.balance(len(queue)) == 0
 
 
 def test_packs_reserved_for_a_step_that_ran_a_go_back_in_front() -> None:
@@ -129,11 +158,11 @@ def test_packs_reserved_for_a_step_that_ran_a_go_back_in_front() -> None:
     queue.put(pack(1, 0))
     assert queue.reserve(2, current_version=1, version_window=0) == 1  # too few: the step runs A
     queue.put(pack(1, 1))
-    queue.put(pack(1, 2))
+    queue.put(pack(1, 2))  # the reserved pack counts against the limit and cannot be evicted: 1 goes
     queue.unreserve()  # the next step: the reserved pack is the oldest again; the limit still holds
     assert [p.origins[0].stream_position for p in queue.take_reserved(0)] == []
     assert queue.reserve(2, 1, 0) == 2 and [p.origins[0].stream_position for p in queue.take_reserved(2)] == [
-        1,
+        0,
         2,
     ]
     assert queue.counts.dropped_oldest == 1 and queue.counts.balance(len(queue)) == 0

@@ -1,7 +1,9 @@
-"""Two real gloo ranks under torchrun: every rank runs the kind rank 0 decided, on every micro-step.
+"""Two real gloo ranks under torchrun: every rank runs the kind rank 0 decided, on every micro-step,
+with exactly one forward/backward per micro-step (DDP lock-step).
 
 Fault injection: rank 1 is given a different ``b_ratio`` than rank 0, so a rank that decided its
-own kind would run B where rank 0 runs A. Each rank logs the kind it executed per micro-step.
+own kind would run B where rank 0 runs A. Each rank logs the kind it executed per micro-step, and a
+forward hook logs every training forward (grad enabled: rollouts run without grad).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from rollmatch.launch.plan import torchrun_command
 
 PROBE = """
 import logging, os, sys
+import torch, transformers
 from rollmatch.config.load import load_config
 from rollmatch.training.entry import run_training
 
@@ -31,9 +34,34 @@ handler = logging.FileHandler(os.path.join(log_dir, f"kinds-rank{rank}.log"))
 stage2_log = logging.getLogger("rollmatch.training.trainer")
 stage2_log.setLevel(logging.DEBUG)
 stage2_log.addHandler(handler)
+auto = transformers.AutoModelForImageTextToText
+load_model = auto.from_pretrained
+
+def counting_forwards(*args, **kwargs):
+    model = load_model(*args, **kwargs)
+    def count(module, inputs):
+        if torch.is_grad_enabled():
+            stage2_log.debug("training forward on rank %d", rank)
+    model.register_forward_pre_hook(count)
+    return model
+
+auto.from_pretrained = counting_forwards
 run_training(cfg)
 """
 EXECUTED = re.compile(r"stage2_ab step (\d+) micro-step (\d+)/(\d+) ran Channel-([AB]) on rank (\d+)")
+FORWARD = "training forward on rank"
+
+
+def forwards_per_micro_step(lines: str) -> list[int]:
+    """Training forwards logged before each micro-step's line (its passes run before it is logged)."""
+    counts, forwards = [], 0
+    for line in lines.splitlines():
+        if FORWARD in line:
+            forwards += 1
+        elif EXECUTED.search(line):
+            counts.append(forwards)
+            forwards = 0
+    return counts
 
 
 @pytest.mark.heavy
@@ -63,6 +91,9 @@ def test_every_rank_runs_rank_zeros_kind_for_the_whole_window(make_config, tmp_p
         executed = [m.groups() for m in EXECUTED.finditer(lines)]
         assert [(int(s), int(i), int(n), k) for s, i, n, k, _ in executed] == expected, (rank, lines)
         assert {int(r) for *_, r in executed} == {rank}
+        # One record per micro-step fits one packed row twice over: without padding rows the first
+        # micro-step of each step would run no pass and the second two.
+        assert forwards_per_micro_step(lines) == [1, 1, 1, 1], (rank, lines)
 
     logs = [
         json.loads(line)
