@@ -251,7 +251,7 @@ def sampled_rewards(cfg: RollmatchConfig, records: Sequence[Record], k: int, see
     request ``j`` of the call of records ``[start, ...)`` samples with ``seed + start * k + j``)."""
     from rollmatch.collectives import LocalCollectives
     from rollmatch.data.prompts import PromptEncoder
-    from rollmatch.detection.codec import build_codec
+    from rollmatch.detection.object_formats import build_codec
     from rollmatch.models.pretrained import load_pretrained
     from rollmatch.rollout.alignment import check_prompt_alignment
     from rollmatch.rollout.build import build_backend, decoding_from_config

@@ -7,8 +7,9 @@ from rollmatch.config.load import load_config, load_config_dict
 from rollmatch.config.schema import RollmatchConfig
 from rollmatch.data.prompts import EncodedPrompt, PromptEncoder
 from rollmatch.data.records import Record, RecordObject, load_records
-from rollmatch.detection.codec import ObjectCodec, ParseResult, QwenJsonCodec, build_codec
+from rollmatch.detection.codec import ObjectCodec, ParseResult, QwenJsonCodec
 from rollmatch.detection.matching import MatchResult, hungarian_match
+from rollmatch.detection.object_formats import build_codec
 from rollmatch.detection.objects import DetObject, iou
 from rollmatch.detection.scoring import ScoreCounts, ScoredResponse, score_response
 from rollmatch.detection.targets import (

@@ -223,7 +223,7 @@ def load_for_eval(cfg: RollmatchConfig) -> tuple[PromptEncoder, ObjectCodec, Rol
     """The prompt encoder, codec and rollout backend (``cfg``'s) of ``cfg.model.path`` in this one
     process; the caller closes the backend."""
     from rollmatch.collectives import LocalCollectives
-    from rollmatch.detection.codec import build_codec
+    from rollmatch.detection.object_formats import build_codec
     from rollmatch.models.pretrained import load_pretrained
     from rollmatch.rollout.build import build_backend
 

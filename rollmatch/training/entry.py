@@ -25,7 +25,7 @@ from rollmatch.config.rules import check_runtime
 from rollmatch.config.schema import RollmatchConfig
 from rollmatch.data.prompts import PromptEncoder
 from rollmatch.data.records import load_records
-from rollmatch.detection.codec import build_codec
+from rollmatch.detection.object_formats import build_codec
 from rollmatch.errors import ConfigError
 from rollmatch.models.pretrained import load_pretrained
 from rollmatch.packing.collate import enable_packed_attention
