@@ -30,7 +30,7 @@ from rollmatch.collectives import Collectives
 from rollmatch.config.frames import resolve_coord_frame
 from rollmatch.config.rules import resolve_servers, resolve_sync_mode, sync_mode_problems
 from rollmatch.config.schema import RollmatchConfig
-from rollmatch.data.prompts import PROBE_IMAGE_SIZE, image_probe
+from rollmatch.data.prompts import PROBE_IMAGE_SIZE, image_probe, load_processor
 from rollmatch.errors import BackendError, ConfigError, ConfigProblem, RollmatchError, SyncError
 from rollmatch.models.wrappers import strip_parallel_wrappers
 from rollmatch.protocol import (
@@ -528,14 +528,7 @@ def _behaviour_logprobs(
 
 def trainer_processor(cfg: RollmatchConfig, model_dir: str) -> Any:
     """The trainer's processor: the model directory's, with ``data.min_pixels`` / ``max_pixels`` applied."""
-    from transformers import AutoProcessor
-
-    from rollmatch.data.prompts import set_pixel_bounds
-
-    processor = AutoProcessor.from_pretrained(str(model_dir))
-    if cfg.data.min_pixels is not None or cfg.data.max_pixels is not None:
-        set_pixel_bounds(processor, cfg.data.min_pixels, cfg.data.max_pixels)
-    return processor
+    return load_processor(model_dir, cfg.data.min_pixels, cfg.data.max_pixels)
 
 
 def local_model_info(
