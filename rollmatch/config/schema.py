@@ -207,6 +207,10 @@ class MatchingConfig(Section):
 
 
 # ------------------------------------------------------------------------------------ rollout_matching
+# Where RolloutMatchingConfig sits in a config file (``cfg.rollout``): the prefix of its keys in messages.
+ROLLOUT_KEY = "custom.extra.rollout_matching"
+
+
 class DecodingConfig(Section):
     """Rollout decoding; greedy iff temperature == 0."""
 

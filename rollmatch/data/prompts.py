@@ -9,8 +9,10 @@ Leaves out: reading JSONL records (``data.records``), serializing objects (``det
 building training targets (``detection.targets``).
 
 Frames: ``norm1000`` boxes are 0..1000 of the original image; ``pixels`` boxes are pixels of the
-processor-resized image, whose size is ``image_grid_thw`` (h, w) times the patch size. ``auto`` is
-resolved once, in :meth:`PromptEncoder.from_pretrained`, from the model directory's family.
+processor-resized image, whose size is ``image_grid_thw`` (h, w) times the patch size. The encoder
+takes a resolved frame: the trainer's comes from the run resolved at start-up
+(``config.resolved``); :meth:`PromptEncoder.from_pretrained` resolves ``auto`` itself for a
+standalone encoder.
 """
 
 from __future__ import annotations

@@ -18,10 +18,10 @@ from typing import Literal
 from urllib.parse import urlparse
 
 from rollmatch.config.rules import check_runtime
-from rollmatch.config.schema import LaunchSettings, RollmatchConfig, ServerEndpoint
+from rollmatch.config.schema import ROLLOUT_KEY, LaunchSettings, RollmatchConfig, ServerEndpoint
 from rollmatch.errors import ConfigProblem
 
-VLLM_KEY = "custom.extra.rollout_matching.vllm"
+VLLM_KEY = f"{ROLLOUT_KEY}.vllm"
 SERVERS_KEY = f"{VLLM_KEY}.server.servers"
 TP_KEY = "launch.tensor_parallel_size"
 Engine = Literal["vllm", "hf"]
@@ -313,7 +313,7 @@ def _config_problems(
                 f"{VLLM_KEY}.mode",
                 rm.vllm.mode if rm.rollout_backend == "vllm" else f"rollout_backend={rm.rollout_backend}",
                 f"launch starts rollout servers for server mode: set {VLLM_KEY}.mode: server and "
-                "custom.extra.rollout_matching.rollout_backend: vllm, or run `rollmatch train` for "
+                f"{ROLLOUT_KEY}.rollout_backend: vllm, or run `rollmatch train` for "
                 "colocated / hf rollouts",
             )
         )
