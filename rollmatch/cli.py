@@ -322,7 +322,8 @@ def _add_launch_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser])
         help="Start rollout servers and the torchrun learner on disjoint devices; stop them all on exit.",
         description="GPUs: --server-devices 0,1,2,3,4,5 --learner-devices 6,7 [--tensor-parallel-size 2] "
         "(or the config's launch: section); CPU: --cpu --servers 1 --learner-procs 2; several nodes: "
-        "launch.nodes.* (docs/runbook.md). Overrides go right after the config.",
+        "launch.nodes.* (docs/runbook.md). Overrides go right after the config; a flag named with a launch.* "
+        "key sets that key (applied after the overrides, checked by the config's rules).",
     )
     p.add_argument("config", help="YAML config (the one `train` takes) with vllm.mode: server")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. training.max_steps=10")
