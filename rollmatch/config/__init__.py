@@ -7,6 +7,7 @@ device_type=...)``: runtime rules checked, ``auto`` values resolved) and builder
 """
 
 from rollmatch.config.load import config_to_json, config_to_yaml, load_config, load_config_dict
+from rollmatch.config.resolved import ResolvedRun, resolve_run
 from rollmatch.config.rules import (
     check_config,
     check_runtime,
@@ -17,6 +18,7 @@ from rollmatch.config.rules import (
 from rollmatch.config.schema import RollmatchConfig
 
 __all__ = [
+    "ResolvedRun",
     "RollmatchConfig",
     "check_config",
     "check_runtime",
@@ -24,6 +26,7 @@ __all__ = [
     "config_to_yaml",
     "load_config",
     "load_config_dict",
+    "resolve_run",
     "resolve_servers",
     "resolve_sync_mode",
     "validate_runtime",
