@@ -250,21 +250,25 @@ def sampled_rewards(cfg: RollmatchConfig, records: Sequence[Record], k: int, see
     """Each record's mean GRPO reward over ``k`` samples of ``cfg.model.path`` (``cfg``'s rollout decoding;
     request ``j`` of the call of records ``[start, ...)`` samples with ``seed + start * k + j``)."""
     from rollmatch.collectives import LocalCollectives
-    from rollmatch.data.prompts import PromptEncoder
-    from rollmatch.detection.codec import build_codec
+    from rollmatch.config.resolved import resolve_run_on_this_machine
+    from rollmatch.data.prompts import PromptEncoder, load_processor
+    from rollmatch.detection.object_formats import build_codec
     from rollmatch.models.pretrained import load_pretrained
     from rollmatch.rollout.alignment import check_prompt_alignment
     from rollmatch.rollout.build import build_backend, decoding_from_config
     from rollmatch.training.grpo_targets import GrpoGroups
 
     start_time = time.perf_counter()
-    encoder = PromptEncoder.from_pretrained(cfg.model.path, cfg.data, object_format=cfg.custom.object_format)
+    run = resolve_run_on_this_machine(cfg)
+    encoder = PromptEncoder(
+        load_processor(run.model_dir, *run.pixel_bounds), cfg.data.prompt, run.coord_frame
+    )
     codec = build_codec(cfg.custom.object_format, encoder.tokenizer, [encoder.eos_token_id])
     backend = build_backend(
-        cfg,
+        run,
         model=load_pretrained(cfg),
         tokenizer=encoder.tokenizer,
-        model_dir=cfg.model.path,
+        processor=encoder.processor,
         collectives=LocalCollectives(),
         eos_token_id=encoder.eos_token_id,
         pad_token_id=encoder.pad_token_id,

@@ -28,7 +28,7 @@ from rollmatch.data.convert import from_yolo, read_yolo_names
 from rollmatch.data.prompts import PromptEncoder
 from rollmatch.data.records import load_records
 from rollmatch.data.shapes import generate_shapes
-from rollmatch.detection.codec import build_codec
+from rollmatch.detection.object_formats import build_codec
 from rollmatch.detection.objects import DetObject
 from rollmatch.detection.scoring import score_response
 from rollmatch.detection.targets import build_rollout_target

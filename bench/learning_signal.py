@@ -365,7 +365,7 @@ def target_difference(
     SFT target (weights alone do not count: equal ids train on SFT's own states); ``losses``: the
     targets by name (default: this study's rollout arms, each with its own loss settings)."""
     from rollmatch.data.prompts import PromptEncoder
-    from rollmatch.detection.codec import build_codec
+    from rollmatch.detection.object_formats import build_codec
     from rollmatch.detection.scoring import score_response
     from rollmatch.detection.targets import build_matched_target, target_differs_from_sft
 

@@ -176,7 +176,7 @@ def target_stats(model_dir: str, out: Path, args: argparse.Namespace) -> dict[st
 
     from rollmatch.config.schema import DataConfig
     from rollmatch.data.prompts import PromptEncoder
-    from rollmatch.detection.codec import build_codec
+    from rollmatch.detection.object_formats import build_codec
     from rollmatch.rollout.hf import HFBackend
     from rollmatch.rollout.types import Decoding
 

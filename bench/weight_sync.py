@@ -48,6 +48,7 @@ import torch
 from transformers import AutoModelForImageTextToText
 
 import rollmatch  # noqa: F401  (environment workarounds before transformers loads)
+from rollmatch.config.resolved import resolve_run_on_this_machine
 from rollmatch.protocol import FinishUpdateBody, UpdateFlattenedParamsBody, WireModel
 from rollmatch.sync.transaction import UpdateReceiver, push_update
 from rollmatch.sync.transport import GroupTransport
@@ -203,11 +204,11 @@ def bench_server(args: argparse.Namespace) -> dict[str, Any]:
         model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
         backends = {
             wire: ServerBackend.from_config(
-                _server_config(model_dir, url, wire),
+                resolve_run_on_this_machine(_server_config(model_dir, url, wire)),
                 model=model,
                 tokenizer=encoder.tokenizer,
-                model_dir=str(model_dir),
                 collectives=LocalCollectives(),
+                processor=encoder.processor,
             )
             for wire in args.image_wire
         }

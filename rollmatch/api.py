@@ -4,11 +4,13 @@ Everything here is stable to import from ``rollmatch.api``; module paths behind 
 """
 
 from rollmatch.config.load import load_config, load_config_dict
+from rollmatch.config.resolved import ResolvedRun, resolve_run, resolve_run_on_this_machine
 from rollmatch.config.schema import RollmatchConfig
-from rollmatch.data.prompts import EncodedPrompt, PromptEncoder
+from rollmatch.data.prompts import EncodedPrompt, PromptEncoder, load_processor
 from rollmatch.data.records import Record, RecordObject, load_records
-from rollmatch.detection.codec import ObjectCodec, ParseResult, QwenJsonCodec, build_codec
+from rollmatch.detection.codec import ObjectCodec, ParseResult, QwenJsonCodec
 from rollmatch.detection.matching import MatchResult, hungarian_match
+from rollmatch.detection.object_formats import build_codec
 from rollmatch.detection.objects import DetObject, iou
 from rollmatch.detection.scoring import ScoreCounts, ScoredResponse, score_response
 from rollmatch.detection.targets import (
@@ -36,6 +38,7 @@ __all__ = [
     "QwenJsonCodec",
     "Record",
     "RecordObject",
+    "ResolvedRun",
     "RollmatchConfig",
     "Rollout",
     "RolloutBackend",
@@ -53,7 +56,10 @@ __all__ = [
     "iou",
     "load_config",
     "load_config_dict",
+    "load_processor",
     "load_records",
+    "resolve_run",
+    "resolve_run_on_this_machine",
     "run_eval",
     "run_training",
     "score_response",

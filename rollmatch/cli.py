@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 
 from rollmatch.errors import RollmatchError
 from rollmatch.rollout.engine_logs import engine_log_level
+from rollmatch.server.limits import add_server_limit_flags
 
 # command name -> "module:function"; the function takes the parsed argparse.Namespace, returns an exit code.
 COMMANDS: dict[str, str] = {
@@ -57,16 +58,45 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", required=True)
+    for add_command in (
+        _add_train_parser,
+        _add_check_config_parser,
+        _add_add_coord_tokens_parser,
+        _add_make_tiny_model_parser,
+        _add_data_parser,
+        _add_demo_parser,
+        _add_eval_parser,
+        _add_diagnose_parser,
+        _add_viz_parser,
+        _add_serve_parser,
+        _add_launch_parser,
+        _add_export_parser,
+    ):
+        add_command(sub)
+    for command in sub.choices.values():  # every command: the engine's INFO lines and repeats on demand
+        command.add_argument(
+            "--verbose",
+            action="store_true",
+            help="show the rollout engine's (vLLM) INFO lines and every repeated line (default: WARNING, "
+            "each kind of line once, repeats counted)",
+        )
+    return parser
 
+
+def _add_train_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("train", help="Train with a YAML config (run under torchrun for several ranks).")
     p.add_argument("config", help="YAML config file")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. training.max_steps=10")
 
+
+def _add_check_config_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("check-config", help="Print the fully resolved config, or every problem in it.")
     p.add_argument("config", help="YAML config file")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     p.add_argument("--json", action="store_true", help="print the resolved config as JSON")
 
+
+def _add_add_coord_tokens_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "add-coord-tokens",
         help="Add the 1,000 coordinate tokens of object_format coord_tokens to a checkpoint (docs/detection.md).",
@@ -74,6 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="model directory (HF format, with its processor)")
     p.add_argument("--out", required=True, help="output directory (may be --model itself)")
 
+
+def _add_make_tiny_model_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("make-tiny-model", help="Build a random-initialised tiny Qwen-VL model offline.")
     p.add_argument("--family", choices=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"], default="qwen2_5_vl")
     p.add_argument("--out", required=True, help="output model directory")
@@ -97,6 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="add the 1,000 coordinate tokens (custom.object_format: coord_tokens)",
     )
 
+
+def _add_data_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("data", help="Datasets: synthetic shapes, converters to JSONL.")
     data_sub = p.add_subparsers(dest="data_command", required=True)
     d = data_sub.add_parser("shapes", help="Generate the synthetic coloured-shapes detection set.")
@@ -141,10 +175,14 @@ def build_parser() -> argparse.ArgumentParser:
     d = data_sub.add_parser("validate", help="Check a JSONL file; report every bad record.")
     d.add_argument("file")
 
+
+def _add_demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("demo", help="Tiny end-to-end run on CPU: stage-1 SFT, then rollout-matching SFT.")
     p.add_argument("--out", default="runs/demo")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides of the demo config")
 
+
+def _add_eval_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "eval", help="Roll out over a dataset; precision/recall/F1 at matching.iou_threshold and COCO mAP."
     )
@@ -168,6 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides")
 
+
+def _add_diagnose_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "diagnose",
         help="Without training: how each rollout-matching target differs from SFT's (token ids) and how "
@@ -188,6 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="also write the JSON here")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides")
 
+
+def _add_viz_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("viz", help="Draw GT and predicted boxes per image, plus a grid PNG.")
     p.add_argument("--data", required=True, help="JSONL records the predictions were made on")
     p.add_argument("--predictions", required=True, help="predictions JSONL written by `rollmatch eval`")
@@ -207,6 +249,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="eval.matching.label_mode the predictions were scored with",
     )
 
+
+def _add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("serve", help="Run a rollout server (swift-compatible HTTP API + weight sync).")
     p.add_argument("--model", required=True)
     p.add_argument("--host", default="127.0.0.1")
@@ -233,7 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="box frame the trainer serializes in (data.coord_frame; auto: the model family's), "
         "reported by GET /info/ and checked by the trainer at start-up",
     )
-    # Security and limits (docs/server.md, "Security model"); None = the default of server.limits.ServerLimits.
+    # Security and limits (docs/server.md, "Security model"); the limits are ServerLimits' fields.
     # Access (rollmatch.server.gate): a --host that is not loopback needs a key or --insecure-no-auth.
     key = p.add_mutually_exclusive_group()
     key.add_argument(
@@ -260,96 +304,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--insecure-no-auth", action="store_true", help="allow a non-loopback --host without a key"
     )
     p.add_argument("--allowed-local-media-path", default=None, help="directory images may be read from")
-    p.add_argument("--max-body-bytes", type=int, default=None, help="request body cap (413)")
-    p.add_argument(
-        "--max-json-values",
-        type=int,
-        default=None,
-        help="JSON values (objects, arrays, strings, list items) of one /infer/ or weight-sync body, counted "
-        "before parsing (413; default 2^20)",
-    )
-    p.add_argument(
-        "--max-inflight-body-bytes",
-        type=int,
-        default=None,
-        help="raw /infer/ body bytes held at once, until each call is prepared (429 beyond; default 256 MiB)",
-    )
-    p.add_argument(
-        "--max-sync-body-bytes",
-        type=int,
-        default=None,
-        help="body of one weight-sync call, checked after the lease before reading (413; default 8 MiB)",
-    )
-    p.add_argument("--max-image-pixels", type=int, default=None, help="width*height cap per image (413)")
-    p.add_argument(
-        "--max-call-pixels",
-        type=int,
-        default=None,
-        help="width*height of all images of one call, from their headers before any is decoded "
-        "(413; default 8 images of 4096x4096, 384 MiB as RGB)",
-    )
-    p.add_argument(
-        "--max-inflight-pixels",
-        type=int,
-        default=None,
-        help="decoded pixels of all calls in flight together (429 while others hold them; default 64 "
-        "images of 4096x4096, 3 GiB as RGB)",
-    )
-    p.add_argument("--max-requests-per-call", type=int, default=None, help="infer_requests per call (413)")
-    p.add_argument("--max-images-per-request", type=int, default=None, help="images per prompt (413)")
-    p.add_argument("--max-tokens", type=int, default=None, help="new tokens per response (422 above)")
-    p.add_argument(
-        "--engine-stall-timeout-s", type=float, default=None, help="engine operation without progress: 503"
-    )
-    # Concurrency and admission (docs/server.md, "Concurrency model").
-    p.add_argument(
-        "--update-mode",
-        choices=["drain", "abort", "keep"],
-        default=None,
-        help="in-flight calls at a weight update",
-    )
-    p.add_argument(
-        "--drain-timeout-s", type=float, default=None, help="drain mode: abort and re-run after this"
-    )
-    p.add_argument(
-        "--max-reruns",
-        type=int,
-        default=None,
-        help="a call re-run this often is waited for by the next update",
-    )
-    p.add_argument(
-        "--max-queued-prompts", type=int, default=None, help="prompts queued or running (429 above)"
-    )
-    p.add_argument(
-        "--max-queued-prompt-tokens", type=int, default=None, help="their prompt tokens (429 above)"
-    )
-    p.add_argument(
-        "--request-read-timeout-s", type=float, default=None, help="a request must arrive within this"
-    )
-    p.add_argument(
-        "--keep-alive-timeout-s", type=float, default=None, help="idle kept-alive connections closed"
-    )
-    p.add_argument(
-        "--max-connections",
-        type=int,
-        default=None,
-        help="open connections (the oldest with no request head in progress is closed; 16 more for /health/)",
-    )
-    _add_launch_parser(sub)
+    add_server_limit_flags(p)
+
+
+def _add_export_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "export", help="A checkpoint as a standalone model folder: merged weights, processor, model card."
     )
     p.add_argument("--checkpoint", required=True, help="checkpoint-N or final/ folder of a run")
     p.add_argument("--out", required=True, help="folder to write")
     p.add_argument("--processor", help="where the tokenizer/processor is, when the checkpoint has none")
-    for command in sub.choices.values():  # every command: the engine's INFO lines and repeats on demand
-        command.add_argument(
-            "--verbose",
-            action="store_true",
-            help="show the rollout engine's (vLLM) INFO lines and every repeated line (default: WARNING, "
-            "each kind of line once, repeats counted)",
-        )
-    return parser
 
 
 def _add_launch_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -358,7 +322,8 @@ def _add_launch_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser])
         help="Start rollout servers and the torchrun learner on disjoint devices; stop them all on exit.",
         description="GPUs: --server-devices 0,1,2,3,4,5 --learner-devices 6,7 [--tensor-parallel-size 2] "
         "(or the config's launch: section); CPU: --cpu --servers 1 --learner-procs 2; several nodes: "
-        "launch.nodes.* (docs/runbook.md). Overrides go right after the config.",
+        "launch.nodes.* (docs/runbook.md). Overrides go right after the config; a flag named with a launch.* "
+        "key sets that key (applied after the overrides, checked by the config's rules).",
     )
     p.add_argument("config", help="YAML config (the one `train` takes) with vllm.mode: server")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. training.max_steps=10")

@@ -169,8 +169,9 @@ def image_use(model_dir: str | Path, records: Sequence[Record], data_cfg: DataCo
     from transformers import AutoModelForImageTextToText
 
     from rollmatch.data.prompts import PromptEncoder
-    from rollmatch.detection.codec import build_codec, decode_with_offsets
+    from rollmatch.detection.codec import decode_with_offsets
     from rollmatch.detection.json_scan import VALUE
+    from rollmatch.detection.object_formats import build_codec
     from rollmatch.detection.targets import build_gt_target
 
     sizes = {r.image_size for r in records}

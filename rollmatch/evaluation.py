@@ -28,7 +28,13 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from rollmatch.config.schema import DEFAULT_COUNT_BUCKETS, DecodingConfig, MatchingConfig, RollmatchConfig
+from rollmatch.config.schema import (
+    DEFAULT_COUNT_BUCKETS,
+    ROLLOUT_KEY,
+    DecodingConfig,
+    MatchingConfig,
+    RollmatchConfig,
+)
 from rollmatch.data.prompts import EncodedPrompt, PromptEncoder
 from rollmatch.data.records import Record
 from rollmatch.detection.codec import ObjectCodec, ParseResult
@@ -215,7 +221,7 @@ def command_config(command: str, args: argparse.Namespace, extra: Sequence[str] 
         )
     overrides = [*picked, f"model.path={args.model}"]
     if args.backend:
-        overrides.append(f"custom.extra.rollout_matching.rollout_backend={args.backend}")
+        overrides.append(f"{ROLLOUT_KEY}.rollout_backend={args.backend}")
     return load_config(args.config, [*overrides, *extra, *args.overrides])
 
 
@@ -223,18 +229,23 @@ def load_for_eval(cfg: RollmatchConfig) -> tuple[PromptEncoder, ObjectCodec, Rol
     """The prompt encoder, codec and rollout backend (``cfg``'s) of ``cfg.model.path`` in this one
     process; the caller closes the backend."""
     from rollmatch.collectives import LocalCollectives
-    from rollmatch.detection.codec import build_codec
+    from rollmatch.config.resolved import resolve_run_on_this_machine
+    from rollmatch.data.prompts import load_processor
+    from rollmatch.detection.object_formats import build_codec
     from rollmatch.models.pretrained import load_pretrained
     from rollmatch.rollout.build import build_backend
 
-    encoder = PromptEncoder.from_pretrained(cfg.model.path, cfg.data, object_format=cfg.custom.object_format)
+    run = resolve_run_on_this_machine(cfg)
+    encoder = PromptEncoder(
+        load_processor(run.model_dir, *run.pixel_bounds), cfg.data.prompt, run.coord_frame
+    )
     model = load_pretrained(cfg)  # an evaluated model dir has adapters merged already
     codec = build_codec(cfg.custom.object_format, encoder.tokenizer, [encoder.eos_token_id])
     backend = build_backend(
-        cfg,
+        run,
         model=model,
         tokenizer=encoder.tokenizer,
-        model_dir=cfg.model.path,
+        processor=encoder.processor,
         collectives=LocalCollectives(),
         eos_token_id=encoder.eos_token_id,
         pad_token_id=encoder.pad_token_id,
@@ -250,7 +261,7 @@ def eval_command(args: argparse.Namespace) -> int:
     if cfg.eval.decoding != cfg.rollout.decoding:
         print(
             f"rollmatch eval: decoding with eval.decoding ({_settings(cfg.eval.decoding)}); "
-            f"custom.extra.rollout_matching.decoding ({_settings(cfg.rollout.decoding)}) is the training "
+            f"{ROLLOUT_KEY}.decoding ({_settings(cfg.rollout.decoding)}) is the training "
             "rollouts' and is not used here",
             file=sys.stderr,
         )

@@ -20,7 +20,8 @@ from rollmatch.config.schema import DataConfig, MatchingConfig
 from rollmatch.data.prompts import PromptEncoder
 from rollmatch.data.records import load_records
 from rollmatch.data.shapes import generate_shapes
-from rollmatch.detection.codec import build_codec, decode_with_offsets
+from rollmatch.detection.codec import decode_with_offsets
+from rollmatch.detection.object_formats import build_codec
 from rollmatch.detection.objects import DetObject, canonical_order
 from rollmatch.diagnostics import diagnose, gt_prefix_ids
 from rollmatch.rollout.types import Decoding, Rollout, RolloutProvenance, RolloutRequest, SyncReport

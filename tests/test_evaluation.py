@@ -20,7 +20,7 @@ from rollmatch.config.schema import DataConfig, MatchingConfig
 from rollmatch.data.prompts import PromptEncoder
 from rollmatch.data.records import Record, load_records
 from rollmatch.data.shapes import generate_shapes
-from rollmatch.detection.codec import build_codec
+from rollmatch.detection.object_formats import build_codec
 from rollmatch.detection.objects import DetObject
 from rollmatch.evaluation import evaluate, run_eval
 from rollmatch.rollout.build import decoding_from_config, eval_decoding_from_config, machine_overrides

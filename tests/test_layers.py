@@ -43,3 +43,26 @@ def test_upward_lazy_and_unplaced_imports_are_reported(tmp_path: Path) -> None:
     messages = [str(v) for v in checker.check_package(package)]
     assert any("prompts.py:3: data (layer 3) imports rollmatch.rollout" in m for m in messages)
     assert any("newthing is in no layer" in m for m in messages)
+
+
+def test_import_circles_are_reported_even_through_lazy_imports(tmp_path: Path) -> None:
+    checker = load_checker()
+    package = tmp_path / "rollmatch"
+    (package / "detection").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "detection" / "__init__.py").write_text("")
+    (package / "detection" / "codec.py").write_text(
+        "def build():\n    from rollmatch.detection.coord_tokens import Codec\n"  # lazy: still counts
+    )
+    (package / "detection" / "coord_tokens.py").write_text("from rollmatch.detection import codec\n")
+    (package / "detection" / "objects.py").write_text("from rollmatch.detection.codec import build\n")
+    assert checker.find_import_circles(package) == [
+        ["rollmatch.detection.codec", "rollmatch.detection.coord_tokens"]
+    ]
+    (package / "detection" / "codec.py").write_text("x = 1\n")
+    assert checker.find_import_circles(package) == []
+
+
+def test_the_package_has_no_import_circles() -> None:
+    checker = load_checker()
+    assert checker.find_import_circles(REPO / "rollmatch") == []

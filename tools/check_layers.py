@@ -1,13 +1,15 @@
-"""Import-layer check of the ``rollmatch`` package (run by ``make lint`` and tests/test_layers.py).
+"""Import-layer and import-circle check of the ``rollmatch`` package (``make lint``, tests/test_layers.py).
 
 Every top-level part of the package (``rollmatch/<name>.py`` or ``rollmatch/<name>/``) sits in one
 layer; a module may import from its own layer and the layers below it, never from above. Every
 ``import`` counts: module level, inside functions (lazy imports) and under ``TYPE_CHECKING``, since
 each one is a dependency a reader has to follow. Shared pieces move below their users instead of
-being imported upwards.
+being imported upwards. Within a layer, modules must not import each other in a circle (``a``
+imports ``b`` imports ... ``a``), counted over the same imports: a circle means neither module can
+be read or tested without the other; the shared piece moves into a module both import.
 
 Usage: ``python tools/check_layers.py [PACKAGE_DIR]`` (default: ``rollmatch`` beside this folder);
-prints one line per violation and exits 1, or exits 0 silently.
+prints one line per violation or circle and exits 1, or exits 0 silently.
 """
 
 from __future__ import annotations
@@ -69,6 +71,24 @@ def check_package(package_dir: Path) -> list[Violation]:
     return violations
 
 
+def find_import_circles(package_dir: Path) -> list[list[str]]:
+    """Every import circle among the modules of ``package_dir``, each as its sorted module names.
+
+    ``from rollmatch.a import b`` depends on ``rollmatch.a.b`` when that is a module, else on
+    ``rollmatch.a``; a module's own package ``__init__`` is not counted as imported by it.
+    """
+    root = package_dir.name
+    modules: dict[str, Path] = {}
+    for path in package_dir.rglob("*.py"):
+        parts = (root, *path.relative_to(package_dir).with_suffix("").parts)
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        targets = {_owning_module(module, modules) for module in _imported_modules(path, root)}
+        graph[name] = {target for target in targets if target is not None and target != name}
+    return sorted(sorted(circle) for circle in _strongly_connected(graph) if len(circle) > 1)
+
+
 def _top_part(relative: Path) -> str:
     """``errors.py`` -> errors, ``config/load.py`` -> config, the package's ``__init__.py`` -> __init__."""
     return "__init__" if relative == Path("__init__.py") else relative.parts[0].removesuffix(".py")
@@ -90,12 +110,73 @@ def _rollmatch_imports(path: Path) -> list[tuple[int, str]]:
     return found
 
 
+def _imported_modules(path: Path, root: str) -> list[str]:
+    """Each name an import in ``path`` may refer to: ``from a import b`` gives ``a.b`` (maybe a module)."""
+    found: list[str] = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.extend(f"{node.module}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.Import):
+            found.extend(alias.name for alias in node.names)
+    return [name for name in found if name == root or name.startswith(f"{root}.")]
+
+
+def _owning_module(name: str, modules: dict[str, Path]) -> str | None:
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Tarjan's strongly connected components, iterative (no recursion limit on deep chains)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[list[str]] = []
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, successors = work[-1]
+            for successor in successors:
+                if successor not in index:
+                    index[successor] = low[successor] = len(index)
+                    stack.append(successor)
+                    on_stack.add(successor)
+                    work.append((successor, iter(sorted(graph.get(successor, ())))))
+                    break
+                if successor in on_stack:
+                    low[node] = min(low[node], index[successor])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == node:
+                            break
+                    components.append(component)
+    return components
+
+
 def main(argv: list[str]) -> int:
     package_dir = Path(argv[0]) if argv else Path(__file__).resolve().parents[1] / "rollmatch"
     violations = check_package(package_dir)
     for violation in violations:
         print(violation)
-    return 1 if violations else 0
+    circles = find_import_circles(package_dir)
+    for circle in circles:
+        print(f"import circle: {' <-> '.join(circle)}; move the shared piece into a module both import")
+    return 1 if violations or circles else 0
 
 
 if __name__ == "__main__":

@@ -2,8 +2,10 @@
 
 Owns: :func:`launch_problems` (one of the static rules every loader runs, so a layout that cannot run
 is refused before anything starts, by ``rollmatch launch``, ``check-config`` and ``train`` alike).
-Leaves out: the command-line flags that override these keys and the devices a machine really has
-(``rollmatch.launch.layout`` checks both once they are known).
+The ``rollmatch launch`` flags that name these keys (``--server-devices``, ``--tensor-parallel-size``,
+...) reach them as ``launch.*`` overrides, so a flag and its key share one rule and one message.
+Leaves out: what only the launcher knows (``--cpu``, the roles, the devices a machine really has:
+``rollmatch.launch.layout``).
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ _KEY = "launch"
 
 
 def launch_problems(cfg: RollmatchConfig) -> list[ConfigProblem]:
-    """`launch`: server and learner devices each listed once, disjoint where a node runs both roles, server
-    devices a multiple of `tensor_parallel_size`; with `nodes.count` > 1: `nodes.rank` < count, one concrete
+    """`launch` (its keys or the `rollmatch launch` flags that set them): server and learner devices each listed
+    once, disjoint where a node runs both roles, server devices a multiple of `tensor_parallel_size`,
+    `servers_per_node` / `learner_procs_per_node` beside devices matching them; with `nodes.count` > 1: `nodes.rank` < count, one concrete
     host per node, `nodes.rendezvous` HOST:PORT on a learner node, `port_base` set, `nodes.roles` one per
     node; `slurm`: CPUs asked for one way or the other."""
     launch = cfg.launch
@@ -73,6 +76,16 @@ def _device_problems(launch: LaunchSettings) -> list[ConfigProblem]:
                 launch.servers_per_node,
                 f"{count} server device(s) in tensor parallel {tp} make {count // tp} server(s) per node; set "
                 f"servers_per_node: {count // tp} or null (on GPUs the devices decide)",
+            )
+        )
+    learners = len(launch.learner_devices)
+    if learners and launch.learner_procs_per_node is not None and launch.learner_procs_per_node != learners:
+        problems.append(
+            ConfigProblem(
+                f"{_KEY}.learner_procs_per_node",
+                launch.learner_procs_per_node,
+                f"{learners} learner device(s) run {learners} rank(s) per node; set learner_procs_per_node: "
+                f"{learners} or null (on GPUs the devices decide)",
             )
         )
     return problems

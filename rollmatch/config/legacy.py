@@ -15,9 +15,10 @@ import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from rollmatch.config.schema import ROLLOUT_KEY
 from rollmatch.errors import ConfigProblem
 
-_ROLLOUT = "custom.extra.rollout_matching"
+_ROLLOUT = ROLLOUT_KEY
 
 # Old dotted key -> why it is gone and what to set instead. Each hit is a problem (never a silent
 # translation): these keys changed meaning or location, and a run must not start on a guess.

@@ -33,6 +33,7 @@ from pydantic.fields import FieldInfo
 
 from rollmatch.config.frames import describe_coord_frame
 from rollmatch.config.legacy import aliased_section_conflicts, translate_legacy
+from rollmatch.config.resolved import resolved_values
 from rollmatch.config.rules import check_config
 from rollmatch.config.schema import RollmatchConfig
 from rollmatch.errors import ConfigError, ConfigProblem
@@ -88,8 +89,10 @@ def check_config_command(args: argparse.Namespace) -> int:
     """``rollmatch check-config FILE [overrides...] [--json]``: print the resolved config, or every problem.
 
     Exit 0 with the config on stdout and the resolved ``data.coord_frame`` (``resolved: ...``) on
-    stderr; exit 2 with every problem (key, value, fix) on stderr. Deprecation warnings go to stderr
-    in both cases.
+    stderr; ``--json`` adds a top-level ``resolved`` object (not a config key) with the values in
+    force for one process (``config.resolved.resolved_values``: coordinate frame, sync mode, servers,
+    pixel bounds, gradient accumulation steps). Exit 2 with every problem (key, value, fix) on
+    stderr. Deprecation warnings go to stderr in both cases.
     """
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", DeprecationWarning)
@@ -102,10 +105,14 @@ def check_config_command(args: argparse.Namespace) -> int:
     _print_warnings(caught)
     try:
         frame = describe_coord_frame(cfg.data.coord_frame, cfg.model.path, cfg.custom.object_format)
+        resolved = resolved_values(cfg)
     except ConfigError as exc:
         _print_problems(args.config, exc)
         return 2
-    print(config_to_json(cfg) if getattr(args, "json", False) else config_to_yaml(cfg), end="")
+    if getattr(args, "json", False):
+        print(json.dumps({**_plain(cfg), "resolved": resolved}, indent=2))
+    else:
+        print(config_to_yaml(cfg), end="")
     print(f"resolved: {frame}", file=sys.stderr)
     return 0
 

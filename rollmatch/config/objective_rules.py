@@ -8,10 +8,10 @@ docs/config.md.
 
 from __future__ import annotations
 
-from rollmatch.config.schema import RollmatchConfig
+from rollmatch.config.schema import ROLLOUT_KEY, RollmatchConfig
 from rollmatch.errors import ConfigProblem
 
-_RM = "custom.extra.rollout_matching"
+_RM = ROLLOUT_KEY
 _K = f"{_RM}.rollouts_per_record"
 
 

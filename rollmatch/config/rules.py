@@ -1,10 +1,10 @@
 """Cross-field config rules: each returns :class:`~rollmatch.errors.ConfigProblem` s, never raises.
 
 Owns: the static rules that need only the config (:func:`check_config`, run by every loader), the
-runtime rules that need the world size and devices (:func:`check_runtime`, run by the trainer at
-start-up), the normalised rollout-server list (:func:`resolve_servers`) and the sync mode in force
-(:func:`resolve_sync_mode`). Leaves out: per-field types and ranges (pydantic, ``config.schema``)
-and moved / removed keys (``config.legacy``).
+runtime rules that need the world size and devices (:func:`check_runtime`, run once per run by
+``config.resolved.resolve_run``), the normalised rollout-server list (:func:`resolve_servers`) and
+the sync mode in force (:func:`resolve_sync_mode`). Leaves out: per-field types and ranges
+(pydantic, ``config.schema``) and moved / removed keys (``config.legacy``).
 
 Each rule function's docstring is its one-line description in docs/config.md.
 """
@@ -23,12 +23,12 @@ from rollmatch.config.hf_args import (
 )
 from rollmatch.config.launch_rules import launch_problems
 from rollmatch.config.objective_rules import rule_grpo, rule_rollouts_per_record
-from rollmatch.config.schema import RollmatchConfig, ServerConfig, ServerEndpoint
+from rollmatch.config.schema import ROLLOUT_KEY, RollmatchConfig, ServerConfig, ServerEndpoint
 from rollmatch.config.sharding import sharding_problems
 from rollmatch.config.wait_rules import first_push_problems, rule_async_on_policy, rule_async_wait
 from rollmatch.errors import ConfigError, ConfigProblem
 
-_RM = "custom.extra.rollout_matching"
+_RM = ROLLOUT_KEY
 _VLLM = f"{_RM}.vllm"
 _SERVER = f"{_VLLM}.server"
 _CHANNEL_B = "stage2_ab.channel_b"

@@ -207,6 +207,10 @@ class MatchingConfig(Section):
 
 
 # ------------------------------------------------------------------------------------ rollout_matching
+# Where RolloutMatchingConfig sits in a config file (``cfg.rollout``): the prefix of its keys in messages.
+ROLLOUT_KEY = "custom.extra.rollout_matching"
+
+
 class DecodingConfig(Section):
     """Rollout decoding; greedy iff temperature == 0."""
 
@@ -642,8 +646,9 @@ class SlurmSettings(Section):
 
 
 class LaunchSettings(Section):
-    """`rollmatch launch`: which devices run rollout servers and the learner, on which nodes. Every key
-    can be given on the command line too (`--server-devices`, ... override these)."""
+    """`rollmatch launch`: which devices run rollout servers and the learner, on which nodes. The launch
+    flags named beside a key set it (`--server-devices 0,1` is the override `launch.server_devices=[0,1]`,
+    applied last), so the rules below judge flags and keys alike."""
 
     server_devices: list[int] = Field(
         default_factory=list,
@@ -666,7 +671,10 @@ class LaunchSettings(Section):
         "when set it must equal server devices / tensor_parallel_size.",
     )
     learner_procs_per_node: int | None = Field(
-        None, gt=0, description="With `--cpu`: learner ranks per learner node (default 1, `--learner-procs`)."
+        None,
+        gt=0,
+        description="With `--cpu`: learner ranks per learner node (default 1, `--learner-procs`). On GPUs the "
+        "devices decide; when set beside learner devices it must equal their count.",
     )
     port_base: int | None = Field(
         None,

@@ -21,11 +21,11 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
-from rollmatch.config.schema import RollmatchConfig
+from rollmatch.config.schema import ROLLOUT_KEY, RollmatchConfig
 from rollmatch.errors import ConfigProblem
 
 Sharding = Literal["none", "zero3", "fsdp2", "fsdp1"]
-_RM = "custom.extra.rollout_matching"
+_RM = ROLLOUT_KEY
 
 
 def parameter_sharding(cfg: RollmatchConfig) -> Sharding:

@@ -1,15 +1,18 @@
 """Prompt encoding: the trainer owns the chat template and image processing of every prompt.
 
-Owns: :func:`load_rgb`, :class:`EncodedPrompt` (token ids + processor outputs of one record, exactly
-what the HF model consumes) and :class:`PromptEncoder` (record -> encoded prompt, record boxes ->
-GT objects in the configured coordinate frame). Rollout backends receive these ids and must use
-them (see :class:`rollmatch.data.requests.RolloutRequest`).
+Owns: :func:`load_rgb`, :func:`load_processor` (the one processor loader), :class:`EncodedPrompt`
+(token ids + processor outputs of one record, exactly what the HF model consumes) and
+:class:`PromptEncoder` (record -> encoded prompt, record boxes -> GT objects in the configured
+coordinate frame). Rollout backends receive these ids and must use them (see
+:class:`rollmatch.data.requests.RolloutRequest`).
 Leaves out: reading JSONL records (``data.records``), serializing objects (``detection.codec``) and
 building training targets (``detection.targets``).
 
 Frames: ``norm1000`` boxes are 0..1000 of the original image; ``pixels`` boxes are pixels of the
-processor-resized image, whose size is ``image_grid_thw`` (h, w) times the patch size. ``auto`` is
-resolved once, in :meth:`PromptEncoder.from_pretrained`, from the model directory's family.
+processor-resized image, whose size is ``image_grid_thw`` (h, w) times the patch size. The encoder
+takes a resolved frame: the trainer's comes from the run resolved at start-up
+(``config.resolved``); :meth:`PromptEncoder.from_pretrained` resolves ``auto`` itself for a
+standalone encoder.
 """
 
 from __future__ import annotations
@@ -118,12 +121,10 @@ class PromptEncoder:
         (:func:`rollmatch.config.frames.resolve_coord_frame`; ``object_format`` is
         ``custom.object_format``, whose ``coord_tokens`` make ``auto`` norm1000).
         """
-        from transformers import AutoProcessor
-
         frame = resolve_coord_frame(data_cfg.coord_frame, model_dir, object_format=object_format)
-        processor = AutoProcessor.from_pretrained(str(model_dir))
-        set_pixel_bounds(processor, data_cfg.min_pixels, data_cfg.max_pixels)
-        return cls(processor, data_cfg.prompt, frame)
+        return cls(
+            load_processor(model_dir, data_cfg.min_pixels, data_cfg.max_pixels), data_cfg.prompt, frame
+        )
 
     @property
     def tokenizer(self) -> Any:
@@ -216,6 +217,23 @@ def image_probe(processor: Any, size: tuple[int, int] = PROBE_IMAGE_SIZE) -> tup
     patch, merge = int(image_processor.patch_size), int(image_processor.merge_size)
     t, h, w = (int(v) for v in grid.tolist())
     return (w * patch, h * patch), t * h * w // (merge * merge)
+
+
+def load_processor(
+    model_dir: str | Path, min_pixels: int | None = None, max_pixels: int | None = None
+) -> Any:
+    """The model directory's processor with ``data.min_pixels`` / ``max_pixels`` applied (``None``
+    keeps the saved value): the one processor loader of the trainer, evaluation and rollout servers.
+
+    A process loads it once and hands it on (the prompt encoder, the server client's image wire and
+    start-up cross-check, a server's prompt preparer).
+    """
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(str(model_dir))
+    if min_pixels is not None or max_pixels is not None:
+        set_pixel_bounds(processor, min_pixels, max_pixels)
+    return processor
 
 
 def set_pixel_bounds(processor: Any, min_pixels: int | None, max_pixels: int | None) -> None:

@@ -1,10 +1,12 @@
 """Object-list serialization and token-exact strict parsing of rollouts (pure: no torch, no I/O).
 
 Owns: the :class:`ObjectCodec` protocol, the default ``qwen_json`` codec (:class:`QwenJsonCodec`),
-:class:`ParseResult`, per-token character offsets of a token-id sequence
-(:func:`decode_with_offsets`) and per-character roles of a serialization (used for loss weights).
-Leaves out: matching (``detection.matching``), target construction (``detection.targets``) and
-anything about prompts or models; the tokenizer is passed in.
+:class:`ParseResult`, the element validator shared by every format (:func:`validate_element`),
+per-token character offsets of a token-id sequence (:func:`decode_with_offsets`) and per-character
+roles of a serialization (used for loss weights).
+Leaves out: picking a codec by name (``detection.object_formats``), matching
+(``detection.matching``), target construction (``detection.targets``) and anything about prompts
+or models; the tokenizer is passed in.
 
 Format (one line, ``json.dumps`` separators, ``ensure_ascii=False``)::
 
@@ -260,7 +262,7 @@ class QwenJsonCodec:
 
     def _element(self, scanned: str, original: str, extent: tuple[int, int]) -> DetObject | str:
         """One complete element (its scanned and its decoded text) -> object or invalid reason."""
-        return _validate_element(scanned, extent)
+        return validate_element(scanned, extent)
 
     def _cut(self, ids: list[int], decoded: DecodedTokens, scan: ListScan) -> tuple[int, list[int]]:
         """(number of elements kept, prefix ids): the latest element end that re-encodes exactly."""
@@ -303,14 +305,31 @@ class QwenJsonCodec:
         return None
 
 
-def build_codec(name: str, tokenizer: Tokenizer, eos_token_ids: Sequence[int]) -> ObjectCodec:
-    """The codec named by ``custom.object_format``."""
-    from rollmatch.detection.coord_tokens import CoordTokenCodec
-
-    codecs = {QwenJsonCodec.name: QwenJsonCodec, CoordTokenCodec.name: CoordTokenCodec}
-    if name not in codecs:
-        raise ConfigError([ConfigProblem("custom.object_format", name, f"use one of {sorted(codecs)}")])
-    return codecs[name](tokenizer, eos_token_ids)
+def validate_element(text: str, extent: tuple[int, int]) -> DetObject | str:
+    """One complete element's exact text as a :class:`DetObject`, or the reason (``ELEMENT_REASONS``)
+    it is invalid; coordinates must lie in ``[0, extent[0]] x [0, extent[1]]``."""
+    try:
+        value = json.loads(text, object_pairs_hook=_object_from_pairs)
+    except (ValueError, RecursionError):  # JSONDecodeError is a ValueError; so is an over-long int
+        return "bad_json"
+    if not isinstance(value, dict):
+        return "not_object"
+    if isinstance(value, _RepeatedKeyObject) or set(value) != {"bbox_2d", "label"}:
+        return "bad_keys"
+    label, box = value["label"], value["bbox_2d"]
+    if not isinstance(label, str):
+        return "bad_label"
+    if not label.strip():
+        return "empty_label"
+    if not (isinstance(box, list) and len(box) == 4 and all(type(v) is int for v in box)):
+        return "bad_coord"
+    x1, y1, x2, y2 = box
+    max_x, max_y = extent
+    if not (0 <= x1 <= max_x and 0 <= x2 <= max_x and 0 <= y1 <= max_y and 0 <= y2 <= max_y):
+        return "bad_coord"
+    if x2 <= x1 or y2 <= y1:
+        return "degenerate_box"
+    return DetObject(label=label, bbox=(x1, y1, x2, y2))
 
 
 # ---------------------------------------------------------------------------------------- helpers
@@ -347,29 +366,3 @@ class _RepeatedKeyObject(dict):
 def _object_from_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     obj = dict(pairs)
     return obj if len(obj) == len(pairs) else _RepeatedKeyObject(obj)
-
-
-def _validate_element(text: str, extent: tuple[int, int]) -> DetObject | str:
-    """The element as a :class:`DetObject`, or the reason (``ELEMENT_REASONS``) it is invalid."""
-    try:
-        value = json.loads(text, object_pairs_hook=_object_from_pairs)
-    except (ValueError, RecursionError):  # JSONDecodeError is a ValueError; so is an over-long int
-        return "bad_json"
-    if not isinstance(value, dict):
-        return "not_object"
-    if isinstance(value, _RepeatedKeyObject) or set(value) != {"bbox_2d", "label"}:
-        return "bad_keys"
-    label, box = value["label"], value["bbox_2d"]
-    if not isinstance(label, str):
-        return "bad_label"
-    if not label.strip():
-        return "empty_label"
-    if not (isinstance(box, list) and len(box) == 4 and all(type(v) is int for v in box)):
-        return "bad_coord"
-    x1, y1, x2, y2 = box
-    max_x, max_y = extent
-    if not (0 <= x1 <= max_x and 0 <= x2 <= max_x and 0 <= y1 <= max_y and 0 <= y2 <= max_y):
-        return "bad_coord"
-    if x2 <= x1 or y2 <= y1:
-        return "degenerate_box"
-    return DetObject(label=label, bbox=(x1, y1, x2, y2))

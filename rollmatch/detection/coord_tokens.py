@@ -25,7 +25,7 @@ import json
 import re
 from collections.abc import Sequence
 
-from rollmatch.detection.codec import DecodedTokens, QwenJsonCodec, Tokenizer, _validate_element
+from rollmatch.detection.codec import DecodedTokens, QwenJsonCodec, Tokenizer, validate_element
 from rollmatch.detection.json_scan import char_roles
 from rollmatch.detection.objects import NORM, DetObject
 from rollmatch.errors import ConfigError, ConfigProblem
@@ -125,7 +125,7 @@ class CoordTokenCodec(QwenJsonCodec):
                     )
                 ]
             )
-        result = _validate_element(scanned, (NUM_BINS - 1, NUM_BINS - 1))
+        result = validate_element(scanned, (NUM_BINS - 1, NUM_BINS - 1))
         array = _BBOX_ARRAY.search(original)
         placed = len(_TOKEN.findall(array.group(1))) if array else 0
         if isinstance(result, str):

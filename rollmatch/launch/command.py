@@ -1,6 +1,7 @@
 """``rollmatch launch``: read the config, refuse what cannot run, print the plan, then run it.
 
-Owns: :func:`launch_command` (top to bottom: config -> request (flags over ``launch:``) -> checks ->
+Owns: :func:`launch_command` (top to bottom: config (the flags that name a ``launch.*`` key applied as
+its last overrides, checked by the config's rules) -> request (``--cpu``, roles) -> checks ->
 ``--emit slurm`` (``launch.slurm``), or ports and key -> plan -> dry run (every node's plan) or
 :func:`~rollmatch.launch.supervisor.run_plan` (this node's)) and where the API key comes from. Leaves out:
 layout rules (``launch.layout``), commands (``launch.plan``) and processes (``launch.supervisor``).
@@ -29,12 +30,13 @@ import socket
 import sys
 from pathlib import Path
 
-from rollmatch.config.schema import LaunchSettings, RollmatchConfig
-from rollmatch.errors import ConfigProblem, LaunchError
+from rollmatch.config.schema import RollmatchConfig
+from rollmatch.errors import ConfigError, ConfigProblem, LaunchError
 from rollmatch.launch.heartbeat import NodeHeartbeat
 from rollmatch.launch.layout import (
     LaunchRequest,
     derive_layout,
+    launch_overrides,
     parse_devices,
     request_problems,
     with_settings,
@@ -63,8 +65,12 @@ def launch_command(args: argparse.Namespace) -> int:
     """Build -> check -> plan -> run (or print, with ``--dry-run``); the exit code (see ``launch.supervisor``)."""
     emit = getattr(args, "emit", None)
     placeholders = slurm_placeholders(args.config, args.overrides) if emit == "slurm" else []
-    launch = load_launch_config(args.config, (*args.overrides, *placeholders))
-    request = with_settings(request_from_args(args, launch.cfg.launch), launch.cfg.launch)
+    overrides = (*args.overrides, *launch_overrides(flags_with_keys(args)))  # a flag wins over the file
+    try:  # the flags' problems are the config's: one rule, one message, every one at once
+        launch = load_launch_config(args.config, (*overrides, *placeholders))
+    except ConfigError as exc:
+        raise LaunchError(exc.problems) from None
+    request = with_settings(request_from_args(args), launch.cfg.launch)
     planned = request.dry_run or request.cpu or emit is not None  # no devices needed here
     device_count, visible = (None, None) if planned else cuda_devices()
     problems = request_problems(
@@ -83,7 +89,7 @@ def launch_command(args: argparse.Namespace) -> int:
 
     if request.dry_run:
         for rank in range(launch.cfg.launch.nodes.count):  # every node's commands, this one's included
-            node = with_settings(request_from_args(args, launch.cfg.launch), launch.cfg.launch, rank)
+            node = with_settings(request_from_args(args), launch.cfg.launch, rank)
             problems = request_problems(node, launch.cfg, launch.named_servers, device_count=None)
             if problems:
                 raise LaunchError(problems)
@@ -120,35 +126,35 @@ def _node_plan(launch: LaunchConfig, request: LaunchRequest, *, check_ports: boo
     return build_plan(launch, request, layout, ports, api_key=api_key), launch_dir
 
 
-def request_from_args(args: argparse.Namespace, settings: LaunchSettings | None = None) -> LaunchRequest:
-    """The parsed command line as a :class:`LaunchRequest` (device lists checked here); flags left out
-    take ``settings`` (the config's ``launch`` section) where they have no device meaning."""
-    settings = settings or LaunchSettings()
+def flags_with_keys(args: argparse.Namespace) -> dict[str, object]:
+    """The launch flags that name a ``launch.*`` key, parsed (device lists as tuples; ``None``: not
+    given); :func:`~rollmatch.launch.layout.launch_overrides` turns them into overrides."""
     problems: list[ConfigProblem] = []
-    devices = {}
+    flags: dict[str, object] = {}
     for flag in ("server_devices", "learner_devices"):
         text = getattr(args, flag)
         try:
-            devices[flag] = parse_devices(text) if text else ()
+            flags[flag] = parse_devices(text) if text else None
         except ValueError as exc:
             problems.append(ConfigProblem(f"--{flag.replace('_', '-')}", text, str(exc)))
     if problems:
         raise LaunchError(problems)
+    for flag in ("tensor_parallel_size", "servers", "learner_procs", "engine", "port_base", "grace_s"):
+        flags[flag] = getattr(args, flag)
+    return flags
+
+
+def request_from_args(args: argparse.Namespace) -> LaunchRequest:
+    """The flags without a config key (``--cpu``, the roles, ``--dry-run``) and the config's own
+    overrides as a :class:`LaunchRequest`; :func:`~rollmatch.launch.layout.with_settings` fills in the
+    node's ``launch:`` values (the flags with keys among them)."""
     return LaunchRequest(
         config=args.config,
         overrides=tuple(args.overrides),
-        server_devices=devices["server_devices"],
-        learner_devices=devices["learner_devices"],
-        tensor_parallel_size=args.tensor_parallel_size,
         cpu=args.cpu,
-        servers=args.servers,
-        learner_procs=args.learner_procs,
         servers_only=args.servers_only,
         learner_only=args.learner_only,
-        engine=args.engine or settings.engine,
-        port_base=args.port_base,
         dry_run=args.dry_run,
-        grace_s=args.grace_s if args.grace_s is not None else settings.grace_s,
     )
 
 

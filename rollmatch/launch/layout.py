@@ -1,10 +1,14 @@
 """What a launch asks for, every reason it cannot run, and the device layout it gets.
 
-Owns: :class:`LaunchRequest` (the command line as data), :func:`with_settings` (flags over the config's
-``launch:`` section, for one node of ``launch.nodes``), :func:`parse_devices`,
-:func:`request_problems` (flags, config and devices checked together, before any process starts) and
-:func:`derive_layout` (devices -> servers of ``tensor_parallel_size`` devices each, learner ranks).
-Leaves out: ports, hosts, commands (``launch.plan``) and processes (``launch.processes``).
+Owns: :class:`LaunchRequest` (one node's launch as data), :func:`launch_overrides` (the launch flags
+that name a config key, as ``launch.*`` overrides), :func:`with_settings` (the config's ``launch:``
+section for one node of ``launch.nodes``), :func:`parse_devices`, :func:`request_problems` (what only
+the launcher knows: ``--cpu``, the roles, the machine's devices, the config's mode; checked before
+any process starts) and :func:`derive_layout` (devices -> servers of ``tensor_parallel_size``
+devices each, learner ranks). Leaves out: the rules of the ``launch:`` keys themselves (devices each
+once, disjoint roles, tensor-parallel split: ``config.launch_rules``, run when the config loads, so
+a flag and its key get one rule and one message), ports, hosts, commands (``launch.plan``) and
+processes (``launch.processes``).
 
 The learner's world size goes through the project's runtime rules
 (:func:`rollmatch.config.rules.check_runtime`), the same ones ``rollmatch train`` applies at start-up,
@@ -18,18 +22,26 @@ from typing import Literal
 from urllib.parse import urlparse
 
 from rollmatch.config.rules import check_runtime
-from rollmatch.config.schema import LaunchSettings, RollmatchConfig, ServerEndpoint
+from rollmatch.config.schema import ROLLOUT_KEY, LaunchSettings, RollmatchConfig, ServerEndpoint
 from rollmatch.errors import ConfigProblem
 
-VLLM_KEY = "custom.extra.rollout_matching.vllm"
+VLLM_KEY = f"{ROLLOUT_KEY}.vllm"
 SERVERS_KEY = f"{VLLM_KEY}.server.servers"
 TP_KEY = "launch.tensor_parallel_size"
+SERVER_DEVICES_KEY = "launch.server_devices"
+LEARNER_DEVICES_KEY = "launch.learner_devices"
+ENGINE_KEY = "launch.engine"
 Engine = Literal["vllm", "hf"]
 
 
 @dataclass(frozen=True)
 class LaunchRequest:
-    """The ``rollmatch launch`` command line; checked by :func:`request_problems`."""
+    """One node's launch; checked by :func:`request_problems`.
+
+    ``cpu``, ``servers_only``, ``learner_only`` and ``dry_run`` are the flags that have no config
+    key; every other field is the config's ``launch:`` value for the node (flags with a key reach
+    it as ``launch.*`` overrides, :func:`launch_overrides`), filled in by :func:`with_settings`.
+    """
 
     config: str
     overrides: tuple[str, ...] = ()
@@ -58,26 +70,50 @@ class LaunchRequest:
         return self.node_runs_learner and not self.servers_only
 
 
+def launch_overrides(flags: dict[str, object]) -> list[str]:
+    """The launch flags that name a config key, as ``launch.*`` overrides (``None``: not given).
+
+    ``flags``: ``server_devices`` / ``learner_devices`` (parsed device tuples), ``tensor_parallel_size``,
+    ``servers`` (``launch.servers_per_node``), ``learner_procs`` (``launch.learner_procs_per_node``),
+    ``engine``, ``port_base`` and ``grace_s``. They come after the config's own overrides, so a flag wins.
+    """
+    keys = {
+        "server_devices": "server_devices",
+        "learner_devices": "learner_devices",
+        "tensor_parallel_size": "tensor_parallel_size",
+        "servers": "servers_per_node",
+        "learner_procs": "learner_procs_per_node",
+        "engine": "engine",
+        "port_base": "port_base",
+        "grace_s": "grace_s",
+    }
+    overrides: list[str] = []
+    for flag, key in keys.items():
+        value = flags.get(flag)
+        if value is None or value == ():
+            continue
+        text = f"[{', '.join(map(str, value))}]" if isinstance(value, tuple) else str(value)
+        overrides.append(f"launch.{key}={text}")
+    return overrides
+
+
 def with_settings(
     request: LaunchRequest, settings: LaunchSettings, node_rank: int | None = None
 ) -> LaunchRequest:
-    """``request`` for node ``node_rank`` (default ``launch.nodes.rank``): what its flags leave unset
-    comes from the config's ``launch`` section (flags override the config)."""
+    """``request`` for node ``node_rank`` (default ``launch.nodes.rank``), its devices, process
+    counts, engine, ports and grace from the config's ``launch`` section (flags already in it)."""
     rank = settings.nodes.rank if node_rank is None else node_rank
     role = settings.nodes.role(rank)
     return replace(
         request,
-        server_devices=request.server_devices or tuple(settings.server_devices),
-        learner_devices=request.learner_devices or tuple(settings.learner_devices),
-        servers=request.servers
-        if request.servers is not None or not request.cpu
-        else settings.servers_per_node,
-        learner_procs=(
-            request.learner_procs
-            if request.learner_procs is not None or not request.cpu
-            else settings.learner_procs_per_node
-        ),
-        port_base=request.port_base if request.port_base is not None else settings.port_base,
+        server_devices=tuple(settings.server_devices),
+        learner_devices=tuple(settings.learner_devices),
+        tensor_parallel_size=settings.tensor_parallel_size,
+        servers=settings.servers_per_node if request.cpu else None,
+        learner_procs=settings.learner_procs_per_node if request.cpu else None,
+        engine=settings.engine,
+        port_base=settings.port_base,
+        grace_s=settings.grace_s,
         node_rank=rank,
         node_runs_servers=role in ("servers", "both"),
         node_runs_learner=role in ("learner", "both"),
@@ -100,20 +136,20 @@ class Layout:
 
 
 def parse_devices(text: str) -> tuple[int, ...]:
-    """``"0,1,2"`` -> ``(0, 1, 2)``: device indices >= 0, each once (``ValueError`` says what is wrong)."""
+    """``"0,1,2"`` -> ``(0, 1, 2)`` (``ValueError`` when it is not a list of integers); which lists
+    are valid is the rule of ``launch.server_devices`` / ``launch.learner_devices``
+    (``config.launch_rules``)."""
     try:
         devices = tuple(int(part) for part in text.split(",") if part.strip())
     except ValueError:
         raise ValueError("not a comma-separated list of device indices; write e.g. 0,1,2,3") from None
-    if not devices or min(devices) < 0:
+    if not devices:
         raise ValueError("give device indices >= 0, e.g. 0,1,2,3")
-    if len(set(devices)) != len(devices):
-        raise ValueError("a device is listed twice; list each device once")
     return devices
 
 
 def tensor_parallel_size(request: LaunchRequest, cfg: RollmatchConfig) -> int:
-    """``--tensor-parallel-size``, else the config's ``launch.tensor_parallel_size`` (default 1); 1 on CPU."""
+    """``launch.tensor_parallel_size`` (``--tensor-parallel-size``; default 1); 1 on CPU."""
     if request.cpu:
         return 1
     return request.tensor_parallel_size or cfg.launch.tensor_parallel_size
@@ -149,7 +185,7 @@ def request_problems(
     ``device_count``: CUDA devices on this machine, or ``None`` to skip the existence check (dry run).
     ``visible_devices``: the launcher's own ``CUDA_VISIBLE_DEVICES``, if set.
     """
-    problems = _flag_problems(request, cfg)
+    problems = _flag_problems(request)
     problems += _config_problems(request, cfg, named_servers)
     learner_procs = derive_layout(request, cfg).learner_procs
     nodes = cfg.launch.nodes
@@ -171,11 +207,12 @@ def request_problems(
 def missing_device_problems(
     request: LaunchRequest, device_count: int, visible_devices: str | None
 ) -> list[ConfigProblem]:
-    """Devices named on the command line that this machine (or this shell's CUDA_VISIBLE_DEVICES) lacks."""
+    """Devices of ``launch.server_devices`` / ``learner_devices`` this machine (or this shell's
+    CUDA_VISIBLE_DEVICES) lacks."""
     problems: list[ConfigProblem] = []
-    for flag, devices in (
-        ("--server-devices", request.server_devices),
-        ("--learner-devices", request.learner_devices),
+    for key, devices in (
+        (SERVER_DEVICES_KEY, request.server_devices),
+        (LEARNER_DEVICES_KEY, request.learner_devices),
     ):
         if visible_devices is not None:
             allowed = {p.strip() for p in visible_devices.split(",") if p.strip()}
@@ -189,8 +226,8 @@ def missing_device_problems(
         if missing:
             problems.append(
                 ConfigProblem(
-                    flag,
-                    _devices_text(devices),
+                    key,
+                    list(devices),
                     f"device(s) {_devices_text(missing)} do not exist here: {where}; name existing devices, "
                     "use --cpu, or --dry-run to plan a layout for another machine",
                 )
@@ -209,27 +246,16 @@ def server_hosts(named_servers: list[ServerEndpoint], num_servers: int) -> list[
 
 
 # ------------------------------------------------------------------------------------ private helpers
-def _flag_problems(request: LaunchRequest, cfg: RollmatchConfig) -> list[ConfigProblem]:
-    problems: list[ConfigProblem] = []
-    if request.grace_s < 0:
-        problems.append(ConfigProblem("--grace-s", request.grace_s, "give seconds >= 0 (default 10)"))
+def _flag_problems(request: LaunchRequest) -> list[ConfigProblem]:
+    """What the flags without a key (``--cpu``, the roles) ask of the ``launch:`` values."""
     if request.cpu:
-        return problems + _cpu_flag_problems(request)
-    for flag, value in (("--servers", request.servers), ("--learner-procs", request.learner_procs)):
-        if value is not None:
-            problems.append(
-                ConfigProblem(
-                    flag,
-                    value,
-                    "process counts are for --cpu; on GPUs the devices decide: --server-devices 0,1,2,3 "
-                    "--tensor-parallel-size 2 starts 2 servers, --learner-devices 4,5 starts 2 ranks",
-                )
-            )
+        return _cpu_flag_problems(request)
+    problems: list[ConfigProblem] = []
     if request.starts_servers and not request.server_devices:
         problems.append(
             ConfigProblem(
-                "--server-devices",
-                None,
+                SERVER_DEVICES_KEY,
+                [],
                 "name the rollout servers' GPUs (launch.server_devices: [0, 1, 2, 3] or --server-devices 0,1,2,3), "
                 "or use --cpu or --learner-only",
             )
@@ -237,31 +263,10 @@ def _flag_problems(request: LaunchRequest, cfg: RollmatchConfig) -> list[ConfigP
     if request.starts_learner and not request.learner_devices:
         problems.append(
             ConfigProblem(
-                "--learner-devices",
-                None,
+                LEARNER_DEVICES_KEY,
+                [],
                 "name the learner's GPUs (launch.learner_devices: [4, 5] or --learner-devices 4,5), or use --cpu "
                 "or --servers-only",
-            )
-        )
-    shared = sorted(set(request.server_devices) & set(request.learner_devices))
-    if shared and request.starts_servers and request.starts_learner:  # disjoint per node
-        problems.append(
-            ConfigProblem(
-                "--learner-devices",
-                _devices_text(request.learner_devices),
-                f"device(s) {_devices_text(shared)} are also in --server-devices "
-                f"{_devices_text(request.server_devices)}; give each role its own devices",
-            )
-        )
-    tp = tensor_parallel_size(request, cfg)
-    if request.starts_servers and request.server_devices and len(request.server_devices) % tp:
-        source = "--tensor-parallel-size" if request.tensor_parallel_size else TP_KEY
-        problems.append(
-            ConfigProblem(
-                "--server-devices",
-                _devices_text(request.server_devices),
-                f"{len(request.server_devices)} device(s) do not split into servers of tensor parallel size "
-                f"{tp} ({source}); give a multiple of {tp} devices, or another --tensor-parallel-size",
             )
         )
     return problems
@@ -269,25 +274,26 @@ def _flag_problems(request: LaunchRequest, cfg: RollmatchConfig) -> list[ConfigP
 
 def _cpu_flag_problems(request: LaunchRequest) -> list[ConfigProblem]:
     problems: list[ConfigProblem] = []
-    for flag, devices in (
-        ("--server-devices", request.server_devices),
-        ("--learner-devices", request.learner_devices),
+    for key, devices in (
+        (SERVER_DEVICES_KEY, request.server_devices),
+        (LEARNER_DEVICES_KEY, request.learner_devices),
     ):
         if devices:
             problems.append(
                 ConfigProblem(
-                    flag,
-                    _devices_text(devices),
-                    "--cpu runs every process on the CPU; drop the device lists and use --servers N / "
-                    "--learner-procs N",
+                    key,
+                    list(devices),
+                    "--cpu runs every process on the CPU; drop the device lists (--server-devices / "
+                    "--learner-devices, launch.*_devices) and use --servers N / --learner-procs N",
                 )
             )
     if (request.tensor_parallel_size or 1) != 1:
         problems.append(
             ConfigProblem(
-                "--tensor-parallel-size",
+                TP_KEY,
                 request.tensor_parallel_size,
-                "CPU rollout engines run unsharded: drop --tensor-parallel-size with --cpu",
+                "CPU rollout engines run unsharded: with --cpu drop --tensor-parallel-size (set "
+                "launch.tensor_parallel_size: 1)",
             )
         )
     return problems
@@ -313,7 +319,7 @@ def _config_problems(
                 f"{VLLM_KEY}.mode",
                 rm.vllm.mode if rm.rollout_backend == "vllm" else f"rollout_backend={rm.rollout_backend}",
                 f"launch starts rollout servers for server mode: set {VLLM_KEY}.mode: server and "
-                "custom.extra.rollout_matching.rollout_backend: vllm, or run `rollmatch train` for "
+                f"{ROLLOUT_KEY}.rollout_backend: vllm, or run `rollmatch train` for "
                 "colocated / hf rollouts",
             )
         )
@@ -321,18 +327,19 @@ def _config_problems(
         if tensor_parallel_size(request, cfg) > 1:
             problems.append(
                 ConfigProblem(
-                    "--engine",
+                    ENGINE_KEY,
                     "hf",
-                    "the hf server engine runs unsharded: use --engine vllm, or tensor parallel 1",
+                    "the hf server engine runs unsharded: use --engine vllm (launch.engine: vllm), or tensor "
+                    "parallel 1",
                 )
             )
         if rm.vllm.enable_lora:
             problems.append(
                 ConfigProblem(
-                    "--engine",
+                    ENGINE_KEY,
                     "hf",
                     f"the hf server engine cannot serve adapters ({VLLM_KEY}.enable_lora is true): "
-                    f"use --engine vllm, or set {VLLM_KEY}.enable_lora: false",
+                    f"use --engine vllm (launch.engine: vllm), or set {VLLM_KEY}.enable_lora: false",
                 )
             )
     problems += _named_server_problems(request, cfg, named_servers)

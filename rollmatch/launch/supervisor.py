@@ -41,6 +41,7 @@ import psutil
 import requests
 
 from rollmatch.config.load import config_to_yaml
+from rollmatch.config.schema import ROLLOUT_KEY
 from rollmatch.launch.console import ConsoleMerge
 from rollmatch.launch.heartbeat import EXIT_PREEMPTED, NodeHeartbeat
 from rollmatch.launch.plan import API_KEY_ENV, LaunchPlan, ProcessSpec
@@ -54,7 +55,7 @@ WATCHDOG_LOG = "watchdog.log"
 _POLL_S = 0.5
 _PROGRESS_EVERY_S = 10.0
 _PIDS_EVERY_S = 2.0
-_TIMEOUT_KEY = "custom.extra.rollout_matching.vllm.server.timeout_s"
+_TIMEOUT_KEY = f"{ROLLOUT_KEY}.vllm.server.timeout_s"
 _HEALTH_EVERY_S = 2.0  # with launch.restart_servers: how often the running servers' /health/ is asked
 _MAX_BACKOFF_S = 30.0
 

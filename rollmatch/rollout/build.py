@@ -1,7 +1,8 @@
 """Pick the rollout backend once, from the config; nothing else branches on the backend name.
 
-Owns: :func:`build_backend`, :func:`decoding_from_config` / :func:`eval_decoding_from_config` (the rollout / evaluation :class:`Decoding` of the
-config) and :func:`machine_overrides` (engine settings that run on this machine, for commands
+Owns: :func:`build_backend` (from the run resolved at start-up, ``config.resolved``),
+:func:`decoding_from_config` / :func:`eval_decoding_from_config` (the rollout / evaluation
+:class:`Decoding` of the config) and :func:`machine_overrides` (engine settings that run on this machine, for commands
 that take no config file: ``rollmatch eval`` without ``--config``).
 """
 
@@ -12,23 +13,27 @@ from typing import Any
 import torch
 
 from rollmatch.collectives import Collectives
-from rollmatch.config.schema import RollmatchConfig
+from rollmatch.config.resolved import ResolvedRun
+from rollmatch.config.schema import ROLLOUT_KEY, RollmatchConfig
 from rollmatch.rollout.types import Decoding, RolloutBackend
-
-_RM = "custom.extra.rollout_matching"
 
 
 def build_backend(
-    cfg: RollmatchConfig,
+    run: ResolvedRun,
     *,
     model: Any,
     tokenizer: Any,
-    model_dir: str,
+    processor: Any,
     collectives: Collectives,
     eos_token_id: int,
     pad_token_id: int,
 ) -> RolloutBackend:
-    """The configured backend: ``hf`` (the training model), vLLM colocate, or rollout servers."""
+    """The configured backend: ``hf`` (the training model), vLLM colocate, or rollout servers.
+
+    ``run`` was resolved (and its runtime rules checked) once at start-up; ``processor`` is the
+    process's one processor (``data.prompts.load_processor``), used by the server client.
+    """
+    cfg = run.config
     rm = cfg.rollout
     if rm.rollout_backend == "hf":
         from rollmatch.rollout.hf import HFBackend
@@ -45,13 +50,11 @@ def build_backend(
     if rm.vllm.mode == "colocate":
         from rollmatch.rollout.vllm_colocate import VllmColocateBackend
 
-        return VllmColocateBackend.from_config(
-            cfg, model=model, tokenizer=tokenizer, model_dir=model_dir, collectives=collectives
-        )
+        return VllmColocateBackend.from_config(run, model=model, tokenizer=tokenizer, collectives=collectives)
     from rollmatch.rollout.client import ServerBackend
 
     return ServerBackend.from_config(
-        cfg, model=model, tokenizer=tokenizer, model_dir=model_dir, collectives=collectives
+        run, model=model, tokenizer=tokenizer, processor=processor, collectives=collectives
     )
 
 
@@ -93,9 +96,9 @@ def machine_overrides() -> list[str]:
     from rollmatch.rollout.vllm_settings import vllm_installed
 
     backend = "vllm" if vllm_installed() else "hf"
-    overrides = [f"{_RM}.rollout_backend={backend}"]
+    overrides = [f"{ROLLOUT_KEY}.rollout_backend={backend}"]
     if backend == "vllm":
-        overrides += [f"{_RM}.vllm.mode=colocate", f"{_RM}.vllm.tensor_parallel_size=1"]
+        overrides += [f"{ROLLOUT_KEY}.vllm.mode=colocate", f"{ROLLOUT_KEY}.vllm.tensor_parallel_size=1"]
         if torch.cuda.is_available():
-            overrides.append(f"{_RM}.vllm.gpu_memory_utilization=0.9")
+            overrides.append(f"{ROLLOUT_KEY}.vllm.gpu_memory_utilization=0.9")
     return overrides

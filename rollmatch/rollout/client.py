@@ -35,11 +35,9 @@ from typing import Any
 from pydantic import ValidationError
 
 from rollmatch.collectives import Collectives
-from rollmatch.config.frames import resolve_coord_frame
-from rollmatch.config.rules import resolve_servers, resolve_sync_mode, sync_mode_problems
-from rollmatch.config.schema import RollmatchConfig
+from rollmatch.config.resolved import ResolvedRun
 from rollmatch.data.prompts import PROBE_IMAGE_SIZE, image_probe
-from rollmatch.errors import BackendError, ConfigError, ConfigProblem, SyncError
+from rollmatch.errors import BackendError, ConfigError, ConfigProblem, RollmatchError, SyncError
 from rollmatch.models.wrappers import strip_parallel_wrappers
 from rollmatch.protocol import (
     INFER_REPLY,
@@ -137,12 +135,15 @@ class ServerBackend:
 
     @classmethod
     def from_config(
-        cls, cfg: RollmatchConfig, *, model: Any, tokenizer: Any, model_dir: str, collectives: Collectives
+        cls, run: ResolvedRun, *, model: Any, tokenizer: Any, processor: Any, collectives: Collectives
     ) -> ServerBackend:
-        """Connect, cross-check every server against the trainer's model, fail fast on any problem."""
-        vllm = cfg.rollout.vllm
-        endpoints = resolve_servers(vllm.server)
-        if not endpoints:
+        """Connect to the run's servers, cross-check each against the trainer's model, fail fast.
+
+        ``run`` was resolved (its rules checked) at start-up; ``processor`` is the trainer's one
+        processor (``data.prompts.load_processor``), for the image wire and the cross-check.
+        """
+        vllm = run.config.rollout.vllm
+        if not run.servers:
             raise ConfigError(
                 [
                     ConfigProblem(
@@ -152,10 +153,6 @@ class ServerBackend:
                     )
                 ]
             )
-        problems = sync_mode_problems(cfg, world_size=collectives.world_size)
-        if problems:
-            raise ConfigError(problems)
-        mode = resolve_sync_mode(cfg)
         connections = [
             ServerConnection(
                 e.base_url,
@@ -163,21 +160,20 @@ class ServerBackend:
                 timeout_s=vllm.server.timeout_s,
                 infer_timeout_s=vllm.server.infer_timeout_s,
             )
-            for e in endpoints
+            for e in run.servers
         ]
-        processor = trainer_processor(cfg, model_dir)
         backend = cls(
             connections,
             collectives=collectives,
             tokenizer=tokenizer,
-            sync_mode=mode,
+            sync_mode=run.sync_mode,
             fallback_to_full=vllm.sync.fallback_to_full,
             image_wire=build_image_wire(vllm.server.image_wire, processor),
             min_healthy=vllm.server.min_healthy,
         )
         with ThreadPoolExecutor(max_workers=len(connections)) as pool:
             list(pool.map(ServerConnection.wait_healthy, connections))
-        backend.check_compatible(local_model_info(cfg, model, model_dir, processor))
+        backend.check_compatible(local_model_info(run, model, processor))
         backend._align_initial_version(model)
         return backend
 
@@ -530,42 +526,27 @@ class ServerBackend:
         self._group_stale = True
 
 
-def trainer_processor(cfg: RollmatchConfig, model_dir: str) -> Any:
-    """The trainer's processor: the model directory's, with ``data.min_pixels`` / ``max_pixels`` applied."""
-    from transformers import AutoProcessor
+def local_model_info(run: ResolvedRun, model: Any, processor: Any) -> dict[str, Any]:
+    """What :meth:`ServerBackend.check_compatible` compares: the trainer's fingerprint, max length,
+    object format, resolved coordinate frame, resize bounds and probe-image resize.
 
-    from rollmatch.data.prompts import set_pixel_bounds
-
-    processor = AutoProcessor.from_pretrained(str(model_dir))
-    if cfg.data.min_pixels is not None or cfg.data.max_pixels is not None:
-        set_pixel_bounds(processor, cfg.data.min_pixels, cfg.data.max_pixels)
-    return processor
-
-
-def local_model_info(
-    cfg: RollmatchConfig, model: Any, model_dir: str, processor: Any = None
-) -> dict[str, Any]:
-    """What :meth:`ServerBackend.check_compatible` compares: the trainer's fingerprint and max length.
-
-    ``processor``: the trainer's (:func:`trainer_processor`; loaded here when not given).
+    ``processor``: the trainer's (``data.prompts.load_processor``); ``model`` may be ``None`` (the
+    model directory's config is read instead).
     """
     from rollmatch.protocol import model_fingerprint
 
-    processor = processor if processor is not None else trainer_processor(cfg, model_dir)
     config = strip_parallel_wrappers(model).config if model is not None else None
     if config is None:
         from transformers import AutoConfig
 
-        config = AutoConfig.from_pretrained(str(model_dir))
+        config = AutoConfig.from_pretrained(str(run.model_dir))
     size = processor.image_processor.size
     resized, tokens = image_probe(processor)
     return {
         "fingerprint": model_fingerprint(config, processor),
-        "max_length": cfg.training.global_max_length,
-        "object_format": cfg.custom.object_format,
-        "coord_frame": resolve_coord_frame(
-            cfg.data.coord_frame, model_dir, object_format=cfg.custom.object_format
-        ),
+        "max_length": run.config.training.global_max_length,
+        "object_format": run.config.custom.object_format,
+        "coord_frame": run.coord_frame,
         "min_pixels": int(size["shortest_edge"]),
         "max_pixels": int(size["longest_edge"]),
         "image_probe": ImageProbe(size=PROBE_IMAGE_SIZE, resized=resized, image_tokens=tokens),

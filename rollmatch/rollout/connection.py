@@ -30,6 +30,7 @@ from urllib.parse import urlparse
 
 import requests
 
+from rollmatch.config.schema import ROLLOUT_KEY
 from rollmatch.errors import BackendError, ServerBusy, ServerDown, SyncError
 from rollmatch.protocol import (
     API_KEY_ENV,
@@ -41,8 +42,8 @@ from rollmatch.protocol import (
 )
 
 _HEALTH_POLL_S = 5.0
-KEY = "custom.extra.rollout_matching.vllm"
-ALTERNATIVES = f"or set `{KEY}.mode: colocate` / `custom.extra.rollout_matching.rollout_backend: hf`"
+KEY = f"{ROLLOUT_KEY}.vllm"
+ALTERNATIVES = f"or set `{KEY}.mode: colocate` / `{ROLLOUT_KEY}.rollout_backend: hf`"
 _NO_TIMEOUT_GIVEN = -1.0
 _FIRST_BUSY_WAIT_S, _MAX_BUSY_WAIT_S = 0.25, 10.0  # 429 backoff: the jitter window's first and largest size
 _JITTER = random.Random()

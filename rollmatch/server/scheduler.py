@@ -57,7 +57,7 @@ from typing import TYPE_CHECKING, Literal
 
 from rollmatch.errors import BackendError, ServerBusy, SyncError
 from rollmatch.rollout.types import Decoding
-from rollmatch.server.limits import RequestTooLarge
+from rollmatch.server.limits import RequestTooLarge, ServerLimits, UpdateMode
 from rollmatch.server.tickets import CallTicket, EngineOperation
 from rollmatch.server.watchdog import ADMISSION, CACHE_RESET, GENERATION, EngineWatch
 
@@ -66,8 +66,6 @@ if TYPE_CHECKING:
     from rollmatch.server.prompts import PreparedPrompt
 
 log = logging.getLogger(__name__)
-UpdateMode = Literal["drain", "abort", "keep"]
-UPDATE_MODES: tuple[UpdateMode, ...] = ("drain", "abort", "keep")
 ServingState = Literal["idle", "generating", "updating", "stalled", "broken", "stopped"]
 _POLL_S = 0.25
 ADMIT_PROMPTS_PER_STEP = 8
@@ -80,20 +78,18 @@ class EngineScheduler:
         self,
         engine: ServerEngine,
         watch: EngineWatch,
+        limits: ServerLimits,
         *,
-        update_mode: UpdateMode = "drain",
-        drain_timeout_s: float = 60.0,
-        max_queued_prompts: int = 4096,
-        max_queued_prompt_tokens: int = 1 << 22,
-        max_reruns: int = 2,
         on_failure: Callable[[BaseException], BaseException] = lambda exc: exc,
     ):
-        if update_mode not in UPDATE_MODES:
-            raise ValueError(f"--update-mode {update_mode!r}: choose one of {', '.join(UPDATE_MODES)}")
+        """``limits``: the server's caps (validated there); the scheduler reads the update mode, the
+        drain timeout, the re-run bound and the admission queues' sizes from it."""
         self.engine, self.watch = engine, watch
-        self.update_mode, self.drain_timeout_s = update_mode, float(drain_timeout_s)
-        self.max_queued_prompts, self.max_queued_prompt_tokens = max_queued_prompts, max_queued_prompt_tokens
-        self.max_reruns = int(max_reruns)
+        self.update_mode: UpdateMode = limits.update_mode
+        self.drain_timeout_s = float(limits.drain_timeout_s)
+        self.max_queued_prompts = limits.max_queued_prompts
+        self.max_queued_prompt_tokens = limits.max_queued_prompt_tokens
+        self.max_reruns = int(limits.max_reruns)
         # Prompts admitted between two steps while others decode (whole calls, at least one): running
         # sequences never wait for a whole burst of arrivals. ``None`` admits everything pending.
         self.admit_prompts_per_step: int | None = ADMIT_PROMPTS_PER_STEP

@@ -17,7 +17,6 @@ import os
 import sys
 import threading
 import time
-from dataclasses import fields
 from pathlib import Path
 from types import FrameType
 
@@ -31,7 +30,7 @@ from rollmatch.server.app import build_app
 from rollmatch.server.connections import guarded_h11_protocol, raise_open_file_limit
 from rollmatch.server.engines import build_engine
 from rollmatch.server.gate import check_exposure, server_api_key, server_sync_key
-from rollmatch.server.limits import ServerLimits
+from rollmatch.server.limits import server_limits
 from rollmatch.server.media import MediaPolicy
 from rollmatch.server.rollout_server import RolloutServer
 
@@ -126,14 +125,6 @@ def served_coord_frame(args: argparse.Namespace) -> str | None:
     except ConfigError as exc:
         log.warning("--coord-frame auto: %s; GET /info/ reports no frame", exc.problems[0].fix)
         return None
-
-
-def server_limits(args: argparse.Namespace) -> ServerLimits:
-    """The flags given (``None`` = not given) over :class:`ServerLimits`' defaults."""
-    given = {
-        f.name: getattr(args, f.name) for f in fields(ServerLimits) if getattr(args, f.name, None) is not None
-    }
-    return ServerLimits(**given)
 
 
 class _BoundedStopServer(uvicorn.Server):

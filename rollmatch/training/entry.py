@@ -26,11 +26,11 @@ from rollmatch.collectives import (
 )
 from rollmatch.config.hf_args import eval_strategy, training_arguments_kwargs
 from rollmatch.config.load import load_config
-from rollmatch.config.rules import check_runtime
+from rollmatch.config.resolved import resolve_run
 from rollmatch.config.schema import RollmatchConfig
-from rollmatch.data.prompts import PromptEncoder
+from rollmatch.data.prompts import PromptEncoder, load_processor
 from rollmatch.data.records import load_records
-from rollmatch.detection.codec import build_codec
+from rollmatch.detection.object_formats import build_codec
 from rollmatch.errors import ConfigError
 from rollmatch.models.pretrained import load_pretrained
 from rollmatch.packing.collate import enable_packed_attention
@@ -86,24 +86,28 @@ def run_training(cfg: RollmatchConfig) -> TrainResult:
     """Train one variant end to end; returns where the results are."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    problems = check_runtime(
-        cfg, world_size=world_size, device_count=torch.cuda.device_count(), device_type=device_type
-    )
-    resume = None
+    resume, resume_problems = None, []
     try:  # before anything heavy: an incomplete checkpoint or another world size is refused at once
         resume = resolve_resume(cfg.training.resume_from_checkpoint, cfg.training.output_dir, world_size)
     except ConfigError as error:
-        problems.extend(error.problems)
-    if problems:
-        raise ConfigError(problems)
-    gas = cfg.training.gradient_accumulation(world_size)
+        resume_problems = error.problems
+    run = resolve_run(
+        cfg,
+        world_size=world_size,
+        device_count=torch.cuda.device_count(),
+        device_type=device_type,
+        problems=resume_problems,
+    )
+    gas = run.gradient_accumulation_steps
     init_default_group(cfg.training.collective_timeout_s)  # before HF, which would ignore the timeout
     args = training_arguments(cfg, gas, use_cpu=device_type == "cpu")
     set_seed(cfg.training.seed)
     collectives = build_collectives(cfg.training.collective_timeout_s)
 
-    encoder = PromptEncoder.from_pretrained(cfg.model.path, cfg.data, object_format=cfg.custom.object_format)
-    log.info("coordinate frame: %s (data.coord_frame: %s)", encoder.coord_frame, cfg.data.coord_frame)
+    encoder = PromptEncoder(
+        load_processor(run.model_dir, *run.pixel_bounds), cfg.data.prompt, run.coord_frame
+    )
+    log.info("coordinate frame: %s (data.coord_frame: %s)", run.coord_frame, cfg.data.coord_frame)
     model = load_model(cfg)
     codec = build_codec(cfg.custom.object_format, encoder.tokenizer, [encoder.eos_token_id])
     records = load_records(cfg.data.train_jsonl, max_samples=cfg.data.max_samples)
@@ -112,6 +116,7 @@ def run_training(cfg: RollmatchConfig) -> TrainResult:
     rollout_log = rollout_log_for(cfg, encoder, codec, collectives)
     ctx = BuildContext(
         cfg=cfg,
+        run=run,
         model=model,
         encoder=encoder,
         codec=codec,

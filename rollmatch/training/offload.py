@@ -25,12 +25,12 @@ import torch
 from torch import nn
 
 from rollmatch.config.rules import offload_problems
-from rollmatch.config.schema import RollmatchConfig
+from rollmatch.config.schema import ROLLOUT_KEY, RollmatchConfig
 from rollmatch.errors import ConfigError, ConfigProblem
 
-OFFLOAD_KEY = "custom.extra.rollout_matching.offload"
+OFFLOAD_KEY = f"{ROLLOUT_KEY}.offload"
 MITIGATIONS = (
-    f"set `{OFFLOAD_KEY}.enabled: false`, or `custom.extra.rollout_matching.rollout_backend: hf`, "
+    f"set `{OFFLOAD_KEY}.enabled: false`, or `{ROLLOUT_KEY}.rollout_backend: hf`, "
     "or train without DeepSpeed ZeRO (DDP) / without its stage 3"
 )
 

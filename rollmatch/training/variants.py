@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from rollmatch.collectives import Collectives, LocalCollectives
+from rollmatch.config.resolved import ResolvedRun
 from rollmatch.config.schema import RollmatchConfig
 from rollmatch.data.prompts import PromptEncoder
 from rollmatch.data.records import Record
@@ -56,6 +57,7 @@ class BuildContext:
     train_records: list[Record] = field(default_factory=list)
     optimizer_getter: Callable[[], Any] = lambda: None
     rollout_log: RolloutLog | None = None  # rank 0 with training.log_rollouts_every > 0
+    run: ResolvedRun | None = None  # the run resolved at start-up: needed to build a rollout backend
 
 
 @dataclass
@@ -164,11 +166,15 @@ def gt_rows(ctx: BuildContext) -> WindowRows:
 
 def backend_for(ctx: BuildContext) -> RolloutBackend:
     """The configured backend; colocated engines run each rollout phase inside the offload context."""
+    if ctx.run is None:
+        raise ValueError(
+            "BuildContext.run is needed to build a rollout backend: pass config.resolved.resolve_run(...)"
+        )
     backend = build_backend(
-        ctx.cfg,
+        ctx.run,
         model=ctx.model,
         tokenizer=ctx.encoder.tokenizer,
-        model_dir=ctx.cfg.model.path,
+        processor=ctx.encoder.processor,
         collectives=ctx.collectives,
         eos_token_id=ctx.encoder.eos_token_id,
         pad_token_id=ctx.encoder.pad_token_id,

@@ -37,6 +37,39 @@ def test_json_output(write_yaml, capsys: pytest.CaptureFixture[str]) -> None:
     assert resolved["stage2_ab"]["channel_b"]["async"]["queue_limit"] == 3
 
 
+def test_json_output_holds_the_resolved_values(
+    write_yaml, tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`data.coord_frame: auto` is printed as the frame it resolves to, beside the other resolved values."""
+    server = {"base_url": ["http://127.0.0.1:9001", "http://127.0.0.1:9002"], "group_port": 7000}
+    path = write_yaml(
+        "c.yaml",
+        {
+            "model": {"path": str(tiny_model_dir)},
+            "training": {"effective_batch_size": 8, "per_device_train_batch_size": 2},
+            "custom": {"extra": {"rollout_matching": {"vllm": {"mode": "server", "server": server}}}},
+        },
+    )
+    assert main(["check-config", str(path), "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["data"]["coord_frame"] == "auto"  # the config as written
+    assert printed["resolved"] == {
+        "world_size": 1,
+        "sync_mode": "full",
+        "servers": [  # the legacy form, normalised: group_port + i
+            {"base_url": "http://127.0.0.1:9001", "group_port": 7000},
+            {"base_url": "http://127.0.0.1:9002", "group_port": 7001},
+        ],
+        "coord_frame": "pixels",  # the tiny model is a Qwen2.5-VL
+        "min_pixels": None,
+        "max_pixels": None,
+        "gradient_accumulation_steps": 4,
+    }
+    missing = write_yaml("m.yaml", {"model": {"path": str(tmp_path / "not_yet")}})
+    assert main(["check-config", str(missing), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["resolved"]["coord_frame"] == "auto"  # resolved at start
+
+
 def test_every_problem_on_stderr_exit_2(write_yaml, capsys: pytest.CaptureFixture[str]) -> None:
     path = write_yaml(
         "bad.yaml",

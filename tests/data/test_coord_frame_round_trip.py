@@ -16,7 +16,7 @@ from rollmatch.config.schema import DataConfig
 from rollmatch.data.convert import from_voc, from_yolo, read_yolo_names
 from rollmatch.data.prompts import EncodedPrompt, PromptEncoder
 from rollmatch.data.records import Record, RecordObject
-from rollmatch.detection.codec import build_codec
+from rollmatch.detection.object_formats import build_codec
 from rollmatch.detection.objects import from_frame
 from rollmatch.evaluation import prediction_line
 

@@ -10,7 +10,8 @@ import pytest
 from transformers import PreTrainedTokenizerFast
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from rollmatch.detection.codec import QwenJsonCodec, build_codec, decode_with_offsets
+from rollmatch.detection.codec import QwenJsonCodec, decode_with_offsets
+from rollmatch.detection.object_formats import build_codec
 from rollmatch.detection.objects import DetObject, canonical_order
 from rollmatch.errors import ConfigError
 

@@ -9,8 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import AddedToken
 
-from rollmatch.detection.codec import ELEMENT_REASONS, LIST_REASONS, build_codec
+from rollmatch.detection.codec import ELEMENT_REASONS, LIST_REASONS
 from rollmatch.detection.coord_tokens import NUM_BINS, CoordTokenCodec, coord_tokens, from_bin, to_bin
+from rollmatch.detection.object_formats import build_codec
 from rollmatch.detection.objects import DetObject
 from rollmatch.errors import ConfigError
 from rollmatch.models.tiny import build_tokenizer

@@ -104,8 +104,10 @@ def test_refusals_exit_2_with_every_problem_before_anything_starts(tmp_path: Pat
     done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=REPO)
     assert done.returncode == 2
     assert "launch refused before starting anything (2 problem(s))" in done.stderr
-    assert "device(s) 2 are also in --server-devices 0,1,2" in done.stderr
-    assert "3 device(s) do not split into servers of tensor parallel size 2" in done.stderr
+    assert (
+        "device(s) [2] are also in launch.server_devices [0, 1, 2]" in done.stderr
+    )  # --server-devices is it
+    assert "3 device(s) do not split into servers of launch.tensor_parallel_size 2" in done.stderr
     assert done.stdout == "" and not out.exists()
 
 

@@ -6,16 +6,23 @@ from __future__ import annotations
 from pathlib import Path
 
 from rollmatch.cli import build_parser
+from rollmatch.config.resolved import resolve_run_on_this_machine
 from rollmatch.config.schema import RollmatchConfig
+from rollmatch.data.prompts import load_processor
 from rollmatch.rollout.client import local_model_info
 from rollmatch.server.engines import build_engine
 
 
 def test_pixel_flags_give_the_trainers_processor_fingerprint(tiny_model_dir: Path) -> None:
     cfg = RollmatchConfig.model_validate(
-        {"model": {"path": str(tiny_model_dir)}, "data": {"min_pixels": 3136, "max_pixels": 6272}}
+        {
+            "model": {"path": str(tiny_model_dir)},
+            "data": {"min_pixels": 3136, "max_pixels": 6272},
+            "custom": {"extra": {"rollout_matching": {"rollout_backend": "hf"}}},
+        }
     )
-    trainer = local_model_info(cfg, None, str(tiny_model_dir))["fingerprint"]
+    run = resolve_run_on_this_machine(cfg)
+    trainer = local_model_info(run, None, load_processor(run.model_dir, *run.pixel_bounds))["fingerprint"]
     args = build_parser().parse_args(
         [
             "serve",

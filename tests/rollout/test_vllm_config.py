@@ -9,6 +9,7 @@ import torch
 from pydantic import ValidationError
 
 from rollmatch.collectives import LocalCollectives
+from rollmatch.config.resolved import resolve_run
 from rollmatch.config.rules import resolve_sync_mode
 from rollmatch.config.schema import RollmatchConfig
 from rollmatch.errors import BackendError, ConfigError
@@ -129,8 +130,11 @@ def test_from_config_validates_then_builds_a_lazy_engine() -> None:
     cfg.rollout.vllm.enable_lora = True
     cfg.model.lora.enabled = True
     cfg.model.lora.r = 16
+    cfg.model.path = "m"
+    cfg.data.coord_frame = "norm1000"  # "m" is no checkpoint: nothing to resolve auto from
+    run = resolve_run(cfg, world_size=1, device_count=0, device_type="cpu")
     backend = VllmColocateBackend.from_config(
-        cfg, model=torch.nn.Linear(2, 2), tokenizer=None, model_dir="m", collectives=LocalCollectives()
+        run, model=torch.nn.Linear(2, 2), tokenizer=None, collectives=LocalCollectives()
     )
     settings = backend.engine.settings
     assert not backend.engine.started and backend.weight_version == 0
@@ -143,10 +147,8 @@ def test_from_config_validates_then_builds_a_lazy_engine() -> None:
         16,
     )
     assert settings.mm_processor_kwargs == {"max_pixels": 100_000}
-    with pytest.raises(ConfigError):
-        VllmColocateBackend.from_config(
-            RollmatchConfig(), model=None, tokenizer=None, model_dir="m", collectives=LocalCollectives()
-        )
+    with pytest.raises(ConfigError):  # tensor_parallel_size 4 on CPU: refused before any backend is built
+        resolve_run(RollmatchConfig(), world_size=1, device_count=0, device_type="cpu")
 
 
 def test_collapse_placeholders_keeps_one_token_per_image_run() -> None:

@@ -19,6 +19,8 @@ import pytest
 from local_ports import free_tcp_port
 from server_processes import RACCOON, ServerProcess, launch_server
 
+from rollmatch.config.resolved import resolve_run_on_this_machine
+
 
 @pytest.fixture(scope="session")
 def _server_pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[ServerProcess]]:
@@ -156,11 +158,13 @@ def trainer_side(
             tiny_model_dir, dtype=torch.float32, attn_implementation="sdpa"
         )
         backend = ServerBackend.from_config(
-            server_config(servers=[{"base_url": url, "group_port": free_port()}], **server_keys),
+            resolve_run_on_this_machine(
+                server_config(servers=[{"base_url": url, "group_port": free_port()}], **server_keys)
+            ),
             model=model,
             tokenizer=prompt_encoder.tokenizer,
-            model_dir=str(tiny_model_dir),
             collectives=LocalCollectives(),
+            processor=prompt_encoder.processor,
         )
         opened.append(backend)
         reference = HFBackend(

@@ -11,6 +11,8 @@ import pytest
 from rollmatch.cli import build_parser
 from rollmatch.collectives import LocalCollectives
 from rollmatch.config.load import load_config_dict
+from rollmatch.config.resolved import resolve_run, resolve_run_on_this_machine
+from rollmatch.data.prompts import load_processor
 from rollmatch.errors import BackendError, ConfigError
 from rollmatch.protocol import ServerInfo
 from rollmatch.rollout.client import ServerBackend, ServerConnection, frame_and_resize_mismatches
@@ -21,7 +23,11 @@ DECODING = Decoding(max_new_tokens=4)
 
 def _backend(cfg: Any, model: Any, tokenizer: Any) -> ServerBackend:
     return ServerBackend.from_config(
-        cfg, model=model, tokenizer=tokenizer, model_dir=cfg.model.path, collectives=LocalCollectives()
+        resolve_run_on_this_machine(cfg),
+        model=model,
+        tokenizer=tokenizer,
+        collectives=LocalCollectives(),
+        processor=load_processor(cfg.model.path),
     )
 
 
@@ -211,8 +217,8 @@ def test_adapter_sync_under_several_ranks_fails_fast_with_guidance() -> None:
         with pytest.raises(
             ConfigError,
             match=r"vllm.sync.mode = '\w+': .*set custom.extra.rollout_matching.vllm.sync.mode: full",
-        ):  # the rule of config.rules, before any connection is tried
-            ServerBackend.from_config(cfg, model=None, tokenizer=None, model_dir="m", collectives=TwoRanks())
+        ):  # the rule of config.rules, checked when the run is resolved: before any backend is built
+            resolve_run(cfg, world_size=TwoRanks.world_size, device_count=0, device_type="cpu")
 
 
 def test_infer_timeout_null_or_non_positive_means_none() -> None:
@@ -253,9 +259,9 @@ def test_real_servers_of_other_pixel_bounds_or_another_family_differ_by_value(
     from rollmatch.server.serve import served_coord_frame
 
     trainer_dir = str(tiny_model_dirs["qwen2_5_vl"])
-    local = local_model_info(
-        RollmatchConfig.model_validate({"model": {"path": trainer_dir}}), None, trainer_dir
-    )
+    hf = {"custom": {"extra": {"rollout_matching": {"rollout_backend": "hf"}}}}
+    run = resolve_run_on_this_machine(RollmatchConfig.model_validate({"model": {"path": trainer_dir}, **hf}))
+    local = local_model_info(run, None, load_processor(trainer_dir))
     assert local["coord_frame"] == "pixels"
     infos = {}
     for name, model_dir, bounds in (

@@ -23,6 +23,7 @@ from server_processes import REPO, launch_server
 from transformers import AutoModelForImageTextToText
 
 from rollmatch.collectives import LocalCollectives
+from rollmatch.config.resolved import resolve_run_on_this_machine
 from rollmatch.errors import BackendError, SyncError
 from rollmatch.rollout.client import ServerBackend
 from rollmatch.rollout.types import Decoding
@@ -33,11 +34,11 @@ SWIFT_CHAT = {"messages": [{"role": "user", "content": "find"}]}
 
 def _backend(cfg: Any, tiny_model_dir: Path, prompt_encoder: Any, model: Any = None) -> ServerBackend:
     return ServerBackend.from_config(
-        cfg,
+        resolve_run_on_this_machine(cfg),
         model=model,
         tokenizer=prompt_encoder.tokenizer,
-        model_dir=str(tiny_model_dir),
         collectives=LocalCollectives(),
+        processor=prompt_encoder.processor,
     )
 
 

@@ -18,6 +18,7 @@ from test_async_learner import async_config, step_metrics, train_to_the_end
 from transformers import AutoModelForImageTextToText
 
 from rollmatch.collectives import LocalCollectives
+from rollmatch.config.resolved import resolve_run_on_this_machine
 from rollmatch.rollout.client import ServerBackend
 from rollmatch.rollout.types import Decoding
 from rollmatch.training.grpo_loss import recompute_logprobs
@@ -54,11 +55,11 @@ def test_server_logprobs_equal_the_learners_on_the_pushed_weights(
             param.add_(torch.randn_like(param) * 0.05)
     cfg = server_config(servers=[{"base_url": hf_sync_server.url, "group_port": free_port()}])
     backend = ServerBackend.from_config(
-        cfg,
+        resolve_run_on_this_machine(cfg),
         model=model,
         tokenizer=prompt_encoder.tokenizer,
-        model_dir=cfg.model.path,
         collectives=LocalCollectives(),
+        processor=prompt_encoder.processor,
     )
     try:
         backend.sync_weights(model, 41)

@@ -21,6 +21,7 @@ from PIL import Image
 from pydantic import ValidationError
 
 from rollmatch.collectives import LocalCollectives
+from rollmatch.config.resolved import resolve_run_on_this_machine
 from rollmatch.config.schema import DataConfig
 from rollmatch.data.prompts import PromptEncoder
 from rollmatch.data.records import Record
@@ -109,11 +110,15 @@ def test_resized_bmp_rolls_out_what_png_rolls_out_on_a_real_server(
 
     backends = {
         wire: ServerBackend.from_config(
-            server_config(servers=[{"base_url": hf_server.url, "group_port": free_port()}], image_wire=wire),
+            resolve_run_on_this_machine(
+                server_config(
+                    servers=[{"base_url": hf_server.url, "group_port": free_port()}], image_wire=wire
+                )
+            ),
             model=loaded_tiny[0],
             tokenizer=prompt_encoder.tokenizer,
-            model_dir=str(tiny_model_dir),
             collectives=LocalCollectives(),
+            processor=prompt_encoder.processor,
         )
         for wire in ("png", "resized_bmp")
     }

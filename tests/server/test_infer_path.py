@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from rollmatch.collectives import LocalCollectives
+from rollmatch.config.resolved import resolve_run_on_this_machine
 from rollmatch.errors import BackendError
 from rollmatch.protocol import format_server_timing, parse_server_timing
 from rollmatch.rollout.client import ServerBackend, ServerConnection
@@ -61,11 +62,13 @@ def test_every_infer_call_reports_client_and_server_phases(
     tiny_model_dir: Path,
 ) -> None:
     backend = ServerBackend.from_config(
-        server_config(servers=[{"base_url": hf_server.url, "group_port": free_port()}]),
+        resolve_run_on_this_machine(
+            server_config(servers=[{"base_url": hf_server.url, "group_port": free_port()}])
+        ),
         model=loaded_tiny[0],
         tokenizer=prompt_encoder.tokenizer,
-        model_dir=str(tiny_model_dir),
         collectives=LocalCollectives(),
+        processor=prompt_encoder.processor,
     )
     assert backend.last_infer_timings == []
     rollouts = backend.generate(raccoon_requests, DECODING, seed=0)

@@ -15,6 +15,7 @@ import torch
 from transformers import AutoModelForImageTextToText
 
 from rollmatch.collectives import LocalCollectives
+from rollmatch.config.resolved import resolve_run_on_this_machine
 from rollmatch.errors import BackendError, SyncError
 from rollmatch.rollout.client import ServerBackend
 from rollmatch.rollout.hf import HFBackend
@@ -150,14 +151,18 @@ def test_adapter_sync_falls_back_to_full_once_or_fails_fast(
         for name, param in model.named_parameters():
             if "lora_B" in name:
                 param.normal_(0.0, 0.5)
-    kwargs = {"model": model, "tokenizer": prompt_encoder.tokenizer, "model_dir": str(tiny_model_dir)}
+    kwargs = {"model": model, "tokenizer": prompt_encoder.tokenizer, "processor": prompt_encoder.processor}
 
     strict = _lora_config(tiny_model_dir, hf_sync_server.url, free_port(), fallback=False)
     with pytest.raises(BackendError, match=r"sync modes: trainer needs adapter, server offers \['full'\]"):
-        ServerBackend.from_config(strict, collectives=LocalCollectives(), **kwargs)
+        ServerBackend.from_config(
+            resolve_run_on_this_machine(strict), collectives=LocalCollectives(), **kwargs
+        )
 
     lenient = _lora_config(tiny_model_dir, hf_sync_server.url, free_port(), fallback=True)
-    backend = ServerBackend.from_config(lenient, collectives=LocalCollectives(), **kwargs)
+    backend = ServerBackend.from_config(
+        resolve_run_on_this_machine(lenient), collectives=LocalCollectives(), **kwargs
+    )
     version = hf_sync_server.get("/info/")["weight_version"] + 1
     with caplog.at_level("WARNING", logger="rollmatch.rollout.client"):
         report = backend.sync_weights(model, version)

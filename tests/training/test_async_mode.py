@@ -17,7 +17,7 @@ from thread_ranks import ThreadRanks, on_ranks
 from rollmatch.collectives import LocalCollectives
 from rollmatch.data.prompts import PromptEncoder
 from rollmatch.data.records import load_records
-from rollmatch.detection.codec import build_codec
+from rollmatch.detection.object_formats import build_codec
 from rollmatch.errors import BackendError
 from rollmatch.rollout.hf import HFBackend
 from rollmatch.training.actor import RolloutActor

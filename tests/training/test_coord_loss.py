@@ -13,8 +13,8 @@ from float_compare import REASSOCIATION_ULPS, assert_equal_up_to_reassociation, 
 from rollmatch.config.load import load_config_dict
 from rollmatch.data.prompts import PromptEncoder
 from rollmatch.data.records import load_records
-from rollmatch.detection.codec import build_codec
 from rollmatch.detection.coord_tokens import NUM_BINS
+from rollmatch.detection.object_formats import build_codec
 from rollmatch.models.pretrained import load_pretrained
 from rollmatch.packing.collate import model_inputs, pack_row, pad_batch
 from rollmatch.training.channels import GTChannel

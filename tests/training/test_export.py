@@ -28,7 +28,7 @@ def test_lora_checkpoint_round_trip(make_config, shapes_small: dict[str, Path], 
     from rollmatch.config.schema import DataConfig
     from rollmatch.data.prompts import PromptEncoder
     from rollmatch.data.records import load_records
-    from rollmatch.detection.codec import build_codec
+    from rollmatch.detection.object_formats import build_codec
     from rollmatch.training.entry import run_training
 
     cfg = make_config(

@@ -9,7 +9,7 @@ import torch
 from rollmatch.collectives import LocalCollectives
 from rollmatch.data.prompts import PromptEncoder
 from rollmatch.data.records import load_records
-from rollmatch.detection.codec import build_codec
+from rollmatch.detection.object_formats import build_codec
 from rollmatch.training.channel_modes import WindowRows
 from rollmatch.training.channels import GTChannel
 from rollmatch.training.rows import RowPlanner

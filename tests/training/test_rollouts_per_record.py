@@ -13,7 +13,7 @@ import pytest
 from rollmatch.collectives import LocalCollectives
 from rollmatch.data.prompts import PromptEncoder
 from rollmatch.data.records import load_records
-from rollmatch.detection.codec import build_codec
+from rollmatch.detection.object_formats import build_codec
 from rollmatch.rollout.hf import HFBackend
 from rollmatch.rollout.types import Decoding, Rollout, RolloutRequest, SyncReport
 from rollmatch.training import variants

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from rollmatch.collectives import LocalCollectives
 from rollmatch.data.prompts import PromptEncoder
-from rollmatch.detection.codec import build_codec
+from rollmatch.detection.object_formats import build_codec
 from rollmatch.errors import ConfigError
 from rollmatch.rollout.hf import HFBackend
 from rollmatch.training import variants

@@ -16,7 +16,7 @@ import torch
 from rollmatch.collectives import LocalCollectives
 from rollmatch.data.prompts import PromptEncoder
 from rollmatch.data.records import load_records
-from rollmatch.detection.codec import build_codec
+from rollmatch.detection.object_formats import build_codec
 from rollmatch.errors import BackendError
 from rollmatch.packing.collate import model_inputs, pad_batch
 from rollmatch.rollout.hf import HFBackend
