@@ -6,6 +6,7 @@
 - ``hf_sync_server``: a second session-wide HF-engine server that weight-sync tests may change.
 - ``raccoon_requests``: three trainer-encoded rollout requests on real photos (one grayscale).
 - ``server_config``: ``server_config(**server_keys)`` -> a server-mode config on the tiny model.
+- ``shared_vllm_engine``: ``.get()`` -> one in-process vLLM server engine for the tests that drive one.
 """
 
 from __future__ import annotations
