@@ -139,6 +139,7 @@ def shared_vllm_engine(tiny_model_dir: Path) -> Iterator[SharedVllmEngine]:
     shared.close()
 
 
+@pytest.hookimpl(trylast=True)  # after the fixtures' teardown (servers wrapping the engine close first)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
     """Close the shared vLLM engine when the run leaves this directory (the rest of the session does
     not hold its memory; a later test of this directory starts it again)."""
