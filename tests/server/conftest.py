@@ -6,6 +6,7 @@
 - ``hf_sync_server``: a second session-wide HF-engine server that weight-sync tests may change.
 - ``raccoon_requests``: three trainer-encoded rollout requests on real photos (one grayscale).
 - ``server_config``: ``server_config(**server_keys)`` -> a server-mode config on the tiny model.
+- ``shared_vllm_engine``: ``.get()`` -> one in-process vLLM server engine for the tests that drive one.
 """
 
 from __future__ import annotations
@@ -96,6 +97,58 @@ def hf_engine(tiny_model_dir: Path) -> Any:
     from rollmatch.server.engines import HFServerEngine
 
     return HFServerEngine(str(tiny_model_dir), max_model_len=1024)
+
+
+class SharedVllmEngine:
+    """One in-process vLLM server engine on the tiny model (``max_model_len`` 1024), started on first
+    use and closed once the last test of this directory ran (each start costs seconds)."""
+
+    def __init__(self, model_dir: Path):
+        self.model_dir = model_dir
+        self.engine: Any = None
+
+    def get(self) -> Any:
+        if self.engine is None:
+            from rollmatch.server.engines import VllmServerEngine
+
+            self.engine = VllmServerEngine(str(self.model_dir), max_model_len=1024)
+        return self.engine
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+
+    def discard(self) -> None:
+        """Forget an engine a failed test may have left wedged (not closed: that could hang); the
+        next ``get()`` starts a fresh one."""
+        self.engine = None
+
+
+_SHARED_VLLM: list[SharedVllmEngine] = []
+
+
+@pytest.fixture(scope="session")
+def shared_vllm_engine(tiny_model_dir: Path) -> Iterator[SharedVllmEngine]:
+    """``shared_vllm_engine.get()``: the in-process vLLM engine of the tests that drive one (fuzz,
+    faults, update modes). Tests may load weights into it (none compares it with the pristine model)
+    and wrap it in their own ``RolloutServer``, but close only that server's scheduler and sync
+    session (``app_client`` does), never the engine."""
+    pytest.importorskip("vllm")
+    shared = SharedVllmEngine(tiny_model_dir)
+    _SHARED_VLLM.append(shared)
+    yield shared
+    shared.close()
+
+
+@pytest.hookimpl(trylast=True)  # after the fixtures' teardown (servers wrapping the engine close first)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """Close the shared vLLM engine when the run leaves this directory (the rest of the session does
+    not hold its memory; a later test of this directory starts it again)."""
+    here = Path(__file__).parent
+    if nextitem is None or nextitem.path.parent != here:
+        for shared in _SHARED_VLLM:
+            shared.close()
 
 
 @pytest.fixture

@@ -170,54 +170,84 @@ REQUEST_KEYS = [
 ]
 
 
+# Each strategy is built once, at import: a strategy built inside a draw is validated again on every
+# draw (most of a fuzz run's time went there). The composite steps (token_ids, messages, infer_request,
+# request_config) stay, since hypothesis mutates along them: a seed draws the same bodies either way
+# (300 + 300 derandomized bodies compared equal).
+_KEEP = object()  # drawn in place of a value built inside the draw (``st.just`` of it, built once)
+JSON_SCALARS = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=8),
+)
+JSON_VALUES = st.recursive(
+    JSON_SCALARS,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=6), inner, max_size=3)
+    ),
+    max_leaves=12,
+)
+
+# Prompt ids around the tiny model's special tokens (vision start 1157, image pad 1160, ...).
+_SPECIAL_IDS = st.sampled_from([1149, 1150, 1157, 1158, 1159, 1160, 1161, 1148, 1161, 1162, 1215, 1216])
+TOKEN_IDS = st.lists(
+    st.one_of(st.integers(min_value=0, max_value=1100), _SPECIAL_IDS), min_size=1, max_size=40
+)
+
+_CONTENT = st.one_of(
+    st.text(max_size=30),
+    st.sampled_from(["<image>find", "<image><image>two", "find", *(f"<image>{p}" for p in TEMPLATE_PROBES)]),
+    st.lists(
+        st.one_of(
+            st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=10)}),
+            st.fixed_dictionaries({"type": st.just("image"), "image": IMAGES}),
+            st.fixed_dictionaries(
+                {"type": st.just("image_url"), "image_url": st.fixed_dictionaries({"url": IMAGES})}
+            ),
+            st.fixed_dictionaries({"type": st.just("image")}),
+            st.fixed_dictionaries({"type": st.sampled_from(["audio", "video", 3])}),
+        ),
+        max_size=2,
+    ),
+    NASTY,
+)
+_ROLE = st.one_of(st.sampled_from(["user", "system", "assistant", "tool", "robot"]), NASTY)
+_MESSAGE = st.one_of(st.fixed_dictionaries({"role": _ROLE, "content": _CONTENT}), NASTY)
+MESSAGES = st.one_of(st.lists(_MESSAGE, max_size=2), NASTY)
+
+
 @st.composite
 def token_ids(draw: Any) -> list[int]:
     """Prompt ids around the tiny model's special tokens (vision start 1157, image pad 1160, ...)."""
-    specials = st.sampled_from([1149, 1150, 1157, 1158, 1159, 1160, 1161, 1148, 1161, 1162, 1215, 1216])
-    return draw(
-        st.lists(st.one_of(st.integers(min_value=0, max_value=1100), specials), min_size=1, max_size=40)
-    )
+    return draw(TOKEN_IDS)
 
 
 @st.composite
 def messages(draw: Any) -> Any:
-    content = st.one_of(
-        st.text(max_size=30),
-        st.sampled_from(
-            ["<image>find", "<image><image>two", "find", *(f"<image>{p}" for p in TEMPLATE_PROBES)]
-        ),
-        st.lists(
-            st.one_of(
-                st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=10)}),
-                st.fixed_dictionaries({"type": st.just("image"), "image": IMAGES}),
-                st.fixed_dictionaries(
-                    {"type": st.just("image_url"), "image_url": st.fixed_dictionaries({"url": IMAGES})}
-                ),
-                st.fixed_dictionaries({"type": st.just("image")}),
-                st.fixed_dictionaries({"type": st.sampled_from(["audio", "video", 3])}),
-            ),
-            max_size=2,
-        ),
-        NASTY,
-    )
-    role = st.one_of(st.sampled_from(["user", "system", "assistant", "tool", "robot"]), NASTY)
-    message = st.one_of(st.fixed_dictionaries({"role": role, "content": content}), NASTY)
-    return draw(st.one_of(st.lists(message, max_size=2), NASTY))
+    return draw(MESSAGES)
+
+
+_REQUEST_BASE = st.one_of(
+    st.fixed_dictionaries({"messages": messages(), "images": st.lists(IMAGES, max_size=3)}),
+    st.fixed_dictionaries({"prompt_token_ids": token_ids(), "images": st.lists(IMAGES, max_size=2)}),
+)
+_REQUEST_KEYS_DRAWN = st.lists(st.sampled_from(REQUEST_KEYS), max_size=2)
+_CONFIG_KEYS_DRAWN = st.lists(st.sampled_from(CONFIG_KEYS), max_size=3)
+_KEEP_OR_NASTY = st.one_of(st.just(_KEEP), st.just(_KEEP), NASTY)  # the built value 2 times in 3 ...
+_KEEP_NONE_OR_NASTY = st.one_of(st.just(_KEEP), st.just(_KEEP), st.none(), NASTY)  # ... or None too
 
 
 @st.composite
 def infer_request(draw: Any) -> Any:
-    request: dict[str, Any] = draw(
-        st.one_of(
-            st.fixed_dictionaries({"messages": messages(), "images": st.lists(IMAGES, max_size=3)}),
-            st.fixed_dictionaries({"prompt_token_ids": token_ids(), "images": st.lists(IMAGES, max_size=2)}),
-        )
-    )
-    for key in draw(st.lists(st.sampled_from(REQUEST_KEYS), max_size=2)):
+    request: dict[str, Any] = draw(_REQUEST_BASE)
+    for key in draw(_REQUEST_KEYS_DRAWN):
         request[key] = draw(NASTY)
     if draw(st.integers(0, 3)) == 0:
         request["chat_template_kwargs"] = draw(TEMPLATE_KWARGS)
-    return draw(st.one_of(st.just(request), st.just(request), NASTY))
+    chosen = draw(_KEEP_OR_NASTY)
+    return request if chosen is _KEEP else chosen
 
 
 @st.composite
@@ -229,21 +259,30 @@ def request_config(draw: Any) -> Any:
     sampling = draw(st.booleans())
     if sampling:
         config.update(temperature=draw(st.floats(0.01, 2.0)), seed=draw(st.integers(0, 2**63 - 1)))
-    for key in draw(st.lists(st.sampled_from(CONFIG_KEYS), max_size=3)):
+    for key in draw(_CONFIG_KEYS_DRAWN):
         config[key] = draw(NASTY)
-    return draw(st.one_of(st.just(config), st.just(config), st.none(), NASTY))
+    chosen = draw(_KEEP_NONE_OR_NASTY)
+    return config if chosen is _KEEP else chosen
+
+
+_INFER_REQUESTS = st.lists(infer_request(), max_size=2)
+_REQUEST_CONFIG = request_config()
 
 
 @st.composite
-def infer_bodies(draw: Any) -> str:
-    """JSON text of a ``POST /infer/`` body (mostly near-valid, sometimes anything)."""
-    body: Any = {
-        "infer_requests": draw(st.lists(infer_request(), max_size=2)),
-        "request_config": draw(request_config()),
-    }
+def _infer_body(draw: Any) -> str:
+    body: Any = {"infer_requests": draw(_INFER_REQUESTS), "request_config": draw(_REQUEST_CONFIG)}
     if draw(st.integers(0, 9)) == 0:
-        body = draw(json_values())
+        body = draw(JSON_VALUES)
     return json.dumps(body)
+
+
+_INFER_BODIES = _infer_body()
+
+
+def infer_bodies() -> st.SearchStrategy[str]:
+    """JSON text of a ``POST /infer/`` body (mostly near-valid, sometimes anything)."""
+    return _INFER_BODIES
 
 
 LEASE_HEADER = "X-Rollmatch-Sync-Lease"
@@ -302,100 +341,91 @@ GROUP_HOSTS = [
 ]
 
 
+_META = st.fixed_dictionaries(
+    {
+        "name": st.text(max_size=8),
+        "shape": st.lists(NASTY, max_size=3),
+        "dtype": st.sampled_from(["float32", "torch.bfloat16", "bogus", ""]),
+        "start_idx": NASTY,
+        "end_idx": NASTY,
+        "numel": NASTY,
+    }
+)
+_TRANSACTION = st.fixed_dictionaries(
+    {
+        "version": NASTY,
+        "mode": st.sampled_from(["full", "adapter", "x"]),
+        "bucket_index": NASTY,
+        "num_bytes": NASTY,
+    }
+)
+_SYNC_CALLS = st.one_of(
+    st.tuples(
+        st.just("/init_communicator/"),
+        st.fixed_dictionaries(
+            {
+                "host": st.sampled_from(GROUP_HOSTS),
+                "port": st.one_of(st.integers(0, 70000), NASTY),
+                "world_size": st.one_of(st.integers(0, 3), NASTY),
+                "timeout_s": st.one_of(st.floats(0.1, 2.0), NASTY),
+                "backend": st.sampled_from(["gloo", "nccl", "mpi"]),
+            }
+        ),
+    ),
+    st.tuples(
+        st.just("/update_flattened_params/"),
+        st.fixed_dictionaries(
+            {"metadatas": st.lists(_META, max_size=2), "transaction": st.one_of(_TRANSACTION, NASTY)}
+        ),
+    ),
+    st.tuples(
+        st.just("/update_adapter_flattened_param/"),
+        st.fixed_dictionaries(
+            {
+                "lora_int_id": NASTY,
+                "peft_config": NASTY,
+                "metadatas": st.lists(_META, max_size=1),
+                "transaction": _TRANSACTION,
+            }
+        ),
+    ),
+    st.tuples(
+        st.just("/finish_weight_update/"),
+        st.fixed_dictionaries(
+            {
+                "version": NASTY,
+                "mode": st.sampled_from(["full", "adapter"]),
+                "bucket_checksums": st.lists(st.text(max_size=4), max_size=2),
+                "checksum": NASTY,
+            }
+        ),
+    ),
+    st.tuples(st.sampled_from(["/close_communicator/", "/reset_prefix_cache/", "/get_engine_type/"]), NASTY),
+    st.tuples(
+        st.sampled_from(["/init_communicator/", "/finish_weight_update/", "/update_flattened_params/"]),
+        JSON_VALUES,
+    ),
+)
+_SYNC_HEADERS = st.one_of(
+    st.sampled_from([{}, {LEASE_HEADER: ""}]), st.fixed_dictionaries({LEASE_HEADER: LEASE_VALUES})
+)
+
+
 @st.composite
-def sync_bodies(draw: Any) -> tuple[str, str, dict[str, str | bytes]]:
-    """``(path, JSON text, headers)`` for the weight-sync endpoints."""
-    meta = st.fixed_dictionaries(
-        {
-            "name": st.text(max_size=8),
-            "shape": st.lists(NASTY, max_size=3),
-            "dtype": st.sampled_from(["float32", "torch.bfloat16", "bogus", ""]),
-            "start_idx": NASTY,
-            "end_idx": NASTY,
-            "numel": NASTY,
-        }
-    )
-    header = st.fixed_dictionaries(
-        {
-            "version": NASTY,
-            "mode": st.sampled_from(["full", "adapter", "x"]),
-            "bucket_index": NASTY,
-            "num_bytes": NASTY,
-        }
-    )
-    path, body = draw(
-        st.one_of(
-            st.tuples(
-                st.just("/init_communicator/"),
-                st.fixed_dictionaries(
-                    {
-                        "host": st.sampled_from(GROUP_HOSTS),
-                        "port": st.one_of(st.integers(0, 70000), NASTY),
-                        "world_size": st.one_of(st.integers(0, 3), NASTY),
-                        "timeout_s": st.one_of(st.floats(0.1, 2.0), NASTY),
-                        "backend": st.sampled_from(["gloo", "nccl", "mpi"]),
-                    }
-                ),
-            ),
-            st.tuples(
-                st.just("/update_flattened_params/"),
-                st.fixed_dictionaries(
-                    {"metadatas": st.lists(meta, max_size=2), "transaction": st.one_of(header, NASTY)}
-                ),
-            ),
-            st.tuples(
-                st.just("/update_adapter_flattened_param/"),
-                st.fixed_dictionaries(
-                    {
-                        "lora_int_id": NASTY,
-                        "peft_config": NASTY,
-                        "metadatas": st.lists(meta, max_size=1),
-                        "transaction": header,
-                    }
-                ),
-            ),
-            st.tuples(
-                st.just("/finish_weight_update/"),
-                st.fixed_dictionaries(
-                    {
-                        "version": NASTY,
-                        "mode": st.sampled_from(["full", "adapter"]),
-                        "bucket_checksums": st.lists(st.text(max_size=4), max_size=2),
-                        "checksum": NASTY,
-                    }
-                ),
-            ),
-            st.tuples(
-                st.sampled_from(["/close_communicator/", "/reset_prefix_cache/", "/get_engine_type/"]), NASTY
-            ),
-            st.tuples(
-                st.sampled_from(
-                    ["/init_communicator/", "/finish_weight_update/", "/update_flattened_params/"]
-                ),
-                json_values(),
-            ),
-        )
-    )
-    headers: dict[str, str | bytes] = draw(
-        st.one_of(
-            st.sampled_from([{}, {LEASE_HEADER: ""}]), st.fixed_dictionaries({LEASE_HEADER: LEASE_VALUES})
-        )
-    )
+def _sync_body(draw: Any) -> tuple[str, str, dict[str, str | bytes]]:
+    path, body = draw(_SYNC_CALLS)
+    headers: dict[str, str | bytes] = draw(_SYNC_HEADERS)
     return path, json.dumps(body), headers
 
 
+_SYNC_BODIES = _sync_body()
+
+
+def sync_bodies() -> st.SearchStrategy[tuple[str, str, dict[str, str | bytes]]]:
+    """``(path, JSON text, headers)`` for the weight-sync endpoints."""
+    return _SYNC_BODIES
+
+
 def json_values() -> st.SearchStrategy[Any]:
-    scalars = st.one_of(
-        st.none(),
-        st.booleans(),
-        st.integers(),
-        st.floats(allow_nan=True, allow_infinity=True),
-        st.text(max_size=8),
-    )
-    return st.recursive(
-        scalars,
-        lambda inner: st.one_of(
-            st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=6), inner, max_size=3)
-        ),
-        max_leaves=12,
-    )
+    """Any JSON value (scalars, lists and objects nested a few levels)."""
+    return JSON_VALUES

@@ -9,6 +9,7 @@ learner (gloo) on 127.0.0.1, ``channel_b.mode: async`` with ``b_ratio: 1.0``.
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 import os
@@ -16,11 +17,13 @@ import signal
 import subprocess
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from local_ports import free_tcp_port
 
 from rollmatch.launch.plan import torchrun_command
 
@@ -135,11 +138,15 @@ def rank_logs(log_dir: Path) -> dict[int, str]:
     return logs
 
 
-@pytest.fixture
-def shapes(tmp_path: Path) -> dict[str, Path]:
+def make_shapes(folder: Path) -> dict[str, Path]:
     from rollmatch.data.shapes import generate_shapes
 
-    return generate_shapes(tmp_path / "shapes", n_train=24, n_val=1, size=112, seed=3)
+    return generate_shapes(folder / "shapes", n_train=24, n_val=1, size=112, seed=3)
+
+
+@pytest.fixture
+def shapes(tmp_path: Path) -> dict[str, Path]:
+    return make_shapes(tmp_path)
 
 
 @pytest.fixture(scope="module")
@@ -149,19 +156,60 @@ def vllm_server(start_server: Callable[..., Any], tiny_model_dir: Path) -> Any:
     return start_server(tiny_model_dir, "--engine", "vllm")
 
 
+# The target that trains after the model's own mistakes, with the unlikelihood flags riding in the
+# ready packs (docs/detection.md).
+AFTER_MISTAKES_LOSS = {
+    "keep_prefix": "all",
+    "matched_prefix": "supervise",
+    "missed_weight": 0.5,
+    "fp_unlikelihood_weight": 0.5,
+}
+VLLM_RUN_STEPS, VLLM_RUN_GAS = 4, 2
+
+
+@dataclass
+class AsyncRun:
+    """A finished 2-rank async run: its config and output directory."""
+
+    config: dict[str, Any]
+    out: Path
+
+
+@pytest.fixture(scope="module")
+def vllm_run(vllm_server: Any, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> AsyncRun:
+    """One async run on the vLLM server, read by two tests (one 2-rank learner start instead of three):
+    ``VLLM_RUN_STEPS`` steps of ``VLLM_RUN_GAS`` micro-steps whose B steps wait for their packs, on the
+    after-mistakes target, with a checkpoint after step 2 (the resume test's starting point)."""
+    folder = tmp_path_factory.mktemp("vllm_run")
+    config = async_config(
+        tiny_model_dir,
+        make_shapes(folder),
+        folder / "first",
+        vllm_server.url,
+        free_tcp_port(),
+        max_steps=VLLM_RUN_STEPS,
+        max_wait_s=30.0,
+        gradient_accumulation_steps=VLLM_RUN_GAS,
+        save_steps=2,
+    )
+    config["loss"] = dict(AFTER_MISTAKES_LOSS)
+    started = time.monotonic()
+    train_to_the_end(config, folder, "first", free_tcp_port())
+    assert time.monotonic() - started < RUN_TIMEOUT_S
+    return AsyncRun(config, folder / "first")
+
+
 # hf: the spec's gate (no waiting: steps without packs run A). vllm: 2 micro-steps per step, and B
-# steps wait for their packs (async.max_wait_s), so every step is B and fewer steps suffice.
+# steps wait for their packs (async.max_wait_s), so every step is B and fewer steps suffice; the run
+# trains the after-mistakes target (AFTER_MISTAKES_LOSS) and is the one the resume test starts from.
 # vllm-coord: the same on a model with the coordinate tokens (custom.object_format: coord_tokens); the
 # server's /info/ says it can decode them, else the learner would refuse it at start-up.
-# vllm-after-mistakes: the target that trains after the model's own mistakes, with the unlikelihood
-# flags riding in the ready packs (docs/detection.md).
 @pytest.mark.parametrize(
     ("engine", "steps", "max_wait_s", "gas"),
     [
         ("hf", 14, 0.0, 1),
-        ("vllm", 4, 30.0, 2),
+        ("vllm", VLLM_RUN_STEPS, 30.0, VLLM_RUN_GAS),
         ("vllm-coord", 3, 30.0, 1),
-        ("vllm-after-mistakes", 3, 30.0, 1),
     ],
 )
 def test_async_learner_runs_b_steps_and_accounts_for_every_pack(
@@ -172,43 +220,37 @@ def test_async_learner_runs_b_steps_and_accounts_for_every_pack(
     request: pytest.FixtureRequest,
     start_server: Callable[..., Any],
     tiny_model_dir: Path,
-    coord_model_dir: Path,
-    shapes: dict[str, Path],
     tmp_path: Path,
     free_port: Callable[[], int],
 ) -> None:
-    model_dir = coord_model_dir if engine == "vllm-coord" else tiny_model_dir
-    if engine == "vllm-coord":
-        pytest.importorskip("vllm")
-        server = start_server(model_dir, "--engine", "vllm")
+    if engine == "vllm":
+        out = request.getfixturevalue("vllm_run").out
     else:
-        server = request.getfixturevalue("hf_sync_server" if engine == "hf" else "vllm_server")
-    if engine == "vllm-coord":
-        assert server.get("/info/")["object_formats"] == ["qwen_json", "coord_tokens"]
-    out = tmp_path / "out"
-    config = async_config(
-        model_dir,
-        shapes,
-        out,
-        server.url,
-        free_port(),
-        max_steps=steps,
-        max_wait_s=max_wait_s,
-        gradient_accumulation_steps=gas,
-    )
-    if engine == "vllm-coord":
-        config["custom"]["object_format"] = "coord_tokens"
-        config["custom"]["extra"]["rollout_matching"]["max_new_tokens"] = 24
-    if engine == "vllm-after-mistakes":
-        config["loss"] = {
-            "keep_prefix": "all",
-            "matched_prefix": "supervise",
-            "missed_weight": 0.5,
-            "fp_unlikelihood_weight": 0.5,
-        }
-    started = time.monotonic()
-    train_to_the_end(config, tmp_path, "async", free_port())
-    assert time.monotonic() - started < RUN_TIMEOUT_S
+        out = tmp_path / "out"
+        coord = engine == "vllm-coord"
+        if coord:
+            pytest.importorskip("vllm")
+            model_dir = request.getfixturevalue("coord_model_dir")
+            server = start_server(model_dir, "--engine", "vllm")
+            assert server.get("/info/")["object_formats"] == ["qwen_json", "coord_tokens"]
+        else:
+            model_dir, server = tiny_model_dir, request.getfixturevalue("hf_sync_server")
+        config = async_config(
+            model_dir,
+            make_shapes(tmp_path),
+            out,
+            server.url,
+            free_port(),
+            max_steps=steps,
+            max_wait_s=max_wait_s,
+            gradient_accumulation_steps=gas,
+        )
+        if coord:
+            config["custom"]["object_format"] = "coord_tokens"
+            config["custom"]["extra"]["rollout_matching"]["max_new_tokens"] = 24
+        started = time.monotonic()
+        train_to_the_end(config, tmp_path, "async", free_port())
+        assert time.monotonic() - started < RUN_TIMEOUT_S
     logged = step_metrics(out)
     assert len(logged) == steps
     b_steps = [h for h in logged if h["stage2_ab/step_kind_b"] == 1.0]
@@ -249,37 +291,24 @@ def trace(out: Path, rank: int) -> list[dict[str, Any]]:
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 def test_an_async_run_resumed_from_a_checkpoint_neither_repeats_nor_skips_a_record(
-    vllm_server: Any,
-    tiny_model_dir: Path,
-    shapes: dict[str, Path],
-    tmp_path: Path,
-    free_port: Callable[[], int],
+    vllm_run: AsyncRun, tmp_path: Path, free_port: Callable[[], int]
 ) -> None:
-    """Stop after a checkpoint (run 1: 3 steps, a checkpoint after 2), resume from it (run 2: steps 2-4):
-    on every rank no record is trained or dropped twice, none is skipped (below the checkpoint's
-    frontier, nor at or above it: every stream position up to the last one the resumed run read was
-    trained, dropped or discarded at its end by exactly one of the runs), ``ver`` continues and the lag
-    stays within the window."""
+    """Stop after a checkpoint (run 1, ``vllm_run``: 4 steps, a checkpoint after 2), resume from it (run 2:
+    steps 2-4): on every rank no record is trained or dropped twice, none is skipped (below the
+    checkpoint's frontier, nor at or above it: every stream position up to the last one the resumed run
+    read was trained, dropped or discarded at its end by exactly one of the runs), ``ver`` continues and
+    the lag stays within the window."""
     import torch
 
-    server = vllm_server
-    runs = {}
-    for name, steps, resume in (("first", 3, None), ("resumed", 5, tmp_path / "first" / "checkpoint-2")):
-        out = tmp_path / name
-        config = async_config(
-            tiny_model_dir,
-            shapes,
-            out,
-            server.url,
-            free_port(),
-            max_steps=steps,
-            max_wait_s=30.0,
-            save_steps=2,
-        )
-        if resume is not None:
-            config["training"]["resume_from_checkpoint"] = str(resume)
-        train_to_the_end(config, tmp_path, name, free_port())
-        runs[name] = out
+    config = copy.deepcopy(vllm_run.config)
+    config["training"].update(
+        output_dir=str(tmp_path / "resumed"),
+        max_steps=5,
+        resume_from_checkpoint=str(vllm_run.out / "checkpoint-2"),
+    )
+    config["custom"]["extra"]["rollout_matching"]["vllm"]["server"]["servers"][0]["group_port"] = free_port()
+    train_to_the_end(config, tmp_path, "resumed", free_port())
+    runs = {"first": vllm_run.out, "resumed": tmp_path / "resumed"}
     resumed = step_metrics(runs["resumed"])
     assert [h["stage2_ab/async/ver"] for h in resumed] == [2, 3, 4]  # ver continues from global_step 2
     assert all(h["stage2_ab/async/ver_lag_max"] <= 2 for h in resumed if h["stage2_ab/step_kind_b"] == 1.0)

@@ -161,17 +161,17 @@ def test_seed_overflow_no_longer_wedges_vllm_and_sigterm_stops_it(
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 def test_a_request_that_fails_inside_vllm_leaves_the_engine_clean(
-    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+    shared_vllm_engine: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The wedge itself, below the wire checks (skipped by fault injection): vLLM raises on the seed and
     keeps the request queued; the server recovers the engine, so the next call is served."""
     from rollmatch.protocol import InferBody, RequestConfig
-    from rollmatch.server.engines import VllmServerEngine
     from rollmatch.server.rollout_server import RolloutServer
 
-    engine = VllmServerEngine(str(tiny_model_dir), max_model_len=1024)
+    engine = shared_vllm_engine.get()
+    server = RolloutServer(engine)
+    clean = False
     try:
-        server = RolloutServer(engine)
         good = InferBody.model_validate({"infer_requests": [SWIFT_CHAT], "request_config": {"max_tokens": 4}})
         prompts = [engine.preparer.prepare(good.infer_requests[0], 0)]
         unchecked = RequestConfig.model_construct(
@@ -189,8 +189,12 @@ def test_a_request_that_fails_inside_vllm_leaves_the_engine_clean(
         worker.join(timeout=60)  # without the recovery: spins forever holding the engine
         assert "out" in done and done["out"][0].response.choices[0].finish_reason in ("stop", "length")
         assert server.unhealthy() is None
-    finally:
-        engine.close()
+        clean = True
+    finally:  # the shared engine stays open, unless this test left it wedged
+        server.scheduler.close()
+        server.sync.shutdown()
+        if not clean:
+            shared_vllm_engine.discard()
 
 
 def test_sync_needs_the_token_and_the_lease_and_keeps_the_version_when_refused(

@@ -149,18 +149,12 @@ def test_fuzz_lease_header_while_a_lease_is_held(
 
 @pytest.mark.heavy
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
-def test_fuzz_vllm_engine_in_process(tiny_model_dir: Path, app_client: Callable[..., Any]) -> None:
-    from rollmatch.server.engines import VllmServerEngine
-
-    engine = VllmServerEngine(str(tiny_model_dir), max_model_len=1024)
-    try:
-        client, _ = app_client(engine, max_tokens=6, max_body_bytes=1 << 20)
-        counts = _fuzz(_in_process(client), VLLM_EXAMPLES, VLLM_EXAMPLES // 4)
-        assert counts.get(200, 0) > 10, counts
-        _assert_alive(client)
-        print(f"vllm in-process fuzz: {counts}")
-    finally:
-        engine.close()
+def test_fuzz_vllm_engine_in_process(shared_vllm_engine: Any, app_client: Callable[..., Any]) -> None:
+    client, _ = app_client(shared_vllm_engine.get(), max_tokens=6, max_body_bytes=1 << 20)
+    counts = _fuzz(_in_process(client), VLLM_EXAMPLES, VLLM_EXAMPLES // 4)
+    assert counts.get(200, 0) > 10, counts
+    _assert_alive(client)
+    print(f"vllm in-process fuzz: {counts}")
 
 
 @pytest.mark.heavy

@@ -9,6 +9,9 @@
   gathered weights to a real ``rollmatch serve`` process (rank 0 sends, rank 1 joins the gathers); the
   server verifies the checksum and serves the new version.
 
+One torchrun start serves both tests: the ranks run the ZeRO-3 export on one model, then the FSDP2
+export and push on a second one (a start costs more than the exports).
+
 Teardown. ``fully_shard`` keeps the gloo process group alive after ``destroy_process_group`` (its two
 worker threads and its transport thread still run: 4 threads per rank afterwards, 1 without
 ``fully_shard``, even with the model deleted and collected), so an FSDP2 rank that exits normally has
@@ -40,8 +43,8 @@ import rollmatch  # noqa: F401
 from transformers import AutoModelForImageTextToText
 from rollmatch.sync.weights import SyncTensors, Zero3Gather, iter_sync_tensors
 
-model_dir, mode, out_path = sys.argv[1], sys.argv[2], sys.argv[3]
-server_url = sys.argv[4] if len(sys.argv) > 4 else None
+model_dir, modes, out_path = sys.argv[1], sys.argv[2].split(","), sys.argv[3]
+server_url = sys.argv[4] if len(sys.argv) > 4 else None  # the FSDP2 run pushes to it
 
 
 class FakeGatheredParameters:
@@ -62,7 +65,7 @@ class FakeGatheredParameters:
             p.data = torch.empty(0, dtype=p.dtype)
 
 
-def export_and_push(rank, world):
+def export_and_push(rank, world, mode):
     torch.manual_seed(0)
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
     with torch.no_grad():
@@ -105,7 +108,7 @@ def export_and_push(rank, world):
     stopped.drain()
     result["gathers_after_fault"] = stopped.gathers_run
 
-    if server_url is not None:
+    if server_url is not None and mode == "fsdp2":
         from rollmatch.collectives import TorchCollectives
         from rollmatch.rollout.client import ServerBackend, ServerConnection
         collectives = TorchCollectives(timeout_s=60)
@@ -120,27 +123,30 @@ def export_and_push(rank, world):
 
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
 rank = dist.get_rank()
-result = export_and_push(rank, dist.get_world_size())
-gc.collect()  # the sharded model and its iterators are gone before the group is destroyed
-dist.barrier()
+results = {}
+for mode in modes:  # fsdp2 last: fully_shard keeps the group's threads alive (module docstring)
+    results[mode] = export_and_push(rank, dist.get_world_size(), mode)
+    gc.collect()  # the sharded model and its iterators are gone before the next mode, or the teardown
+    dist.barrier()
 dist.destroy_process_group()
-result["threads_after_destroy"] = len(os.listdir("/proc/self/task"))  # > 1 under fully_shard (docstring)
+results["threads_after_destroy"] = len(os.listdir("/proc/self/task"))  # > 1 under fully_shard (docstring)
 with open(os.path.join(out_path, f"rank{rank}.json"), "w") as fh:
-    json.dump(result, fh)
+    json.dump(results, fh)
 sys.stdout.flush()
 sys.stderr.flush()
 os._exit(0)  # no interpreter teardown of gloo threads that fully_shard kept alive (module docstring)
 '''
 
 
-def run_probe(tmp_path: Path, model_dir: Path, mode: str, *extra: str) -> list[dict[str, Any]]:
+def run_probe(tmp_path: Path, model_dir: Path, modes: str, *extra: str) -> list[dict[str, Any]]:
+    """Both ranks' results (``{mode: result}``) of one 2-rank run of ``modes`` (comma-separated)."""
     import json
 
     probe = tmp_path / "probe.py"
     probe.write_text(PROBE)
-    out = tmp_path / mode
+    out = tmp_path / "results"
     out.mkdir()
-    command = torchrun_command(2, free_tcp_port(), str(probe), str(model_dir), mode, str(out), *extra)
+    command = torchrun_command(2, free_tcp_port(), str(probe), str(model_dir), modes, str(out), *extra)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-4000:]
@@ -154,15 +160,24 @@ def assert_export_gathers_on_every_rank(rank0: dict[str, Any], rank1: dict[str, 
     assert rank0["gathers_after_fault"] == rank1["gathers_after_fault"] == rank0["gathers"]
 
 
-def test_zero3_export_gathers_sharded_parameters_on_every_rank(tmp_path: Path, tiny_model_dir: Path) -> None:
-    assert_export_gathers_on_every_rank(*run_probe(tmp_path, tiny_model_dir, "zero3"))
+@pytest.fixture(scope="module")
+def probe_results(
+    tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path, hf_sync_server: Any
+) -> list[dict[str, Any]]:
+    """The two ranks' results of the module's one 2-rank run: ZeRO-3 export, then FSDP2 export and push."""
+    folder = tmp_path_factory.mktemp("sharded_sync")
+    return run_probe(folder, tiny_model_dir, "zero3,fsdp2", hf_sync_server.url, str(free_tcp_port()))
+
+
+def test_zero3_export_gathers_sharded_parameters_on_every_rank(probe_results: list[dict[str, Any]]) -> None:
+    assert_export_gathers_on_every_rank(*(rank["zero3"] for rank in probe_results))
 
 
 def test_fsdp2_export_gathers_on_every_rank_and_pushes_gathered_weights_to_a_server(
-    tmp_path: Path, tiny_model_dir: Path, hf_sync_server: Any
+    probe_results: list[dict[str, Any]], hf_sync_server: Any
 ) -> None:
-    """One 2-rank run: the export checks, then a real push (one torchrun start instead of two)."""
-    rank0, rank1 = run_probe(tmp_path, tiny_model_dir, "fsdp2", hf_sync_server.url, str(free_tcp_port()))
+    """The export checks, then a real push from the same ranks."""
+    rank0, rank1 = (rank["fsdp2"] for rank in probe_results)
     assert_export_gathers_on_every_rank(rank0, rank1)
     assert rank0["version"] == rank1["version"] == 7  # both ranks learn the outcome
     assert rank0["bytes"] > 0

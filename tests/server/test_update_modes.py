@@ -7,7 +7,6 @@ from __future__ import annotations
 import importlib.util
 import logging
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -29,13 +28,11 @@ SHORT = Decoding(max_new_tokens=12)
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir: Path) -> Any:
-    from rollmatch.server.engines import VllmServerEngine
-
-    engine = VllmServerEngine(str(tiny_model_dir), max_model_len=1024)
-    server = RolloutServer(engine, ServerLimits(drain_timeout_s=0.3))
+def server(shared_vllm_engine: Any) -> Any:
+    server = RolloutServer(shared_vllm_engine.get(), ServerLimits(drain_timeout_s=0.3))
     yield server
-    server.close()
+    server.scheduler.close()  # the shared engine stays open
+    server.sync.shutdown()
 
 
 def _weight_sets(loaded_tiny: tuple[Any, Any]) -> dict[str, list[tuple[str, torch.Tensor]]]:
