@@ -17,7 +17,7 @@ from PIL import Image
 
 from rollmatch.data.prompts import PromptEncoder
 from rollmatch.data.records import Record, RecordObject, load_records
-from rollmatch.detection.codec import build_codec
+from rollmatch.detection.object_formats import build_codec
 from rollmatch.packing.segment import Segment
 from rollmatch.rollout.types import Decoding, Rollout, RolloutProvenance
 from rollmatch.training.entry import run_training
