@@ -39,7 +39,7 @@ def main() -> None:
     from rollmatch.data.prompts import PromptEncoder
     from rollmatch.data.records import load_records
     from rollmatch.data.shapes import ShapesDifficulty, generate_shapes
-    from rollmatch.detection.codec import build_codec
+    from rollmatch.detection.object_formats import build_codec
     from rollmatch.detection.objects import DetObject
     from rollmatch.models.tiny import build_tiny_model
     from rollmatch.packing.segment import Segment

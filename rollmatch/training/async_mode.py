@@ -80,6 +80,7 @@ class AsyncPacks:
         )
         self._last_report = (time.perf_counter(), 0)  # (time, actor rollouts) at the previous step
         self._last_step = 0  # the latest step whose metrics were taken (the trace's step at shutdown)
+        self._weights_step: int | None = None  # the optimizer step whose weights the servers hold
         self._closed = False
 
     def version_of(self, global_step: int) -> int:
@@ -99,8 +100,28 @@ class AsyncPacks:
         report = None
         if not self.actor.started or self.backend.weight_version != version:
             report = self.backend.sync_weights(self.model, version)
+            self._weights_step = global_step
         self.actor.set_current_version(self.ver, global_step)
         self.actor.start()
+        return report
+
+    @property
+    def weights_step(self) -> int | None:
+        """The optimizer step whose weights the servers hold (None before the run's first push). With
+        ``sync_every_steps > 1`` it may lag the model by up to ``sync_every_steps - 1`` steps."""
+        return self._weights_step
+
+    def push_current_weights(self, global_step: int) -> SyncReport | None:
+        """Periodic evaluation's push: the servers get the weights after ``global_step`` optimizer steps
+        (under version ``v(global_step)``) unless they hold them already, so an evaluation never scores
+        weights up to ``sync_every_steps - 1`` steps old. The actor is told the version the servers now
+        hold, but neither started nor moved to another step; rollouts it makes from these weights carry
+        that version (they are fresher than it says, never staler)."""
+        if self._weights_step == global_step:
+            return None
+        report = self.backend.sync_weights(self.model, self.version_of(global_step))
+        self._weights_step = global_step
+        self.actor.set_current_version(self.ver)
         return report
 
     # ---------------------------------------------------------------------------------- channel

@@ -103,6 +103,12 @@ class SyncPolicy(Protocol):
 
     def before_step(self, global_step: int, kind: StepKind | None) -> SyncReport | None: ...
 
+    def push_current_weights(self, global_step: int) -> SyncReport | None:
+        """Make the engine serve the weights after ``global_step`` optimizer steps (periodic evaluation's
+        push): a push unless it holds them already; no other side effect (the step loop's state is left
+        alone)."""
+        ...
+
 
 class Schedule(Protocol):
     """Which kind optimizer step ``s`` wants (``constant``: the same for every step)."""
@@ -404,6 +410,11 @@ class SyncBeforeRollouts:
         self.model = model
 
     def before_step(self, global_step: int, kind: StepKind | None) -> SyncReport | None:
-        if kind != "B" or self.backend.weight_version == global_step:
+        if kind != "B":
             return None  # A steps never roll out, so they never need fresh weights
+        return self.push_current_weights(global_step)
+
+    def push_current_weights(self, global_step: int) -> SyncReport | None:
+        if self.backend.weight_version == global_step:
+            return None
         return self.backend.sync_weights(self.model, global_step)

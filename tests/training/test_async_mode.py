@@ -24,6 +24,7 @@ from rollmatch.training.actor import RolloutActor
 from rollmatch.training.async_mode import AsyncPacks
 from rollmatch.training.channel_modes import WindowRows
 from rollmatch.training.channels import GTChannel, RolloutChannel
+from rollmatch.training.periodic_eval import DetectionEval
 from rollmatch.training.ready_packs import ReadyPack, ReadyPackQueue, SegmentOrigin, VersionPurePacker
 from rollmatch.training.record_stream import RecordStream
 from rollmatch.training.rows import RowPlanner
@@ -328,3 +329,38 @@ def test_an_actor_that_cannot_reach_its_server_fails_the_step_naming_the_url(tin
     assert channel.actor.failure is not None and url in channel.actor.failure
     with pytest.raises(BackendError, match=rf"rank 0: rollout actor: .*{url}"):
         planner(tiny, channel).plan([tiny.records[:1]], 0)
+
+
+def test_periodic_evaluation_scores_the_current_weights_between_pushes(tiny, train_plan) -> None:
+    """``sync_every_steps: 2``: step 2 pushes the weights after 2 optimizer steps (version 1) and step 3
+    pushes nothing; an evaluation after step 3 must still score the weights after 3 steps, not those
+    the step loop last pushed, and leave the actor's step where the loop put it."""
+    channel = async_channel(tiny, window=1, sync_every_steps=2)
+    plans = planner(tiny, channel)
+    windows = [tiny.records[:1], tiny.records[1:2]]
+    for step in (2, 3):  # a resumed run at step 2: its first step pushes, and starts the actor
+        assert torch.isfinite(train_plan(tiny.model, plans.plan(windows, step)))
+    assert channel.ver == 1 and channel.weights_step == 2  # step 3 trained version 1: no push
+    evaluation = DetectionEval(
+        cfg=tiny.cfg,
+        backend=channel.backend,
+        sync=channel,
+        encoder=tiny.encoder,
+        codec=tiny.codec,
+        records=tiny.records[:1],
+        collectives=LocalCollectives(),
+    )
+    round_ = evaluation.run(4)  # after 4 optimizer steps: step 4 of version 2 is next
+    assert round_.sync is not None and round_.sync.version == 2  # pushed: what step 4 would push
+    assert channel.weights_step == 4
+    assert evaluation.run(4).sync is None  # the servers hold these weights now: no second push
+
+    plan = plans.plan(windows, 4)  # the loop goes on: version 2 is served, so step 4 pushes nothing
+    assert "sync/pushes" not in plan.sums
+    assert torch.isfinite(train_plan(tiny.model, plan))
+    next_step = channel.actor.next_step
+
+    round_ = evaluation.run(5)  # within version 2: the step loop would not push, the evaluation must
+    assert round_.sync is not None and round_.sync.version == 2 and channel.weights_step == 5
+    assert round_.metrics["eval/weight_version"] == 2.0
+    assert channel.actor.next_step == next_step  # the actor's step is the loop's, not the evaluation's

@@ -15,7 +15,7 @@ from thread_ranks import ThreadRanks, on_ranks
 
 from rollmatch.data.prompts import PromptEncoder
 from rollmatch.data.records import load_records
-from rollmatch.detection.codec import build_codec
+from rollmatch.detection.object_formats import build_codec
 from rollmatch.rollout.hf import HFBackend
 from rollmatch.training.channel_modes import WindowRows
 from rollmatch.training.channels import RolloutChannel

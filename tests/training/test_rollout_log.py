@@ -17,7 +17,7 @@ from PIL import Image
 
 from rollmatch.data.prompts import PromptEncoder
 from rollmatch.data.records import Record, RecordObject, load_records
-from rollmatch.detection.codec import build_codec
+from rollmatch.detection.object_formats import build_codec
 from rollmatch.packing.segment import Segment
 from rollmatch.rollout.types import Decoding, Rollout, RolloutProvenance
 from rollmatch.training.entry import run_training
@@ -348,6 +348,7 @@ def test_step_mode_logs_the_rollouts_its_last_micro_step_trains(
     loaded_tiny, tiny_model_dir, make_config, train_plan, pipeline
 ) -> None:
     from rollmatch.collectives import LocalCollectives
+    from rollmatch.config.resolved import resolve_run
     from rollmatch.training.variants import BuildContext, build_variant
 
     model, _ = loaded_tiny
@@ -374,6 +375,7 @@ def test_step_mode_logs_the_rollouts_its_last_micro_step_trains(
         gradient_accumulation_steps=1,
         train_records=records,
         rollout_log=log,
+        run=resolve_run(cfg, world_size=1, device_count=0, device_type="cpu"),
     )
     parts = build_variant(ctx)
     parts.planner.channel_b.pipeline = pipeline  # in process: the pipeline's rollout thread, same backend
