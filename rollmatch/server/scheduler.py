@@ -57,13 +57,13 @@ from typing import TYPE_CHECKING, Literal
 
 from rollmatch.errors import BackendError, ServerBusy, SyncError
 from rollmatch.rollout.types import Decoding
+from rollmatch.server.engine_watch import ADMISSION, CACHE_RESET, GENERATION, EngineWatch
 from rollmatch.server.limits import RequestTooLarge, ServerLimits, UpdateMode
 from rollmatch.server.tickets import CallTicket, EngineOperation
-from rollmatch.server.watchdog import ADMISSION, CACHE_RESET, GENERATION, EngineWatch
 
 if TYPE_CHECKING:
     from rollmatch.server.engines import EngineOutput, ServerEngine
-    from rollmatch.server.prompts import PreparedPrompt
+    from rollmatch.server.prompt_preparer import PreparedPrompt
 
 log = logging.getLogger(__name__)
 ServingState = Literal["idle", "generating", "updating", "stalled", "broken", "stopped"]

@@ -1,7 +1,7 @@
 """The rollout actor of one learner rank: a background thread that keeps the ready-pack queue fed.
 
 Owns :class:`RolloutActor`: read the rank's record stream, roll the records out on the rollout servers
-(a client of its own, never a collective), score them and build segments (``training.channels``), pack
+(a client of its own, never a collective), score them and build segments (``training.segment_producers``), pack
 them version-pure (``training.ready_packs``) and put the packs into the rank's bounded queue. The actor
 paces itself: while ``prefetch_target_packs`` eligible packs wait it sleeps until the learner takes some
 or the version moves on; with admission control it also does not start a batch whose packs would be
@@ -28,9 +28,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from rollmatch.data.records import Record
-from rollmatch.training.channels import RolloutChannel
 from rollmatch.training.ready_packs import ReadyPackQueue, SegmentOrigin, VersionPurePacker, admission_room
 from rollmatch.training.record_stream import RecordStream
+from rollmatch.training.segment_producers import RolloutSegmentProducer
 
 log = logging.getLogger(__name__)
 _SEED_SPACE = 1 << 31
@@ -59,7 +59,7 @@ class RolloutActor:
     def __init__(
         self,
         *,
-        rollouts: RolloutChannel,
+        rollouts: RolloutSegmentProducer,
         stream: RecordStream[Record],
         queue: ReadyPackQueue[Any],
         packer: VersionPurePacker[Any],

@@ -15,8 +15,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from rollmatch.data.records import Record
-from rollmatch.training.channels import ChannelOutput
 from rollmatch.training.rows import RowPlanner
+from rollmatch.training.segment_producers import ChannelOutput
 from rollmatch.training.step import ChannelBatch, ChannelStatus, GaugeKind, Windows
 
 # records of the whole window, optimizer step -> segments (in record order) + metric sums

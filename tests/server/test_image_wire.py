@@ -31,7 +31,7 @@ from rollmatch.rollout.image_wire import ResizedBmp, build_image_wire
 from rollmatch.rollout.types import Decoding
 from rollmatch.server.engines import pixel_inputs
 from rollmatch.server.media import decode_image
-from rollmatch.server.prompts import PreparedPrompt, PromptPreparer
+from rollmatch.server.prompt_preparer import PreparedPrompt, PromptPreparer
 
 DECODING = Decoding(max_new_tokens=8)
 RACCOON = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "raccoon" / "images"

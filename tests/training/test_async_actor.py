@@ -16,11 +16,11 @@ from rollmatch.data.records import Record
 from rollmatch.rollout.types import SyncReport
 from rollmatch.training.actor import AdmissionSettings, RolloutActor
 from rollmatch.training.async_mode import AsyncPacks
-from rollmatch.training.channels import ChannelOutput
 from rollmatch.training.ready_packs import ReadyPackQueue, VersionPurePacker
 from rollmatch.training.record_stream import RecordStream
 from rollmatch.training.rows import RowPlanner
 from rollmatch.training.schedule import step_kind
+from rollmatch.training.segment_producers import ChannelOutput
 
 CAPACITY = 1024  # tokens per pack (training.global_max_length)
 SEGMENT_TOKENS = 400  # two segments fill a pack to 800 tokens, a third does not fit

@@ -23,11 +23,11 @@ from rollmatch.rollout.hf import HFBackend
 from rollmatch.training.actor import RolloutActor
 from rollmatch.training.async_mode import AsyncPacks
 from rollmatch.training.channel_modes import WindowRows
-from rollmatch.training.channels import GTChannel, RolloutChannel
 from rollmatch.training.periodic_eval import DetectionEval
 from rollmatch.training.ready_packs import ReadyPack, ReadyPackQueue, SegmentOrigin, VersionPurePacker
 from rollmatch.training.record_stream import RecordStream
 from rollmatch.training.rows import RowPlanner
+from rollmatch.training.segment_producers import GTSegmentProducer, RolloutSegmentProducer
 from rollmatch.training.step import ABSchedule, StepPlanner
 
 
@@ -40,7 +40,7 @@ def tiny(loaded_tiny, tiny_model_dir, make_config) -> SimpleNamespace:
     encoder = PromptEncoder.from_pretrained(str(tiny_model_dir), cfg.data)
     codec = build_codec("qwen_json", encoder.tokenizer, [encoder.eos_token_id])
     records = load_records(cfg.data.train_jsonl)
-    segments = GTChannel(model, encoder, codec, cfg).produce(records, 0).segments
+    segments = GTSegmentProducer(model, encoder, codec, cfg).produce(records, 0).segments
     model.zero_grad(set_to_none=True)
     actors: list[RolloutActor] = []
     yield SimpleNamespace(
@@ -77,7 +77,7 @@ def async_channel(
         pad_token_id=tiny.encoder.pad_token_id,
     )
     if in_process_actor:
-        rollouts = RolloutChannel(
+        rollouts = RolloutSegmentProducer(
             tiny.model, tiny.encoder, tiny.codec, tiny.cfg, backend, decode_batch_size=2
         )
     queue: ReadyPackQueue[Any] = ReadyPackQueue(limit)
@@ -110,7 +110,9 @@ def async_channel(
 def planner(tiny: SimpleNamespace, channel_b: AsyncPacks) -> StepPlanner:
     return StepPlanner(
         schedule=ABSchedule(1.0),
-        channel_a=WindowRows(GTChannel(tiny.model, tiny.encoder, tiny.codec, tiny.cfg).produce, rows(tiny)),
+        channel_a=WindowRows(
+            GTSegmentProducer(tiny.model, tiny.encoder, tiny.codec, tiny.cfg).produce, rows(tiny)
+        ),
         channel_b=channel_b,
         sync=channel_b,
         collectives=LocalCollectives(),
@@ -299,7 +301,9 @@ def test_a_step_the_schedule_wants_on_channel_a_never_waits(tiny) -> None:
     channel = async_channel(tiny, max_wait_s=30.0)
     plan_a = StepPlanner(
         schedule=ABSchedule(0.5),  # step 0 wants A
-        channel_a=WindowRows(GTChannel(tiny.model, tiny.encoder, tiny.codec, tiny.cfg).produce, rows(tiny)),
+        channel_a=WindowRows(
+            GTSegmentProducer(tiny.model, tiny.encoder, tiny.codec, tiny.cfg).produce, rows(tiny)
+        ),
         channel_b=channel,
         sync=channel,
         collectives=LocalCollectives(),
@@ -319,7 +323,9 @@ def test_an_actor_that_cannot_reach_its_server_fails_the_step_naming_the_url(tin
         collectives=LocalCollectives(),
         tokenizer=tiny.encoder.tokenizer,
     )
-    rollouts = RolloutChannel(tiny.model, tiny.encoder, tiny.codec, tiny.cfg, client, decode_batch_size=2)
+    rollouts = RolloutSegmentProducer(
+        tiny.model, tiny.encoder, tiny.codec, tiny.cfg, client, decode_batch_size=2
+    )
     channel = async_channel(tiny, rollouts)
     channel.actor.start()
     deadline = time.monotonic() + 60.0

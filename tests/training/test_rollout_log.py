@@ -262,10 +262,10 @@ def test_async_mode_logs_from_the_learner_what_each_step_trains(
     from rollmatch.training.actor import RolloutActor
     from rollmatch.training.async_mode import AsyncPacks
     from rollmatch.training.channel_modes import WindowRows
-    from rollmatch.training.channels import GTChannel, RolloutChannel
     from rollmatch.training.ready_packs import ReadyPackQueue, VersionPurePacker
     from rollmatch.training.record_stream import RecordStream
     from rollmatch.training.rows import RowPlanner
+    from rollmatch.training.segment_producers import GTSegmentProducer, RolloutSegmentProducer
     from rollmatch.training.step import ABSchedule, StepPlanner
 
     model, _ = loaded_tiny
@@ -291,7 +291,9 @@ def test_async_mode_logs_from_the_learner_what_each_step_trains(
 
     queue: ReadyPackQueue[Any] = ReadyPackQueue(8)
     actor = RolloutActor(
-        rollouts=RolloutChannel(model, encoder, codec, cfg, backend, decode_batch_size=2, rollout_log=log),
+        rollouts=RolloutSegmentProducer(
+            model, encoder, codec, cfg, backend, decode_batch_size=2, rollout_log=log
+        ),
         stream=RecordStream(records, rank=0, world_size=1, seed=0),
         queue=queue,
         packer=VersionPurePacker(length=lambda s: s.length, capacity=1024, batch_size=None),
@@ -316,7 +318,7 @@ def test_async_mode_logs_from_the_learner_what_each_step_trains(
     )
     steps = StepPlanner(
         schedule=ABSchedule(1.0),
-        channel_a=WindowRows(GTChannel(model, encoder, codec, cfg).produce, rows()),
+        channel_a=WindowRows(GTSegmentProducer(model, encoder, codec, cfg).produce, rows()),
         channel_b=channel,
         sync=channel,
         collectives=LocalCollectives(),
