@@ -203,7 +203,7 @@ def bench_server(args: argparse.Namespace) -> dict[str, Any]:
     try:
         model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
         backends = {
-            wire: ServerBackend.from_config(
+            wire: ServerBackend.connect(
                 resolve_run_on_this_machine(_server_config(model_dir, url, wire)),
                 model=model,
                 tokenizer=encoder.tokenizer,

@@ -134,10 +134,14 @@ class ServerBackend:
         self.last_infer_timings: list[InferTiming] = []  # one per server of the latest generate()
 
     @classmethod
-    def from_config(
+    def connect(
         cls, run: ResolvedRun, *, model: Any, tokenizer: Any, processor: Any, collectives: Collectives
     ) -> ServerBackend:
         """Connect to the run's servers, cross-check each against the trainer's model, fail fast.
+
+        Every rank calls it: it waits until each server is healthy, then rank 0 asks each for the weight
+        version it serves and broadcasts the answer (a collective); servers that serve an earlier run's
+        weights get the trainer's as version 0 (a weight push every rank joins).
 
         ``run`` was resolved (its rules checked) at start-up; ``processor`` is the trainer's one
         processor (``data.prompts.load_processor``), for the image wire and the cross-check.
@@ -174,7 +178,7 @@ class ServerBackend:
         with ThreadPoolExecutor(max_workers=len(connections)) as pool:
             list(pool.map(ServerConnection.wait_healthy, connections))
         backend.check_compatible(local_model_info(run, model, processor))
-        backend._align_initial_version(model)
+        backend._push_v0_over_earlier_weights(model)
         return backend
 
     # -------------------------------------------------------------------------------- protocol
@@ -351,7 +355,7 @@ class ServerBackend:
         for conn in self.connections:
             conn.close()
 
-    def _align_initial_version(self, model: Any) -> None:
+    def _push_v0_over_earlier_weights(self, model: Any) -> None:
         """A server that already serves pushed weights (an earlier run) first gets the trainer's as v0."""
         stale: list[str] = []
         if self.collectives.is_main:

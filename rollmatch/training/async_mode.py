@@ -8,7 +8,7 @@ run (they share one notion of the weight version):
   hold another version (and once at the start of every run, before the actors start, so no rollout
   comes from weights the learner no longer has). ``ver`` is then the version of the last completed
   push, as rank 0 broadcast it with the push's outcome: the version the servers hold now.
-- **status**: stale packs (``ver_pack < ver - version_window``) are dropped and counted; a step that
+- **reserve_for_step**: stale packs (``ver_pack < ver - version_window``) are dropped and counted; a step that
   wants B waits up to ``max_wait_s`` for one eligible pack per micro-step and *reserves* what it has
   (the actor can no longer evict them), then reports how many. The planner runs B only if every rank
   holds one per micro-step; otherwise the reserved packs go back to the queue at the next step. While
@@ -51,6 +51,7 @@ class AsyncPacks:
     """Ready packs of this rank's actor, consumed at optimizer-step boundaries (see the module docstring)."""
 
     needs_kind = False  # pushes follow the step, not its kind: they run before the kind vote
+    always_ready = False  # eligible packs come from the actor: every step votes
 
     def __init__(
         self,
@@ -125,7 +126,7 @@ class AsyncPacks:
         return report
 
     # ---------------------------------------------------------------------------------- channel
-    def status(self, global_step: int, micro_steps: int, *, wants_b: bool) -> ChannelStatus:
+    def reserve_for_step(self, global_step: int, micro_steps: int, *, wants_b: bool) -> ChannelStatus:
         """This rank's eligible packs under ``ver`` (stale ones dropped); a step that wants B waits up to
         ``max_wait_s`` for enough and reserves them."""
         self.queue.unreserve()  # packs a previous vote reserved for a step that ran Channel-A
@@ -180,8 +181,10 @@ class AsyncPacks:
             trained=self.queue.mark_trained,  # a pack counts as trained after its backward pass
         )
 
-    def step_metrics(self, global_step: int) -> tuple[Counter[str], dict[str, tuple[GaugeKind, float]]]:
-        """Every step, A or B: the actor's rollout metrics since the last step and the queue's state."""
+    def finish_step(self, global_step: int) -> tuple[Counter[str], dict[str, tuple[GaugeKind, float]]]:
+        """Every step, A or B: move the actor to the next step, mark the records of packs dropped since
+        the last step done in the ledger (and trace them); return the actor's rollout metrics since the
+        last step and the queue's state."""
         self.actor.set_current_version(self.ver, global_step + 1)  # this step took its packs (or ran A)
         self._last_step = global_step
         dropped = self.queue.take_dropped_origins()

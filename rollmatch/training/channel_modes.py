@@ -34,8 +34,10 @@ class WindowRows:
         self.rows = rows
         self.per_record = per_record
 
-    def status(self, global_step: int, micro_steps: int, *, wants_b: bool) -> ChannelStatus:
-        return ChannelStatus()  # the window's own records always feed the step
+    always_ready = True  # the window's own records always feed the step
+
+    def reserve_for_step(self, global_step: int, micro_steps: int, *, wants_b: bool) -> ChannelStatus:
+        return ChannelStatus()
 
     def take(self, windows: Windows, global_step: int, *, final: bool) -> ChannelBatch:
         # One producer call for the whole window: rollouts batch across micro-steps (weights do not
@@ -50,7 +52,7 @@ class WindowRows:
         self.rows.count(rows, produced.sums)
         return ChannelBatch(rows=rows, batch=self.rows.batch, sums=produced.sums)
 
-    def step_metrics(self, global_step: int) -> tuple[Counter[str], dict[str, tuple[GaugeKind, float]]]:
+    def finish_step(self, global_step: int) -> tuple[Counter[str], dict[str, tuple[GaugeKind, float]]]:
         return Counter(), {}
 
     def close(self) -> None:

@@ -76,17 +76,27 @@ class ChannelBatch:
 
 
 class Channel(Protocol):
-    """A source of rows for optimizer steps (Channel-A, or one of the Channel-B modes)."""
+    """A source of rows for optimizer steps (Channel-A, or one of the Channel-B modes).
 
-    def status(self, global_step: int, micro_steps: int, *, wants_b: bool) -> ChannelStatus:
-        """Can this rank feed a B step of ``micro_steps`` micro-steps now? (``wants_b``: this rank's
-        reading of the schedule, so a source may wait for rows only when the step will want them.)"""
+    ``always_ready``: the channel feeds every step from the step's own records, so
+    :meth:`reserve_for_step` always answers ``ChannelStatus()``; the same on every rank (a property of
+    the mode, not of this rank's state), so the planner may skip the kind vote on it alone.
+    """
+
+    always_ready: bool
+
+    def reserve_for_step(self, global_step: int, micro_steps: int, *, wants_b: bool) -> ChannelStatus:
+        """Can this rank feed a B step of ``micro_steps`` micro-steps? A source with a queue may wait
+        for rows and reserves what it reports for this step (``wants_b``: this rank's reading of the
+        schedule, so it waits and reserves only when the step will want them)."""
         ...
 
     def take(self, windows: Windows, global_step: int, *, final: bool) -> ChannelBatch: ...
 
-    def step_metrics(self, global_step: int) -> tuple[Counter[str], dict[str, tuple[GaugeKind, float]]]:
-        """Sums and gauges to log every step, whichever channel trained it (async: the queue)."""
+    def finish_step(self, global_step: int) -> tuple[Counter[str], dict[str, tuple[GaugeKind, float]]]:
+        """Close step ``global_step`` on this rank (whichever channel trained it) and return the sums and
+        gauges to log for it; a source with a queue settles what the step left (async: moves the actor
+        to the next step, marks dropped records done in the ledger)."""
         ...
 
     def close(self) -> None: ...
@@ -201,7 +211,7 @@ class StepPlanner:
         report = None
         if self.sync is not None and not self.sync.needs_kind:
             report = self.sync.before_step(global_step, None)
-        kind, skipped = self.agree_kind(global_step, len(windows))
+        kind, skipped = self.vote_kind(global_step, len(windows))
         if self.sync is not None and self.sync.needs_kind:
             report = self.sync.before_step(global_step, kind)
         channel = self.channel_b if kind == "B" else self.channel_a
@@ -215,7 +225,7 @@ class StepPlanner:
             if kind == "B" and self.rollout_log is not None:
                 self.rollout_log.trained(global_step, [segment for row in batch.rows for segment in row])
             if self.channel_b is not None:
-                sums, gauges = self.channel_b.step_metrics(global_step)
+                sums, gauges = self.channel_b.finish_step(global_step)
                 batch.sums.update(sums)
                 batch.gauges.update(gauges)
         except Exception as exc:  # told to every rank in the lock-step gather below, then raised here
@@ -232,16 +242,21 @@ class StepPlanner:
         log.debug("step %d: Channel-%s, %d micro-steps", global_step, kind, len(plan.micro_steps))
         return plan
 
-    def agree_kind(self, global_step: int, micro_steps: int) -> tuple[StepKind, bool]:
-        """The step's kind, the same on every rank; ``True`` when a wanted B step runs A (no packs)."""
+    def vote_kind(self, global_step: int, micro_steps: int) -> tuple[StepKind, bool]:
+        """The step's kind, the same on every rank; ``True`` when a wanted B step runs A (no packs).
+
+        A collective (one all-gather of every rank's reservation) unless the schedule is constant and the
+        Channel-B source always ready: that skip is decided from the schedule and the channel's mode
+        alone, never from this rank's state, so every rank skips or votes alike.
+        """
         if self.channel_b is None:
             return "A", False  # sft
-        status = self.channel_b.status(
+        constant = self.schedule.constant
+        if constant is not None and self.channel_b.always_ready:
+            return constant, False  # the same kind every step and nothing to wait for: no vote
+        status = self.channel_b.reserve_for_step(
             global_step, micro_steps, wants_b=self.schedule.wants(global_step) == "B"
         )
-        constant = self.schedule.constant
-        if constant is not None and status.ready is None and status.failure is None:
-            return constant, False  # the same kind every step and nothing to wait for: no vote
         wanted = self.schedule.wants(global_step) if self.collectives.is_main else None
         votes = self.collectives.all_gather_object(
             (wanted, status.ready, status.failure), f"step {global_step}: agree on the channel"

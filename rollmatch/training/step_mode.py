@@ -113,7 +113,9 @@ class StepRollouts:
         self.pipeline = pipeline
         self.wait_timeout_s = wait_timeout_s
 
-    def status(self, global_step: int, micro_steps: int, *, wants_b: bool) -> ChannelStatus:
+    always_ready = True  # every step rolls out its own records
+
+    def reserve_for_step(self, global_step: int, micro_steps: int, *, wants_b: bool) -> ChannelStatus:
         return ChannelStatus()
 
     def take(self, windows: Windows, global_step: int, *, final: bool) -> ChannelBatch:
@@ -122,7 +124,7 @@ class StepRollouts:
         lazy = last(self, records, step=global_step, index=len(windows), count=len(windows))
         return ChannelBatch(rows=[], batch=self.rows.batch, lazy=lazy, timing_key=STEP_SECONDS)
 
-    def step_metrics(self, global_step: int) -> tuple[Counter[str], dict[str, tuple[GaugeKind, float]]]:
+    def finish_step(self, global_step: int) -> tuple[Counter[str], dict[str, tuple[GaugeKind, float]]]:
         return Counter(), {}
 
     def close(self) -> None:

@@ -22,7 +22,7 @@ DECODING = Decoding(max_new_tokens=4)
 
 
 def _backend(cfg: Any, model: Any, tokenizer: Any) -> ServerBackend:
-    return ServerBackend.from_config(
+    return ServerBackend.connect(
         resolve_run_on_this_machine(cfg),
         model=model,
         tokenizer=tokenizer,

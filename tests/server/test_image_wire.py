@@ -109,7 +109,7 @@ def test_resized_bmp_rolls_out_what_png_rolls_out_on_a_real_server(
     from rollmatch.training.variants import ActorRolloutClient
 
     backends = {
-        wire: ServerBackend.from_config(
+        wire: ServerBackend.connect(
             resolve_run_on_this_machine(
                 server_config(
                     servers=[{"base_url": hf_server.url, "group_port": free_port()}], image_wire=wire

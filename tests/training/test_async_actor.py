@@ -110,7 +110,7 @@ def test_a_b_step_gets_its_packs_within_its_wait_when_the_last_one_is_partial(
             channel.before_step(step, None)
             wants_b = step_kind(step, b_ratio) == "B"
             started = time.monotonic()
-            status = channel.status(step, gas, wants_b=wants_b)
+            status = channel.reserve_for_step(step, gas, wants_b=wants_b)
             waited = time.monotonic() - started
             assert status.failure is None
             if wants_b:
@@ -119,7 +119,7 @@ def test_a_b_step_gets_its_packs_within_its_wait_when_the_last_one_is_partial(
                 packs = channel.queue.take_reserved(gas)
                 assert all(channel.ver - p.version <= window for p in packs)
                 channel.queue.mark_trained(gas)
-            channel.step_metrics(step)
+            channel.finish_step(step)
         assert channel.queue.counts.trained == gas * sum(step_kind(s, b_ratio) == "B" for s in range(4))
     finally:
         channel.close()
