@@ -4,7 +4,7 @@ Owns :class:`WindowRows`: Channel-A (and ``sft``) — GT targets of the window's
 Channel-B ``micro`` (and ``rollout_matching_sft``) — rollouts of the window's records — are the same
 strategy with a different segment producer and their own :class:`~rollmatch.training.rows.RowPlanner`
 (so their rows, and carry buffers, never mix). The other Channel-B modes live in
-``training.step_mode`` (a rollout budget per step) and ``training.async_mode`` (ready packs from an
+``training.channel_b.step_mode`` (a rollout budget per step) and ``training.channel_b.async_mode`` (ready packs from an
 actor). Leaves out: the step's decisions (``training.step``).
 """
 

@@ -20,8 +20,8 @@ Owns :class:`StepPlanner` — the whole life of a step except the forward/backwa
    rows per micro-step on every rank (a rank with fewer rows runs zero-weight padding rows);
 6. **train** — the trainer runs each :class:`MicroStep` (one forward/backward per row).
 
-Leaves out: what each channel does inside (``training.channel_modes``, ``training.step_mode``,
-``training.async_mode``), the optimizer update and logging (HF's loop, ``training.trainer``).
+Leaves out: what each channel does inside (``training.channel_modes``, ``training.channel_b.step_mode``,
+``training.channel_b.async_mode``), the optimizer update and logging (HF's loop, ``training.trainer``).
 """
 
 from __future__ import annotations

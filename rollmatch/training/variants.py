@@ -5,7 +5,7 @@
   weights pushed to the rollout engine before each step that needs them.
 - ``stage2_ab_training``: the ``b_ratio`` schedule; Channel-A, and Channel-B in the configured mode:
   ``micro`` (the window's records, rolled out in decode batches), ``step`` (a rollout budget per step,
-  ``training.step_mode``) or ``async`` (ready packs from a per-rank actor, ``training.async_mode``).
+  ``training.channel_b.step_mode``) or ``async`` (ready packs from a per-rank actor, ``training.channel_b.async_mode``).
 
 Channel-A and Channel-B each get their own row planner (carry buffer), so no row mixes the two.
 Leaves out: the config rules that refuse impossible combinations (``config.rules``, checked before this
@@ -31,17 +31,22 @@ from rollmatch.detection.codec import ObjectCodec
 from rollmatch.errors import ConfigError, ConfigProblem
 from rollmatch.rollout.build import build_backend
 from rollmatch.rollout.types import Decoding, Rollout, RolloutBackend, RolloutRequest, SyncReport
-from rollmatch.training.actor import AdmissionSettings, RolloutActor
-from rollmatch.training.async_mode import AsyncPacks
+from rollmatch.training.channel_b.actor import AdmissionSettings, RolloutActor
+from rollmatch.training.channel_b.async_mode import AsyncPacks
+from rollmatch.training.channel_b.ready_packs import ReadyPackQueue, VersionPurePacker
+from rollmatch.training.channel_b.record_stream import RecordStream
+from rollmatch.training.channel_b.step_mode import (
+    StepRecordStream,
+    StepRollouts,
+    rank_share,
+    rollouts_per_step,
+)
 from rollmatch.training.channel_modes import WindowRows
 from rollmatch.training.offload import with_rollout_offload
-from rollmatch.training.ready_packs import ReadyPackQueue, VersionPurePacker
-from rollmatch.training.record_stream import RecordStream
 from rollmatch.training.rollout_log import RolloutLog
 from rollmatch.training.rows import RowPlanner
 from rollmatch.training.segment_producers import GTSegmentProducer, RolloutSegmentProducer
 from rollmatch.training.step import ABSchedule, Channel, ConstantSchedule, StepPlanner, SyncBeforeRollouts
-from rollmatch.training.step_mode import StepRecordStream, StepRollouts, rank_share, rollouts_per_step
 
 
 @dataclass

@@ -14,10 +14,10 @@ import torch
 
 from rollmatch.data.records import Record
 from rollmatch.rollout.types import SyncReport
-from rollmatch.training.actor import AdmissionSettings, RolloutActor
-from rollmatch.training.async_mode import AsyncPacks
-from rollmatch.training.ready_packs import ReadyPackQueue, VersionPurePacker
-from rollmatch.training.record_stream import RecordStream
+from rollmatch.training.channel_b.actor import AdmissionSettings, RolloutActor
+from rollmatch.training.channel_b.async_mode import AsyncPacks
+from rollmatch.training.channel_b.ready_packs import ReadyPackQueue, VersionPurePacker
+from rollmatch.training.channel_b.record_stream import RecordStream
 from rollmatch.training.rows import RowPlanner
 from rollmatch.training.schedule import step_kind
 from rollmatch.training.segment_producers import ChannelOutput

@@ -20,12 +20,17 @@ from rollmatch.data.records import load_records
 from rollmatch.detection.object_formats import build_codec
 from rollmatch.errors import BackendError
 from rollmatch.rollout.hf import HFBackend
-from rollmatch.training.actor import RolloutActor
-from rollmatch.training.async_mode import AsyncPacks
+from rollmatch.training.channel_b.actor import RolloutActor
+from rollmatch.training.channel_b.async_mode import AsyncPacks
+from rollmatch.training.channel_b.ready_packs import (
+    ReadyPack,
+    ReadyPackQueue,
+    SegmentOrigin,
+    VersionPurePacker,
+)
+from rollmatch.training.channel_b.record_stream import RecordStream
 from rollmatch.training.channel_modes import WindowRows
 from rollmatch.training.periodic_eval import DetectionEval
-from rollmatch.training.ready_packs import ReadyPack, ReadyPackQueue, SegmentOrigin, VersionPurePacker
-from rollmatch.training.record_stream import RecordStream
 from rollmatch.training.rows import RowPlanner
 from rollmatch.training.segment_producers import GTSegmentProducer, RolloutSegmentProducer
 from rollmatch.training.step import ABSchedule, StepPlanner

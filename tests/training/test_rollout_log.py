@@ -259,11 +259,11 @@ def test_async_mode_logs_from_the_learner_what_each_step_trains(
     (the record trace says which), with the version they were rolled out under (window 0: the step's)."""
     from rollmatch.collectives import LocalCollectives
     from rollmatch.rollout.hf import HFBackend
-    from rollmatch.training.actor import RolloutActor
-    from rollmatch.training.async_mode import AsyncPacks
+    from rollmatch.training.channel_b.actor import RolloutActor
+    from rollmatch.training.channel_b.async_mode import AsyncPacks
+    from rollmatch.training.channel_b.ready_packs import ReadyPackQueue, VersionPurePacker
+    from rollmatch.training.channel_b.record_stream import RecordStream
     from rollmatch.training.channel_modes import WindowRows
-    from rollmatch.training.ready_packs import ReadyPackQueue, VersionPurePacker
-    from rollmatch.training.record_stream import RecordStream
     from rollmatch.training.rows import RowPlanner
     from rollmatch.training.segment_producers import GTSegmentProducer, RolloutSegmentProducer
     from rollmatch.training.step import ABSchedule, StepPlanner

@@ -22,11 +22,11 @@ from rollmatch.packing.collate import model_inputs, pad_batch
 from rollmatch.rollout.hf import HFBackend
 from rollmatch.rollout.types import Decoding, Rollout, RolloutRequest, SyncReport
 from rollmatch.training import variants
+from rollmatch.training.channel_b.step_mode import StepRecordStream, StepRollouts
 from rollmatch.training.losses import weighted_ce_sum
 from rollmatch.training.rows import RowPlanner
 from rollmatch.training.segment_producers import RolloutSegmentProducer
 from rollmatch.training.step import ABSchedule, MicroStep, StepPlanner
-from rollmatch.training.step_mode import StepRecordStream, StepRollouts
 from rollmatch.training.variants import BuildContext, build_stage2
 
 

@@ -18,8 +18,8 @@ run (they share one notion of the weight version):
   lock-step); it cannot fail, since the vote counted reserved packs only.
 
 Every step it also reports the queue (depth per rank, cumulative produced / trained / dropped counts) and
-the actor's rollout metrics. Leaves out: the actor thread (``training.actor``), the queue and packs
-(``training.ready_packs``).
+the actor's rollout metrics. Leaves out: the actor thread (``training.channel_b.actor``), the queue and packs
+(``training.channel_b.ready_packs``).
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ from typing import Any
 import torch
 
 from rollmatch.rollout.types import RolloutBackend, SyncReport
-from rollmatch.training.actor import RolloutActor
-from rollmatch.training.ready_packs import ReadyPackQueue, SegmentOrigin
-from rollmatch.training.record_stream import StreamLedger
+from rollmatch.training.channel_b.actor import RolloutActor
+from rollmatch.training.channel_b.ready_packs import ReadyPackQueue, SegmentOrigin
+from rollmatch.training.channel_b.record_stream import StreamLedger
 from rollmatch.training.rows import RowPlanner
 from rollmatch.training.schedule import StepKind
 from rollmatch.training.step import ChannelBatch, ChannelStatus, GaugeKind, Windows

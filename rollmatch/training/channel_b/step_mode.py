@@ -40,7 +40,7 @@ from rollmatch.data.records import Record
 from rollmatch.errors import BackendError, PackingError
 from rollmatch.packing.binpack import select_row
 from rollmatch.packing.segment import Segment
-from rollmatch.training.record_stream import extra_record_indices
+from rollmatch.training.channel_b.record_stream import extra_record_indices
 from rollmatch.training.rows import MicroBatch, RowPlanner
 from rollmatch.training.schedule import fixed_size_chunks
 from rollmatch.training.segment_producers import ChannelOutput, RolloutSegmentProducer
