@@ -102,6 +102,25 @@ class Channel(Protocol):
     def close(self) -> None: ...
 
 
+@dataclass(frozen=True)
+class KindVote:
+    """One rank's part of the kind vote: rank 0's wanted kind (None elsewhere) and its channel status."""
+
+    wanted: StepKind | None
+    ready: int | None
+    failure: str | None
+
+
+@dataclass(frozen=True)
+class RankStepView:
+    """One rank's part of the lock-step gather: its metric sums and gauges, row count and failure."""
+
+    sums: dict[str, float]
+    rows: int
+    gauges: dict[str, tuple[GaugeKind, float]]
+    failure: str | None
+
+
 class SyncPolicy(Protocol):
     """When the rollout engine gets new weights, and which version they carry.
 
@@ -258,17 +277,18 @@ class StepPlanner:
             global_step, micro_steps, wants_b=self.schedule.wants(global_step) == "B"
         )
         wanted = self.schedule.wants(global_step) if self.collectives.is_main else None
-        votes = self.collectives.all_gather_object(
-            (wanted, status.ready, status.failure), f"step {global_step}: agree on the channel"
+        votes: list[KindVote] = self.collectives.all_gather_object(
+            KindVote(wanted, status.ready, status.failure), f"step {global_step}: agree on the channel"
         )
-        failures = [f"rank {rank}: {failure}" for rank, (_, _, failure) in enumerate(votes) if failure]
+        failures = [f"rank {rank}: {vote.failure}" for rank, vote in enumerate(votes) if vote.failure]
         if failures:
             raise BackendError(
                 f"the Channel-B rollout source failed before optimizer step {global_step}: "
                 + "; ".join(failures)
             )
-        kind: StepKind = votes[0][0]  # rank 0's schedule decides
-        if kind == "B" and any(ready is not None and ready < micro_steps for _, ready, _ in votes):
+        kind = votes[0].wanted  # rank 0's schedule decides
+        assert kind is not None  # rank 0 always says what it wants
+        if kind == "B" and any(vote.ready is not None and vote.ready < micro_steps for vote in votes):
             return "A", True  # some rank cannot feed every micro-step with a ready pack
         return kind, False
 
@@ -291,11 +311,11 @@ class StepPlanner:
         local["loss/weight"] += sum(s.weight_sum for row in batch.rows for s in row)
         local["target/supervised_tokens"] += sum(s.supervised_tokens for row in batch.rows for s in row)
         why = None if failure is None else f"{type(failure).__name__}: {failure}"
-        gathered = self.collectives.all_gather_object(
-            {"sums": dict(local), "rows": len(batch.rows), "gauges": batch.gauges, "failure": why},
+        gathered: list[RankStepView] = self.collectives.all_gather_object(
+            RankStepView(sums=dict(local), rows=len(batch.rows), gauges=batch.gauges, failure=why),
             f"step {global_step}: loss weights and metric sums",
         )
-        failed = [f"rank {rank}: {view['failure']}" for rank, view in enumerate(gathered) if view["failure"]]
+        failed = [f"rank {rank}: {view.failure}" for rank, view in enumerate(gathered) if view.failure]
         if failure is not None:
             raise failure
         if failed:
@@ -304,8 +324,8 @@ class StepPlanner:
             )
         sums: Counter[str] = Counter()
         for rank_view in gathered:
-            sums.update(rank_view["sums"])
-        gauges = combine_gauges([rank_view["gauges"] for rank_view in gathered])
+            sums.update(rank_view.sums)
+        gauges = combine_gauges([rank_view.gauges for rank_view in gathered])
         if batch.lazy is not None:  # rows arrive while training: that micro-step normalises itself
             empty = [
                 MicroStep([], kind=kind, step=global_step, index=i + 1, count=count) for i in range(count - 1)
@@ -317,10 +337,10 @@ class StepPlanner:
                 f"optimizer step {global_step} has total loss weight {total_weight}: no trained token in its "
                 "targets (check `loss.*` weights and that targets are not empty)"
             )
-        num_rows = max(rank_view["rows"] for rank_view in gathered)
+        num_rows = max(rank_view.rows for rank_view in gathered)
         if self.collectives.world_size > 1:  # DDP: exactly one forward/backward per micro-step, every rank
             num_rows = max(num_rows, count)
-        sums["step/padding_rows"] += sum(num_rows - rank_view["rows"] for rank_view in gathered)
+        sums["step/padding_rows"] += sum(num_rows - rank_view.rows for rank_view in gathered)
         rows = list(batch.rows)
         if len(rows) < num_rows:  # keep DDP in lock-step: the same number of passes on every rank
             rows.extend([padding_row(_first_segment(rows, global_step))] * (num_rows - len(rows)))
