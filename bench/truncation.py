@@ -231,7 +231,7 @@ def rollout_matching(stage1: str, out: Path, builder: str, args: argparse.Namesp
     """``--rm-steps`` rollout-matching steps with one target builder; val metrics at half and full."""
     import shutil
 
-    import rollmatch.training.channels as channels
+    import rollmatch.training.segment_producers as channels
     from rollmatch.training.entry import run_training
 
     steps = args.rm_steps

@@ -203,7 +203,7 @@ def bench_server(args: argparse.Namespace) -> dict[str, Any]:
     try:
         model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
         backends = {
-            wire: ServerBackend.from_config(
+            wire: ServerBackend.connect(
                 resolve_run_on_this_machine(_server_config(model_dir, url, wire)),
                 model=model,
                 tokenizer=encoder.tokenizer,
@@ -296,7 +296,7 @@ def _one_round(
     """Wall and CPU seconds of the in-process engine, of each image wire over HTTP (CPU of this
     process and the server's, with its ``InferTiming``), and of the in-process engine on the images a
     wire delivered (``<wire>_same_images``: the transport alone, for wires that change the images)."""
-    from rollmatch.server.prompts import PreparedPrompt
+    from rollmatch.server.prompt_preparer import PreparedPrompt
 
     sample: dict[str, Any] = {}
     pids = (os.getpid(), server_pid)

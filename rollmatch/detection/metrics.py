@@ -5,7 +5,7 @@ Owns: :class:`DetectionCounts` (matching counts -> precision / recall / F1 / mea
 :class:`ParseCounts` (parse outcomes -> ``parse/*`` and the truncated fraction) and
 :func:`coco_map` (COCO-style mAP via pycocotools' ``COCOeval``). Leaves out: summing across
 micro-steps and ranks (``to_sums`` gives additive ``{name: number}`` sums that the trainer adds up
-exactly; ``from_sums`` reads them back, and ``training.metrics.summarize`` turns them into the
+exactly; ``from_sums`` reads them back, and ``training.metric_summary.summarize`` turns them into the
 logged values) and logging.
 
 Conventions: a ratio whose denominator is 0 is 0.0, except that nothing to count at all (no

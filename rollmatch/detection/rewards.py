@@ -3,7 +3,7 @@
 Owns :func:`detection_reward` (one scored rollout -> :class:`DetectionReward`, from the same strict parse
 and Hungarian match the rollout-matching targets use) and :func:`group_advantages` (one record's K
 rewards -> K advantages). Leaves out: scoring itself (``detection.scoring``), the loss
-(``training.grpo_loss``) and where the K rollouts come from (``training.channels``).
+(``training.grpo_loss``) and where the K rollouts come from (``training.segment_producers``).
 
 Reward of a rollout (``loss.grpo``), worked examples in docs/detection.md:
 

@@ -66,6 +66,15 @@ class NodeReport:
         return self.state == "alive" and self.age_s > timeout_s
 
 
+@dataclass(frozen=True)
+class _Heard:
+    """A node's last accepted report, as the hub keeps it (``heard_at``: the hub's monotonic clock)."""
+
+    state: str
+    code: int | None
+    heard_at: float
+
+
 class _Hub(socketserver.ThreadingTCPServer):
     """Node 0's listener: records each node's last report and answers with every node's."""
 
@@ -77,7 +86,7 @@ class _Hub(socketserver.ThreadingTCPServer):
         self.key = key
         self.io_timeout_s = io_timeout_s
         self.lock = threading.Lock()
-        self.reports: dict[int, tuple[str, int | None, float]] = {}
+        self.reports: dict[int, _Heard] = {}
         self.sent_at: dict[int, float] = {}  # each node's last accepted report time (its clock)
         super().__init__(address, _HubHandler)
 
@@ -91,15 +100,18 @@ class _Hub(socketserver.ThreadingTCPServer):
             if last is not None and sent_at <= last:
                 return f"replayed report: node {node} already reported at {last:.6f}, this one says {sent_at:.6f}"
             self.sent_at[node] = sent_at
-            if self.reports.get(node, ("alive",))[0] != "done":
-                self.reports[node] = (state, code, time.monotonic())
+            heard = self.reports.get(node)
+            if heard is None or heard.state != "done":
+                self.reports[node] = _Heard(state, code, time.monotonic())
         return self.view()
 
     def view(self) -> list[NodeReport | None]:
         now = time.monotonic()
         with self.lock:
             return [
-                None if (r := self.reports.get(n)) is None else NodeReport(r[0], r[1], round(now - r[2], 3))
+                None
+                if (r := self.reports.get(n)) is None
+                else NodeReport(r.state, r.code, round(now - r.heard_at, 3))
                 for n in range(self.node_count)
             ]
 

@@ -6,7 +6,7 @@ Owns, one module per concern, every name re-exported here: the JSON shapes of ev
 :class:`~rollmatch.rollout.types.Decoding` and ms-swift's ``request_config``; ``sync``: the
 weight-sync bodies; ``info``: ``/info/``, ``/health/``, ``/stats/``; ``auth``: credential header and
 environment-variable names), base64 and the default image
-encoding (``media``), the ``Server-Timing`` header of ``/infer/`` answers (``timing``) and the
+encoding (``image_base64``), the ``Server-Timing`` header of ``/infer/`` answers (``server_timing``) and the
 model fingerprint the trainer and a server compare (``fingerprint``).
 Leaves out: engines, HTTP plumbing, the server's configurable caps and media policy
 (``server.limits``, ``server.media``), the trainer's choice of image encoding
@@ -33,6 +33,11 @@ from rollmatch.protocol.fingerprint import (
     FINGERPRINT_KEYS,
     fingerprint_mismatches,
     model_fingerprint,
+)
+from rollmatch.protocol.image_base64 import (
+    encode_image,
+    from_base64,
+    to_base64,
 )
 from rollmatch.protocol.infer import (
     INFER_REPLY,
@@ -75,10 +80,10 @@ from rollmatch.protocol.info import (
     ServerInfo,
     ServerStats,
 )
-from rollmatch.protocol.media import (
-    encode_image,
-    from_base64,
-    to_base64,
+from rollmatch.protocol.server_timing import (
+    SERVER_TIMING_HEADER,
+    format_server_timing,
+    parse_server_timing,
 )
 from rollmatch.protocol.sync import (
     MAX_BUCKET_BYTES,
@@ -93,11 +98,6 @@ from rollmatch.protocol.sync import (
     TransactionHeader,
     UpdateAdapterBody,
     UpdateFlattenedParamsBody,
-)
-from rollmatch.protocol.timing import (
-    SERVER_TIMING_HEADER,
-    format_server_timing,
-    parse_server_timing,
 )
 from rollmatch.protocol.wire import (
     WireModel,

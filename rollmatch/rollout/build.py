@@ -53,7 +53,7 @@ def build_backend(
         return VllmColocateBackend.from_config(run, model=model, tokenizer=tokenizer, collectives=collectives)
     from rollmatch.rollout.client import ServerBackend
 
-    return ServerBackend.from_config(
+    return ServerBackend.connect(
         run, model=model, tokenizer=tokenizer, processor=processor, collectives=collectives
     )
 

@@ -1,8 +1,9 @@
 """Server-mode rollout backend: the trainer's HTTP client to one or more ``rollmatch serve`` servers.
 
 Owns: :class:`ServerBackend` (the ``RolloutBackend`` for
-``custom.extra.rollout_matching.vllm.mode: server``): start-up checks (reachable, same model /
-tokenizer / template / processor, family, coordinate frame, resize bounds and probe-image resize),
+``custom.extra.rollout_matching.vllm.mode: server``): start-up checks (reachable; same model /
+tokenizer / template / processor, family, coordinate frame, resize bounds and probe-image resize, as
+``rollout.server_compat`` compares them),
 request chunking over servers, the ``/infer/`` exchange with its :class:`InferTiming`, and in-memory
 weight sync through the update transaction. Leaves out: one
 server's HTTP calls (``rollout.connection``), the wire shapes (``rollmatch.protocol``), the
@@ -36,21 +37,17 @@ from pydantic import ValidationError
 
 from rollmatch.collectives import Collectives
 from rollmatch.config.resolved import ResolvedRun
-from rollmatch.data.prompts import PROBE_IMAGE_SIZE, image_probe
 from rollmatch.errors import BackendError, ConfigError, ConfigProblem, RollmatchError, SyncError
 from rollmatch.models.wrappers import strip_parallel_wrappers
 from rollmatch.protocol import (
     INFER_REPLY,
     MAX_GROUP_TIMEOUT_S,
-    PROTOCOL_VERSION,
     SERVER_TIMING_HEADER,
-    ImageProbe,
     InferBody,
     InferRequest,
     InitCommunicatorBody,
     RolloutOutput,
     ServerInfo,
-    fingerprint_mismatches,
     parse_server_timing,
     request_config_from_decoding,
 )
@@ -58,6 +55,7 @@ from rollmatch.rollout.chunking import contiguous_chunks
 from rollmatch.rollout.connection import KEY, ServerConnection, encode_body
 from rollmatch.rollout.image_wire import ImageWire, OriginalPng, build_image_wire
 from rollmatch.rollout.replies import init_reply, reply_rollout
+from rollmatch.rollout.server_compat import LocalModelInfo, local_model_info, server_mismatches
 from rollmatch.rollout.server_pool import ServerPool
 from rollmatch.rollout.types import Decoding, Rollout, RolloutProvenance, RolloutRequest, SyncReport
 from rollmatch.sync.digest import new_digest_key, parse_digest_key
@@ -134,10 +132,14 @@ class ServerBackend:
         self.last_infer_timings: list[InferTiming] = []  # one per server of the latest generate()
 
     @classmethod
-    def from_config(
+    def connect(
         cls, run: ResolvedRun, *, model: Any, tokenizer: Any, processor: Any, collectives: Collectives
     ) -> ServerBackend:
         """Connect to the run's servers, cross-check each against the trainer's model, fail fast.
+
+        Every rank calls it: it waits until each server is healthy, then rank 0 asks each for the weight
+        version it serves and broadcasts the answer (a collective); servers that serve an earlier run's
+        weights get the trainer's as version 0 (a weight push every rank joins).
 
         ``run`` was resolved (its rules checked) at start-up; ``processor`` is the trainer's one
         processor (``data.prompts.load_processor``), for the image wire and the cross-check.
@@ -174,7 +176,7 @@ class ServerBackend:
         with ThreadPoolExecutor(max_workers=len(connections)) as pool:
             list(pool.map(ServerConnection.wait_healthy, connections))
         backend.check_compatible(local_model_info(run, model, processor))
-        backend._align_initial_version(model)
+        backend._push_v0_over_earlier_weights(model)
         return backend
 
     # -------------------------------------------------------------------------------- protocol
@@ -182,35 +184,14 @@ class ServerBackend:
     def weight_version(self) -> int:
         return self._version
 
-    def check_compatible(self, local_info: dict[str, Any]) -> None:
-        """Refuse to train against a server that serves another model, tokenizer, template or processor.
-
-        ``local_info``: ``{"fingerprint": model_fingerprint(...), "max_length": int, "object_format": str,
-        "coord_frame": str, "min_pixels": int, "max_pixels": int, "image_probe": ImageProbe}``
-        (:func:`local_model_info`). The family is the fingerprint's ``model_type``; frame, resize bounds
-        and probe image are compared by value when the server reports them (older servers do not).
-        """
+    def check_compatible(self, local_info: LocalModelInfo) -> None:
+        """Refuse to train against a server that serves another model, tokenizer, template or processor
+        (``rollout.server_compat``: every mismatch of :func:`local_model_info` with each server's
+        ``/info/``), or that cannot take the trainer's sync mode."""
         problems: list[str] = []
         for conn in self.connections:
             info = ServerInfo.model_validate(conn.get("/info/", "start-up cross-check"))
-            lines = fingerprint_mismatches(local_info["fingerprint"], info.fingerprint)
-            if info.protocol_version != PROTOCOL_VERSION:
-                lines.append(
-                    f"protocol_version: trainer {PROTOCOL_VERSION} vs server {info.protocol_version}"
-                )
-            if info.max_model_len < int(local_info.get("max_length", 0)):
-                lines.append(
-                    f"max length: trainer training.global_max_length {local_info['max_length']} vs server "
-                    f"max_model_len {info.max_model_len} (serve with --max-model-len >= it)"
-                )
-            object_format = local_info.get("object_format", "qwen_json")
-            if object_format not in info.object_formats:
-                lines.append(
-                    f"object format: trainer custom.object_format {object_format}, the server's tokenizer "
-                    f"supports {info.object_formats} (serve a model with the coordinate tokens: "
-                    "`rollmatch add-coord-tokens`)"
-                )
-            lines.extend(frame_and_resize_mismatches(local_info, info))
+            lines = server_mismatches(local_info, info)
             if self.sync_mode == "adapter" and "adapter" not in info.sync_modes and not self.fallback_to_full:
                 lines.append(f"sync modes: trainer needs adapter, server offers {info.sync_modes}")
             problems.extend(f"{conn.url}: {line}" for line in lines)
@@ -351,7 +332,7 @@ class ServerBackend:
         for conn in self.connections:
             conn.close()
 
-    def _align_initial_version(self, model: Any) -> None:
+    def _push_v0_over_earlier_weights(self, model: Any) -> None:
         """A server that already serves pushed weights (an earlier run) first gets the trainer's as v0."""
         stale: list[str] = []
         if self.collectives.is_main:
@@ -524,59 +505,3 @@ class ServerBackend:
                 conn.sync_lease = None
         self._transports, self._group_members = [], []
         self._group_stale = True
-
-
-def local_model_info(run: ResolvedRun, model: Any, processor: Any) -> dict[str, Any]:
-    """What :meth:`ServerBackend.check_compatible` compares: the trainer's fingerprint, max length,
-    object format, resolved coordinate frame, resize bounds and probe-image resize.
-
-    ``processor``: the trainer's (``data.prompts.load_processor``); ``model`` may be ``None`` (the
-    model directory's config is read instead).
-    """
-    from rollmatch.protocol import model_fingerprint
-
-    config = strip_parallel_wrappers(model).config if model is not None else None
-    if config is None:
-        from transformers import AutoConfig
-
-        config = AutoConfig.from_pretrained(str(run.model_dir))
-    size = processor.image_processor.size
-    resized, tokens = image_probe(processor)
-    return {
-        "fingerprint": model_fingerprint(config, processor),
-        "max_length": run.config.training.global_max_length,
-        "object_format": run.config.custom.object_format,
-        "coord_frame": run.coord_frame,
-        "min_pixels": int(size["shortest_edge"]),
-        "max_pixels": int(size["longest_edge"]),
-        "image_probe": ImageProbe(size=PROBE_IMAGE_SIZE, resized=resized, image_tokens=tokens),
-    }
-
-
-def frame_and_resize_mismatches(local_info: dict[str, Any], info: ServerInfo) -> list[str]:
-    """``key: trainer X vs server Y (fix)`` for the coordinate frame, the resize bounds and the probe
-    image's resized size and image-token count."""
-    lines: list[str] = []
-    frame = local_info.get("coord_frame")
-    # coord_tokens fix the frame themselves (norm1000); the server's digit frame does not apply
-    digits = local_info.get("object_format", "qwen_json") != "coord_tokens"
-    if digits and frame is not None and info.coord_frame is not None and frame != info.coord_frame:
-        lines.append(
-            f"coord frame: trainer data.coord_frame {frame} vs server {info.coord_frame} "
-            f"(serve with --coord-frame {frame})"
-        )
-    for key in ("min_pixels", "max_pixels"):
-        mine, theirs = local_info.get(key), getattr(info, key)
-        if mine is not None and theirs is not None and int(mine) != int(theirs):
-            flag = key.replace("_", "-")
-            lines.append(f"{key}: trainer data.{key} {mine} vs server {theirs} (serve with --{flag} {mine})")
-    probe = local_info.get("image_probe")
-    if probe is not None and info.image_probe is not None and probe != info.image_probe:
-        theirs = info.image_probe
-        lines.append(
-            f"probe image {probe.size[0]}x{probe.size[1]}: trainer resizes to {probe.resized[0]}x{probe.resized[1]} "
-            f"({probe.image_tokens} image tokens) vs server {theirs.resized[0]}x{theirs.resized[1]} "
-            f"({theirs.image_tokens} image tokens) (serve the trainer's processor: same patch/merge size "
-            "and min/max pixels)"
-        )
-    return lines

@@ -20,7 +20,6 @@ cumulative-probability boundary. Greedy rollouts do not sample.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 
 import torch
@@ -56,7 +55,6 @@ class HFBackend:
         self.pad_token_id = int(pad_token_id)
         self.batch_size = int(batch_size)
         self._version = 0
-        self.last_seconds = 0.0
 
     @property
     def weight_version(self) -> int:
@@ -77,7 +75,6 @@ class HFBackend:
     ) -> list[Rollout]:
         """:meth:`generate` with request ``i`` sampling from ``seeds[i]`` (the rollout server batches
         requests of several calls, each call with its own seeds)."""
-        start = time.perf_counter()
         model = strip_parallel_wrappers(self.model)
         was_training = model.training
         model.eval()
@@ -91,7 +88,6 @@ class HFBackend:
                     rollouts.extend(self._generate_batch(model, chunk, decoding, chunk_seeds))
         finally:
             model.train(was_training)
-        self.last_seconds = time.perf_counter() - start
         return rollouts
 
     def _generate_batch(

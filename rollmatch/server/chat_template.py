@@ -15,7 +15,7 @@ a render stops after that many steps, each doing the straight-line work of the t
 on values the conversation's size caps bound. A step budget rather than a clock: it ends the render from inside (a Python
 thread cannot be killed), and a loaded server never refuses a request a quiet one would serve.
 Leaves out: which flags a request may pass (``protocol.TEMPLATE_FLAGS``, checked at the wire),
-the conversation's size caps (messages and parts at the wire, text in ``server.prompts``) and
+the conversation's size caps (messages and parts at the wire, text in ``server.prompt_preparer``) and
 tokenization.
 """
 

@@ -5,7 +5,7 @@ Owns: the :class:`ServerEngine` protocol, :class:`HFServerEngine` (wraps
 :class:`VllmServerEngine` (wraps :class:`~rollmatch.rollout.vllm_engine.VllmEngine`) and
 :func:`build_engine` for the CLI. Both report a liveness signal on every model forward
 (``observe_progress``) and can be left clean after a failed generation (``recover``).
-Leaves out: request preparation (``server.prompts``), HTTP and weight-version bookkeeping
+Leaves out: request preparation (``server.prompt_preparer``), HTTP and weight-version bookkeeping
 (``server.rollout_server``).
 
 Engines are step-level and not thread-safe: one engine thread (``server.scheduler``) adds requests,
@@ -28,7 +28,7 @@ from rollmatch.errors import BackendError, SyncError
 from rollmatch.protocol import model_fingerprint
 from rollmatch.rollout.types import Decoding, FinishReason, RolloutRequest
 from rollmatch.server.media import MediaPolicy
-from rollmatch.server.prompts import PreparedPrompt, PromptPreparer
+from rollmatch.server.prompt_preparer import PreparedPrompt, PromptPreparer
 
 if TYPE_CHECKING:
     from rollmatch.sync.transaction import AdapterPayload

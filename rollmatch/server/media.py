@@ -5,7 +5,7 @@ Owns: :class:`MediaPolicy` (the allowed local media root, like vLLM's
 file), :func:`image_size` (an image's size from its header, nothing decoded), :func:`decode_image`,
 and what decoded images may cost: :class:`PixelBudget` (the pixels of one call, and of every call
 in flight) with the :class:`PixelLease` each call holds until it ends. Leaves out: the trainer's
-encoding (``rollmatch.protocol.encode_image``), which images a request uses (``server.prompts``)
+encoding (``rollmatch.protocol.encode_image``), which images a request uses (``server.prompt_preparer``)
 and what the processor does with pixels.
 
 Safety rules, each a 4xx naming the image (never a 500, never a file probe):

@@ -5,7 +5,7 @@ Owns: :class:`RolloutServer`: request checks against the server's caps
 glue between calls and weight syncs and the :class:`~rollmatch.server.scheduler.EngineScheduler`
 that runs them on the engine (continuous batching across calls, fair weight updates, a watchdog on
 every engine operation). A failed generation leaves the engine clean for the next request.
-Leaves out: HTTP (``server.app``), request preparation (``server.prompts``), the engine thread
+Leaves out: HTTP (``server.app``), request preparation (``server.prompt_preparer``), the engine thread
 (``server.scheduler``) and the weight-sync group (``server.sync_session``).
 
 A call goes through three steps, so the HTTP layer can wait for the engine without holding a
@@ -50,14 +50,14 @@ from rollmatch.protocol import (
 )
 from rollmatch.rollout.types import Decoding
 from rollmatch.server.bodies import BodyBudget
+from rollmatch.server.engine_watch import WEIGHT_LOAD, EngineWatch
 from rollmatch.server.engines import EngineOutput, ServerEngine, check_weight_coverage
 from rollmatch.server.limits import RequestTooLarge, ServerLimits
 from rollmatch.server.media import PixelBudget, PixelLease
-from rollmatch.server.prompts import PreparedPrompt, chat_messages, trim_at_stop_strings
+from rollmatch.server.prompt_preparer import PreparedPrompt, chat_messages, trim_at_stop_strings
 from rollmatch.server.scheduler import CallTicket, EngineScheduler
 from rollmatch.server.sync_session import SyncSession
 from rollmatch.server.timing import PhaseTimes
-from rollmatch.server.watchdog import WEIGHT_LOAD, EngineWatch
 from rollmatch.sync.transaction import VerifiedUpdate
 
 log = logging.getLogger(__name__)

@@ -57,13 +57,13 @@ from typing import TYPE_CHECKING, Literal
 
 from rollmatch.errors import BackendError, ServerBusy, SyncError
 from rollmatch.rollout.types import Decoding
+from rollmatch.server.engine_watch import ADMISSION, CACHE_RESET, GENERATION, EngineWatch
 from rollmatch.server.limits import RequestTooLarge, ServerLimits, UpdateMode
 from rollmatch.server.tickets import CallTicket, EngineOperation
-from rollmatch.server.watchdog import ADMISSION, CACHE_RESET, GENERATION, EngineWatch
 
 if TYPE_CHECKING:
     from rollmatch.server.engines import EngineOutput, ServerEngine
-    from rollmatch.server.prompts import PreparedPrompt
+    from rollmatch.server.prompt_preparer import PreparedPrompt
 
 log = logging.getLogger(__name__)
 ServingState = Literal["idle", "generating", "updating", "stalled", "broken", "stopped"]
@@ -325,9 +325,13 @@ class EngineScheduler:
                 self._fail_everything(BackendError(f"the rollout engine thread failed: {exc}"))
 
     def _serve_operation(self, operation: EngineOperation) -> None:
-        if self._running and not self._ready_for(operation):
-            self._step()  # drain: in-flight calls finish under the current weights
-            return
+        if self._running:
+            may_run, abort_why = self._with_calls_in_flight(operation)
+            if not may_run:
+                self._step()  # drain: in-flight calls finish under the current weights
+                return
+            if abort_why is not None:
+                self._abort_running(abort_why)
         keep = operation.is_load and bool(self._running)
         loaded = False
         error: BaseException | None = None
@@ -386,19 +390,18 @@ class EngineScheduler:
                 self._pending = deque(t for t in self._pending if t is not ticket)
             self._done(ticket, BackendError(f"call cancelled: {why}; nothing of it is answered"))
 
-    def _ready_for(self, operation: EngineOperation) -> bool:
-        """May ``operation`` run now, with calls in flight? Aborts them when the mode says so."""
+    def _with_calls_in_flight(self, operation: EngineOperation) -> tuple[bool, str | None]:
+        """May ``operation`` run now, with calls in flight, and if only by aborting them, why? (A query:
+        the caller aborts.) ``(False, None)``: it waits while they drain."""
         if operation.is_load and self.update_mode == "keep":
-            return True
+            return True, None
         if operation.is_load and any(t.attempts >= self.max_reruns for t in self._running_calls.values()):
-            return False  # a call re-run max_reruns times already: this update waits for it to finish
+            return False, None  # a call re-run max_reruns times already: this update waits for it to finish
         if operation.is_load and self.update_mode == "abort":
-            self._abort_running("the abort update mode")
-            return True
+            return True, "the abort update mode"
         if time.monotonic() - operation.queued_at < self.drain_timeout_s:  # counted from the request
-            return False
-        self._abort_running(f"the drain timeout ({self.drain_timeout_s:g}s, --drain-timeout-s)")
-        return True
+            return False, None
+        return True, f"the drain timeout ({self.drain_timeout_s:g}s, --drain-timeout-s)"
 
     def _abort_running(self, why: str) -> None:
         calls = list(self._running_calls.values())

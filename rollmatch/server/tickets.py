@@ -17,7 +17,7 @@ from rollmatch.rollout.types import Decoding
 
 if TYPE_CHECKING:
     from rollmatch.server.engines import EngineOutput
-    from rollmatch.server.prompts import PreparedPrompt
+    from rollmatch.server.prompt_preparer import PreparedPrompt
 
 
 class _Completion:

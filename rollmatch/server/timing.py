@@ -3,7 +3,7 @@
 Owns: :class:`PhaseTimes`, exclusive wall time per phase of one request (a phase nested in another
 counts only for itself), which ``/infer/`` sends back in its ``Server-Timing`` header
 (``rollmatch.protocol.format_server_timing``). Leaves out: what the phases are (the route and
-:meth:`~rollmatch.server.rollout_server.RolloutServer.infer` name them) and the client's side.
+:meth:`~rollmatch.server.rollout_server.RolloutServer.prepare` name them) and the client's side.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Owns :class:`WindowRows`: Channel-A (and ``sft``) — GT targets of the window's
 Channel-B ``micro`` (and ``rollout_matching_sft``) — rollouts of the window's records — are the same
 strategy with a different segment producer and their own :class:`~rollmatch.training.rows.RowPlanner`
 (so their rows, and carry buffers, never mix). The other Channel-B modes live in
-``training.step_mode`` (a rollout budget per step) and ``training.async_mode`` (ready packs from an
+``training.channel_b.step_mode`` (a rollout budget per step) and ``training.channel_b.async_mode`` (ready packs from an
 actor). Leaves out: the step's decisions (``training.step``).
 """
 
@@ -15,8 +15,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from rollmatch.data.records import Record
-from rollmatch.training.channels import ChannelOutput
 from rollmatch.training.rows import RowPlanner
+from rollmatch.training.segment_producers import ChannelOutput
 from rollmatch.training.step import ChannelBatch, ChannelStatus, GaugeKind, Windows
 
 # records of the whole window, optimizer step -> segments (in record order) + metric sums
@@ -34,8 +34,10 @@ class WindowRows:
         self.rows = rows
         self.per_record = per_record
 
-    def status(self, global_step: int, micro_steps: int, *, wants_b: bool) -> ChannelStatus:
-        return ChannelStatus()  # the window's own records always feed the step
+    always_ready = True  # the window's own records always feed the step
+
+    def reserve_for_step(self, global_step: int, micro_steps: int, *, wants_b: bool) -> ChannelStatus:
+        return ChannelStatus()
 
     def take(self, windows: Windows, global_step: int, *, final: bool) -> ChannelBatch:
         # One producer call for the whole window: rollouts batch across micro-steps (weights do not
@@ -50,7 +52,7 @@ class WindowRows:
         self.rows.count(rows, produced.sums)
         return ChannelBatch(rows=rows, batch=self.rows.batch, sums=produced.sums)
 
-    def step_metrics(self, global_step: int) -> tuple[Counter[str], dict[str, tuple[GaugeKind, float]]]:
+    def finish_step(self, global_step: int) -> tuple[Counter[str], dict[str, tuple[GaugeKind, float]]]:
         return Counter(), {}
 
     def close(self) -> None:

@@ -37,7 +37,7 @@ from rollmatch.packing.collate import enable_packed_attention
 from rollmatch.training.checkpoints import resolve_resume
 from rollmatch.training.coord_loss import CoordLoss
 from rollmatch.training.grpo_loss import grpo_settings
-from rollmatch.training.metrics import JsonlMetricsCallback, summarize
+from rollmatch.training.metric_summary import JsonlMetricsCallback, summarize
 from rollmatch.training.param_groups import freeze_groups
 from rollmatch.training.periodic_eval import DetectionEval, build_detection_eval
 from rollmatch.training.preemption import CheckpointOnWarning

@@ -3,7 +3,7 @@
 Owns :class:`PolicyTokens` (what a policy-gradient segment carries besides ids and weights) and
 :class:`GrpoGroups` (``loss.objective: grpo``: one record's rollouts -> their rewards, group-normalised
 advantages and per-token training data, plus the ``grpo/*`` reward sums). Leaves out: rolling out
-(``training.channels``), the reward arithmetic (``detection.rewards``) and the loss
+(``training.segment_producers``), the reward arithmetic (``detection.rewards``) and the loss
 (``training.grpo_loss``).
 
 A GRPO segment is the prompt + the rollout's own tokens, the stop token included when the rollout

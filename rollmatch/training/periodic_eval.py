@@ -3,9 +3,10 @@
 Owns :class:`DetectionEval`, which HF's loop calls through ``RollmatchTrainer.evaluate`` whenever its eval
 strategy says so:
 
-1. **weights** — every rank joins the variant's sync policy for the current step (the same push a
-   Channel-B step would make; a collective, and under ZeRO-3 / FSDP a gather every rank takes part in),
-   so the rollout engine serves the weights being evaluated (async mode: the version its policy pushes);
+1. **weights** — every rank joins the sync policy's ``push_current_weights`` (a collective, and under
+   ZeRO-3 / FSDP a gather every rank takes part in), so the rollout engine serves exactly the weights being
+   evaluated — also in async mode with ``sync_every_steps > 1``, where the step loop's last push may be up
+   to ``sync_every_steps - 1`` steps old; the step loop's own state (async: the actor's step) is left alone;
 2. **evaluate** — rank 0 alone rolls out the validation records (``data.val_jsonl``, the first
    ``eval.max_samples``) with the run's rollout backend, decoding with ``eval.decoding`` (never the
    rollout decoding), and scores them with ``rollmatch.evaluation``
@@ -74,7 +75,7 @@ class DetectionEval:
 
     def run(self, global_step: int) -> EvalRound:
         """Evaluate the weights after ``global_step`` optimizer steps; every rank returns the same metrics."""
-        report = self.sync.before_step(global_step, "B")
+        report = self.sync.push_current_weights(global_step)
         outcome: dict[str, float] | str | None = None
         failure: Exception | None = None
         if self.collectives.is_main:

@@ -3,7 +3,7 @@
 Owns :class:`RolloutLog` (``training.log_rollouts_every``, ``training.log_rollouts_count``; rank 0 only).
 Two calls feed it:
 
-- :meth:`RolloutLog.rolled_out` — from ``training.channels`` after every rollout call, in whichever thread
+- :meth:`RolloutLog.rolled_out` — from ``training.segment_producers`` after every rollout call, in whichever thread
   rolls out (the learner, the step-mode pipeline, the async actor): it remembers, per segment, the record
   and the raw rollout behind it. Nothing is scored or drawn here; an entry lives as long as its segment
   (a weak reference), so segments dropped from a queue or buffer take their entry with them.

@@ -4,7 +4,7 @@ Owns: :class:`RowPlanner` (one per channel, so rows never mix Channel-A and Chan
 packed rows with the channel's own carry buffer, or padded batches), :func:`spread_rows` (how many
 rows each micro-step trains: the same on every rank) and :func:`padding_row` (the zero-weight row a
 rank runs when another rank has more rows, so DDP stays in lock-step). Leaves out: how segments are
-produced (``training.channels``), which rows a step takes (``packing.carry``: packed ahead over the
+produced (``training.segment_producers``), which rows a step takes (``packing.carry``: packed ahead over the
 whole step, as many full rows as the data brings, a bounded reserve left waiting) and the step's
 decisions (``training.step``).
 """

@@ -20,8 +20,8 @@ Owns :class:`StepPlanner` — the whole life of a step except the forward/backwa
    rows per micro-step on every rank (a rank with fewer rows runs zero-weight padding rows);
 6. **train** — the trainer runs each :class:`MicroStep` (one forward/backward per row).
 
-Leaves out: what each channel does inside (``training.channel_modes``, ``training.step_mode``,
-``training.async_mode``), the optimizer update and logging (HF's loop, ``training.trainer``).
+Leaves out: what each channel does inside (``training.channel_modes``, ``training.channel_b.step_mode``,
+``training.channel_b.async_mode``), the optimizer update and logging (HF's loop, ``training.trainer``).
 """
 
 from __future__ import annotations
@@ -76,20 +76,49 @@ class ChannelBatch:
 
 
 class Channel(Protocol):
-    """A source of rows for optimizer steps (Channel-A, or one of the Channel-B modes)."""
+    """A source of rows for optimizer steps (Channel-A, or one of the Channel-B modes).
 
-    def status(self, global_step: int, micro_steps: int, *, wants_b: bool) -> ChannelStatus:
-        """Can this rank feed a B step of ``micro_steps`` micro-steps now? (``wants_b``: this rank's
-        reading of the schedule, so a source may wait for rows only when the step will want them.)"""
+    ``always_ready``: the channel feeds every step from the step's own records, so
+    :meth:`reserve_for_step` always answers ``ChannelStatus()``; the same on every rank (a property of
+    the mode, not of this rank's state), so the planner may skip the kind vote on it alone.
+    """
+
+    always_ready: bool
+
+    def reserve_for_step(self, global_step: int, micro_steps: int, *, wants_b: bool) -> ChannelStatus:
+        """Can this rank feed a B step of ``micro_steps`` micro-steps? A source with a queue may wait
+        for rows and reserves what it reports for this step (``wants_b``: this rank's reading of the
+        schedule, so it waits and reserves only when the step will want them)."""
         ...
 
     def take(self, windows: Windows, global_step: int, *, final: bool) -> ChannelBatch: ...
 
-    def step_metrics(self, global_step: int) -> tuple[Counter[str], dict[str, tuple[GaugeKind, float]]]:
-        """Sums and gauges to log every step, whichever channel trained it (async: the queue)."""
+    def finish_step(self, global_step: int) -> tuple[Counter[str], dict[str, tuple[GaugeKind, float]]]:
+        """Close step ``global_step`` on this rank (whichever channel trained it) and return the sums and
+        gauges to log for it; a source with a queue settles what the step left (async: moves the actor
+        to the next step, marks dropped records done in the ledger)."""
         ...
 
     def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class KindVote:
+    """One rank's part of the kind vote: rank 0's wanted kind (None elsewhere) and its channel status."""
+
+    wanted: StepKind | None
+    ready: int | None
+    failure: str | None
+
+
+@dataclass(frozen=True)
+class RankStepView:
+    """One rank's part of the lock-step gather: its metric sums and gauges, row count and failure."""
+
+    sums: dict[str, float]
+    rows: int
+    gauges: dict[str, tuple[GaugeKind, float]]
+    failure: str | None
 
 
 class SyncPolicy(Protocol):
@@ -102,6 +131,12 @@ class SyncPolicy(Protocol):
     needs_kind: bool
 
     def before_step(self, global_step: int, kind: StepKind | None) -> SyncReport | None: ...
+
+    def push_current_weights(self, global_step: int) -> SyncReport | None:
+        """Make the engine serve the weights after ``global_step`` optimizer steps (periodic evaluation's
+        push): a push unless it holds them already; no other side effect (the step loop's state is left
+        alone)."""
+        ...
 
 
 class Schedule(Protocol):
@@ -195,7 +230,7 @@ class StepPlanner:
         report = None
         if self.sync is not None and not self.sync.needs_kind:
             report = self.sync.before_step(global_step, None)
-        kind, skipped = self.agree_kind(global_step, len(windows))
+        kind, skipped = self.vote_kind(global_step, len(windows))
         if self.sync is not None and self.sync.needs_kind:
             report = self.sync.before_step(global_step, kind)
         channel = self.channel_b if kind == "B" else self.channel_a
@@ -209,7 +244,7 @@ class StepPlanner:
             if kind == "B" and self.rollout_log is not None:
                 self.rollout_log.trained(global_step, [segment for row in batch.rows for segment in row])
             if self.channel_b is not None:
-                sums, gauges = self.channel_b.step_metrics(global_step)
+                sums, gauges = self.channel_b.finish_step(global_step)
                 batch.sums.update(sums)
                 batch.gauges.update(gauges)
         except Exception as exc:  # told to every rank in the lock-step gather below, then raised here
@@ -226,28 +261,34 @@ class StepPlanner:
         log.debug("step %d: Channel-%s, %d micro-steps", global_step, kind, len(plan.micro_steps))
         return plan
 
-    def agree_kind(self, global_step: int, micro_steps: int) -> tuple[StepKind, bool]:
-        """The step's kind, the same on every rank; ``True`` when a wanted B step runs A (no packs)."""
+    def vote_kind(self, global_step: int, micro_steps: int) -> tuple[StepKind, bool]:
+        """The step's kind, the same on every rank; ``True`` when a wanted B step runs A (no packs).
+
+        A collective (one all-gather of every rank's reservation) unless the schedule is constant and the
+        Channel-B source always ready: that skip is decided from the schedule and the channel's mode
+        alone, never from this rank's state, so every rank skips or votes alike.
+        """
         if self.channel_b is None:
             return "A", False  # sft
-        status = self.channel_b.status(
+        constant = self.schedule.constant
+        if constant is not None and self.channel_b.always_ready:
+            return constant, False  # the same kind every step and nothing to wait for: no vote
+        status = self.channel_b.reserve_for_step(
             global_step, micro_steps, wants_b=self.schedule.wants(global_step) == "B"
         )
-        constant = self.schedule.constant
-        if constant is not None and status.ready is None and status.failure is None:
-            return constant, False  # the same kind every step and nothing to wait for: no vote
         wanted = self.schedule.wants(global_step) if self.collectives.is_main else None
-        votes = self.collectives.all_gather_object(
-            (wanted, status.ready, status.failure), f"step {global_step}: agree on the channel"
+        votes: list[KindVote] = self.collectives.all_gather_object(
+            KindVote(wanted, status.ready, status.failure), f"step {global_step}: agree on the channel"
         )
-        failures = [f"rank {rank}: {failure}" for rank, (_, _, failure) in enumerate(votes) if failure]
+        failures = [f"rank {rank}: {vote.failure}" for rank, vote in enumerate(votes) if vote.failure]
         if failures:
             raise BackendError(
                 f"the Channel-B rollout source failed before optimizer step {global_step}: "
                 + "; ".join(failures)
             )
-        kind: StepKind = votes[0][0]  # rank 0's schedule decides
-        if kind == "B" and any(ready is not None and ready < micro_steps for _, ready, _ in votes):
+        kind = votes[0].wanted  # rank 0's schedule decides
+        assert kind is not None  # rank 0 always says what it wants
+        if kind == "B" and any(vote.ready is not None and vote.ready < micro_steps for vote in votes):
             return "A", True  # some rank cannot feed every micro-step with a ready pack
         return kind, False
 
@@ -270,11 +311,11 @@ class StepPlanner:
         local["loss/weight"] += sum(s.weight_sum for row in batch.rows for s in row)
         local["target/supervised_tokens"] += sum(s.supervised_tokens for row in batch.rows for s in row)
         why = None if failure is None else f"{type(failure).__name__}: {failure}"
-        gathered = self.collectives.all_gather_object(
-            {"sums": dict(local), "rows": len(batch.rows), "gauges": batch.gauges, "failure": why},
+        gathered: list[RankStepView] = self.collectives.all_gather_object(
+            RankStepView(sums=dict(local), rows=len(batch.rows), gauges=batch.gauges, failure=why),
             f"step {global_step}: loss weights and metric sums",
         )
-        failed = [f"rank {rank}: {view['failure']}" for rank, view in enumerate(gathered) if view["failure"]]
+        failed = [f"rank {rank}: {view.failure}" for rank, view in enumerate(gathered) if view.failure]
         if failure is not None:
             raise failure
         if failed:
@@ -283,8 +324,8 @@ class StepPlanner:
             )
         sums: Counter[str] = Counter()
         for rank_view in gathered:
-            sums.update(rank_view["sums"])
-        gauges = combine_gauges([rank_view["gauges"] for rank_view in gathered])
+            sums.update(rank_view.sums)
+        gauges = combine_gauges([rank_view.gauges for rank_view in gathered])
         if batch.lazy is not None:  # rows arrive while training: that micro-step normalises itself
             empty = [
                 MicroStep([], kind=kind, step=global_step, index=i + 1, count=count) for i in range(count - 1)
@@ -296,10 +337,10 @@ class StepPlanner:
                 f"optimizer step {global_step} has total loss weight {total_weight}: no trained token in its "
                 "targets (check `loss.*` weights and that targets are not empty)"
             )
-        num_rows = max(rank_view["rows"] for rank_view in gathered)
+        num_rows = max(rank_view.rows for rank_view in gathered)
         if self.collectives.world_size > 1:  # DDP: exactly one forward/backward per micro-step, every rank
             num_rows = max(num_rows, count)
-        sums["step/padding_rows"] += sum(num_rows - rank_view["rows"] for rank_view in gathered)
+        sums["step/padding_rows"] += sum(num_rows - rank_view.rows for rank_view in gathered)
         rows = list(batch.rows)
         if len(rows) < num_rows:  # keep DDP in lock-step: the same number of passes on every rank
             rows.extend([padding_row(_first_segment(rows, global_step))] * (num_rows - len(rows)))
@@ -404,6 +445,11 @@ class SyncBeforeRollouts:
         self.model = model
 
     def before_step(self, global_step: int, kind: StepKind | None) -> SyncReport | None:
-        if kind != "B" or self.backend.weight_version == global_step:
+        if kind != "B":
             return None  # A steps never roll out, so they never need fresh weights
+        return self.push_current_weights(global_step)
+
+    def push_current_weights(self, global_step: int) -> SyncReport | None:
+        if self.backend.weight_version == global_step:
+            return None
         return self.backend.sync_weights(self.model, global_step)

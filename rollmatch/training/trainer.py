@@ -262,20 +262,25 @@ class RollmatchTrainer(Trainer):
 
     # ------------------------------------------------------------------ logging
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """HF's hook, called on every rank; a line with the training loss also gathers every rank's
+        metric sums (:meth:`_gather_pending_sums`, a collective)."""
         if "loss" in logs and self.lr_multipliers and self.optimizer is not None:
             for group in self.optimizer.param_groups:  # lr/<group>: what each module group trains with
                 if "name" in group and not group["name"].endswith("/no_decay"):
                     logs[f"lr/{group['name']}"] = float(group["lr"])
         if "loss" in logs and self._pending_steps:
-            sums = self._pending_sums
-            for rank_sums in self.collectives.all_gather_object(
-                dict(self._local_sums), "metrics at log time"
-            ):
-                sums.update(rank_sums)
-            logs.update(self.summarize(sums, self._pending_steps))
+            logs.update(self.summarize(self._gather_pending_sums(), self._pending_steps))
             logs.update(self._gauges)
             self._pending_sums, self._local_sums, self._pending_steps = Counter(), Counter(), 0
         super().log(logs, start_time)
+
+    def _gather_pending_sums(self) -> Counter[str]:
+        """The sums of every rank since the last log line: a collective (one all-gather), so every rank
+        calls it at the same log lines (HF's loop logs the training loss at the same steps everywhere)."""
+        sums = self._pending_sums
+        for rank_sums in self.collectives.all_gather_object(dict(self._local_sums), "metrics at log time"):
+            sums.update(rank_sums)
+        return sums
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(

@@ -5,7 +5,7 @@
   weights pushed to the rollout engine before each step that needs them.
 - ``stage2_ab_training``: the ``b_ratio`` schedule; Channel-A, and Channel-B in the configured mode:
   ``micro`` (the window's records, rolled out in decode batches), ``step`` (a rollout budget per step,
-  ``training.step_mode``) or ``async`` (ready packs from a per-rank actor, ``training.async_mode``).
+  ``training.channel_b.step_mode``) or ``async`` (ready packs from a per-rank actor, ``training.channel_b.async_mode``).
 
 Channel-A and Channel-B each get their own row planner (carry buffer), so no row mixes the two.
 Leaves out: the config rules that refuse impossible combinations (``config.rules``, checked before this
@@ -31,17 +31,22 @@ from rollmatch.detection.codec import ObjectCodec
 from rollmatch.errors import ConfigError, ConfigProblem
 from rollmatch.rollout.build import build_backend
 from rollmatch.rollout.types import Decoding, Rollout, RolloutBackend, RolloutRequest, SyncReport
-from rollmatch.training.actor import AdmissionSettings, RolloutActor
-from rollmatch.training.async_mode import AsyncPacks
+from rollmatch.training.channel_b.actor import AdmissionSettings, RolloutActor
+from rollmatch.training.channel_b.async_mode import AsyncPacks
+from rollmatch.training.channel_b.ready_packs import ReadyPackQueue, VersionPurePacker
+from rollmatch.training.channel_b.record_stream import RecordStream
+from rollmatch.training.channel_b.step_mode import (
+    StepRecordStream,
+    StepRollouts,
+    rank_share,
+    rollouts_per_step,
+)
 from rollmatch.training.channel_modes import WindowRows
-from rollmatch.training.channels import GTChannel, RolloutChannel
 from rollmatch.training.offload import with_rollout_offload
-from rollmatch.training.ready_packs import ReadyPackQueue, VersionPurePacker
-from rollmatch.training.record_stream import RecordStream
 from rollmatch.training.rollout_log import RolloutLog
 from rollmatch.training.rows import RowPlanner
+from rollmatch.training.segment_producers import GTSegmentProducer, RolloutSegmentProducer
 from rollmatch.training.step import ABSchedule, Channel, ConstantSchedule, StepPlanner, SyncBeforeRollouts
-from rollmatch.training.step_mode import StepRecordStream, StepRollouts, rank_share, rollouts_per_step
 
 
 @dataclass
@@ -96,7 +101,7 @@ def build_sft(ctx: BuildContext) -> VariantParts:
 
 def build_rollout_matching(ctx: BuildContext) -> VariantParts:
     backend = backend_for(ctx)
-    rollouts = RolloutChannel(
+    rollouts = RolloutSegmentProducer(
         ctx.model, ctx.encoder, ctx.codec, ctx.cfg, backend, rollout_log=ctx.rollout_log
     )
     channel_b = WindowRows(rollouts.produce, row_planner(ctx), per_record=rollouts.rollouts_per_record)
@@ -161,7 +166,7 @@ def row_planner(ctx: BuildContext) -> RowPlanner:
 
 
 def gt_rows(ctx: BuildContext) -> WindowRows:
-    return WindowRows(GTChannel(ctx.model, ctx.encoder, ctx.codec, ctx.cfg).produce, row_planner(ctx))
+    return WindowRows(GTSegmentProducer(ctx.model, ctx.encoder, ctx.codec, ctx.cfg).produce, row_planner(ctx))
 
 
 def backend_for(ctx: BuildContext) -> RolloutBackend:
@@ -182,9 +187,9 @@ def backend_for(ctx: BuildContext) -> RolloutBackend:
     return with_rollout_offload(backend, ctx.cfg, model=ctx.model, optimizer_getter=ctx.optimizer_getter)
 
 
-def rollout_channel(ctx: BuildContext, backend: RolloutBackend) -> RolloutChannel:
+def rollout_channel(ctx: BuildContext, backend: RolloutBackend) -> RolloutSegmentProducer:
     decode_batch_size = ctx.cfg.stage2_ab.channel_b.rollout_decode_batch_size
-    return RolloutChannel(
+    return RolloutSegmentProducer(
         ctx.model,
         ctx.encoder,
         ctx.codec,

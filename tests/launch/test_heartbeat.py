@@ -184,7 +184,7 @@ def test_reports_are_signed_and_a_replayed_or_forged_one_is_refused(beat) -> Non
     reply = send(host.port, {**old, "sent_at": stale, "mac": report_mac("secret", 1, "done", 1, stale)})
     assert reply["ok"] is False and re.match(r"stale report: its time is 3\d\ds behind", str(reply["error"]))
     time.sleep(TIMEOUT_S)
-    assert host._hub.reports[1][0] == "alive" and host.problem() is None  # nothing stopped the run
+    assert host._hub.reports[1].state == "alive" and host.problem() is None  # nothing stopped the run
 
 
 def test_a_taken_hub_port_is_refused_naming_the_key(beat) -> None:

@@ -9,7 +9,7 @@ from rollmatch.cli import build_parser
 from rollmatch.config.resolved import resolve_run_on_this_machine
 from rollmatch.config.schema import RollmatchConfig
 from rollmatch.data.prompts import load_processor
-from rollmatch.rollout.client import local_model_info
+from rollmatch.rollout.server_compat import local_model_info
 from rollmatch.server.engines import build_engine
 
 
@@ -22,7 +22,7 @@ def test_pixel_flags_give_the_trainers_processor_fingerprint(tiny_model_dir: Pat
         }
     )
     run = resolve_run_on_this_machine(cfg)
-    trainer = local_model_info(run, None, load_processor(run.model_dir, *run.pixel_bounds))["fingerprint"]
+    trainer = local_model_info(run, None, load_processor(run.model_dir, *run.pixel_bounds)).fingerprint
     args = build_parser().parse_args(
         [
             "serve",

@@ -13,9 +13,9 @@ FAIL_AFTER = int(os.environ.get("ROLLMATCH_TEST_FAIL_AFTER", "3"))
 
 if __name__ == "__main__":
     if os.environ.get("RANK") == "1":
-        from rollmatch.training import channels
+        from rollmatch.training import segment_producers
 
-        original = channels.GTChannel.produce
+        original = segment_producers.GTSegmentProducer.produce
         calls = [0]
 
         def produce(self, records, global_step):  # type: ignore[no-untyped-def]
@@ -24,7 +24,7 @@ if __name__ == "__main__":
                 raise ValueError(f"a broken record in call {calls[0]} (injected on rank 1)")
             return original(self, records, global_step)
 
-        channels.GTChannel.produce = produce  # type: ignore[method-assign]
+        segment_producers.GTSegmentProducer.produce = produce  # type: ignore[method-assign]
     from rollmatch.cli import main
 
     sys.exit(main(sys.argv[1:]))

@@ -210,7 +210,7 @@ def trainer_side(
         model = AutoModelForImageTextToText.from_pretrained(
             tiny_model_dir, dtype=torch.float32, attn_implementation="sdpa"
         )
-        backend = ServerBackend.from_config(
+        backend = ServerBackend.connect(
             resolve_run_on_this_machine(
                 server_config(servers=[{"base_url": url, "group_port": free_port()}], **server_keys)
             ),

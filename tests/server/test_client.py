@@ -15,14 +15,15 @@ from rollmatch.config.resolved import resolve_run, resolve_run_on_this_machine
 from rollmatch.data.prompts import load_processor
 from rollmatch.errors import BackendError, ConfigError
 from rollmatch.protocol import ServerInfo
-from rollmatch.rollout.client import ServerBackend, ServerConnection, frame_and_resize_mismatches
+from rollmatch.rollout.client import ServerBackend, ServerConnection
+from rollmatch.rollout.server_compat import LocalModelInfo, frame_and_resize_mismatches
 from rollmatch.rollout.types import Decoding
 
 DECODING = Decoding(max_new_tokens=4)
 
 
 def _backend(cfg: Any, model: Any, tokenizer: Any) -> ServerBackend:
-    return ServerBackend.from_config(
+    return ServerBackend.connect(
         resolve_run_on_this_machine(cfg),
         model=model,
         tokenizer=tokenizer,
@@ -131,11 +132,9 @@ def test_server_of_another_model_is_refused_showing_both_values(
 ) -> None:
     backend = hf_backend
     served = hf_server.get("/info/")["fingerprint"]
-    local = {
-        "fingerprint": dict(served, tokenizer="0123456789abcdef"),
-        "max_length": 8192,
-        "object_format": "coord_tokens",
-    }
+    local = LocalModelInfo(
+        fingerprint=dict(served, tokenizer="0123456789abcdef"), max_length=8192, object_format="coord_tokens"
+    )
     with pytest.raises(BackendError) as caught:
         backend.check_compatible(local)
     message = str(caught.value)
@@ -155,14 +154,15 @@ def test_server_of_another_family_frame_or_resize_is_refused_naming_both_values(
     low, high = info.min_pixels, info.max_pixels
     assert low is not None and high is not None and info.image_probe is not None
     assert info.image_probe.resized != (1237, 411)  # the probe is resized (and its aspect changed)
-    local = {
-        "fingerprint": dict(info.fingerprint, model_type="qwen3_vl"),
-        "max_length": 64,
-        "coord_frame": "norm1000",
-        "min_pixels": low * 2,
-        "max_pixels": high * 2,
-        "image_probe": info.image_probe.model_copy(update={"resized": (28, 28), "image_tokens": 1}),
-    }
+    local = LocalModelInfo(
+        fingerprint=dict(info.fingerprint, model_type="qwen3_vl"),
+        max_length=64,
+        object_format="qwen_json",
+        coord_frame="norm1000",
+        min_pixels=low * 2,
+        max_pixels=high * 2,
+        image_probe=info.image_probe.model_copy(update={"resized": (28, 28), "image_tokens": 1}),
+    )
     with pytest.raises(BackendError) as caught:
         backend.check_compatible(local)
     message = str(caught.value)
@@ -196,12 +196,21 @@ def test_a_server_without_frame_fields_still_parses_and_is_not_compared() -> Non
     }
     info = ServerInfo.model_validate(old)
     assert (info.coord_frame, info.min_pixels, info.max_pixels, info.image_probe) == (None, None, None, None)
-    local = {"coord_frame": "pixels", "min_pixels": 3136, "max_pixels": 6272}
+    local = LocalModelInfo(
+        fingerprint={},
+        max_length=0,
+        object_format="qwen_json",
+        coord_frame="pixels",
+        min_pixels=3136,
+        max_pixels=6272,
+    )
     assert frame_and_resize_mismatches(local, info) == []
     newer = info.model_copy(update={"coord_frame": "norm1000", "min_pixels": 3136, "max_pixels": 12544})
     assert len(frame_and_resize_mismatches(local, newer)) == 2
     # coordinate tokens are norm1000 by themselves: a server resolving auto to pixels is no mismatch
-    tokens = {"object_format": "coord_tokens", "coord_frame": "norm1000"}
+    tokens = LocalModelInfo(
+        fingerprint={}, max_length=0, object_format="coord_tokens", coord_frame="norm1000"
+    )
     assert frame_and_resize_mismatches(tokens, newer.model_copy(update={"coord_frame": "pixels"})) == []
 
 
@@ -253,7 +262,7 @@ def test_real_servers_of_other_pixel_bounds_or_another_family_differ_by_value(
     --min-pixels/--max-pixels, and one serving another family, each named with both values."""
     from rollmatch.config.schema import RollmatchConfig
     from rollmatch.protocol import fingerprint_mismatches
-    from rollmatch.rollout.client import local_model_info
+    from rollmatch.rollout.server_compat import local_model_info
     from rollmatch.server.engines import HFServerEngine
     from rollmatch.server.rollout_server import RolloutServer
     from rollmatch.server.serve import served_coord_frame
@@ -262,7 +271,7 @@ def test_real_servers_of_other_pixel_bounds_or_another_family_differ_by_value(
     hf = {"custom": {"extra": {"rollout_matching": {"rollout_backend": "hf"}}}}
     run = resolve_run_on_this_machine(RollmatchConfig.model_validate({"model": {"path": trainer_dir}, **hf}))
     local = local_model_info(run, None, load_processor(trainer_dir))
-    assert local["coord_frame"] == "pixels"
+    assert local.coord_frame == "pixels"
     infos = {}
     for name, model_dir, bounds in (
         ("bounds", trainer_dir, (6272, 12544)),
@@ -278,11 +287,11 @@ def test_real_servers_of_other_pixel_bounds_or_another_family_differ_by_value(
         finally:
             server.close()
     bounds = "\n".join(frame_and_resize_mismatches(local, infos["bounds"]))
-    assert f"min_pixels: trainer data.min_pixels {local['min_pixels']} vs server 6272" in bounds
-    assert f"max_pixels: trainer data.max_pixels {local['max_pixels']} vs server 12544" in bounds
+    assert f"min_pixels: trainer data.min_pixels {local.min_pixels} vs server 6272" in bounds
+    assert f"max_pixels: trainer data.max_pixels {local.max_pixels} vs server 12544" in bounds
     assert "probe image 1237x411: trainer resizes to" in bounds
     family = "\n".join(
-        fingerprint_mismatches(local["fingerprint"], infos["family"].fingerprint)
+        fingerprint_mismatches(local.fingerprint, infos["family"].fingerprint)
         + frame_and_resize_mismatches(local, infos["family"])
     )
     assert "model_type: trainer 'qwen2_5_vl' vs server 'qwen3_vl'" in family

@@ -15,9 +15,9 @@ from load_clients import check_load_result, prepared_prompts, pushes_under_load,
 
 from rollmatch.errors import BackendError, ServerBusy
 from rollmatch.rollout.types import Decoding
+from rollmatch.server.engine_watch import CACHE_RESET, WEIGHT_LOAD
 from rollmatch.server.limits import ServerLimits
 from rollmatch.server.rollout_server import RolloutServer
-from rollmatch.server.watchdog import CACHE_RESET, WEIGHT_LOAD
 
 GREEDY = Decoding(max_new_tokens=6)
 SAMPLED = Decoding(temperature=1.0, top_p=0.9, max_new_tokens=6)

@@ -18,10 +18,10 @@ from load_clients import prepared_prompts, wait_for
 from rollmatch.errors import BackendError, SyncError
 from rollmatch.protocol import FinishUpdateBody, FinishUpdateReply, InferRequest, encode_image
 from rollmatch.rollout.types import Decoding
+from rollmatch.server.engine_watch import WEIGHT_LOAD
 from rollmatch.server.engines import HFServerEngine
 from rollmatch.server.limits import ServerLimits
 from rollmatch.server.rollout_server import RolloutServer
-from rollmatch.server.watchdog import WEIGHT_LOAD
 from rollmatch.sync.transaction import VerifiedUpdate
 
 GREEDY = Decoding(max_new_tokens=4)

@@ -12,7 +12,7 @@ from PIL import Image
 from rollmatch.errors import SyncError
 from rollmatch.protocol import InferRequest, encode_image
 from rollmatch.server.engines import HFServerEngine, pixel_inputs
-from rollmatch.server.prompts import PreparedPrompt
+from rollmatch.server.prompt_preparer import PreparedPrompt
 
 
 @pytest.fixture(scope="module")

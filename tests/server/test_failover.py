@@ -31,7 +31,7 @@ DECODING = Decoding(max_new_tokens=4)
 
 
 def _backend(cfg: Any, tiny_model_dir: Path, prompt_encoder: Any, model: Any = None) -> ServerBackend:
-    return ServerBackend.from_config(
+    return ServerBackend.connect(
         cfg,
         model=model,
         tokenizer=prompt_encoder.tokenizer,

@@ -33,7 +33,7 @@ SWIFT_CHAT = {"messages": [{"role": "user", "content": "find"}]}
 
 
 def _backend(cfg: Any, tiny_model_dir: Path, prompt_encoder: Any, model: Any = None) -> ServerBackend:
-    return ServerBackend.from_config(
+    return ServerBackend.connect(
         resolve_run_on_this_machine(cfg),
         model=model,
         tokenizer=prompt_encoder.tokenizer,

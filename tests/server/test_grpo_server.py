@@ -54,7 +54,7 @@ def test_server_logprobs_equal_the_learners_on_the_pushed_weights(
         for param in model.parameters():
             param.add_(torch.randn_like(param) * 0.05)
     cfg = server_config(servers=[{"base_url": hf_sync_server.url, "group_port": free_port()}])
-    backend = ServerBackend.from_config(
+    backend = ServerBackend.connect(
         resolve_run_on_this_machine(cfg),
         model=model,
         tokenizer=prompt_encoder.tokenizer,

@@ -31,7 +31,7 @@ from rollmatch.rollout.image_wire import ResizedBmp, build_image_wire
 from rollmatch.rollout.types import Decoding
 from rollmatch.server.engines import pixel_inputs
 from rollmatch.server.media import decode_image
-from rollmatch.server.prompts import PreparedPrompt, PromptPreparer
+from rollmatch.server.prompt_preparer import PreparedPrompt, PromptPreparer
 
 DECODING = Decoding(max_new_tokens=8)
 RACCOON = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "raccoon" / "images"
@@ -109,7 +109,7 @@ def test_resized_bmp_rolls_out_what_png_rolls_out_on_a_real_server(
     from rollmatch.training.variants import ActorRolloutClient
 
     backends = {
-        wire: ServerBackend.from_config(
+        wire: ServerBackend.connect(
             resolve_run_on_this_machine(
                 server_config(
                     servers=[{"base_url": hf_server.url, "group_port": free_port()}], image_wire=wire

@@ -61,7 +61,7 @@ def test_every_infer_call_reports_client_and_server_phases(
     free_port: Callable[[], int],
     tiny_model_dir: Path,
 ) -> None:
-    backend = ServerBackend.from_config(
+    backend = ServerBackend.connect(
         resolve_run_on_this_machine(
             server_config(servers=[{"base_url": hf_server.url, "group_port": free_port()}])
         ),

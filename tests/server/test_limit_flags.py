@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 
 from rollmatch.cli import build_parser
+from rollmatch.server.engine_watch import EngineWatch
 from rollmatch.server.limits import ServerLimits, server_limits
 from rollmatch.server.scheduler import EngineScheduler
-from rollmatch.server.watchdog import EngineWatch
 
 
 def _serve_flags() -> dict[str, Any]:

@@ -21,7 +21,7 @@ from rollmatch.protocol import (
 from rollmatch.rollout.chunking import chunk_seed, contiguous_chunks, step_seed
 from rollmatch.rollout.types import Decoding
 from rollmatch.server.media import MediaPolicy, decode_image
-from rollmatch.server.prompts import chat_messages
+from rollmatch.server.prompt_preparer import chat_messages
 
 
 def test_contiguous_chunks_follow_ceil_rule() -> None:

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from rollmatch.server.prompts import trim_at_stop_strings
+from rollmatch.server.prompt_preparer import trim_at_stop_strings
 
 
 class _CountingTokenizer:

@@ -31,7 +31,7 @@ from pydantic import ValidationError
 
 from rollmatch.protocol import MAX_CONTENT_PARTS, MAX_MESSAGES_PER_REQUEST, TEMPLATE_FLAGS, InferRequest
 from rollmatch.server.chat_template import RENDER_STEPS, ChatTemplate, RenderOverBudget, TemplateRefused
-from rollmatch.server.prompts import MAX_TEXT_CHARS
+from rollmatch.server.prompt_preparer import MAX_TEXT_CHARS
 
 PROBE_TEMPLATE = (
     "{%- set ns = namespace(users=0, pictures=0) %}"

@@ -15,9 +15,9 @@ from load_clients import prepared_prompts, wait_for
 
 from rollmatch.errors import BackendError
 from rollmatch.rollout.types import Decoding
+from rollmatch.server.engine_watch import WEIGHT_LOAD
 from rollmatch.server.limits import ServerLimits
 from rollmatch.server.rollout_server import RolloutServer
-from rollmatch.server.watchdog import WEIGHT_LOAD
 
 pytestmark = [
     pytest.mark.heavy,

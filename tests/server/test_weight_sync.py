@@ -155,12 +155,10 @@ def test_adapter_sync_falls_back_to_full_once_or_fails_fast(
 
     strict = _lora_config(tiny_model_dir, hf_sync_server.url, free_port(), fallback=False)
     with pytest.raises(BackendError, match=r"sync modes: trainer needs adapter, server offers \['full'\]"):
-        ServerBackend.from_config(
-            resolve_run_on_this_machine(strict), collectives=LocalCollectives(), **kwargs
-        )
+        ServerBackend.connect(resolve_run_on_this_machine(strict), collectives=LocalCollectives(), **kwargs)
 
     lenient = _lora_config(tiny_model_dir, hf_sync_server.url, free_port(), fallback=True)
-    backend = ServerBackend.from_config(
+    backend = ServerBackend.connect(
         resolve_run_on_this_machine(lenient), collectives=LocalCollectives(), **kwargs
     )
     version = hf_sync_server.get("/info/")["weight_version"] + 1

@@ -14,13 +14,13 @@ import torch
 
 from rollmatch.data.records import Record
 from rollmatch.rollout.types import SyncReport
-from rollmatch.training.actor import AdmissionSettings, RolloutActor
-from rollmatch.training.async_mode import AsyncPacks
-from rollmatch.training.channels import ChannelOutput
-from rollmatch.training.ready_packs import ReadyPackQueue, VersionPurePacker
-from rollmatch.training.record_stream import RecordStream
+from rollmatch.training.channel_b.actor import AdmissionSettings, RolloutActor
+from rollmatch.training.channel_b.async_mode import AsyncPacks
+from rollmatch.training.channel_b.ready_packs import ReadyPackQueue, VersionPurePacker
+from rollmatch.training.channel_b.record_stream import RecordStream
 from rollmatch.training.rows import RowPlanner
 from rollmatch.training.schedule import step_kind
+from rollmatch.training.segment_producers import ChannelOutput
 
 CAPACITY = 1024  # tokens per pack (training.global_max_length)
 SEGMENT_TOKENS = 400  # two segments fill a pack to 800 tokens, a third does not fit
@@ -110,7 +110,7 @@ def test_a_b_step_gets_its_packs_within_its_wait_when_the_last_one_is_partial(
             channel.before_step(step, None)
             wants_b = step_kind(step, b_ratio) == "B"
             started = time.monotonic()
-            status = channel.status(step, gas, wants_b=wants_b)
+            status = channel.reserve_for_step(step, gas, wants_b=wants_b)
             waited = time.monotonic() - started
             assert status.failure is None
             if wants_b:
@@ -119,7 +119,7 @@ def test_a_b_step_gets_its_packs_within_its_wait_when_the_last_one_is_partial(
                 packs = channel.queue.take_reserved(gas)
                 assert all(channel.ver - p.version <= window for p in packs)
                 channel.queue.mark_trained(gas)
-            channel.step_metrics(step)
+            channel.finish_step(step)
         assert channel.queue.counts.trained == gas * sum(step_kind(s, b_ratio) == "B" for s in range(4))
     finally:
         channel.close()

@@ -20,13 +20,19 @@ from rollmatch.data.records import load_records
 from rollmatch.detection.object_formats import build_codec
 from rollmatch.errors import BackendError
 from rollmatch.rollout.hf import HFBackend
-from rollmatch.training.actor import RolloutActor
-from rollmatch.training.async_mode import AsyncPacks
+from rollmatch.training.channel_b.actor import RolloutActor
+from rollmatch.training.channel_b.async_mode import AsyncPacks
+from rollmatch.training.channel_b.ready_packs import (
+    ReadyPack,
+    ReadyPackQueue,
+    SegmentOrigin,
+    VersionPurePacker,
+)
+from rollmatch.training.channel_b.record_stream import RecordStream
 from rollmatch.training.channel_modes import WindowRows
-from rollmatch.training.channels import GTChannel, RolloutChannel
-from rollmatch.training.ready_packs import ReadyPack, ReadyPackQueue, SegmentOrigin, VersionPurePacker
-from rollmatch.training.record_stream import RecordStream
+from rollmatch.training.periodic_eval import DetectionEval
 from rollmatch.training.rows import RowPlanner
+from rollmatch.training.segment_producers import GTSegmentProducer, RolloutSegmentProducer
 from rollmatch.training.step import ABSchedule, StepPlanner
 
 
@@ -39,7 +45,7 @@ def tiny(loaded_tiny, tiny_model_dir, make_config) -> SimpleNamespace:
     encoder = PromptEncoder.from_pretrained(str(tiny_model_dir), cfg.data)
     codec = build_codec("qwen_json", encoder.tokenizer, [encoder.eos_token_id])
     records = load_records(cfg.data.train_jsonl)
-    segments = GTChannel(model, encoder, codec, cfg).produce(records, 0).segments
+    segments = GTSegmentProducer(model, encoder, codec, cfg).produce(records, 0).segments
     model.zero_grad(set_to_none=True)
     actors: list[RolloutActor] = []
     yield SimpleNamespace(
@@ -76,7 +82,7 @@ def async_channel(
         pad_token_id=tiny.encoder.pad_token_id,
     )
     if in_process_actor:
-        rollouts = RolloutChannel(
+        rollouts = RolloutSegmentProducer(
             tiny.model, tiny.encoder, tiny.codec, tiny.cfg, backend, decode_batch_size=2
         )
     queue: ReadyPackQueue[Any] = ReadyPackQueue(limit)
@@ -109,7 +115,9 @@ def async_channel(
 def planner(tiny: SimpleNamespace, channel_b: AsyncPacks) -> StepPlanner:
     return StepPlanner(
         schedule=ABSchedule(1.0),
-        channel_a=WindowRows(GTChannel(tiny.model, tiny.encoder, tiny.codec, tiny.cfg).produce, rows(tiny)),
+        channel_a=WindowRows(
+            GTSegmentProducer(tiny.model, tiny.encoder, tiny.codec, tiny.cfg).produce, rows(tiny)
+        ),
         channel_b=channel_b,
         sync=channel_b,
         collectives=LocalCollectives(),
@@ -298,7 +306,9 @@ def test_a_step_the_schedule_wants_on_channel_a_never_waits(tiny) -> None:
     channel = async_channel(tiny, max_wait_s=30.0)
     plan_a = StepPlanner(
         schedule=ABSchedule(0.5),  # step 0 wants A
-        channel_a=WindowRows(GTChannel(tiny.model, tiny.encoder, tiny.codec, tiny.cfg).produce, rows(tiny)),
+        channel_a=WindowRows(
+            GTSegmentProducer(tiny.model, tiny.encoder, tiny.codec, tiny.cfg).produce, rows(tiny)
+        ),
         channel_b=channel,
         sync=channel,
         collectives=LocalCollectives(),
@@ -318,7 +328,9 @@ def test_an_actor_that_cannot_reach_its_server_fails_the_step_naming_the_url(tin
         collectives=LocalCollectives(),
         tokenizer=tiny.encoder.tokenizer,
     )
-    rollouts = RolloutChannel(tiny.model, tiny.encoder, tiny.codec, tiny.cfg, client, decode_batch_size=2)
+    rollouts = RolloutSegmentProducer(
+        tiny.model, tiny.encoder, tiny.codec, tiny.cfg, client, decode_batch_size=2
+    )
     channel = async_channel(tiny, rollouts)
     channel.actor.start()
     deadline = time.monotonic() + 60.0
@@ -328,3 +340,38 @@ def test_an_actor_that_cannot_reach_its_server_fails_the_step_naming_the_url(tin
     assert channel.actor.failure is not None and url in channel.actor.failure
     with pytest.raises(BackendError, match=rf"rank 0: rollout actor: .*{url}"):
         planner(tiny, channel).plan([tiny.records[:1]], 0)
+
+
+def test_periodic_evaluation_scores_the_current_weights_between_pushes(tiny, train_plan) -> None:
+    """``sync_every_steps: 2``: step 2 pushes the weights after 2 optimizer steps (version 1) and step 3
+    pushes nothing; an evaluation after step 3 must still score the weights after 3 steps, not those
+    the step loop last pushed, and leave the actor's step where the loop put it."""
+    channel = async_channel(tiny, window=1, sync_every_steps=2)
+    plans = planner(tiny, channel)
+    windows = [tiny.records[:1], tiny.records[1:2]]
+    for step in (2, 3):  # a resumed run at step 2: its first step pushes, and starts the actor
+        assert torch.isfinite(train_plan(tiny.model, plans.plan(windows, step)))
+    assert channel.ver == 1 and channel.weights_step == 2  # step 3 trained version 1: no push
+    evaluation = DetectionEval(
+        cfg=tiny.cfg,
+        backend=channel.backend,
+        sync=channel,
+        encoder=tiny.encoder,
+        codec=tiny.codec,
+        records=tiny.records[:1],
+        collectives=LocalCollectives(),
+    )
+    round_ = evaluation.run(4)  # after 4 optimizer steps: step 4 of version 2 is next
+    assert round_.sync is not None and round_.sync.version == 2  # pushed: what step 4 would push
+    assert channel.weights_step == 4
+    assert evaluation.run(4).sync is None  # the servers hold these weights now: no second push
+
+    plan = plans.plan(windows, 4)  # the loop goes on: version 2 is served, so step 4 pushes nothing
+    assert "sync/pushes" not in plan.sums
+    assert torch.isfinite(train_plan(tiny.model, plan))
+    next_step = channel.actor.next_step
+
+    round_ = evaluation.run(5)  # within version 2: the step loop would not push, the evaluation must
+    assert round_.sync is not None and round_.sync.version == 2 and channel.weights_step == 5
+    assert round_.metrics["eval/weight_version"] == 2.0
+    assert channel.actor.next_step == next_step  # the actor's step is the loop's, not the evaluation's

@@ -17,10 +17,10 @@ from rollmatch.detection.coord_tokens import NUM_BINS
 from rollmatch.detection.object_formats import build_codec
 from rollmatch.models.pretrained import load_pretrained
 from rollmatch.packing.collate import model_inputs, pack_row, pad_batch
-from rollmatch.training.channels import GTChannel
 from rollmatch.training.coord_loss import CoordLoss, gaussian_targets
 from rollmatch.training.entry import coord_loss_for
 from rollmatch.training.losses import per_segment_ce, weighted_ce_sum
+from rollmatch.training.segment_producers import GTSegmentProducer
 
 VOCAB = NUM_BINS + 10  # ids 0..9 are text tokens, 10.. the coordinate tokens
 IDS = list(range(10, 10 + NUM_BINS))
@@ -127,7 +127,9 @@ def test_packed_rows_equal_separate_forwards_with_the_coordinate_losses(
     codec = build_codec("coord_tokens", encoder.tokenizer, [encoder.eos_token_id])
     model = load_pretrained(cfg).eval()
     segments = (
-        GTChannel(model, encoder, codec, cfg).produce(load_records(cfg.data.train_jsonl)[:3], 0).segments
+        GTSegmentProducer(model, encoder, codec, cfg)
+        .produce(load_records(cfg.data.train_jsonl)[:3], 0)
+        .segments
     )
     loss = coord_loss_for(cfg, codec)
     assert loss is not None and loss.has_geometry

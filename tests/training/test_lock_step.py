@@ -18,8 +18,8 @@ from rollmatch.data.records import load_records
 from rollmatch.detection.object_formats import build_codec
 from rollmatch.rollout.hf import HFBackend
 from rollmatch.training.channel_modes import WindowRows
-from rollmatch.training.channels import RolloutChannel
 from rollmatch.training.rows import RowPlanner
+from rollmatch.training.segment_producers import RolloutSegmentProducer
 from rollmatch.training.step import ABSchedule, StepPlanner
 
 
@@ -34,7 +34,7 @@ def tiny(loaded_tiny, tiny_model_dir, make_config) -> SimpleNamespace:
     backend = HFBackend(
         model, encoder.tokenizer, eos_token_id=encoder.eos_token_id, pad_token_id=encoder.pad_token_id
     )
-    rollouts = RolloutChannel(model, encoder, codec, cfg, backend, decode_batch_size=4)
+    rollouts = RolloutSegmentProducer(model, encoder, codec, cfg, backend, decode_batch_size=4)
     return SimpleNamespace(rollouts=rollouts, records=load_records(cfg.data.train_jsonl), encoder=encoder)
 
 

@@ -11,8 +11,8 @@ from rollmatch.data.prompts import PromptEncoder
 from rollmatch.data.records import load_records
 from rollmatch.detection.object_formats import build_codec
 from rollmatch.training.channel_modes import WindowRows
-from rollmatch.training.channels import GTChannel
 from rollmatch.training.rows import RowPlanner
+from rollmatch.training.segment_producers import GTSegmentProducer
 from rollmatch.training.step import ConstantSchedule, StepPlanner
 
 
@@ -23,7 +23,7 @@ def _step_gradient(train_plan, model, cfg, encoder, records, split, packing, row
     )
     planner = StepPlanner(
         schedule=ConstantSchedule("A"),
-        channel_a=WindowRows(GTChannel(model, encoder, codec, cfg).produce, rows),
+        channel_a=WindowRows(GTSegmentProducer(model, encoder, codec, cfg).produce, rows),
         channel_b=None,
         sync=None,
         collectives=LocalCollectives(),
@@ -64,7 +64,9 @@ def test_a_micro_batch_larger_than_a_row_trains_extra_rows_with_the_same_gradien
     records = load_records(cfg.data.train_jsonl)[:3]
     reference, _ = _step_gradient(train_plan, model, cfg, encoder, records, split=[3], packing=False)
     codec = build_codec("qwen_json", encoder.tokenizer, [encoder.eos_token_id])
-    lengths = sorted(s.length for s in GTChannel(model, encoder, codec, cfg).produce(records, 0).segments)
+    lengths = sorted(
+        s.length for s in GTSegmentProducer(model, encoder, codec, cfg).produce(records, 0).segments
+    )
     assert lengths[0] + lengths[1] > lengths[-1] + 1  # no two segments share a row
     packed, plan = _step_gradient(
         train_plan, model, cfg, encoder, records, split=[3], packing=True, row_tokens=lengths[-1] + 1

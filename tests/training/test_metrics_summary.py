@@ -11,7 +11,7 @@ from rollmatch.detection.matching import MatchResult
 from rollmatch.detection.metrics import DetectionCounts, ParseCounts
 from rollmatch.detection.objects import DetObject
 from rollmatch.detection.scoring import ScoreCounts, ScoredResponse
-from rollmatch.training.metrics import METRIC_FAMILIES, summarize
+from rollmatch.training.metric_summary import METRIC_FAMILIES, summarize
 
 FISH = DetObject("fish", (0, 0, 100, 100))
 

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollmatch.training.ready_packs import (
+from rollmatch.training.channel_b.ready_packs import (
     ReadyPack,
     ReadyPackQueue,
     SegmentOrigin,

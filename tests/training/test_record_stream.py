@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from rollmatch.errors import DataError
-from rollmatch.training.record_stream import RecordStream, StreamLedger
+from rollmatch.training.channel_b.record_stream import RecordStream, StreamLedger
 
 
 def test_ranks_read_disjoint_shards_that_cover_every_record_each_pass() -> None:

@@ -259,13 +259,13 @@ def test_async_mode_logs_from_the_learner_what_each_step_trains(
     (the record trace says which), with the version they were rolled out under (window 0: the step's)."""
     from rollmatch.collectives import LocalCollectives
     from rollmatch.rollout.hf import HFBackend
-    from rollmatch.training.actor import RolloutActor
-    from rollmatch.training.async_mode import AsyncPacks
+    from rollmatch.training.channel_b.actor import RolloutActor
+    from rollmatch.training.channel_b.async_mode import AsyncPacks
+    from rollmatch.training.channel_b.ready_packs import ReadyPackQueue, VersionPurePacker
+    from rollmatch.training.channel_b.record_stream import RecordStream
     from rollmatch.training.channel_modes import WindowRows
-    from rollmatch.training.channels import GTChannel, RolloutChannel
-    from rollmatch.training.ready_packs import ReadyPackQueue, VersionPurePacker
-    from rollmatch.training.record_stream import RecordStream
     from rollmatch.training.rows import RowPlanner
+    from rollmatch.training.segment_producers import GTSegmentProducer, RolloutSegmentProducer
     from rollmatch.training.step import ABSchedule, StepPlanner
 
     model, _ = loaded_tiny
@@ -291,7 +291,9 @@ def test_async_mode_logs_from_the_learner_what_each_step_trains(
 
     queue: ReadyPackQueue[Any] = ReadyPackQueue(8)
     actor = RolloutActor(
-        rollouts=RolloutChannel(model, encoder, codec, cfg, backend, decode_batch_size=2, rollout_log=log),
+        rollouts=RolloutSegmentProducer(
+            model, encoder, codec, cfg, backend, decode_batch_size=2, rollout_log=log
+        ),
         stream=RecordStream(records, rank=0, world_size=1, seed=0),
         queue=queue,
         packer=VersionPurePacker(length=lambda s: s.length, capacity=1024, batch_size=None),
@@ -316,7 +318,7 @@ def test_async_mode_logs_from_the_learner_what_each_step_trains(
     )
     steps = StepPlanner(
         schedule=ABSchedule(1.0),
-        channel_a=WindowRows(GTChannel(model, encoder, codec, cfg).produce, rows()),
+        channel_a=WindowRows(GTSegmentProducer(model, encoder, codec, cfg).produce, rows()),
         channel_b=channel,
         sync=channel,
         collectives=LocalCollectives(),
@@ -348,6 +350,7 @@ def test_step_mode_logs_the_rollouts_its_last_micro_step_trains(
     loaded_tiny, tiny_model_dir, make_config, train_plan, pipeline
 ) -> None:
     from rollmatch.collectives import LocalCollectives
+    from rollmatch.config.resolved import resolve_run
     from rollmatch.training.variants import BuildContext, build_variant
 
     model, _ = loaded_tiny
@@ -374,6 +377,7 @@ def test_step_mode_logs_the_rollouts_its_last_micro_step_trains(
         gradient_accumulation_steps=1,
         train_records=records,
         rollout_log=log,
+        run=resolve_run(cfg, world_size=1, device_count=0, device_type="cpu"),
     )
     parts = build_variant(ctx)
     parts.planner.channel_b.pipeline = pipeline  # in process: the pipeline's rollout thread, same backend

@@ -17,7 +17,7 @@ from rollmatch.detection.object_formats import build_codec
 from rollmatch.rollout.hf import HFBackend
 from rollmatch.rollout.types import Decoding, Rollout, RolloutRequest, SyncReport
 from rollmatch.training import variants
-from rollmatch.training.channels import RolloutChannel
+from rollmatch.training.segment_producers import RolloutSegmentProducer
 from rollmatch.training.variants import BuildContext, build_stage2
 
 SAMPLING = {"temperature": 1.0}
@@ -92,8 +92,12 @@ def backend(model: Any, encoder: PromptEncoder) -> SeedRecordingBackend:
     )
 
 
-def channel(model: Any, cfg: Any, encoder: Any, codec: Any, decode_batch: int | None) -> RolloutChannel:
-    return RolloutChannel(model, encoder, codec, cfg, backend(model, encoder), decode_batch_size=decode_batch)
+def channel(
+    model: Any, cfg: Any, encoder: Any, codec: Any, decode_batch: int | None
+) -> RolloutSegmentProducer:
+    return RolloutSegmentProducer(
+        model, encoder, codec, cfg, backend(model, encoder), decode_batch_size=decode_batch
+    )
 
 
 def test_each_record_brings_k_samples_with_their_own_seeds_and_segments(setup) -> None:

@@ -9,6 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from rollmatch.errors import ConfigError
+from rollmatch.training.channel_b.step_mode import extra_record_indices, rank_share
 from rollmatch.training.schedule import (
     b_steps_before,
     fixed_size_chunks,
@@ -16,7 +17,6 @@ from rollmatch.training.schedule import (
     realized_b_ratio,
     step_kind,
 )
-from rollmatch.training.step_mode import extra_record_indices, rank_share
 
 
 def kinds(b_ratio: float, steps: int) -> str:

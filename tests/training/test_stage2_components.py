@@ -22,11 +22,11 @@ from rollmatch.packing.collate import model_inputs, pad_batch
 from rollmatch.rollout.hf import HFBackend
 from rollmatch.rollout.types import Decoding, Rollout, RolloutRequest, SyncReport
 from rollmatch.training import variants
-from rollmatch.training.channels import RolloutChannel
+from rollmatch.training.channel_b.step_mode import StepRecordStream, StepRollouts
 from rollmatch.training.losses import weighted_ce_sum
 from rollmatch.training.rows import RowPlanner
+from rollmatch.training.segment_producers import RolloutSegmentProducer
 from rollmatch.training.step import ABSchedule, MicroStep, StepPlanner
-from rollmatch.training.step_mode import StepRecordStream, StepRollouts
 from rollmatch.training.variants import BuildContext, build_stage2
 
 
@@ -160,7 +160,7 @@ def all_sums(plan: Any) -> Counter[str]:
 @pytest.mark.heavy
 def test_step_mode_learns_every_segment_with_whole_step_normalisation(parts, tiny_model_dir, train_plan):
     model, records = parts.model, parts.records[:4]
-    rollouts = RolloutChannel(
+    rollouts = RolloutSegmentProducer(
         model, parts.encoder, parts.codec, parts.cfg, hf_backend(model, parts.encoder), decode_batch_size=2
     )
     windows = [[r] for r in records]
@@ -199,7 +199,7 @@ def test_step_mode_learns_every_segment_with_whole_step_normalisation(parts, tin
 
     server_model = AutoModelForImageTextToText.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     backend = RecordingBackend(hf_backend(server_model, parts.encoder))
-    piped = RolloutChannel(model, parts.encoder, parts.codec, parts.cfg, backend, decode_batch_size=2)
+    piped = RolloutSegmentProducer(model, parts.encoder, parts.codec, parts.cfg, backend, decode_batch_size=2)
     plan = step_planner(piped, records, packing_length=longest + 8, pipeline=True).plan(windows, 3)
     assert [len(m.rows) for m in plan.micro_steps[:-1]] == [0, 0, 0]  # rows arrive in the last one
     train_log: list[tuple[float, float]] = []
@@ -231,7 +231,9 @@ def test_step_mode_rolls_out_only_on_the_final_micro_step(parts) -> None:
     completion: no rollout starts before the seventh micro-step's passes are done."""
     model, records = parts.model, parts.records[:8]
     backend = RecordingBackend(hf_backend(model, parts.encoder))
-    rollouts = RolloutChannel(model, parts.encoder, parts.codec, parts.cfg, backend, decode_batch_size=4)
+    rollouts = RolloutSegmentProducer(
+        model, parts.encoder, parts.codec, parts.cfg, backend, decode_batch_size=4
+    )
     plan = step_planner(rollouts, records, packing_length=4096, pipeline=False).plan(
         [[r] for r in records], 3
     )

@@ -11,7 +11,7 @@ from rollmatch.config.load import load_config_dict
 from rollmatch.config.rules import check_runtime
 from rollmatch.config.schema import ChannelBConfig, RollmatchConfig, TrainingConfig
 from rollmatch.errors import ConfigError
-from rollmatch.training.step_mode import rollouts_per_step
+from rollmatch.training.channel_b.step_mode import rollouts_per_step
 from rollmatch.training.variants import BuildContext, build_stage2
 
 STAGE2 = {

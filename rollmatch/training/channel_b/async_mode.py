@@ -8,7 +8,7 @@ run (they share one notion of the weight version):
   hold another version (and once at the start of every run, before the actors start, so no rollout
   comes from weights the learner no longer has). ``ver`` is then the version of the last completed
   push, as rank 0 broadcast it with the push's outcome: the version the servers hold now.
-- **status**: stale packs (``ver_pack < ver - version_window``) are dropped and counted; a step that
+- **reserve_for_step**: stale packs (``ver_pack < ver - version_window``) are dropped and counted; a step that
   wants B waits up to ``max_wait_s`` for one eligible pack per micro-step and *reserves* what it has
   (the actor can no longer evict them), then reports how many. The planner runs B only if every rank
   holds one per micro-step; otherwise the reserved packs go back to the queue at the next step. While
@@ -18,8 +18,8 @@ run (they share one notion of the weight version):
   lock-step); it cannot fail, since the vote counted reserved packs only.
 
 Every step it also reports the queue (depth per rank, cumulative produced / trained / dropped counts) and
-the actor's rollout metrics. Leaves out: the actor thread (``training.actor``), the queue and packs
-(``training.ready_packs``).
+the actor's rollout metrics. Leaves out: the actor thread (``training.channel_b.actor``), the queue and packs
+(``training.channel_b.ready_packs``).
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ from typing import Any
 import torch
 
 from rollmatch.rollout.types import RolloutBackend, SyncReport
-from rollmatch.training.actor import RolloutActor
-from rollmatch.training.ready_packs import ReadyPackQueue, SegmentOrigin
-from rollmatch.training.record_stream import StreamLedger
+from rollmatch.training.channel_b.actor import RolloutActor
+from rollmatch.training.channel_b.ready_packs import ReadyPackQueue, SegmentOrigin
+from rollmatch.training.channel_b.record_stream import StreamLedger
 from rollmatch.training.rows import RowPlanner
 from rollmatch.training.schedule import StepKind
 from rollmatch.training.step import ChannelBatch, ChannelStatus, GaugeKind, Windows
@@ -51,6 +51,7 @@ class AsyncPacks:
     """Ready packs of this rank's actor, consumed at optimizer-step boundaries (see the module docstring)."""
 
     needs_kind = False  # pushes follow the step, not its kind: they run before the kind vote
+    always_ready = False  # eligible packs come from the actor: every step votes
 
     def __init__(
         self,
@@ -80,6 +81,7 @@ class AsyncPacks:
         )
         self._last_report = (time.perf_counter(), 0)  # (time, actor rollouts) at the previous step
         self._last_step = 0  # the latest step whose metrics were taken (the trace's step at shutdown)
+        self._weights_step: int | None = None  # the optimizer step whose weights the servers hold
         self._closed = False
 
     def version_of(self, global_step: int) -> int:
@@ -99,12 +101,32 @@ class AsyncPacks:
         report = None
         if not self.actor.started or self.backend.weight_version != version:
             report = self.backend.sync_weights(self.model, version)
+            self._weights_step = global_step
         self.actor.set_current_version(self.ver, global_step)
         self.actor.start()
         return report
 
+    @property
+    def weights_step(self) -> int | None:
+        """The optimizer step whose weights the servers hold (None before the run's first push). With
+        ``sync_every_steps > 1`` it may lag the model by up to ``sync_every_steps - 1`` steps."""
+        return self._weights_step
+
+    def push_current_weights(self, global_step: int) -> SyncReport | None:
+        """Periodic evaluation's push: the servers get the weights after ``global_step`` optimizer steps
+        (under version ``v(global_step)``) unless they hold them already, so an evaluation never scores
+        weights up to ``sync_every_steps - 1`` steps old. The actor is told the version the servers now
+        hold, but neither started nor moved to another step; rollouts it makes from these weights carry
+        that version (they are fresher than it says, never staler)."""
+        if self._weights_step == global_step:
+            return None
+        report = self.backend.sync_weights(self.model, self.version_of(global_step))
+        self._weights_step = global_step
+        self.actor.set_current_version(self.ver)
+        return report
+
     # ---------------------------------------------------------------------------------- channel
-    def status(self, global_step: int, micro_steps: int, *, wants_b: bool) -> ChannelStatus:
+    def reserve_for_step(self, global_step: int, micro_steps: int, *, wants_b: bool) -> ChannelStatus:
         """This rank's eligible packs under ``ver`` (stale ones dropped); a step that wants B waits up to
         ``max_wait_s`` for enough and reserves them."""
         self.queue.unreserve()  # packs a previous vote reserved for a step that ran Channel-A
@@ -159,8 +181,10 @@ class AsyncPacks:
             trained=self.queue.mark_trained,  # a pack counts as trained after its backward pass
         )
 
-    def step_metrics(self, global_step: int) -> tuple[Counter[str], dict[str, tuple[GaugeKind, float]]]:
-        """Every step, A or B: the actor's rollout metrics since the last step and the queue's state."""
+    def finish_step(self, global_step: int) -> tuple[Counter[str], dict[str, tuple[GaugeKind, float]]]:
+        """Every step, A or B: move the actor to the next step, mark the records of packs dropped since
+        the last step done in the ledger (and trace them); return the actor's rollout metrics since the
+        last step and the queue's state."""
         self.actor.set_current_version(self.ver, global_step + 1)  # this step took its packs (or ran A)
         self._last_step = global_step
         dropped = self.queue.take_dropped_origins()

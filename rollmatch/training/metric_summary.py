@@ -25,7 +25,7 @@ from rollmatch.detection.scoring import ScoreCounts
 from rollmatch.training.grpo_loss import ratio_quantiles
 
 Sums = Mapping[str, float]
-# Counts of the rollout-matching targets built from the rollouts (training.channels), per step.
+# Counts of the rollout-matching targets built from the rollouts (training.segment_producers), per step.
 TARGET_SUMS = (
     "target/dropped_elements",
     "target/over_max_new_tokens",

@@ -13,8 +13,8 @@ Owns (pure, thread-safe where it says so, no torch.distributed, no HTTP):
   longer evict them, so the step's ``take`` cannot fail), and counters that account for every pack
   produced.
 
-Leaves out: where segments come from (``training.actor``) and the step decisions
-(``training.step`` / ``training.async_mode``).
+Leaves out: where segments come from (``training.channel_b.actor``) and the step decisions
+(``training.step`` / ``training.channel_b.async_mode``).
 
 Accounting invariant (checked by tests and logged at shutdown):
 ``produced == trained + dropped_stale + dropped_oldest + discarded + len(queue)`` (reserved packs

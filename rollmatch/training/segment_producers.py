@@ -2,8 +2,8 @@
 
 Owns the two ways a sample becomes a teacher-forced segment:
 
-- :class:`GTChannel` (stage-1 ``sft`` and Stage-2 Channel-A): prompt + the GT serialization + EOS.
-- :class:`RolloutChannel` (``rollout_matching_sft`` and Channel-B): rollouts (no grad) in calls of
+- :class:`GTSegmentProducer` (stage-1 ``sft`` and Stage-2 Channel-A): prompt + the GT serialization + EOS.
+- :class:`RolloutSegmentProducer` (``rollout_matching_sft`` and Channel-B): rollouts (no grad) in calls of
   ``decode_batch_size`` samples -> prompt alignment check -> strict parse -> Hungarian match ->
   ``prefix + FN tail + EOS`` (``loss.objective: grpo``: each rollout's own tokens with its group-normalised
   advantage and behaviour log-probs, ``training.grpo_targets``).
@@ -47,7 +47,7 @@ from rollmatch.training.schedule import fixed_size_chunks
 
 @dataclass
 class ChannelOutput:
-    """Segments of one batch plus additive metric sums (aggregated by ``training.metrics``).
+    """Segments of one batch plus additive metric sums (aggregated by ``training.metric_summary``).
 
     ``versions``: for rollout segments, the weight version each one's rollout was generated under
     (as the backend reported it); empty for GT segments.
@@ -98,7 +98,7 @@ class _SegmentFactory:
         )
 
 
-class GTChannel(_SegmentFactory):
+class GTSegmentProducer(_SegmentFactory):
     """Teacher forcing on the GT serialization (no rollouts)."""
 
     def produce(self, records: Sequence[Record], global_step: int) -> ChannelOutput:
@@ -117,7 +117,7 @@ class GTChannel(_SegmentFactory):
         return out
 
 
-class RolloutChannel(_SegmentFactory):
+class RolloutSegmentProducer(_SegmentFactory):
     """Rollout-matching: the model's own prefix plus the GT objects it missed.
 
     Records are rolled out in contiguous calls of ``decode_batch_size`` records (``None``: one call),

@@ -9,7 +9,7 @@ accumulation, Channel-B runs on the step's **final micro-step** only: the earlie
 the segments need (:class:`DeferredStep`). With ``enable_pipeline`` the rollouts of that last
 micro-step stream in on a thread while the rows that are already full train (:class:`PipelinedStep`).
 Leaves out: the A/B decision and lock-step rows (``training.step``), how records become segments
-(``training.channels``) and the optimizer update (HF's loop, once per step).
+(``training.segment_producers``) and the optimizer update (HF's loop, once per step).
 
 Which records: when the budget share is larger than the window's records, the rest comes from a
 dedicated per-rank stream over the training records (seeded per pass of that stream, positioned by the
@@ -40,10 +40,10 @@ from rollmatch.data.records import Record
 from rollmatch.errors import BackendError, PackingError
 from rollmatch.packing.binpack import select_row
 from rollmatch.packing.segment import Segment
-from rollmatch.training.channels import ChannelOutput, RolloutChannel
-from rollmatch.training.record_stream import extra_record_indices
+from rollmatch.training.channel_b.record_stream import extra_record_indices
 from rollmatch.training.rows import MicroBatch, RowPlanner
 from rollmatch.training.schedule import fixed_size_chunks
+from rollmatch.training.segment_producers import ChannelOutput, RolloutSegmentProducer
 from rollmatch.training.step import ChannelBatch, ChannelStatus, GaugeKind, MicroStep, Windows
 
 STEP_SECONDS = "stage2_ab/step/seconds"
@@ -99,7 +99,7 @@ class StepRollouts:
     def __init__(
         self,
         *,
-        rollouts: RolloutChannel,
+        rollouts: RolloutSegmentProducer,
         rows: RowPlanner,
         records: StepRecordStream,
         batch_size: int,
@@ -113,7 +113,9 @@ class StepRollouts:
         self.pipeline = pipeline
         self.wait_timeout_s = wait_timeout_s
 
-    def status(self, global_step: int, micro_steps: int, *, wants_b: bool) -> ChannelStatus:
+    always_ready = True  # every step rolls out its own records
+
+    def reserve_for_step(self, global_step: int, micro_steps: int, *, wants_b: bool) -> ChannelStatus:
         return ChannelStatus()
 
     def take(self, windows: Windows, global_step: int, *, final: bool) -> ChannelBatch:
@@ -122,7 +124,7 @@ class StepRollouts:
         lazy = last(self, records, step=global_step, index=len(windows), count=len(windows))
         return ChannelBatch(rows=[], batch=self.rows.batch, lazy=lazy, timing_key=STEP_SECONDS)
 
-    def step_metrics(self, global_step: int) -> tuple[Counter[str], dict[str, tuple[GaugeKind, float]]]:
+    def finish_step(self, global_step: int) -> tuple[Counter[str], dict[str, tuple[GaugeKind, float]]]:
         return Counter(), {}
 
     def close(self) -> None:

@@ -5,7 +5,7 @@ Owns: :func:`stream_permutation` (one seeded permutation per pass over a rank's 
 pass, read in order) with :class:`StreamLedger` (which stream positions were trained or dropped, so a
 resumed run neither repeats nor skips a record), and :func:`extra_record_indices` (Channel-B step mode:
 records a step tops its rollout budget up with, positioned by the optimizer step).
-Leaves out: what is done with the records (``training.actor``, ``training.step_mode``).
+Leaves out: what is done with the records (``training.channel_b.actor``, ``training.channel_b.step_mode``).
 
 A rank's shard is ``records[rank::world_size]`` (every record belongs to exactly one rank); pass ``p``
 reads it in the order of ``stream_permutation(seed, rank, p, len(shard))``. Stream position ``n`` is

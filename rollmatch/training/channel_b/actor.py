@@ -1,14 +1,14 @@
 """The rollout actor of one learner rank: a background thread that keeps the ready-pack queue fed.
 
 Owns :class:`RolloutActor`: read the rank's record stream, roll the records out on the rollout servers
-(a client of its own, never a collective), score them and build segments (``training.channels``), pack
-them version-pure (``training.ready_packs``) and put the packs into the rank's bounded queue. The actor
+(a client of its own, never a collective), score them and build segments (``training.segment_producers``), pack
+them version-pure (``training.channel_b.ready_packs``) and put the packs into the rank's bounded queue. The actor
 paces itself: while ``prefetch_target_packs`` eligible packs wait it sleeps until the learner takes some
 or the version moves on; with admission control it also does not start a batch whose packs would be
 stale by the step that consumes them (``ready_packs.admission_room``), and while a step waits for packs
 it completes the partial pack that used the last of that room (else the step would wait in vain).
-Leaves out: the learner's decisions (``training.async_mode``) and the record stream itself
-(``training.record_stream``).
+Leaves out: the learner's decisions (``training.channel_b.async_mode``) and the record stream itself
+(``training.channel_b.record_stream``).
 
 Failure and shutdown: any exception in the thread (a dead or frozen server surfaces as a
 :class:`~rollmatch.errors.BackendError` naming its URL, within the client's timeouts) is kept and
@@ -28,9 +28,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from rollmatch.data.records import Record
-from rollmatch.training.channels import RolloutChannel
-from rollmatch.training.ready_packs import ReadyPackQueue, SegmentOrigin, VersionPurePacker, admission_room
-from rollmatch.training.record_stream import RecordStream
+from rollmatch.training.channel_b.ready_packs import (
+    ReadyPackQueue,
+    SegmentOrigin,
+    VersionPurePacker,
+    admission_room,
+)
+from rollmatch.training.channel_b.record_stream import RecordStream
+from rollmatch.training.segment_producers import RolloutSegmentProducer
 
 log = logging.getLogger(__name__)
 _SEED_SPACE = 1 << 31
@@ -59,7 +64,7 @@ class RolloutActor:
     def __init__(
         self,
         *,
-        rollouts: RolloutChannel,
+        rollouts: RolloutSegmentProducer,
         stream: RecordStream[Record],
         queue: ReadyPackQueue[Any],
         packer: VersionPurePacker[Any],
