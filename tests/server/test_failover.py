@@ -21,6 +21,7 @@ from server_processes import REPO, launch_server
 from transformers import AutoModelForImageTextToText
 
 from rollmatch.collectives import LocalCollectives
+from rollmatch.config.resolved import resolve_run_on_this_machine
 from rollmatch.errors import BackendError
 from rollmatch.rollout import server_pool
 from rollmatch.rollout.client import ServerBackend
@@ -32,11 +33,11 @@ DECODING = Decoding(max_new_tokens=4)
 
 def _backend(cfg: Any, tiny_model_dir: Path, prompt_encoder: Any, model: Any = None) -> ServerBackend:
     return ServerBackend.connect(
-        cfg,
+        resolve_run_on_this_machine(cfg),
         model=model,
         tokenizer=prompt_encoder.tokenizer,
-        model_dir=str(tiny_model_dir),
         collectives=LocalCollectives(),
+        processor=prompt_encoder.processor,
     )
 
 
