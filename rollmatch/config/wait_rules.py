@@ -9,10 +9,10 @@ push (``vllm.server.timeout_s``). ``config.rules`` runs them with the others; ea
 
 from __future__ import annotations
 
-from rollmatch.config.schema import RollmatchConfig
+from rollmatch.config.schema import ROLLOUT_KEY, RollmatchConfig
 from rollmatch.errors import ConfigProblem
 
-_SERVER = "custom.extra.rollout_matching.vllm.server"
+_SERVER = f"{ROLLOUT_KEY}.vllm.server"
 _CHANNEL_B = "stage2_ab.channel_b"
 COLLECTIVE_MARGIN_FRACTION = 0.1  # of training.collective_timeout_s (see collective_margin_s)
 COLLECTIVE_MARGIN_MIN_S = 10.0
