@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import stat
 import time
 from collections.abc import Callable
@@ -162,6 +163,23 @@ def _cmdline(pid: int) -> str:
     return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
 
 
+def _ports_for_two_nodes() -> tuple[int, int, int]:
+    """A port base whose next port (the server's weight-sync group) is free too, and a rendezvous and a
+    heartbeat port apart from both (free_ports(3) alone may hand out port_base + 1 as one of them)."""
+    from rollmatch.launch.plan import free_ports
+
+    for _ in range(50):
+        base, rdzv, heartbeat = free_ports(3)
+        if {base, base + 1}.isdisjoint({rdzv, heartbeat}):
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+                try:
+                    probe.bind(("", base + 1))
+                except OSError:
+                    continue
+            return base, rdzv, heartbeat
+    raise RuntimeError("no port base with its next port free in 50 tries")
+
+
 def two_node_config(
     launch_config: Callable[..., Path],
     *,
@@ -171,9 +189,7 @@ def two_node_config(
 ) -> tuple[Path, int]:
     """Two nodes on 127.0.0.1 (node 0: one hf server and a learner rank; node 1: a learner rank),
     async Stage-2 AB; the config and its port base."""
-    from rollmatch.launch.plan import free_ports
-
-    port_base, rdzv, heartbeat = free_ports(3)
+    port_base, rdzv, heartbeat = _ports_for_two_nodes()
     config = launch_config(
         training={"max_steps": max_steps},
         stage2_ab={"schedule": {"b_ratio": 0.5}, "channel_b": {"mode": "async"}},
