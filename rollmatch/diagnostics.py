@@ -251,20 +251,26 @@ def _roll_out(
 def run_diagnose(cfg: RollmatchConfig, records: Sequence[Record], prefix_ks: Sequence[int]) -> dict[str, Any]:
     """:func:`diagnose` on ``cfg.model.path`` with the configured backend, ``eval.*`` matching and budget."""
     encoder, codec, backend = load_for_eval(cfg)
+    budget = cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens  # eval's null: the rollouts' budget
     try:
         result = diagnose(
             backend,
             encoder,
             codec,
             records,
-            max_new_tokens=cfg.eval.max_new_tokens,
+            max_new_tokens=budget,
             matching=cfg.eval.matching,
             prefix_ks=prefix_ks,
             batch_size=cfg.eval.batch_size,
         )
     finally:
         backend.close()
-    return {"model": cfg.model.path, "object_format": cfg.custom.object_format, **result}
+    return {
+        "model": cfg.model.path,
+        "object_format": cfg.custom.object_format,
+        "max_new_tokens": budget,
+        **result,
+    }
 
 
 def diagnose_command(args: argparse.Namespace) -> int:

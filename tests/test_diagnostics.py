@@ -139,15 +139,28 @@ def test_diagnose_command_prints_json_on_the_tiny_model(
 ) -> None:
     out = tmp_path / "diagnose.json"
     command = [
-        str(Path(sys.executable).with_name("rollmatch")), "diagnose", "--model", str(tiny_model_dir),
-        "--data", str(shapes["val"]), "--backend", "hf", "--max-samples", "3", "--prefix-k", "1",
-        "--out", str(out), "eval.max_new_tokens=16",
-    ]  # fmt: skip
+        str(Path(sys.executable).with_name("rollmatch")),
+        "diagnose",
+        "--model",
+        str(tiny_model_dir),
+        "--data",
+        str(shapes["val"]),
+        "--backend",
+        "hf",
+        "--max-samples",
+        "3",
+        "--prefix-k",
+        "1",
+        "--out",
+        str(out),
+        "custom.extra.rollout_matching.max_new_tokens=16",
+    ]  # fmt: skip  (eval.max_new_tokens left null: the rollouts' budget applies)
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["records"] == 3 and result["model"] == str(tiny_model_dir)
+    assert result["max_new_tokens"] == 16
     assert set(result["targets_vs_sft"]) == {
         "prefix_fn_matched_supervise",
         "prefix_fn_matched_none",
