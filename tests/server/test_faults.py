@@ -243,7 +243,9 @@ def test_sync_needs_the_token_and_the_lease_and_keeps_the_version_when_refused(
     other = _backend(cfg, tiny_model_dir, prompt_encoder, model)
     other.sync_weights(model, 3)  # a restarted trainer takes the group over...
     with pytest.raises(SyncError, match="sync lease"):
-        trainer._push_mode(model, 4, "full", trainer.connections)  # ...and the previous holder is refused with the reason
+        trainer._push_mode(
+            model, 4, "full", trainer.connections
+        )  # ...and the previous holder is refused with the reason
     assert server.get("/stats/", api_key="k3y")["weight_version"] == 3
     for backend in (trainer, other):
         backend.close()
