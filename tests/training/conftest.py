@@ -1,4 +1,5 @@
-"""Fixtures for trainer tests: a small synthetic shapes set, a config factory, a plan runner."""
+"""Fixtures for trainer tests: a small synthetic shapes set, a config factory, the Stage-2 parts of the
+tiny model, a plan runner."""
 
 from __future__ import annotations
 
@@ -50,6 +51,29 @@ def make_config(
         return load_config_dict(deep_merge(base, extra or {}))
 
     return make
+
+
+@pytest.fixture
+def stage2_tiny(
+    loaded_tiny: tuple[Any, Any], tiny_model_dir: Path, make_config: Callable[..., RollmatchConfig]
+) -> Any:
+    """The tiny model with a Stage-2 config (every step wants Channel-B), its prompt encoder, the
+    ``qwen_json`` codec and the training records."""
+    from types import SimpleNamespace
+
+    from rollmatch.data.prompts import PromptEncoder
+    from rollmatch.data.records import load_records
+    from rollmatch.detection.object_formats import build_codec
+
+    model, _ = loaded_tiny
+    cfg = make_config(
+        {"custom": {"trainer_variant": "stage2_ab_training"}, "stage2_ab": {"schedule": {"b_ratio": 1.0}}}
+    )
+    encoder = PromptEncoder.from_pretrained(str(tiny_model_dir), cfg.data)
+    codec = build_codec("qwen_json", encoder.tokenizer, [encoder.eos_token_id])
+    return SimpleNamespace(
+        model=model, cfg=cfg, encoder=encoder, codec=codec, records=load_records(cfg.data.train_jsonl)
+    )
 
 
 @pytest.fixture

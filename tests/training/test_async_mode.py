@@ -15,9 +15,6 @@ from hypothesis import strategies as st
 from thread_ranks import ThreadRanks, on_ranks
 
 from rollmatch.collectives import LocalCollectives
-from rollmatch.data.prompts import PromptEncoder
-from rollmatch.data.records import load_records
-from rollmatch.detection.object_formats import build_codec
 from rollmatch.errors import BackendError
 from rollmatch.rollout.hf import HFBackend
 from rollmatch.training.channel_b.actor import RolloutActor
@@ -37,14 +34,14 @@ from rollmatch.training.step import ABSchedule, StepPlanner
 
 
 @pytest.fixture
-def tiny(loaded_tiny, tiny_model_dir, make_config) -> SimpleNamespace:
-    model, _ = loaded_tiny
-    cfg = make_config(
-        {"custom": {"trainer_variant": "stage2_ab_training"}, "stage2_ab": {"schedule": {"b_ratio": 1.0}}}
+def tiny(stage2_tiny: SimpleNamespace) -> SimpleNamespace:
+    model, cfg, encoder, codec, records = (
+        stage2_tiny.model,
+        stage2_tiny.cfg,
+        stage2_tiny.encoder,
+        stage2_tiny.codec,
+        stage2_tiny.records,
     )
-    encoder = PromptEncoder.from_pretrained(str(tiny_model_dir), cfg.data)
-    codec = build_codec("qwen_json", encoder.tokenizer, [encoder.eos_token_id])
-    records = load_records(cfg.data.train_jsonl)
     segments = GTSegmentProducer(model, encoder, codec, cfg).produce(records, 0).segments
     model.zero_grad(set_to_none=True)
     actors: list[RolloutActor] = []

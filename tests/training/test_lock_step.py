@@ -13,9 +13,6 @@ from typing import Any
 import pytest
 from thread_ranks import ThreadRanks, on_ranks
 
-from rollmatch.data.prompts import PromptEncoder
-from rollmatch.data.records import load_records
-from rollmatch.detection.object_formats import build_codec
 from rollmatch.rollout.hf import HFBackend
 from rollmatch.training.channel_modes import WindowRows
 from rollmatch.training.rows import RowPlanner
@@ -24,18 +21,15 @@ from rollmatch.training.step import ABSchedule, StepPlanner
 
 
 @pytest.fixture
-def tiny(loaded_tiny, tiny_model_dir, make_config) -> SimpleNamespace:
-    model, _ = loaded_tiny
-    cfg = make_config(
-        {"custom": {"trainer_variant": "stage2_ab_training"}, "stage2_ab": {"schedule": {"b_ratio": 1.0}}}
-    )
-    encoder = PromptEncoder.from_pretrained(str(tiny_model_dir), cfg.data)
-    codec = build_codec("qwen_json", encoder.tokenizer, [encoder.eos_token_id])
+def tiny(stage2_tiny: SimpleNamespace) -> SimpleNamespace:
+    model, encoder = stage2_tiny.model, stage2_tiny.encoder
     backend = HFBackend(
         model, encoder.tokenizer, eos_token_id=encoder.eos_token_id, pad_token_id=encoder.pad_token_id
     )
-    rollouts = RolloutSegmentProducer(model, encoder, codec, cfg, backend, decode_batch_size=4)
-    return SimpleNamespace(rollouts=rollouts, records=load_records(cfg.data.train_jsonl), encoder=encoder)
+    rollouts = RolloutSegmentProducer(
+        model, encoder, stage2_tiny.codec, stage2_tiny.cfg, backend, decode_batch_size=4
+    )
+    return SimpleNamespace(rollouts=rollouts, records=stage2_tiny.records, encoder=encoder)
 
 
 def micro_planner(
