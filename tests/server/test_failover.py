@@ -18,27 +18,15 @@ from typing import Any
 import pytest
 import torch
 from server_processes import REPO, launch_server
+from trainer_backends import connect_backend
 from transformers import AutoModelForImageTextToText
 
-from rollmatch.collectives import LocalCollectives
-from rollmatch.config.resolved import resolve_run_on_this_machine
 from rollmatch.errors import BackendError
 from rollmatch.rollout import server_pool
-from rollmatch.rollout.client import ServerBackend
 from rollmatch.rollout.types import Decoding
 
 pytestmark = pytest.mark.heavy
 DECODING = Decoding(max_new_tokens=4)
-
-
-def _backend(cfg: Any, tiny_model_dir: Path, prompt_encoder: Any, model: Any = None) -> ServerBackend:
-    return ServerBackend.connect(
-        resolve_run_on_this_machine(cfg),
-        model=model,
-        tokenizer=prompt_encoder.tokenizer,
-        collectives=LocalCollectives(),
-        processor=prompt_encoder.processor,
-    )
 
 
 def _servers_of(rollouts: list[Any]) -> list[str]:
@@ -66,7 +54,7 @@ def test_a_killed_server_is_dropped_resent_and_rejoins_after_the_next_push(
         timeout_s=20.0,
         min_healthy=1,
     )
-    backend = _backend(cfg, tiny_model_dir, prompt_encoder, model)
+    backend = connect_backend(cfg, prompt_encoder, model)
     requests = raccoon_requests[:3]
     ids = [r.sample_id for r in requests]
     try:
@@ -125,10 +113,10 @@ def test_a_stalled_engine_is_detected_by_health_and_its_calls_resent(
     servers = [{"base_url": s.url, "group_port": free_port()} for s in (healthy, stuck)]
     requests = raccoon_requests[:2]
     try:
-        backend = _backend(
-            server_config(servers=servers, timeout_s=30.0, min_healthy=1), tiny_model_dir, prompt_encoder
+        backend = connect_backend(
+            server_config(servers=servers, timeout_s=30.0, min_healthy=1), prompt_encoder
         )
-        strict = _backend(server_config(servers=servers, timeout_s=30.0), tiny_model_dir, prompt_encoder)
+        strict = connect_backend(server_config(servers=servers, timeout_s=30.0), prompt_encoder)
         rollouts = backend.generate(requests, DECODING, seed=0)  # /infer/ has no HTTP timeout: /health/ tells
         assert _servers_of(rollouts) == [healthy.url] * 2
         assert [r.sample_id for r in rollouts] == [r.sample_id for r in requests]

@@ -20,26 +20,14 @@ import torch
 from load_clients import infer_in_process
 from local_ports import free_tcp_port
 from server_processes import REPO, launch_server
+from trainer_backends import connect_backend
 from transformers import AutoModelForImageTextToText
 
-from rollmatch.collectives import LocalCollectives
-from rollmatch.config.resolved import resolve_run_on_this_machine
 from rollmatch.errors import BackendError, SyncError
-from rollmatch.rollout.client import ServerBackend
 from rollmatch.rollout.types import Decoding
 
 pytestmark = pytest.mark.heavy
 SWIFT_CHAT = {"messages": [{"role": "user", "content": "find"}]}
-
-
-def _backend(cfg: Any, tiny_model_dir: Path, prompt_encoder: Any, model: Any = None) -> ServerBackend:
-    return ServerBackend.connect(
-        resolve_run_on_this_machine(cfg),
-        model=model,
-        tokenizer=prompt_encoder.tokenizer,
-        collectives=LocalCollectives(),
-        processor=prompt_encoder.processor,
-    )
 
 
 def test_frozen_server_fails_the_rollout_within_timeout_naming_the_url(
@@ -54,7 +42,7 @@ def test_frozen_server_fails_the_rollout_within_timeout_naming_the_url(
     cfg = server_config(
         servers=[{"base_url": server.url, "group_port": free_port()}], timeout_s=4.0, infer_timeout_s=None
     )
-    backend = _backend(cfg, tiny_model_dir, prompt_encoder)
+    backend = connect_backend(cfg, prompt_encoder)
     assert backend.connections[0].infer_timeout_s is None  # no HTTP timeout on /infer/
     os.kill(server.process.pid, signal.SIGSTOP)
     try:
@@ -212,10 +200,10 @@ def test_sync_needs_the_token_and_the_lease_and_keeps_the_version_when_refused(
     cfg = server_config(servers=[{"base_url": server.url, "group_port": free_port()}], timeout_s=30)
     monkeypatch.delenv("ROLLMATCH_API_KEY", raising=False)
     with pytest.raises(BackendError, match=r"/info/\) -> HTTP 401: missing API key.*set ROLLMATCH_API_KEY"):
-        _backend(cfg, tiny_model_dir, prompt_encoder, model)  # /info/ needs the key: start-up fails
+        connect_backend(cfg, prompt_encoder, model)  # /info/ needs the key: start-up fails
     assert server.get("/stats/", api_key="k3y")["weight_version"] == 0
     monkeypatch.setenv("ROLLMATCH_API_KEY", "k3y")
-    trainer = _backend(cfg, tiny_model_dir, prompt_encoder, model)
+    trainer = connect_backend(cfg, prompt_encoder, model)
     trainer.sync_weights(model, 1)
     assert server.get("/stats/", api_key="k3y")["weight_version"] == 1
     finish = {"version": 2, "mode": "full", "bucket_checksums": [], "checksum": ""}
@@ -240,7 +228,7 @@ def test_sync_needs_the_token_and_the_lease_and_keeps_the_version_when_refused(
     assert stats["weight_version"] == 1 and stats["communicator"] == "ready"
     trainer.sync_weights(model, 2)  # the lease holder still pushes
     assert server.get("/stats/", api_key="k3y")["weight_version"] == 2
-    other = _backend(cfg, tiny_model_dir, prompt_encoder, model)
+    other = connect_backend(cfg, prompt_encoder, model)
     other.sync_weights(model, 3)  # a restarted trainer takes the group over...
     with pytest.raises(SyncError, match="sync lease"):
         trainer._push_mode(
