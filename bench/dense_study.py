@@ -78,7 +78,7 @@ _KEEP_ALL = {"target": "prefix_fn", "keep_prefix": "all", "matched_prefix": "sup
 _NEEDS_TARGETS = "loss.keep_prefix: all with loss.matched_prefix: supervise (training after own mistakes)"
 _SAMPLED_K4 = {"decoding": {"temperature": 0.7}, "rollouts_per_record": 4}
 FP_UNLIKELIHOOD_WEIGHT = 0.5
-TRUNK_SAVE_STEPS = 500
+TRUNK_SAVE_STEPS = 100
 # name -> trainer variant, loss.*, custom.extra.rollout_matching.*, and what the code must support
 ARMS: dict[str, dict[str, Any]] = {
     "sft": {"variant": "sft", "loss": {}},
@@ -335,7 +335,7 @@ def gate_at(out: Path, splits: dict[str, Path], args: argparse.Namespace, trunk:
                 args,
                 max_steps=trunk,
                 learning_rate=args.stage1_lr,
-                # a checkpoint every 500 steps too: an interrupted chunk resumes close to where it stopped
+                # a checkpoint every TRUNK_SAVE_STEPS too: an interrupted chunk resumes close to where it stopped
                 save_steps=math.gcd(args.stage1_chunk, TRUNK_SAVE_STEPS),
                 lr_scheduler_type="constant_with_warmup",
                 warmup_ratio=warmup / trunk,
