@@ -271,6 +271,7 @@ class ServerBackend:
             reply_rollout(conn, request, output, provenance)
             for request, output in zip(chunk, outputs, strict=True)
         ]
+        self.pool.check_served(conn, [r.weight_version for r in rollouts])
         timing = InferTiming(
             server=conn.url,
             requests=len(chunk),

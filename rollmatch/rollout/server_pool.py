@@ -11,7 +11,9 @@ failure ends the run, as before failover existed).
 
 Re-admission: a down server is used again only once it answers ``/health/``, its ``/stats/`` show the
 version it serves was pushed to it (a restarted server serves the model directory's weights: no
-push, not admitted), and that version is not older than the newest this client has seen. The learner's
+push, not admitted), and that version is not older than the newest this client has seen. A server that
+answers at an older version than it answered at before restarted behind the client's back (a call re-sent
+on a fresh connection reached the new process): :meth:`check_served` marks it down the same way. The learner's
 pusher brings it there: it pushes full weights on fresh groups to every down server that answers
 ``/health/`` again (``rollout.client``), then :meth:`admit` marks it up at once. Leaves out: HTTP
 (``rollout.connection``), chunking and the weight push itself (``rollout.client``).
@@ -54,6 +56,7 @@ class ServerPool:
         self._down: dict[str, str] = {}  # url -> why it went down
         self._next_probe: dict[str, float] = {}
         self._version_floor = 0  # the newest weight version a reply of any server carried
+        self._served: dict[str, int] = {}  # url -> the newest weight version a reply of that server carried
         self._sums: Counter[str] = Counter()
 
     # ------------------------------------------------------------------------------- state
@@ -83,11 +86,27 @@ class ServerPool:
     def admit(self, conn: ServerConnection, version: int) -> None:
         """``conn`` now serves ``version``, pushed by this run: use it again."""
         self.seen_version(version)
+        self._served[conn.url] = int(version)
         if self._down.pop(conn.url, None) is not None:
             log.warning("rollout server %s re-admitted at weight version %d", conn.url, version)
 
     def seen_version(self, version: int) -> None:
         self._version_floor = max(self._version_floor, int(version))
+
+    def check_served(self, conn: ServerConnection, versions: Sequence[int]) -> None:
+        """Raise :class:`ServerDown` when ``conn`` answers at an older weight version than it answered at
+        before: one server process only moves forward, so another process answers on its port (restarted,
+        serving the model directory's weights, not re-synced). Its answer is not used; the chunk goes to a
+        healthy server and the pusher re-syncs this one."""
+        if not versions:
+            return
+        before, oldest = self._served.get(conn.url, 0), min(versions)
+        if oldest < before:
+            raise ServerDown(
+                f"rollout server {conn.url} answered at weight version {oldest} after serving {before}: it "
+                "restarted and was not re-synced yet; its answer is dropped"
+            )
+        self._served[conn.url] = max(before, max(versions))
 
     def check_enough(self) -> None:
         """Raise, naming every down server, when fewer than ``min_healthy`` are up."""

@@ -140,3 +140,26 @@ def test_a_down_server_is_readmitted_only_at_a_pushed_version_not_older_than_see
     _Stats.version, _Stats.pushed = 4, {"3": 1, "4": 1}
     assert pool.usable() == [back, other]
     assert pool.answering([back, other]) == [back]
+
+
+def test_a_server_answering_at_an_older_version_than_before_is_marked_down_and_its_chunk_resent() -> None:
+    """A restarted process on the same port answers at its model directory's version (0) after the old one
+    served 4: its answer is dropped and the chunk goes to another server; a pushed version admits it again."""
+    a, b = (_conn(f"http://127.0.0.1:{free_tcp_port()}") for _ in range(2))
+    pool = ServerPool([a, b], min_healthy=1)
+    served = {a.url: 4, b.url: 4}
+
+    def call(conn: ServerConnection, chunk: int) -> str:
+        pool.check_served(conn, [served[conn.url]])
+        return f"{chunk}@{conn.url}"
+
+    assert pool.run_chunks([(a, 0), (b, 1)], call) == [f"0@{a.url}", f"1@{b.url}"]
+    served[b.url] = 0  # b restarted behind the client's back
+    assert pool.run_chunks([(a, 0), (b, 1)], call) == [f"0@{a.url}", f"1@{a.url}"]
+    assert pool.is_down(b)
+    assert pool.take_sums()["servers/failovers"] == 1
+    pool.admit(b, 5)  # the pusher re-synced it at version 5
+    served[b.url] = 5
+    assert pool.run_chunks([(a, 0), (b, 1)], call) == [f"0@{a.url}", f"1@{b.url}"]
+    with pytest.raises(ServerDown, match="answered at weight version 4 after serving 5"):
+        pool.check_served(b, [4, 5])

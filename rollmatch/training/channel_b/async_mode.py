@@ -192,6 +192,9 @@ class AsyncPacks:
         self._trace(global_step, "dropped", [(o, None) for o in dropped])
         sums = self.actor.take_sums()
         del sums["samples"]  # rollouts made, not trained: `samples` counts what the step trains (take)
+        pusher_sums = getattr(self.backend, "take_server_sums", None)
+        if pusher_sums is not None:  # servers the learner's pushes marked down count as failovers too
+            sums.update(pusher_sums())
         sums[f"{_PREFIX}/b_step_skipped_due_to_queue"] += 0  # logged every step; the planner adds the 1
         now, rollouts = time.perf_counter(), self.actor.rollouts_total
         then, before = self._last_report
