@@ -255,7 +255,7 @@ def sampled_rewards(cfg: RollmatchConfig, records: Sequence[Record], k: int, see
     from rollmatch.detection.object_formats import build_codec
     from rollmatch.models.pretrained import load_pretrained
     from rollmatch.rollout.alignment import check_prompt_alignment
-    from rollmatch.rollout.build import build_backend, decoding_from_config
+    from rollmatch.rollout.build import build_backend
     from rollmatch.training.grpo_targets import GrpoGroups
 
     start_time = time.perf_counter()
@@ -274,7 +274,7 @@ def sampled_rewards(cfg: RollmatchConfig, records: Sequence[Record], k: int, see
         pad_token_id=encoder.pad_token_id,
     )
     groups = GrpoGroups(encoder, codec, cfg)
-    decoding = decoding_from_config(cfg)
+    decoding = run.decoding
     per_image, malformed, truncated = [], 0, 0
     chunk = max(cfg.eval.batch_size // k, 1)
     try:

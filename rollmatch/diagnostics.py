@@ -250,13 +250,14 @@ def _roll_out(
 
 def run_diagnose(cfg: RollmatchConfig, records: Sequence[Record], prefix_ks: Sequence[int]) -> dict[str, Any]:
     """:func:`diagnose` on ``cfg.model.path`` with the configured backend, ``eval.*`` matching and budget."""
-    encoder, codec, backend = load_for_eval(cfg)
-    budget = cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens  # eval's null: the rollouts' budget
+    setup = load_for_eval(cfg)
+    backend = setup.backend
+    budget = setup.run.eval_decoding.max_new_tokens  # eval.max_new_tokens, null: the rollouts' budget
     try:
         result = diagnose(
             backend,
-            encoder,
-            codec,
+            setup.encoder,
+            setup.codec,
             records,
             max_new_tokens=budget,
             matching=cfg.eval.matching,

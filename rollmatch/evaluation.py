@@ -28,6 +28,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from rollmatch.config.resolved import ResolvedRun
 from rollmatch.config.schema import (
     DEFAULT_COUNT_BUCKETS,
     ROLLOUT_KEY,
@@ -225,9 +226,19 @@ def command_config(command: str, args: argparse.Namespace, extra: Sequence[str] 
     return load_config(args.config, [*overrides, *extra, *args.overrides])
 
 
-def load_for_eval(cfg: RollmatchConfig) -> tuple[PromptEncoder, ObjectCodec, RolloutBackend]:
-    """The prompt encoder, codec and rollout backend (``cfg``'s) of ``cfg.model.path`` in this one
-    process; the caller closes the backend."""
+@dataclass
+class EvalSetup:
+    """What evaluating ``model.path`` in this one process needs; the caller closes ``backend``."""
+
+    run: ResolvedRun  # resolved once: eval decoding, coordinate frame, pixel bounds
+    encoder: PromptEncoder
+    codec: ObjectCodec
+    backend: RolloutBackend
+
+
+def load_for_eval(cfg: RollmatchConfig) -> EvalSetup:
+    """The resolved run, prompt encoder, codec and rollout backend (``cfg``'s) of ``cfg.model.path`` in
+    this one process."""
     from rollmatch.collectives import LocalCollectives
     from rollmatch.config.resolved import resolve_run_on_this_machine
     from rollmatch.data.prompts import load_processor
@@ -250,7 +261,7 @@ def load_for_eval(cfg: RollmatchConfig) -> tuple[PromptEncoder, ObjectCodec, Rol
         eos_token_id=encoder.eos_token_id,
         pad_token_id=encoder.pad_token_id,
     )
-    return encoder, codec, backend
+    return EvalSetup(run=run, encoder=encoder, codec=codec, backend=backend)
 
 
 def eval_command(args: argparse.Namespace) -> int:
@@ -292,18 +303,17 @@ def _settings(section: DecodingConfig) -> str:
 def run_eval(cfg: RollmatchConfig, records: Sequence[Record], predictions_path: str | None) -> EvalResult:
     """Evaluate ``cfg.model.path`` with the configured backend (HF or vLLM) on ``records`` (the first
     ``eval.max_samples`` of them when set)."""
-    from rollmatch.rollout.build import eval_decoding_from_config
-
     if cfg.eval.max_samples is not None:
         records = records[: cfg.eval.max_samples]
-    encoder, codec, backend = load_for_eval(cfg)
+    setup = load_for_eval(cfg)
+    backend = setup.backend
     try:
         return evaluate(
             backend,
-            encoder,
-            codec,
+            setup.encoder,
+            setup.codec,
             records,
-            decoding=eval_decoding_from_config(cfg),
+            decoding=setup.run.eval_decoding,
             matching=cfg.eval.matching,
             batch_size=cfg.eval.batch_size,
             count_buckets=cfg.eval.count_buckets,

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from rollmatch.collectives import LocalCollectives
+from rollmatch.config.decoding import eval_decoding, rollout_decoding
 from rollmatch.config.load import load_config
 from rollmatch.config.rules import check_runtime
 from rollmatch.config.schema import DataConfig, MatchingConfig
@@ -23,7 +24,7 @@ from rollmatch.data.shapes import generate_shapes
 from rollmatch.detection.object_formats import build_codec
 from rollmatch.detection.objects import DetObject
 from rollmatch.evaluation import evaluate, run_eval
-from rollmatch.rollout.build import decoding_from_config, eval_decoding_from_config, machine_overrides
+from rollmatch.rollout.build import machine_overrides
 from rollmatch.rollout.types import Decoding, Rollout, RolloutProvenance, RolloutRequest, SyncReport
 from rollmatch.rollout.vllm_settings import vllm_colocate_problems, vllm_installed
 from rollmatch.training.periodic_eval import DetectionEval, eval_metrics
@@ -220,10 +221,10 @@ SAMPLED_ROLLOUTS = [
 
 def test_eval_decoding_is_its_own_never_the_rollout_decoding() -> None:
     cfg = load_config(None, SAMPLED_ROLLOUTS)
-    assert eval_decoding_from_config(cfg) == Decoding(max_new_tokens=40)  # greedy, the rollout's budget
+    assert eval_decoding(cfg) == Decoding(max_new_tokens=40)  # greedy, the rollout's budget
     cfg = load_config(None, [*SAMPLED_ROLLOUTS, "eval.decoding.temperature=0.7", "eval.max_new_tokens=12"])
-    assert eval_decoding_from_config(cfg) == Decoding(temperature=0.7, max_new_tokens=12)
-    assert decoding_from_config(cfg).temperature == 1.3  # the rollouts keep theirs
+    assert eval_decoding(cfg) == Decoding(temperature=0.7, max_new_tokens=12)
+    assert rollout_decoding(cfg).temperature == 1.3  # the rollouts keep theirs
 
 
 def test_in_training_eval_decodes_with_eval_decoding_and_records_it(
@@ -237,6 +238,7 @@ def test_in_training_eval_decodes_with_eval_decoding_and_records_it(
     backend = RecordingReplayBackend(encoder.tokenizer, texts)
     detection_eval = DetectionEval(
         cfg=cfg,
+        decoding=eval_decoding(cfg),  # what build_detection_eval hands it from the resolved run
         backend=backend,
         sync=None,  # type: ignore[arg-type]  # _evaluate pushes no weights
         encoder=encoder,

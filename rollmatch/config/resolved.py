@@ -5,23 +5,22 @@ with the devices this process sees), the one place where a run's runtime
 rules are checked (``config.rules.check_runtime``: world size, devices) and its derived values are
 worked out: the weight-sync mode in force (``sync.mode: auto`` resolved), the rollout servers as
 one list (whichever form configured them), the coordinate frame (``data.coord_frame: auto``
-resolved from the checkpoint's family), the processor's pixel bounds and the gradient accumulation
-steps for the world size. Builders (the prompt encoder, the rollout backends, the trainer) take
+resolved from the checkpoint's family), the processor's pixel bounds, the gradient accumulation
+steps for the world size, and the rollout and evaluation decodings (``config.decoding``). Builders (the prompt encoder, the rollout backends, the trainer) take
 the resolved run and never run the rules again; :func:`resolved_values` is what
 ``rollmatch check-config`` prints of it before any launch is known.
 
-Leaves out: the rules themselves (``config.rules``), the frame table (``config.frames``) and the
-rollout ``Decoding`` (built from ``run.config`` by ``rollout.build``: its type lives above this
-layer).
+Leaves out: the rules themselves (``config.rules``) and the frame table (``config.frames``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from rollmatch.config import rules
+from rollmatch.config.decoding import Decoding, eval_decoding, rollout_decoding
 from rollmatch.config.frames import Frame, fixed_coord_frame, resolve_coord_frame
 from rollmatch.config.schema import RollmatchConfig, ServerEndpoint
 from rollmatch.errors import ConfigError, ConfigProblem
@@ -44,6 +43,8 @@ class ResolvedRun:
     coord_frame: Frame
     pixel_bounds: PixelBounds
     gradient_accumulation_steps: int
+    decoding: Decoding  # the rollouts' (custom.extra.rollout_matching.decoding, max_new_tokens)
+    eval_decoding: Decoding  # evaluation's (eval.decoding, default greedy; eval.max_new_tokens)
 
     @property
     def model_dir(self) -> str:
@@ -59,6 +60,8 @@ class ResolvedRun:
             "min_pixels": self.pixel_bounds[0],
             "max_pixels": self.pixel_bounds[1],
             "gradient_accumulation_steps": self.gradient_accumulation_steps,
+            "decoding": asdict(self.decoding),
+            "eval_decoding": asdict(self.eval_decoding),
         }
 
 
@@ -103,6 +106,8 @@ def resolve_run(
         coord_frame=frame,
         pixel_bounds=(cfg.data.min_pixels, cfg.data.max_pixels),
         gradient_accumulation_steps=cfg.training.gradient_accumulation(world_size),
+        decoding=rollout_decoding(cfg),
+        eval_decoding=eval_decoding(cfg),
     )
 
 
@@ -141,4 +146,6 @@ def resolved_values(cfg: RollmatchConfig) -> dict[str, Any]:
         "min_pixels": cfg.data.min_pixels,
         "max_pixels": cfg.data.max_pixels,
         "gradient_accumulation_steps": cfg.training.gradient_accumulation(1),
+        "decoding": asdict(rollout_decoding(cfg)),
+        "eval_decoding": asdict(eval_decoding(cfg)),
     }

@@ -1,8 +1,7 @@
 """Pick the rollout backend once, from the config; nothing else branches on the backend name.
 
-Owns: :func:`build_backend` (from the run resolved at start-up, ``config.resolved``),
-:func:`decoding_from_config` / :func:`eval_decoding_from_config` (the rollout / evaluation
-:class:`Decoding` of the config) and :func:`machine_overrides` (engine settings that run on this machine, for commands
+Owns: :func:`build_backend` (from the run resolved at start-up, ``config.resolved``) and
+:func:`machine_overrides` (engine settings that run on this machine, for commands
 that take no config file: ``rollmatch eval`` without ``--config``).
 """
 
@@ -14,8 +13,8 @@ import torch
 
 from rollmatch.collectives import Collectives
 from rollmatch.config.resolved import ResolvedRun
-from rollmatch.config.schema import ROLLOUT_KEY, RollmatchConfig
-from rollmatch.rollout.types import Decoding, RolloutBackend
+from rollmatch.config.schema import ROLLOUT_KEY
+from rollmatch.rollout.types import RolloutBackend
 
 
 def build_backend(
@@ -55,31 +54,6 @@ def build_backend(
 
     return ServerBackend.connect(
         run, model=model, tokenizer=tokenizer, processor=processor, collectives=collectives
-    )
-
-
-def decoding_from_config(cfg: RollmatchConfig, max_new_tokens: int | None = None) -> Decoding:
-    """The rollout :class:`Decoding` of ``custom.extra.rollout_matching`` (``max_new_tokens`` overrides)."""
-    rm = cfg.rollout
-    return Decoding(
-        temperature=rm.decoding.temperature,
-        top_p=rm.decoding.top_p,
-        top_k=rm.decoding.top_k,
-        repetition_penalty=rm.decoding.repetition_penalty,
-        max_new_tokens=max_new_tokens or rm.max_new_tokens,
-    )
-
-
-def eval_decoding_from_config(cfg: RollmatchConfig) -> Decoding:
-    """The evaluation's :class:`Decoding`: ``eval.decoding`` (default greedy, never the rollout
-    decoding) with ``eval.max_new_tokens`` (default: the rollout's ``max_new_tokens``)."""
-    settings = cfg.eval.decoding
-    return Decoding(
-        temperature=settings.temperature,
-        top_p=settings.top_p,
-        top_k=settings.top_k,
-        repetition_penalty=settings.repetition_penalty,
-        max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens,
     )
 
 

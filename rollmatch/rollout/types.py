@@ -1,8 +1,9 @@
 """Rollout data types and the backend protocol shared by every rollout backend.
 
-Owns: :class:`Decoding`, :class:`Rollout`, :class:`SyncReport` and the :class:`RolloutBackend`
-protocol; re-exports :class:`RolloutRequest`, which lives below rollout in
-``rollmatch.data.requests`` because prompt encoding builds it. Leaves out: how prompts are encoded
+Owns: :class:`Rollout`, :class:`SyncReport` and the :class:`RolloutBackend` protocol; re-exports
+:class:`RolloutRequest`, which lives below rollout in ``rollmatch.data.requests`` because prompt
+encoding builds it, and :class:`Decoding`, which lives in ``rollmatch.config.decoding`` because the
+resolved run carries the run's decodings. Leaves out: how prompts are encoded
 (``rollmatch.data.prompts``) and how a backend is picked from the config
 (``rollmatch.rollout.build``).
 """
@@ -13,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, runtime_checkable
 
+from rollmatch.config.decoding import Decoding
 from rollmatch.data.requests import RolloutRequest
 
 __all__ = [
@@ -26,21 +28,6 @@ __all__ = [
 ]
 
 FinishReason = Literal["stop", "length"]
-
-
-@dataclass(frozen=True)
-class Decoding:
-    """Decoding settings of one rollout call; greedy iff ``temperature == 0``."""
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = -1
-    repetition_penalty: float = 1.0
-    max_new_tokens: int = 512
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
 
 
 @dataclass(frozen=True)

@@ -115,13 +115,11 @@ def run_training(cfg: RollmatchConfig) -> TrainResult:
     holder: dict[str, Any] = {}
     rollout_log = rollout_log_for(cfg, encoder, codec, collectives)
     ctx = BuildContext(
-        cfg=cfg,
         run=run,
         model=model,
         encoder=encoder,
         codec=codec,
         collectives=collectives,
-        gradient_accumulation_steps=gas,
         train_records=records,
         optimizer_getter=lambda: getattr(holder.get("trainer"), "optimizer", None),
         rollout_log=rollout_log,
@@ -188,7 +186,7 @@ def eval_for_variant(ctx: BuildContext, parts: VariantParts) -> DetectionEval | 
         parts.planner.sync if parts.planner.sync is not None else SyncBeforeRollouts(parts.backend, ctx.model)
     )
     return build_detection_eval(
-        ctx.cfg,
+        ctx.run,
         backend=parts.backend,
         sync=sync,
         encoder=ctx.encoder,

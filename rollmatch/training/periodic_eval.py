@@ -29,14 +29,14 @@ from typing import Any
 
 from rollmatch.collectives import Collectives
 from rollmatch.config.hf_args import eval_strategy
+from rollmatch.config.resolved import ResolvedRun
 from rollmatch.config.schema import RollmatchConfig
 from rollmatch.data.prompts import PromptEncoder
 from rollmatch.data.records import Record, load_records
 from rollmatch.detection.codec import ObjectCodec
 from rollmatch.errors import BackendError
 from rollmatch.evaluation import EvalResult, evaluate
-from rollmatch.rollout.build import eval_decoding_from_config
-from rollmatch.rollout.types import RolloutBackend, SyncReport
+from rollmatch.rollout.types import Decoding, RolloutBackend, SyncReport
 from rollmatch.training.step import SyncPolicy
 
 log = logging.getLogger(__name__)
@@ -58,6 +58,7 @@ class DetectionEval:
         self,
         *,
         cfg: RollmatchConfig,
+        decoding: Decoding,
         backend: RolloutBackend,
         sync: SyncPolicy,
         encoder: PromptEncoder,
@@ -66,6 +67,7 @@ class DetectionEval:
         collectives: Collectives,
     ):
         self.cfg = cfg
+        self.decoding = decoding  # eval.decoding as resolved (never the rollouts')
         self.backend = backend
         self.sync = sync
         self.encoder = encoder
@@ -97,7 +99,7 @@ class DetectionEval:
             self.encoder,
             self.codec,
             self.records,
-            decoding=eval_decoding_from_config(self.cfg),
+            decoding=self.decoding,
             matching=self.cfg.eval.matching,
             batch_size=self.cfg.eval.batch_size,
             count_buckets=self.cfg.eval.count_buckets,
@@ -159,7 +161,7 @@ def eval_metrics(result: EvalResult, *, weight_version: int) -> dict[str, float]
 
 
 def build_detection_eval(
-    cfg: RollmatchConfig,
+    run: ResolvedRun,
     *,
     backend: RolloutBackend,
     sync: SyncPolicy,
@@ -167,13 +169,15 @@ def build_detection_eval(
     codec: ObjectCodec,
     collectives: Collectives,
 ) -> DetectionEval | None:
-    """The in-training evaluation of ``cfg`` (None when ``training.eval_strategy`` resolves to ``no``)."""
+    """The in-training evaluation of ``run`` (None when ``training.eval_strategy`` resolves to ``no``)."""
+    cfg = run.config
     if eval_strategy(cfg) == "no":
         return None
     assert cfg.data.val_jsonl is not None  # config.hf_args.eval_problems refuses evaluation without it
     records = load_records(cfg.data.val_jsonl, max_samples=cfg.eval.max_samples)
     return DetectionEval(
         cfg=cfg,
+        decoding=run.eval_decoding,
         backend=backend,
         sync=sync,
         encoder=encoder,

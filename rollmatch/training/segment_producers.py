@@ -37,9 +37,8 @@ from rollmatch.detection.targets import (
 from rollmatch.errors import BackendError
 from rollmatch.packing.segment import Segment, build_segment
 from rollmatch.rollout.alignment import check_prompt_alignment
-from rollmatch.rollout.build import decoding_from_config
 from rollmatch.rollout.chunking import step_seed
-from rollmatch.rollout.types import Rollout, RolloutBackend
+from rollmatch.rollout.types import Decoding, Rollout, RolloutBackend
 from rollmatch.training.grpo_targets import GrpoGroups, PolicyTokens
 from rollmatch.training.rollout_log import RolloutLog
 from rollmatch.training.schedule import fixed_size_chunks
@@ -136,6 +135,7 @@ class RolloutSegmentProducer(_SegmentFactory):
         cfg: RollmatchConfig,
         backend: RolloutBackend,
         *,
+        decoding: Decoding,
         decode_batch_size: int | None = None,
         rollout_log: RolloutLog | None = None,
     ):
@@ -144,7 +144,7 @@ class RolloutSegmentProducer(_SegmentFactory):
         self.rollout_log = (
             rollout_log  # remembers the rollout behind each segment (training.log_rollouts_every)
         )
-        self.decoding = decoding_from_config(cfg)
+        self.decoding = decoding  # the resolved run's rollout decoding
         self.decode_batch_size = decode_batch_size
         self.rollouts_per_record = cfg.rollout.rollouts_per_record
         # Rollout servers report failovers (``servers/*``); the other backends have no such sums.

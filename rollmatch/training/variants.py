@@ -53,16 +53,22 @@ from rollmatch.training.step import ABSchedule, Channel, ConstantSchedule, StepP
 class BuildContext:
     """Everything a variant may assemble from, built once by ``training.entry``."""
 
-    cfg: RollmatchConfig
+    run: ResolvedRun  # the run resolved at start-up (config.resolved): config, GAS, decodings, backends
     model: torch.nn.Module
     encoder: PromptEncoder
     codec: ObjectCodec
     collectives: Collectives
-    gradient_accumulation_steps: int
     train_records: list[Record] = field(default_factory=list)
     optimizer_getter: Callable[[], Any] = lambda: None
     rollout_log: RolloutLog | None = None  # rank 0 with training.log_rollouts_every > 0
-    run: ResolvedRun | None = None  # the run resolved at start-up: needed to build a rollout backend
+
+    @property
+    def cfg(self) -> RollmatchConfig:
+        return self.run.config
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        return self.run.gradient_accumulation_steps
 
 
 @dataclass
@@ -102,7 +108,13 @@ def build_sft(ctx: BuildContext) -> VariantParts:
 def build_rollout_matching(ctx: BuildContext) -> VariantParts:
     backend = backend_for(ctx)
     rollouts = RolloutSegmentProducer(
-        ctx.model, ctx.encoder, ctx.codec, ctx.cfg, backend, rollout_log=ctx.rollout_log
+        ctx.model,
+        ctx.encoder,
+        ctx.codec,
+        ctx.cfg,
+        backend,
+        decoding=ctx.run.decoding,
+        rollout_log=ctx.rollout_log,
     )
     channel_b = WindowRows(rollouts.produce, row_planner(ctx), per_record=rollouts.rollouts_per_record)
     planner = StepPlanner(
@@ -171,10 +183,6 @@ def gt_rows(ctx: BuildContext) -> WindowRows:
 
 def backend_for(ctx: BuildContext) -> RolloutBackend:
     """The configured backend; colocated engines run each rollout phase inside the offload context."""
-    if ctx.run is None:
-        raise ValueError(
-            "BuildContext.run is needed to build a rollout backend: pass config.resolved.resolve_run(...)"
-        )
     backend = build_backend(
         ctx.run,
         model=ctx.model,
@@ -195,6 +203,7 @@ def rollout_channel(ctx: BuildContext, backend: RolloutBackend) -> RolloutSegmen
         ctx.codec,
         ctx.cfg,
         backend,
+        decoding=ctx.run.decoding,
         decode_batch_size=decode_batch_size,
         rollout_log=ctx.rollout_log,
     )

@@ -47,24 +47,49 @@ def test_json_output_holds_the_resolved_values(
         {
             "model": {"path": str(tiny_model_dir)},
             "training": {"effective_batch_size": 8, "per_device_train_batch_size": 2},
-            "custom": {"extra": {"rollout_matching": {"vllm": {"mode": "server", "server": server}}}},
+            "custom": {
+                "extra": {
+                    "rollout_matching": {
+                        "vllm": {"mode": "server", "server": server},
+                        "decoding": {"temperature": 0.7},
+                        "max_new_tokens": 300,
+                    }
+                }
+            },
         },
     )
     assert main(["check-config", str(path), "--json"]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert printed["data"]["coord_frame"] == "auto"  # the config as written
-    assert printed["resolved"] == {
-        "world_size": 1,
-        "sync_mode": "full",
-        "servers": [  # the legacy form, normalised: group_port + i
-            {"base_url": "http://127.0.0.1:9001", "group_port": 7000},
-            {"base_url": "http://127.0.0.1:9002", "group_port": 7001},
-        ],
-        "coord_frame": "pixels",  # the tiny model is a Qwen2.5-VL
-        "min_pixels": None,
-        "max_pixels": None,
-        "gradient_accumulation_steps": 4,
-    }
+    assert (
+        printed["resolved"]
+        == {
+            "world_size": 1,
+            "sync_mode": "full",
+            "servers": [  # the legacy form, normalised: group_port + i
+                {"base_url": "http://127.0.0.1:9001", "group_port": 7000},
+                {"base_url": "http://127.0.0.1:9002", "group_port": 7001},
+            ],
+            "coord_frame": "pixels",  # the tiny model is a Qwen2.5-VL
+            "min_pixels": None,
+            "max_pixels": None,
+            "gradient_accumulation_steps": 4,
+            "decoding": {  # the rollouts' ...
+                "temperature": 0.7,
+                "top_p": 1.0,
+                "top_k": -1,
+                "repetition_penalty": 1.0,
+                "max_new_tokens": 300,
+            },
+            "eval_decoding": {  # ... and evaluation's own: greedy, with the rollouts' budget (eval.max_new_tokens null)
+                "temperature": 0.0,
+                "top_p": 1.0,
+                "top_k": -1,
+                "repetition_penalty": 1.0,
+                "max_new_tokens": 300,
+            },
+        }
+    )
     missing = write_yaml("m.yaml", {"model": {"path": str(tmp_path / "not_yet")}})
     assert main(["check-config", str(missing), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["resolved"]["coord_frame"] == "auto"  # resolved at start

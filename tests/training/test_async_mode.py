@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from thread_ranks import ThreadRanks, on_ranks
 
 from rollmatch.collectives import LocalCollectives
+from rollmatch.config.decoding import eval_decoding, rollout_decoding
 from rollmatch.errors import BackendError
 from rollmatch.rollout.hf import HFBackend
 from rollmatch.training.channel_b.actor import RolloutActor
@@ -80,7 +81,13 @@ def async_channel(
     )
     if in_process_actor:
         rollouts = RolloutSegmentProducer(
-            tiny.model, tiny.encoder, tiny.codec, tiny.cfg, backend, decode_batch_size=2
+            tiny.model,
+            tiny.encoder,
+            tiny.codec,
+            tiny.cfg,
+            backend,
+            decoding=rollout_decoding(tiny.cfg),
+            decode_batch_size=2,
         )
     queue: ReadyPackQueue[Any] = ReadyPackQueue(limit)
     actor = RolloutActor(
@@ -326,7 +333,13 @@ def test_an_actor_that_cannot_reach_its_server_fails_the_step_naming_the_url(tin
         tokenizer=tiny.encoder.tokenizer,
     )
     rollouts = RolloutSegmentProducer(
-        tiny.model, tiny.encoder, tiny.codec, tiny.cfg, client, decode_batch_size=2
+        tiny.model,
+        tiny.encoder,
+        tiny.codec,
+        tiny.cfg,
+        client,
+        decoding=rollout_decoding(tiny.cfg),
+        decode_batch_size=2,
     )
     channel = async_channel(tiny, rollouts)
     channel.actor.start()
@@ -351,6 +364,7 @@ def test_periodic_evaluation_scores_the_current_weights_between_pushes(tiny, tra
     assert channel.ver == 1 and channel.weights_step == 2  # step 3 trained version 1: no push
     evaluation = DetectionEval(
         cfg=tiny.cfg,
+        decoding=eval_decoding(tiny.cfg),
         backend=channel.backend,
         sync=channel,
         encoder=tiny.encoder,

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from thread_ranks import ThreadRanks, on_ranks
 
+from rollmatch.config.decoding import rollout_decoding
 from rollmatch.rollout.hf import HFBackend
 from rollmatch.training.channel_modes import WindowRows
 from rollmatch.training.rows import RowPlanner
@@ -27,7 +28,13 @@ def tiny(stage2_tiny: SimpleNamespace) -> SimpleNamespace:
         model, encoder.tokenizer, eos_token_id=encoder.eos_token_id, pad_token_id=encoder.pad_token_id
     )
     rollouts = RolloutSegmentProducer(
-        model, encoder, stage2_tiny.codec, stage2_tiny.cfg, backend, decode_batch_size=4
+        model,
+        encoder,
+        stage2_tiny.codec,
+        stage2_tiny.cfg,
+        backend,
+        decoding=rollout_decoding(stage2_tiny.cfg),
+        decode_batch_size=4,
     )
     return SimpleNamespace(rollouts=rollouts, records=stage2_tiny.records, encoder=encoder)
 

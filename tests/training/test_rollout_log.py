@@ -14,7 +14,9 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from resolved_runs import cpu_run
 
+from rollmatch.config.decoding import rollout_decoding
 from rollmatch.data.prompts import PromptEncoder
 from rollmatch.data.records import Record, RecordObject, load_records
 from rollmatch.detection.object_formats import build_codec
@@ -292,7 +294,14 @@ def test_async_mode_logs_from_the_learner_what_each_step_trains(
     queue: ReadyPackQueue[Any] = ReadyPackQueue(8)
     actor = RolloutActor(
         rollouts=RolloutSegmentProducer(
-            model, encoder, codec, cfg, backend, decode_batch_size=2, rollout_log=log
+            model,
+            encoder,
+            codec,
+            cfg,
+            backend,
+            decoding=rollout_decoding(cfg),
+            decode_batch_size=2,
+            rollout_log=log,
         ),
         stream=RecordStream(records, rank=0, world_size=1, seed=0),
         queue=queue,
@@ -350,7 +359,6 @@ def test_step_mode_logs_the_rollouts_its_last_micro_step_trains(
     loaded_tiny, tiny_model_dir, make_config, train_plan, pipeline
 ) -> None:
     from rollmatch.collectives import LocalCollectives
-    from rollmatch.config.resolved import resolve_run
     from rollmatch.training.variants import BuildContext, build_variant
 
     model, _ = loaded_tiny
@@ -369,15 +377,13 @@ def test_step_mode_logs_the_rollouts_its_last_micro_step_trains(
     records = load_records(cfg.data.train_jsonl)
     log = RolloutLog(cfg, encoder, codec)
     ctx = BuildContext(
-        cfg=cfg,
+        run=cpu_run(cfg, gradient_accumulation_steps=1),
         model=model,
         encoder=encoder,
         codec=codec,
         collectives=LocalCollectives(),
-        gradient_accumulation_steps=1,
         train_records=records,
         rollout_log=log,
-        run=resolve_run(cfg, world_size=1, device_count=0, device_type="cpu"),
     )
     parts = build_variant(ctx)
     parts.planner.channel_b.pipeline = pipeline  # in process: the pipeline's rollout thread, same backend

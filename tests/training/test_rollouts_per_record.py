@@ -9,8 +9,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
+from resolved_runs import cpu_run
 
 from rollmatch.collectives import LocalCollectives
+from rollmatch.config.decoding import rollout_decoding
 from rollmatch.data.prompts import PromptEncoder
 from rollmatch.data.records import load_records
 from rollmatch.detection.object_formats import build_codec
@@ -96,7 +98,13 @@ def channel(
     model: Any, cfg: Any, encoder: Any, codec: Any, decode_batch: int | None
 ) -> RolloutSegmentProducer:
     return RolloutSegmentProducer(
-        model, encoder, codec, cfg, backend(model, encoder), decode_batch_size=decode_batch
+        model,
+        encoder,
+        codec,
+        cfg,
+        backend(model, encoder),
+        decoding=rollout_decoding(cfg),
+        decode_batch_size=decode_batch,
     )
 
 
@@ -141,12 +149,11 @@ def test_micro_mode_step_counts_every_rollout(setup, monkeypatch) -> None:
     recording = backend(model, encoder)
     monkeypatch.setattr(variants, "backend_for", lambda ctx: recording)
     ctx = BuildContext(
-        cfg=cfg,
+        run=cpu_run(cfg, gradient_accumulation_steps=2),
         model=model,
         encoder=encoder,
         codec=codec,
         collectives=LocalCollectives(),
-        gradient_accumulation_steps=2,
     )
     plan = build_stage2(ctx).planner.plan([[r] for r in records[:2]], 0)
     assert plan.kind == "B"
@@ -162,12 +169,11 @@ def test_step_mode_budget_counts_rollouts(setup, monkeypatch) -> None:
     recording = backend(model, encoder)
     monkeypatch.setattr(variants, "backend_for", lambda ctx: recording)
     ctx = BuildContext(
-        cfg=cfg,
+        run=cpu_run(cfg, gradient_accumulation_steps=1),
         model=model,
         encoder=encoder,
         codec=codec,
         collectives=LocalCollectives(),
-        gradient_accumulation_steps=1,
         train_records=records,
     )
     plan = build_stage2(ctx).planner.plan([[records[0]]], 0)
@@ -190,12 +196,11 @@ def test_grpo_channel_b_rows_carry_advantages_and_behaviour_logprobs(setup, monk
     recording = backend(model, encoder)
     monkeypatch.setattr(variants, "backend_for", lambda ctx: recording)
     ctx = BuildContext(
-        cfg=cfg,
+        run=cpu_run(cfg, gradient_accumulation_steps=2),
         model=model,
         encoder=encoder,
         codec=codec,
         collectives=LocalCollectives(),
-        gradient_accumulation_steps=2,
         train_records=records,
     )
     plan = build_stage2(ctx).planner.plan([[r] for r in records[:2]], 0)

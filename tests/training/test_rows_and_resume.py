@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch
+from resolved_runs import cpu_run
 from safetensors.torch import load_file
 
 from rollmatch.collectives import LocalCollectives
@@ -43,12 +44,11 @@ def test_a_and_b_rows_never_share_a_carry(loaded_tiny, tiny_model_dir, make_conf
 
     records = load_records(cfg.data.train_jsonl)
     ctx = BuildContext(
-        cfg=cfg,
+        run=cpu_run(cfg, gradient_accumulation_steps=2),
         model=model,
         encoder=encoder,
         codec=build_codec("qwen_json", encoder.tokenizer, [encoder.eos_token_id]),
         collectives=LocalCollectives(),
-        gradient_accumulation_steps=2,
     )
     parts = build_stage2(ctx)
     channel_a, channel_b = parts.stateful["channel_a"], parts.stateful["channel_b"]

@@ -12,8 +12,10 @@ from typing import Any
 
 import pytest
 import torch
+from resolved_runs import cpu_run
 
 from rollmatch.collectives import LocalCollectives
+from rollmatch.config.decoding import rollout_decoding
 from rollmatch.data.prompts import PromptEncoder
 from rollmatch.data.records import load_records
 from rollmatch.detection.object_formats import build_codec
@@ -96,12 +98,11 @@ def test_b_step_rolls_out_in_decode_batches_and_an_a_step_never(parts, monkeypat
     backend = RecordingBackend(hf_backend(parts.model, parts.encoder))
     monkeypatch.setattr(variants, "backend_for", lambda ctx: backend)
     ctx = BuildContext(
-        cfg=parts.cfg,
+        run=cpu_run(parts.cfg, gradient_accumulation_steps=4),
         model=parts.model,
         encoder=parts.encoder,
         codec=parts.codec,
         collectives=LocalCollectives(),
-        gradient_accumulation_steps=4,
     )
     planner = build_stage2(ctx).planner
     windows = [[r] for r in parts.records[:4]]  # learner micro-batch 1, GAS 4
@@ -161,7 +162,13 @@ def all_sums(plan: Any) -> Counter[str]:
 def test_step_mode_learns_every_segment_with_whole_step_normalisation(parts, tiny_model_dir, train_plan):
     model, records = parts.model, parts.records[:4]
     rollouts = RolloutSegmentProducer(
-        model, parts.encoder, parts.codec, parts.cfg, hf_backend(model, parts.encoder), decode_batch_size=2
+        model,
+        parts.encoder,
+        parts.codec,
+        parts.cfg,
+        hf_backend(model, parts.encoder),
+        decoding=rollout_decoding(parts.cfg),
+        decode_batch_size=2,
     )
     windows = [[r] for r in records]
     # Reference: every segment in one padded batch, sum(w * ce) / sum(w).
@@ -199,7 +206,15 @@ def test_step_mode_learns_every_segment_with_whole_step_normalisation(parts, tin
 
     server_model = AutoModelForImageTextToText.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     backend = RecordingBackend(hf_backend(server_model, parts.encoder))
-    piped = RolloutSegmentProducer(model, parts.encoder, parts.codec, parts.cfg, backend, decode_batch_size=2)
+    piped = RolloutSegmentProducer(
+        model,
+        parts.encoder,
+        parts.codec,
+        parts.cfg,
+        backend,
+        decoding=rollout_decoding(parts.cfg),
+        decode_batch_size=2,
+    )
     plan = step_planner(piped, records, packing_length=longest + 8, pipeline=True).plan(windows, 3)
     assert [len(m.rows) for m in plan.micro_steps[:-1]] == [0, 0, 0]  # rows arrive in the last one
     train_log: list[tuple[float, float]] = []
@@ -232,7 +247,13 @@ def test_step_mode_rolls_out_only_on_the_final_micro_step(parts) -> None:
     model, records = parts.model, parts.records[:8]
     backend = RecordingBackend(hf_backend(model, parts.encoder))
     rollouts = RolloutSegmentProducer(
-        model, parts.encoder, parts.codec, parts.cfg, backend, decode_batch_size=4
+        model,
+        parts.encoder,
+        parts.codec,
+        parts.cfg,
+        backend,
+        decoding=rollout_decoding(parts.cfg),
+        decode_batch_size=4,
     )
     plan = step_planner(rollouts, records, packing_length=4096, pipeline=False).plan(
         [[r] for r in records], 3

@@ -5,6 +5,7 @@ from __future__ import annotations
 import warnings
 
 import pytest
+from resolved_runs import unresolved_run
 
 from rollmatch.collectives import LocalCollectives
 from rollmatch.config.load import load_config_dict
@@ -109,12 +110,11 @@ def test_old_section_spelling_is_an_alias_with_a_warning():
 def bare_context(cfg: RollmatchConfig) -> BuildContext:
     # The variant refuses these configs before it touches the model, encoder or backend.
     return BuildContext(
-        cfg=cfg,
+        run=unresolved_run(cfg),
         model=None,
         encoder=None,
         codec=None,
         collectives=LocalCollectives(),
-        gradient_accumulation_steps=1,
     )
 
 
