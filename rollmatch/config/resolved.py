@@ -96,6 +96,8 @@ def resolve_run(
         servers = rules.resolve_servers(cfg.rollout.vllm.server)
     except ConfigError as error:
         found.extend(error.problems)
+    if servers:
+        found.extend(rules.min_healthy_problems(cfg.rollout.vllm.server.min_healthy, len(servers)))
     if found or frame is None:
         raise ConfigError(found)
     return ResolvedRun(
@@ -138,10 +140,13 @@ def resolved_values(cfg: RollmatchConfig) -> dict[str, Any]:
         frame = resolve_coord_frame(
             cfg.data.coord_frame, cfg.model.path, object_format=cfg.custom.object_format
         )
+    servers = rules.resolve_servers(cfg.rollout.vllm.server)
+    if servers and (floor := rules.min_healthy_problems(cfg.rollout.vllm.server.min_healthy, len(servers))):
+        raise ConfigError(floor)
     return {
         "world_size": 1,
         "sync_mode": rules.resolve_sync_mode(cfg),
-        "servers": [endpoint.model_dump() for endpoint in rules.resolve_servers(cfg.rollout.vllm.server)],
+        "servers": [endpoint.model_dump() for endpoint in servers],
         "coord_frame": frame or "auto",
         "min_pixels": cfg.data.min_pixels,
         "max_pixels": cfg.data.max_pixels,

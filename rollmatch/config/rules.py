@@ -121,8 +121,22 @@ def resolve_servers(server_cfg: ServerConfig) -> list[ServerEndpoint]:
     ]
 
 
+def min_healthy_problems(min_healthy: int | None, servers: int) -> list[ConfigProblem]:
+    """``vllm.server.min_healthy`` above the run's ``servers`` (a floor the run could never meet). Checked
+    where the servers are known: the resolved run (``config.resolved``) and a launch's plan."""
+    if min_healthy is None or min_healthy <= servers:
+        return []
+    return [
+        ConfigProblem(
+            f"{_SERVER}.min_healthy",
+            min_healthy,
+            f"the run has {servers} rollout server(s), fewer than it needs healthy: set it between 1 and "
+            f"{servers}, or null (every server must stay healthy)",
+        )
+    ]
+
+
 def server_problems(server_cfg: ServerConfig) -> list[ConfigProblem]:
-    """Every problem of the server section alone (forms, pairing, ports, URLs)."""
     problems: list[ConfigProblem] = []
     legacy_set = server_cfg.base_url is not None or server_cfg.group_port is not None
     if server_cfg.servers is not None and legacy_set:

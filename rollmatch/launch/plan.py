@@ -29,7 +29,7 @@ from pathlib import Path
 
 from rollmatch.config.frames import fixed_coord_frame
 from rollmatch.config.load import load_config
-from rollmatch.config.rules import resolve_servers
+from rollmatch.config.rules import min_healthy_problems, resolve_servers
 from rollmatch.config.schema import RollmatchConfig, ServerEndpoint
 from rollmatch.errors import ConfigError
 from rollmatch.launch.layout import SERVERS_KEY, LaunchRequest, Layout, derive_layout, server_hosts
@@ -214,6 +214,9 @@ def build_plan(
         command = (python, "-m", "rollmatch.cli", "serve", *server_flags(cfg, request, layout, host, port))
         servers.append(ProcessSpec("server", i, command, env, launch_dir / f"server-{i}.log", url))
     endpoints = cluster_endpoints(launch, request, layout, ports)
+    floor = min_healthy_problems(cfg.rollout.vllm.server.min_healthy, len(endpoints))
+    if floor:  # the servers a launch starts are known only here
+        raise ConfigError(floor)
 
     learner_cfg = learner_config(cfg, endpoints, layout.tensor_parallel_size)
     learner_path = launch_dir / LEARNER_CONFIG_NAME

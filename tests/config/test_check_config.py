@@ -185,3 +185,19 @@ def test_demo_rollout_continues_from_sft() -> None:
     rollout = load_config(REPO / "configs" / "demo_rollout.yaml")
     assert (sft.custom.trainer_variant, rollout.custom.trainer_variant) == ("sft", "rollout_matching_sft")
     assert rollout.model.path == f"{sft.training.output_dir}/final"
+
+
+def test_a_healthy_floor_above_the_listed_servers_exits_2_naming_the_key(
+    write_yaml, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`min_healthy` is checked where the servers are known: the resolved run (check-config, train) and a
+    launch's plan (tests/launch/test_plan.py); a config that leaves the list to the launcher loads."""
+    server = {"servers": [{"base_url": "http://127.0.0.1:9001", "group_port": 7000}], "min_healthy": 2}
+    rollout = {"vllm": {"mode": "server", "server": server}}
+    path = write_yaml("c.yaml", {"custom": {"extra": {"rollout_matching": rollout}}})
+    assert main(["check-config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "custom.extra.rollout_matching.vllm.server.min_healthy = 2" in err
+    assert "the run has 1 rollout server(s)" in err
+    key = "custom.extra.rollout_matching.vllm.server.min_healthy"
+    assert main(["check-config", str(path), f"{key}=1"]) == 0

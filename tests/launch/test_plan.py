@@ -15,7 +15,7 @@ import pytest
 
 from rollmatch.cli import build_parser
 from rollmatch.config.load import load_config
-from rollmatch.errors import LaunchError
+from rollmatch.errors import ConfigError, LaunchError
 from rollmatch.launch.command import launch_command
 from rollmatch.launch.layout import LaunchRequest, derive_layout
 from rollmatch.launch.plan import (
@@ -141,6 +141,16 @@ def test_the_learner_config_gets_the_started_servers_and_loads_back(
     assert loaded.rollout.vllm.server.base_url is None and loaded.training.output_dir == str(tmp_path / "o")
     assert plan.learner.command[-1] == str(tmp_path / "o" / "launch" / "learner.yaml")
     assert plan.learner.command[:4] == (sys.executable, "-m", "torch.distributed.run", "--nproc_per_node")
+
+
+def test_a_healthy_floor_above_the_servers_a_launch_starts_is_refused_naming_the_key(
+    tmp_path: Path, config_writer: Callable[..., Path]
+) -> None:
+    path = config_writer(tmp_path / "c.yaml", model="/m", train_jsonl="/t.jsonl", output_dir=tmp_path / "o")
+    key = "custom.extra.rollout_matching.vllm.server.min_healthy"
+    assert len(_plan(path, f"{key}=2", cpu=True, servers=2, learner_procs=1).endpoints) == 2
+    with pytest.raises(ConfigError, match=rf"{key} = 3: the run has 2 rollout server\(s\)"):
+        _plan(path, f"{key}=3", cpu=True, servers=2, learner_procs=1)
 
 
 def test_servers_pin_what_the_trainer_cross_checks(
