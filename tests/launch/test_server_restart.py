@@ -126,9 +126,14 @@ def test_a_killed_server_is_restarted_resynced_and_serves_again_while_the_run_tr
             stats = requests.get(f"{url}/stats/", headers=headers, timeout=5).json()
         except requests.RequestException:
             return False  # still starting
+        if str(stats["weight_version"]) not in stats["pushes_by_version"]:
+            # Not re-synced yet. A call may reach it meanwhile (an actor's call re-sent on a fresh connection
+            # after the kill): it answers at version 0 and the client drops that answer (check_served).
+            return False
         logged = _logged(out)
         seen.update(stats=stats, learner_version=logged[-1]["stage2_ab/async/ver"] if logged else -1)
-        return stats["infer_calls"] > 0
+        seen.setdefault("calls_when_resynced", stats["infer_calls"])
+        return stats["infer_calls"] > seen["calls_when_resynced"]  # a call served since the re-sync
 
     run.wait_for(serves_again, 240, "the restarted server serving rollouts again")
     stats = seen["stats"]
