@@ -162,13 +162,16 @@ def server_metrics(sums: Sums, steps: int) -> dict[str, float]:
     """``servers/*`` (rollout servers): the mean number of healthy servers a rollout call saw, and per
     step the servers marked down and the calls re-sent, summed over the ranks' clients."""
     calls = float(sums.get("servers/calls", 0))
-    if not calls:
+    failovers = float(sums.get("servers/failovers", 0))
+    if not calls and not failovers:
         return {}
-    return {
-        "servers/healthy": float(sums.get("servers/healthy_sum", 0)) / calls,
-        "servers/failovers": float(sums.get("servers/failovers", 0)) / steps,
+    out = {
+        "servers/failovers": failovers / steps,  # also on steps without a rollout call (a failed push)
         "servers/resent_calls": float(sums.get("servers/resent_calls", 0)) / steps,
     }
+    if calls:
+        out["servers/healthy"] = float(sums.get("servers/healthy_sum", 0)) / calls
+    return out
 
 
 METRIC_FAMILIES: tuple[Callable[[Sums, int], dict[str, float]], ...] = (

@@ -11,7 +11,7 @@ from rollmatch.detection.matching import MatchResult
 from rollmatch.detection.metrics import DetectionCounts, ParseCounts
 from rollmatch.detection.objects import DetObject
 from rollmatch.detection.scoring import ScoreCounts, ScoredResponse
-from rollmatch.training.metric_summary import METRIC_FAMILIES, summarize
+from rollmatch.training.metric_summary import METRIC_FAMILIES, server_metrics, summarize
 
 FISH = DetObject("fish", (0, 0, 100, 100))
 
@@ -102,3 +102,19 @@ def test_rollout_count_regulation_and_bucket_metrics() -> None:
     default = summarize(rollout_sums(responses), steps=2)  # default edges: 1-3, 4-7, ...
     assert default["match/gt_count_4-7/f1"] == pytest.approx(2 / (2 + 3))
     assert "match/gt_count_1-3/f1" in default and "match/gt_count_1/f1" not in default
+
+
+def test_server_failovers_are_reported_on_steps_without_a_rollout_call() -> None:
+    """A failed weight push marks a server down at the start of a step in which no rollout call ran (an
+    async learner whose actor made none): the failover is still logged; healthy needs calls."""
+    assert server_metrics(Counter({"servers/failovers": 1}), steps=1) == {
+        "servers/failovers": 1.0,
+        "servers/resent_calls": 0.0,
+    }
+    sums = Counter({"servers/calls": 4, "servers/healthy_sum": 6, "servers/resent_calls": 2})
+    assert server_metrics(sums, steps=2) == {
+        "servers/failovers": 0.0,
+        "servers/resent_calls": 1.0,
+        "servers/healthy": 1.5,
+    }
+    assert server_metrics(Counter({"rollout/count": 3}), steps=1) == {}  # no server in the run
