@@ -129,6 +129,7 @@ class ServerBackend:
         self._frozen_synced = False  # frozen weights (training.freeze) already pushed to every server
         self._export_sharded = False  # the last push gathered sharded parameters (ZeRO-3 / FSDP2)
         self._closed = False
+        self._calls = 0  # generate() calls so far: where the next one starts (see generate)
         self.last_infer_timings: list[InferTiming] = []  # one per server of the latest generate()
 
     @classmethod
@@ -204,7 +205,8 @@ class ServerBackend:
             )
 
     def generate(self, requests: Sequence[RolloutRequest], decoding: Decoding, seed: int) -> list[Rollout]:
-        """Split into contiguous chunks (one per healthy server), roll out in parallel, keep request order.
+        """Split into contiguous chunks (one per healthy server, starting one server further on each
+        call), roll out in parallel, keep request order.
 
         ``seed`` is the step's seed (:func:`~rollmatch.rollout.chunking.step_seed`); the chunk starting
         at request ``s`` is sent with ``seed + s``, also when it is re-sent to another server.
@@ -212,6 +214,11 @@ class ServerBackend:
         if not requests:
             return []
         servers = self.pool.usable()
+        # Each call starts at the next server: calls of fewer requests than servers (a single record, a
+        # partial decode batch) spread over every server instead of all landing on the first.
+        first = self._calls % len(servers)
+        self._calls += 1
+        servers = servers[first:] + servers[:first]
         jobs = [
             (conn, (start, end))
             for conn, (start, end) in zip(

@@ -71,12 +71,19 @@ def test_requests_are_split_in_contiguous_chunks_and_reassembled_in_order(
     before = [s.get("/stats/")["infer_requests"] for s in (hf_server, hf_sync_server)]
     rollouts = [backend.generate(requests, DECODING, seed=100) for _ in range(2)]
     after = [s.get("/stats/")["infer_requests"] for s in (hf_server, hf_sync_server)]
-    for run in rollouts:  # N=5, S=2 -> [0:3] on the first server, [3:5] on the second, twice the same
+    # N=5, S=2 -> [0:3] and [3:5]; each call starts one server further on (calls of one request would
+    # otherwise all land on the first server); the chunk seeds do not depend on the server.
+    first, second = (
+        [hf_server.url] * 3 + [hf_sync_server.url] * 2,
+        [hf_sync_server.url] * 3 + [hf_server.url] * 2,
+    )
+    for run, servers_of in zip(rollouts, (first, second), strict=True):
         assert [r.sample_id for r in run] == [f"s{i}" for i in range(5)]
-        assert [r.provenance.server for r in run] == [hf_server.url] * 3 + [hf_sync_server.url] * 2
+        assert [r.provenance.server for r in run] == servers_of
         assert [r.provenance.seed for r in run] == [100] * 3 + [103] * 2
         assert [r.prompt_token_ids for r in run] == [q.prompt_token_ids for q in requests]
-    assert [a - b for a, b in zip(after, before, strict=True)] == [6, 4]
+    assert [a - b for a, b in zip(after, before, strict=True)] == [5, 5]
+    assert [r.response_token_ids for r in rollouts[0]] == [r.response_token_ids for r in rollouts[1]]
     assert rollouts[0][3].response_token_ids == rollouts[0][0].response_token_ids  # same prompt, both greedy
     calls = hf_server.get("/stats/")["infer_calls"]
     assert backend.generate([], DECODING, seed=1) == []  # N=0 sends nothing
