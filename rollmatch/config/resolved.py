@@ -1,14 +1,15 @@
 """The run resolved once at start-up: every value a config leaves to the launch or the checkpoint.
 
 Owns: :class:`ResolvedRun` (frozen) and :func:`resolve_run` (:func:`resolve_run_on_this_machine`
-with the devices this process sees), the one place where a run's runtime
-rules are checked (``config.rules.check_runtime``: world size, devices) and its derived values are
-worked out: the weight-sync mode in force (``sync.mode: auto`` resolved), the rollout servers as
-one list (whichever form configured them), the coordinate frame (``data.coord_frame: auto``
-resolved from the checkpoint's family), the processor's pixel bounds, the gradient accumulation
-steps for the world size, and the rollout and evaluation decodings (``config.decoding``). Builders (the prompt encoder, the rollout backends, the trainer) take
-the resolved run and never run the rules again; :func:`resolved_values` is what
-``rollmatch check-config`` prints of it before any launch is known.
+with the devices this process sees), the one place where a run's runtime rules are checked
+(``config.rules.check_runtime``: world size, devices; ``vllm.server.min_healthy`` against the
+servers) and its derived values are worked out: the weight-sync mode in force (``sync.mode: auto``
+resolved), the rollout servers as one list (whichever form configured them), the coordinate frame
+(``data.coord_frame: auto`` resolved from the checkpoint's family), the processor's pixel bounds,
+the gradient accumulation steps for the world size, and the rollout and evaluation decodings
+(``config.decoding``). Builders (the prompt encoder, the rollout backends, the trainer) take the
+resolved run and never run the rules again; :func:`resolved_values` is what ``rollmatch
+check-config`` prints of it before any launch is known.
 
 Leaves out: the rules themselves (``config.rules``) and the frame table (``config.frames``).
 """
