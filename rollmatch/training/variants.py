@@ -107,15 +107,7 @@ def build_sft(ctx: BuildContext) -> VariantParts:
 
 def build_rollout_matching(ctx: BuildContext) -> VariantParts:
     backend = backend_for(ctx)
-    rollouts = RolloutSegmentProducer(
-        ctx.model,
-        ctx.encoder,
-        ctx.codec,
-        ctx.cfg,
-        backend,
-        decoding=ctx.run.decoding,
-        rollout_log=ctx.rollout_log,
-    )
+    rollouts = segment_producer(ctx, backend, None)  # one generate per micro-batch
     channel_b = WindowRows(rollouts.produce, row_planner(ctx), per_record=rollouts.rollouts_per_record)
     planner = StepPlanner(
         schedule=ConstantSchedule("B"),
@@ -196,7 +188,15 @@ def backend_for(ctx: BuildContext) -> RolloutBackend:
 
 
 def rollout_channel(ctx: BuildContext, backend: RolloutBackend) -> RolloutSegmentProducer:
-    decode_batch_size = ctx.cfg.stage2_ab.channel_b.rollout_decode_batch_size
+    """Channel-B's rollout segment producer: records decoded in calls of
+    ``stage2_ab.channel_b.rollout_decode_batch_size``."""
+    return segment_producer(ctx, backend, ctx.cfg.stage2_ab.channel_b.rollout_decode_batch_size)
+
+
+def segment_producer(
+    ctx: BuildContext, backend: RolloutBackend, decode_batch_size: int | None
+) -> RolloutSegmentProducer:
+    """The rollout segment producer of the resolved run (``decode_batch_size`` None: one call for all)."""
     return RolloutSegmentProducer(
         ctx.model,
         ctx.encoder,

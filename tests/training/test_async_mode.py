@@ -12,10 +12,11 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from resolved_runs import producer
 from thread_ranks import ThreadRanks, on_ranks
 
 from rollmatch.collectives import LocalCollectives
-from rollmatch.config.decoding import eval_decoding, rollout_decoding
+from rollmatch.config.decoding import eval_decoding
 from rollmatch.errors import BackendError
 from rollmatch.rollout.hf import HFBackend
 from rollmatch.training.channel_b.actor import RolloutActor
@@ -30,7 +31,7 @@ from rollmatch.training.channel_b.record_stream import RecordStream
 from rollmatch.training.channel_modes import WindowRows
 from rollmatch.training.periodic_eval import DetectionEval
 from rollmatch.training.rows import RowPlanner
-from rollmatch.training.segment_producers import GTSegmentProducer, RolloutSegmentProducer
+from rollmatch.training.segment_producers import GTSegmentProducer
 from rollmatch.training.step import ABSchedule, StepPlanner
 
 
@@ -80,15 +81,7 @@ def async_channel(
         pad_token_id=tiny.encoder.pad_token_id,
     )
     if in_process_actor:
-        rollouts = RolloutSegmentProducer(
-            tiny.model,
-            tiny.encoder,
-            tiny.codec,
-            tiny.cfg,
-            backend,
-            decoding=rollout_decoding(tiny.cfg),
-            decode_batch_size=2,
-        )
+        rollouts = producer(tiny, tiny.model, backend, 2)
     queue: ReadyPackQueue[Any] = ReadyPackQueue(limit)
     actor = RolloutActor(
         rollouts=rollouts,
@@ -332,15 +325,7 @@ def test_an_actor_that_cannot_reach_its_server_fails_the_step_naming_the_url(tin
         collectives=LocalCollectives(),
         tokenizer=tiny.encoder.tokenizer,
     )
-    rollouts = RolloutSegmentProducer(
-        tiny.model,
-        tiny.encoder,
-        tiny.codec,
-        tiny.cfg,
-        client,
-        decoding=rollout_decoding(tiny.cfg),
-        decode_batch_size=2,
-    )
+    rollouts = producer(tiny, tiny.model, client, 2)
     channel = async_channel(tiny, rollouts)
     channel.actor.start()
     deadline = time.monotonic() + 60.0

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from resolved_runs import cpu_run
+from resolved_runs import cpu_run, producer
 
 from rollmatch.collectives import LocalCollectives
 from rollmatch.config.decoding import rollout_decoding
@@ -206,15 +206,7 @@ def test_step_mode_learns_every_segment_with_whole_step_normalisation(parts, tin
 
     server_model = AutoModelForImageTextToText.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     backend = RecordingBackend(hf_backend(server_model, parts.encoder))
-    piped = RolloutSegmentProducer(
-        model,
-        parts.encoder,
-        parts.codec,
-        parts.cfg,
-        backend,
-        decoding=rollout_decoding(parts.cfg),
-        decode_batch_size=2,
-    )
+    piped = producer(parts, model, backend, 2)
     plan = step_planner(piped, records, packing_length=longest + 8, pipeline=True).plan(windows, 3)
     assert [len(m.rows) for m in plan.micro_steps[:-1]] == [0, 0, 0]  # rows arrive in the last one
     train_log: list[tuple[float, float]] = []
@@ -246,15 +238,7 @@ def test_step_mode_rolls_out_only_on_the_final_micro_step(parts) -> None:
     completion: no rollout starts before the seventh micro-step's passes are done."""
     model, records = parts.model, parts.records[:8]
     backend = RecordingBackend(hf_backend(model, parts.encoder))
-    rollouts = RolloutSegmentProducer(
-        model,
-        parts.encoder,
-        parts.codec,
-        parts.cfg,
-        backend,
-        decoding=rollout_decoding(parts.cfg),
-        decode_batch_size=4,
-    )
+    rollouts = producer(parts, model, backend, 4)
     plan = step_planner(rollouts, records, packing_length=4096, pipeline=False).plan(
         [[r] for r in records], 3
     )
