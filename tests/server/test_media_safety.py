@@ -274,8 +274,10 @@ def test_every_os_error_of_a_local_path_is_the_answer_of_a_missing_path(
     missing = _answer(media_client, str(root / "missing.png"))
     assert missing[0] == 400 and f"nor a file under the allowed media path {root}" in missing[1]
     for value in (
-        str(root / ("x" * 4000)),  # ENAMETOOLONG (one component over NAME_MAX)
-        str(root / "/".join(["d" * 200] * 19)),  # a deep missing path
+        # (".png": a path made only of base64 characters, as under a temp dir without "-" or ".", would be
+        # read as an inline image first)
+        str(root / ("x" * 4000 + ".png")),  # ENAMETOOLONG (one component over NAME_MAX)
+        str(root / "/".join(["d" * 200] * 19)) + ".png",  # a deep missing path
         str(unreadable),  # EACCES
         str(root / "loop-a"),  # ELOOP
         str(root / "good.png" / "x.png"),  # ENOTDIR

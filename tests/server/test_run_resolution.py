@@ -7,6 +7,7 @@ import sys
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import asdict
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -16,6 +17,7 @@ import pytest
 import rollmatch.config.frames as frames_module
 import rollmatch.config.rules as rules_module
 from rollmatch.collectives import LocalCollectives
+from rollmatch.config.decoding import Decoding
 from rollmatch.config.resolved import ResolvedRun, resolve_run
 from rollmatch.config.schema import RollmatchConfig
 from rollmatch.data.prompts import PromptEncoder, load_processor
@@ -86,6 +88,7 @@ def test_a_server_backend_is_built_from_one_resolution(
         assert Counter(name for _, name in entries) == {
             "check_runtime": 1,
             "resolve_servers": 1,
+            "min_healthy_problems": 1,  # the floor against the servers just resolved
             "resolve_sync_mode": 1,
         }
         assert calls_to(calls, frames_module.resolve_coord_frame) == 1
@@ -153,6 +156,9 @@ def test_the_resolved_run_is_frozen(tiny_model_dir: Path) -> None:
         "min_pixels": None,
         "max_pixels": None,
         "gradient_accumulation_steps": cfg.training.gradient_accumulation(2),
+        "decoding": asdict(Decoding()),  # the schema's rollout defaults: greedy, 512 new tokens
+        "eval_decoding": asdict(Decoding()),  # eval.decoding greedy, the rollouts' budget
     }
+    assert run.decoding == run.eval_decoding == Decoding(max_new_tokens=cfg.rollout.max_new_tokens)
     with pytest.raises(AttributeError):
         run.sync_mode = "adapter"  # type: ignore[misc]
