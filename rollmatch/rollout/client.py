@@ -278,7 +278,12 @@ class ServerBackend:
             reply_rollout(conn, request, output, provenance)
             for request, output in zip(chunk, outputs, strict=True)
         ]
-        self.pool.check_served(conn, [r.weight_version for r in rollouts])
+        # The newest version behind each answer (under `--update-mode keep` a long call may have started
+        # under an older one than a shorter call that returned before it).
+        newest = [
+            o.weight_version if o.weight_version_last is None else o.weight_version_last for o in outputs
+        ]
+        self.pool.check_served(conn, newest)
         timing = InferTiming(
             server=conn.url,
             requests=len(chunk),

@@ -95,9 +95,12 @@ class ServerPool:
 
     def check_served(self, conn: ServerConnection, versions: Sequence[int]) -> None:
         """Raise :class:`ServerDown` when ``conn`` answers at an older weight version than it answered at
-        before: one server process only moves forward, so another process answers on its port (restarted,
-        serving the model directory's weights, not re-synced). Its answer is not used; the chunk goes to a
-        healthy server and the pusher re-syncs this one."""
+        before (``versions``: the newest version behind each answer): one server process only moves
+        forward, so another process answers on its port (restarted, serving the model directory's
+        weights, not re-synced). Its answer is not used; the chunk goes to a healthy server and the
+        pusher re-syncs this one. (A client that never had an answer from that server cannot tell: in
+        async mode the version window drops such rollouts as stale; the other modes push before each
+        rollout phase through the same client, and that push finds the restart first.)"""
         if not versions:
             return
         before, oldest = self._served.get(conn.url, 0), min(versions)
