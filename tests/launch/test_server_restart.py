@@ -100,7 +100,8 @@ def test_a_killed_server_is_restarted_resynced_and_serves_again_while_the_run_tr
         for line in run.output().splitlines()
         if "server-1 healthy at" in line
     )
-    # Stopped first, so a call of the actors is surely in flight (sent, unread) when it dies.
+    # Stopped first, so a request is surely in flight (sent, unread) when it dies: an actor's rollout call, or
+    # the learner's push (failing over either way), or the launcher's health probe (the next push then fails).
     os.kill(victim["pid"], signal.SIGSTOP)
     port = int(url.rsplit(":", 1)[1])
     run.wait_for(lambda: _unread_request(port), 60, "a rollout call sent to the stopped server-1")
