@@ -11,13 +11,12 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from resolved_runs import producer
 from thread_ranks import ThreadRanks, on_ranks
 
-from rollmatch.config.decoding import rollout_decoding
 from rollmatch.rollout.hf import HFBackend
 from rollmatch.training.channel_modes import WindowRows
 from rollmatch.training.rows import RowPlanner
-from rollmatch.training.segment_producers import RolloutSegmentProducer
 from rollmatch.training.step import ABSchedule, StepPlanner
 
 
@@ -27,15 +26,7 @@ def tiny(stage2_tiny: SimpleNamespace) -> SimpleNamespace:
     backend = HFBackend(
         model, encoder.tokenizer, eos_token_id=encoder.eos_token_id, pad_token_id=encoder.pad_token_id
     )
-    rollouts = RolloutSegmentProducer(
-        model,
-        encoder,
-        stage2_tiny.codec,
-        stage2_tiny.cfg,
-        backend,
-        decoding=rollout_decoding(stage2_tiny.cfg),
-        decode_batch_size=4,
-    )
+    rollouts = producer(stage2_tiny, model, backend, 4)
     return SimpleNamespace(rollouts=rollouts, records=stage2_tiny.records, encoder=encoder)
 
 

@@ -15,7 +15,6 @@ import torch
 from resolved_runs import cpu_run, producer
 
 from rollmatch.collectives import LocalCollectives
-from rollmatch.config.decoding import rollout_decoding
 from rollmatch.data.prompts import PromptEncoder
 from rollmatch.data.records import load_records
 from rollmatch.detection.object_formats import build_codec
@@ -27,7 +26,6 @@ from rollmatch.training import variants
 from rollmatch.training.channel_b.step_mode import StepRecordStream, StepRollouts
 from rollmatch.training.losses import weighted_ce_sum
 from rollmatch.training.rows import RowPlanner
-from rollmatch.training.segment_producers import RolloutSegmentProducer
 from rollmatch.training.step import ABSchedule, MicroStep, StepPlanner
 from rollmatch.training.variants import BuildContext, build_stage2
 
@@ -161,15 +159,7 @@ def all_sums(plan: Any) -> Counter[str]:
 @pytest.mark.heavy
 def test_step_mode_learns_every_segment_with_whole_step_normalisation(parts, tiny_model_dir, train_plan):
     model, records = parts.model, parts.records[:4]
-    rollouts = RolloutSegmentProducer(
-        model,
-        parts.encoder,
-        parts.codec,
-        parts.cfg,
-        hf_backend(model, parts.encoder),
-        decoding=rollout_decoding(parts.cfg),
-        decode_batch_size=2,
-    )
+    rollouts = producer(parts, model, hf_backend(model, parts.encoder), 2)
     windows = [[r] for r in records]
     # Reference: every segment in one padded batch, sum(w * ce) / sum(w).
     segments = rollouts.produce(records, 3).segments
