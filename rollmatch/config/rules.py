@@ -137,6 +137,7 @@ def min_healthy_problems(min_healthy: int | None, servers: int) -> list[ConfigPr
 
 
 def server_problems(server_cfg: ServerConfig) -> list[ConfigProblem]:
+    """Every problem of the server section alone (forms, pairing, ports, URLs)."""
     problems: list[ConfigProblem] = []
     legacy_set = server_cfg.base_url is not None or server_cfg.group_port is not None
     if server_cfg.servers is not None and legacy_set:

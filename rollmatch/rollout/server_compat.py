@@ -27,9 +27,8 @@ class LocalModelInfo:
     ``coord_frame``, ``min_pixels``, ``max_pixels`` and ``image_probe``: None leaves that comparison out
     (:func:`local_model_info` always fills them)."""
 
-    fingerprint: dict[
-        str, str
-    ]  # protocol.model_fingerprint: architecture, config, tokenizer, template, processor
+    # protocol.model_fingerprint: architecture, config, tokenizer, template, processor
+    fingerprint: dict[str, str]
     max_length: int  # training.global_max_length: the server's max_model_len must hold it
     object_format: str  # custom.object_format: the server's tokenizer must support it
     coord_frame: str | None = None  # the resolved data.coord_frame
