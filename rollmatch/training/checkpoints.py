@@ -13,6 +13,8 @@ after every rank saved its part — and the rules built on them:
 - :func:`rotate_checkpoints`: ``training.save_total_limit``, applied only once the newest checkpoint is
   complete (HF rotates inside its own save, before rollmatch's part is written: a crash there would
   leave no complete checkpoint), counting complete checkpoints only.
+- :class:`ConfiguredIntervals`: on resume HF restores the checkpoint's ``save_steps``,
+  ``eval_steps`` and ``logging_steps`` over the run's own (with only a warning); the run's config wins.
 
 Leaves out: writing HF's files (the ``Trainer``) and what a rank's state holds
 (``RollmatchTrainer.stateful``).
@@ -29,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from rollmatch.errors import ConfigError, ConfigProblem
 
@@ -36,6 +39,19 @@ log = logging.getLogger(__name__)
 COMPLETE_MARKER = "rollmatch_complete.json"
 CHECKPOINT_PREFIX = "checkpoint-"
 _RESUME_KEY = "training.resume_from_checkpoint"
+
+
+class ConfiguredIntervals(TrainerCallback):
+    """Puts the run's save/eval/logging intervals back after HF loaded a checkpoint's.
+
+    A run resumed with another ``training.save_steps`` (say, more often, because the job gets
+    preempted) would otherwise keep saving at the interval the checkpoint was written with.
+    ``on_train_begin`` runs after HF loaded the checkpoint's state and before the first step."""
+
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        state.compute_steps(args, state.max_steps)
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from rollmatch.detection.object_formats import build_codec
 from rollmatch.errors import ConfigError
 from rollmatch.models.pretrained import load_pretrained
 from rollmatch.packing.collate import enable_packed_attention
-from rollmatch.training.checkpoints import resolve_resume
+from rollmatch.training.checkpoints import ConfiguredIntervals, resolve_resume
 from rollmatch.training.coord_loss import CoordLoss
 from rollmatch.training.grpo_loss import grpo_settings
 from rollmatch.training.metric_summary import JsonlMetricsCallback, summarize
@@ -143,7 +143,11 @@ def run_training(cfg: RollmatchConfig) -> TrainResult:
             coord_loss=coord_loss_for(cfg, codec),
             grpo=grpo_settings(cfg) if cfg.loss.objective == "grpo" else None,
             lr_multipliers=cfg.training.lr_multipliers,
-            callbacks=[JsonlMetricsCallback(os.path.join(cfg.training.output_dir, "metrics.jsonl")), warning],
+            callbacks=[
+                JsonlMetricsCallback(os.path.join(cfg.training.output_dir, "metrics.jsonl")),
+                warning,
+                ConfiguredIntervals(),
+            ],
         )
         holder["trainer"] = trainer
         if rollout_log is not None:  # its pictures go through HF's TensorBoard writer

@@ -92,6 +92,26 @@ def test_a_crash_before_the_marker_keeps_the_previous_checkpoint(make_config, tm
 
 
 @pytest.mark.heavy
+def test_a_resumed_run_saves_at_its_own_interval(make_config, tmp_path):
+    """HF restores the checkpoint's save_steps on resume; the resumed run's config must win."""
+    out = tmp_path / "out"
+    run_training(sft_config(make_config, out, max_steps=4, save_steps=4))
+    resumed = run_training(
+        sft_config(
+            make_config,
+            out,
+            max_steps=7,
+            save_steps=1,
+            save_total_limit=None,
+            resume_from_checkpoint="latest",
+        )
+    )
+    assert resumed.global_step == 7
+    saved = sorted(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*"))
+    assert saved == [4, 5, 6, 7], saved
+
+
+@pytest.mark.heavy
 def test_two_ranks_refuse_a_checkpoint_saved_by_one(make_config, tmp_path, free_port):
     out = tmp_path / "out"
     make_checkpoint(out, 2, complete=True, world_size=1)
