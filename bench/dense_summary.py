@@ -231,7 +231,8 @@ def gate_summary(out: Path) -> dict[str, Any]:
     gate = _read(out / "gate.json")
     if gate is None:
         chunks = sorted((out / "stage1").glob("gate-*.json"), key=lambda p: int(p.stem.split("-")[1]))
-        return {"in_progress": [_gate_line(json.loads(p.read_text())) for p in chunks]}
+        gates = [json.loads(p.read_text()) for p in chunks]
+        return {"in_progress": [{**_gate_line(g), "dev": _slim(g["dev"])} for g in gates]}
     return {
         **_gate_line(gate),
         "decision": gate["decision"],
@@ -308,19 +309,22 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
     buckets = list(st.CROWD_BUCKETS)
     x = np.arange(len(buckets))
-    fig, axes = plt.subplots(1, 3, figsize=(19, 4.8))
+    fig, grid = plt.subplots(2, 2, figsize=(13, 9.6))
+    axes = grid.flat
+    stage1_dev = _stage1_dev(result["gate"])
     for ax, key in zip(axes, ("f1", "recall"), strict=False):
         for arm, summary in result["arms"].items():
             values = summary.get("report_by_bucket", {})
             seeds = len(summary["seeds"])
             label = f"{arm} ({seeds} seed{'s' * (seeds > 1)})"
             ax.plot(x, [values.get(b, {}).get(key, np.nan) for b in buckets], marker="o", label=label)
-        gate = result["gate"].get("dev", {}).get("gt_count_buckets") or {}
-        if gate:
-            stage1 = [gate.get(b, {}).get(key, np.nan) for b in buckets]
-            ax.plot(x, stage1, "k--", alpha=0.5, label="stage-1 (dev)")
+        if stage1_dev:
+            steps, dev = stage1_dev
+            values = dev.get("gt_count_buckets") or {}
+            stage1 = [values.get(b, {}).get(key, np.nan) for b in buckets]
+            ax.plot(x, stage1, "k--", alpha=0.5, label=f"stage-1 at {steps} trunk steps (dev)")
         what = "F1@0.5 (labels required)" if key == "f1" else "recall"
-        ax.set(title=f"{what}, report split", xlabel="GT objects per image", ylabel=key)
+        ax.set(title=f"{what}, report split", xlabel="GT objects per image", ylabel=key, ylim=(0, 1))
     diff = axes[2]
     for offset, (arm, entry) in enumerate(result["comparisons"].items()):
         by_bucket = entry["equal_steps"]["by_bucket"]
@@ -332,11 +336,15 @@ def plot(result: dict[str, Any], path: Path) -> None:
             offset - len(result["comparisons"]) / 2
         )
         diff.errorbar(positions, centre, yerr=[low, high], marker="o", capsize=3, label=arm)
+    if not result["comparisons"]:
+        diff.text(0.5, 0.5, "no arm has run yet", ha="center", va="center", transform=diff.transAxes)
     diff.axhline(0.0, color="k", lw=0.8)
     diff.axhline(st.CROWDED_GAIN, color="k", ls=":", lw=0.8, label=f"+{st.CROWDED_GAIN} (26-30 clause)")
     diff.set(title="F1 minus sft's, equal steps, 95% interval", xlabel="GT objects per image")
-    for ax in axes:
+    for ax in grid.flat[:3]:
         ax.set_xticks(x, buckets)
+    _plot_stage1(grid.flat[3], result["gate"], result["settings"])
+    for ax in grid.flat:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     progress = f"; in progress, missing {len(result['missing'])} arm-seeds" if result.get("missing") else ""
@@ -344,6 +352,37 @@ def plot(result: dict[str, Any], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def _plot_stage1(ax: Any, gate: dict[str, Any], settings: dict[str, Any]) -> None:
+    """Dev F1 of each stage-1 gate (its cool-down branch) against trunk steps, with the gate's F1 range
+    and the step budget: how far stage-1 is from the range, and how fast it moves."""
+    points = gate.get("history") or gate.get("in_progress") or []
+    budget = settings["stage1_max_steps"]
+    ax.axhspan(*st.F1_GATE, color="g", alpha=0.12, label=f"gate F1 range {list(st.F1_GATE)}")
+    ax.axvline(budget, color="r", ls=":", label=f"stage-1 budget ({budget} trunk steps)")
+    ax.plot(
+        [p["trunk_steps"] for p in points],
+        [p["f1"] for p in points],
+        "ko-",
+        label="dev F1@0.5 (after cool-down)",
+    )
+    decision = gate.get("decision", "in progress")
+    ax.set(
+        title=f"stage-1 gate (decision: {decision})",
+        xlabel=f"trunk steps (lr {settings['stage1_lr']}) before the cool-down branch",
+        ylabel="dev F1@0.5",
+        xlim=(0, budget * 1.05),
+        ylim=(0, 1),
+    )
+
+
+def _stage1_dev(gate: dict[str, Any]) -> tuple[int, dict[str, Any]] | None:
+    """(trunk steps, slim dev evaluation) of the decided gate, or of the newest one while in progress."""
+    if "dev" in gate:
+        return gate["trunk_steps"], gate["dev"]
+    newest = (gate.get("in_progress") or [None])[-1]
+    return (newest["trunk_steps"], newest["dev"]) if newest else None
 
 
 def _gate_line(gate: dict[str, Any]) -> dict[str, Any]:

@@ -246,7 +246,8 @@ def test_summary_applies_the_rule_and_plots_from_unit_files_alone(tmp_path: Path
             }
             (tmp_path / "arms" / arm / f"seed{seed}.json").write_text(json.dumps(run))
     args = _args(tmp_path, bootstrap=200, arms=["sft", "keep_all_supervised"])
-    result = dense_summary.summarize(tmp_path, args, {}, {}, list(dense_study.ARMS), dense_study.PILOT)
+    settings = dense_study.lock_settings(tmp_path, args)
+    result = dense_summary.summarize(tmp_path, args, settings, {}, list(dense_study.ARMS), dense_study.PILOT)
     assert result["missing"] == []
     equal_steps = result["comparisons"]["keep_all_supervised"]["equal_steps"]
     assert equal_steps["verdict"]["monotone_across_buckets"] and equal_steps["verdict"]["gain"] is True
@@ -257,6 +258,31 @@ def test_summary_applies_the_rule_and_plots_from_unit_files_alone(tmp_path: Path
     assert equal_steps["overall"]["t_test"]["seeds"] == 5
     assert result["default_target_on_dev"]["target"] == "keep_all_supervised"
     assert result["default_target_on_dev"]["chosen_on"] == "dev"
+    result["commit"] = "test"
+    dense_summary.plot(result, tmp_path / "plot.png")
+    assert (tmp_path / "plot.png").stat().st_size > 10_000
+
+
+def test_summary_of_a_stage1_in_progress_shows_each_gate_and_plots_before_any_arm(tmp_path: Path) -> None:
+    gts = np.random.default_rng(2).integers(8, 31, size=60)
+    (tmp_path / "stage1").mkdir()
+    for trunk, found in ((3000, gts // 4), (6000, gts // 2)):
+        dev = {**_report(gts, found), "f1": trunk / 20000}
+        gate = {**st.gate_verdict(dev, DIFFERS), "trunk_steps": trunk, "dev": dev}
+        (tmp_path / "stage1" / f"gate-{trunk}.json").write_text(json.dumps(gate))
+    args = _args(tmp_path)
+    settings = dense_study.lock_settings(tmp_path, args)
+    result = dense_summary.summarize(tmp_path, args, settings, {}, list(dense_study.ARMS), dense_study.PILOT)
+    progress = result["gate"]["in_progress"]
+    assert [(g["trunk_steps"], g["f1"], g["f1_side"]) for g in progress] == [
+        (3000, 0.15, "low"),
+        (6000, 0.3, "low"),
+    ]
+    assert (
+        progress[1]["dev"]["gt_count_buckets"]["26-30"]["recall"]
+        > progress[0]["dev"]["gt_count_buckets"]["26-30"]["recall"]
+    )
+    assert result["arms"] == {} and dense_summary._stage1_dev(result["gate"])[0] == 6000  # the newest gate
     result["commit"] = "test"
     dense_summary.plot(result, tmp_path / "plot.png")
     assert (tmp_path / "plot.png").stat().st_size > 10_000
