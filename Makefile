@@ -37,7 +37,7 @@ demo: $(STAMP)
 
 # The suite; the benchmark scripts' smoke runs (marker `bench`) are `make bench-smoke`, which CI runs after it.
 test: $(STAMP) $(SWIFT_STAMP)
-	$(VENV)/bin/python -m pytest -q -m "not bench"
+	$(VENV)/bin/python -m pytest -q -m "not bench" --durations=20  # the slowest tests, to keep the suite fast
 
 bench-smoke: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -m bench
