@@ -337,7 +337,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
         )
         diff.errorbar(positions, centre, yerr=[low, high], marker="o", capsize=3, label=arm)
     if not result["comparisons"]:
-        diff.text(0.5, 0.5, "no arm has run yet", ha="center", va="center", transform=diff.transAxes)
+        diff.text(0.5, 0.75, "no arm has run yet", ha="center", va="center", transform=diff.transAxes)
         diff.set_ylim(-0.1, 0.1)
     diff.axhline(0.0, color="k", lw=0.8)
     diff.axhline(st.CROWDED_GAIN, color="k", ls=":", lw=0.8, label=f"+{st.CROWDED_GAIN} (26-30 clause)")
