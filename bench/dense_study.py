@@ -215,7 +215,7 @@ def run_study(args: argparse.Namespace) -> dict[str, Any]:
     result.update(command="python bench/dense_study.py " + " ".join(args.argv), commit=code_commit())
     result["seconds_this_invocation"] = round(time.perf_counter() - started, 1)
     (out / "dense_study.json").write_text(json.dumps(result, indent=1))
-    if result["arms"] or result["gate"].get("history") or result["gate"].get("in_progress"):
+    if result["arms"] or dense_summary.gate_points(result["gate"]):
         dense_summary.plot(result, out / "dense_study.png")
     if args.docs:
         for suffix in (".json", ".png"):

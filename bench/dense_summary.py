@@ -320,8 +320,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
             ax.plot(x, [values.get(b, {}).get(key, np.nan) for b in buckets], marker="o", label=label)
         if stage1_dev:
             steps, dev = stage1_dev
-            values = dev.get("gt_count_buckets") or {}
-            stage1 = [values.get(b, {}).get(key, np.nan) for b in buckets]
+            stage1_buckets = dev.get("gt_count_buckets") or {}
+            stage1 = [stage1_buckets.get(b, {}).get(key, np.nan) for b in buckets]
             ax.plot(x, stage1, "k--", alpha=0.5, label=f"stage-1 at {steps} trunk steps (dev)")
         what = "F1@0.5 (labels required)" if key == "f1" else "recall"
         ax.set(title=f"{what}, report split", xlabel="GT objects per image", ylabel=key, ylim=(0, 1))
@@ -355,10 +355,15 @@ def plot(result: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def gate_points(gate: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every stage-1 gate so far (trunk steps, F1, ...) from :func:`gate_summary`, decided or not."""
+    return gate.get("history") or gate.get("in_progress") or []
+
+
 def _plot_stage1(ax: Any, gate: dict[str, Any], settings: dict[str, Any]) -> None:
     """Dev F1 of each stage-1 gate (its cool-down branch) against trunk steps, with the gate's F1 range
     and the step budget: how far stage-1 is from the range, and how fast it moves."""
-    points = gate.get("history") or gate.get("in_progress") or []
+    points = gate_points(gate)
     budget = settings["stage1_max_steps"]
     ax.axhspan(*st.F1_GATE, color="g", alpha=0.12, label=f"gate F1 range {list(st.F1_GATE)}")
     ax.axvline(budget, color="r", ls=":", label=f"stage-1 budget ({budget} trunk steps)")
