@@ -198,6 +198,13 @@ def run_study(args: argparse.Namespace) -> dict[str, Any]:
         arms = [] if args.only_gate or args.diagnose else PILOT["arms"] if args.pilot else args.arms
         require_arms([*args.gate_targets, *arms])  # before hours of stage-1
         gate = stage1_and_gate(out, splits, args)
+        if not (gate["passed"] or args.ignore_gate or args.only_gate):
+            print(
+                f"the gate decided {gate['decision']} at {gate['trunk_steps']} trunk steps (dev F1 "
+                f"{gate['f1']}): {study_stats.STOP_READINGS[gate['decision']]}. The study stops there; "
+                "--ignore-gate runs the arms anyway (outside the protocol)",
+                file=sys.stderr,
+            )
         if gate["passed"] or args.ignore_gate:
             stage1 = Path(gate["checkpoint"])
             if args.diagnose:

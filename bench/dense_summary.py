@@ -101,6 +101,11 @@ def summarize(
                 **contrast(paired, list(reports.values()), args.bootstrap, rng),
             }
         result["comparisons"][arm] = entry
+    result["answer"] = st.study_answer(
+        result["gate"].get("decision"),
+        {arm: c["equal_steps"]["verdict"]["gain"] for arm, c in result["comparisons"].items()},
+        len(result["missing"]),
+    )
     result["default_target_on_dev"] = default_target(runs, final, args.bootstrap, rng)
     if args.replication:
         result["replication"] = replication(result, Path(args.replication))
@@ -336,8 +341,11 @@ def plot(result: dict[str, Any], path: Path) -> None:
             offset - len(result["comparisons"]) / 2
         )
         diff.errorbar(positions, centre, yerr=[low, high], marker="o", capsize=3, label=arm)
+    answer = result.get("answer", {})
+    stopped = answer.get("state") == "stopped at the gate"
     if not result["comparisons"]:
-        diff.text(0.5, 0.75, "no arm has run yet", ha="center", va="center", transform=diff.transAxes)
+        empty = f"no arm runs: the gate decided {answer['decision']}" if stopped else "no arm has run yet"
+        diff.text(0.5, 0.75, empty, ha="center", va="center", transform=diff.transAxes)
         diff.set_ylim(-0.1, 0.1)
     diff.axhline(0.0, color="k", lw=0.8)
     diff.axhline(st.CROWDED_GAIN, color="k", ls=":", lw=0.8, label=f"+{st.CROWDED_GAIN} (26-30 clause)")
@@ -348,7 +356,13 @@ def plot(result: dict[str, Any], path: Path) -> None:
     for ax in grid.flat:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    progress = f"; in progress, missing {len(result['missing'])} arm-seeds" if result.get("missing") else ""
+    progress = (
+        f"; stopped at the gate: {answer['decision']}"
+        if stopped
+        else f"; in progress, missing {len(result['missing'])} arm-seeds"
+        if result.get("missing")
+        else ""
+    )
     fig.suptitle(f"crowded scenes, mean over seeds ({result['date']}, {result.get('commit', '')}{progress})")
     fig.tight_layout()
     fig.savefig(path, dpi=100)

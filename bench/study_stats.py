@@ -6,7 +6,8 @@ Owns what ``bench/dense_study.py`` decides with, fixed before any arm runs (docs
 - :func:`count_oracle_f1` / :func:`count_oracle_headroom`: the F1 if every image's count error were
   fixed, and how far above the real F1 that is;
 - :func:`gate_verdict` (F1 range, room for the mechanism, targets differing from SFT's) and
-  :func:`stage1_next` (pass, extend stage-1, or stop);
+  :func:`stage1_next` (pass, extend stage-1, or stop) with what a stop means (:data:`STOP_READINGS`,
+  :func:`study_answer`);
 - :func:`paired_t` (per-seed paired t-test), :func:`bucket_bootstrap` (the paired bootstrap of
   ``learning_signal.paired_bootstrap`` on the images of one GT-count bucket) and :func:`gain_verdict`
   (the decision rule, with its monotone-bucket clause);
@@ -119,6 +120,41 @@ def stage1_next(gate: Mapping[str, Any], trunk_steps: int, max_trunk_steps: int)
     if gate["f1_side"] == "in range":
         return "fail_room"
     return "extend" if trunk_steps < max_trunk_steps else "fail_budget"
+
+
+# What a stop at the gate means, fixed with the gate (docs/runbook.md, "Crowded scenes"): no arm runs.
+STOP_READINGS = {
+    "fail_budget": (
+        "no stage-1 reached the gate's F1 range within the step budget: the mechanism is absent in this "
+        "model class on this data at this budget (the study cannot show it here); no arm was run"
+    ),
+    "fail_room": (
+        "stage-1 reached the F1 range without room for the mechanism or with too few rollout targets "
+        "differing from SFT's: the mechanism is absent in this model class on this data; no arm was run"
+    ),
+    "fail_high": (
+        "stage-1 overshot the F1 range: too little left for any target to improve on this data; no arm "
+        "was run"
+    ),
+}
+
+
+def study_answer(decision: str | None, verdicts: Mapping[str, bool | None], missing: int) -> dict[str, Any]:
+    """The study's answer so far: stage-1 in progress, stopped at the gate (:data:`STOP_READINGS`), arms
+    running, or each arm's :func:`gain_verdict` once every arm-seed is in (``missing == 0``)."""
+    if decision is None or decision == "extend":
+        return {"state": "stage-1 in progress", "reading": "no answer yet: the gate has not decided"}
+    if decision in STOP_READINGS:
+        return {"state": "stopped at the gate", "decision": decision, "reading": STOP_READINGS[decision]}
+    if missing or not verdicts:
+        return {"state": "arms running", "missing_arm_seeds": missing}
+    gains = sorted(arm for arm, gain in verdicts.items() if gain)
+    reading = (
+        f"a gain over sft by the decision rule: {', '.join(gains)}"
+        if gains
+        else "no arm gains over sft by the decision rule"
+    )
+    return {"state": "done", "gains": gains, "reading": reading}
 
 
 # ------------------------------------------------------------------------------------- statistics

@@ -288,6 +288,44 @@ def test_summary_of_a_stage1_in_progress_shows_each_gate_and_plots_before_any_ar
     assert (tmp_path / "plot.png").stat().st_size > 10_000
 
 
+def test_a_stage1_still_low_at_the_budget_stops_the_study_saying_what_that_means(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "dense_study"  # the smoke's --out
+    gts = np.random.default_rng(3).integers(8, 31, size=40)
+    (out / "stage1").mkdir(parents=True)
+    for trunk in (2, 4):
+        dev = {**_report(gts, gts // 3), "f1": 0.2}
+        gate = {**st.gate_verdict(dev, DIFFERS), "trunk_steps": trunk, "dev": dev, "commit": "test"}
+        (out / "stage1" / f"gate-{trunk}.json").write_text(json.dumps({**gate, "checkpoint": "none"}))
+    smoke = [a for a in shlex.split(dense_study.SMOKE_ARGS.format(tmp=tmp_path)) if a != "--ignore-gate"]
+    result = dense_study.run_study(dense_study.parse_args([*smoke, "--stage1-max-steps", "4", "--pilot"]))
+    assert "the gate decided fail_budget at 4 trunk steps" in capsys.readouterr().err
+    assert not (out / "pilot").exists() and result["arms"] == {}  # the checkpoint "none" never loaded
+    assert result["gate"]["decision"] == "fail_budget"
+    assert [h["decision"] for h in result["gate"]["history"]] == ["extend", "fail_budget"]
+    assert result["answer"] == {
+        "state": "stopped at the gate",
+        "decision": "fail_budget",
+        "reading": st.STOP_READINGS["fail_budget"],
+    }
+    assert (out / "dense_study.png").stat().st_size > 10_000
+
+
+def test_the_answer_waits_for_every_arm_seed_before_reading_the_verdicts() -> None:
+    assert st.study_answer(None, {}, 35)["state"] == "stage-1 in progress"
+    assert st.study_answer("extend", {}, 35)["state"] == "stage-1 in progress"
+    assert st.study_answer("pass", {"keep_all_supervised": None}, 4) == {
+        "state": "arms running",
+        "missing_arm_seeds": 4,
+    }
+    done = st.study_answer("pass", {"keep_all_supervised": True, "grpo": False}, 0)
+    assert done["gains"] == ["keep_all_supervised"] and "keep_all_supervised" in done["reading"]
+    assert (
+        st.study_answer("pass", {"grpo": False}, 0)["reading"] == "no arm gains over sft by the decision rule"
+    )
+
+
 def test_pilot_summary_measures_cost_and_spread_and_says_how_many_seeds(tmp_path: Path) -> None:
     gts = np.random.default_rng(1).integers(8, 31, size=300)
     for arm, found in (("sft", gts - 6), ("prefix_fn_supervised", gts - 5), ("keep_all_supervised", gts - 4)):
