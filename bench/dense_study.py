@@ -379,10 +379,11 @@ def gate_at(out: Path, splits: dict[str, Path], args: argparse.Namespace, trunk:
     dev = load_records(splits["dev"])
     predictions = out / "stage1" / f"gate-{trunk}.predictions.jsonl"
     evaluation = ls.evaluate(cfg, str(stage1), dev, predictions)
-    differs = targets_differing(stage1, splits, args, dev, predictions)
-    verdict = study_stats.gate_verdict(evaluation, differs)
+    reading = targets_reading(stage1, splits, args, dev, predictions)
+    verdict = study_stats.gate_verdict(evaluation, {name: r["differs"] for name, r in reading.items()})
     return {
         **verdict,
+        "targets_keeping_own_elements": {name: r["keeps_own"] for name, r in reading.items()},
         "trunk_steps": trunk,
         "cooldown_steps": cooldown,
         "checkpoint": str(stage1),
@@ -391,16 +392,17 @@ def gate_at(out: Path, splits: dict[str, Path], args: argparse.Namespace, trunk:
     }
 
 
-def targets_differing(
+def targets_reading(
     stage1: Path, splits: dict[str, Path], args: argparse.Namespace, dev: list[Record], predictions: Path
-) -> dict[str, float]:
-    """Share of dev records whose target (each of ``--gate-targets``, built from stage-1's greedy answer
-    with the arm's own loss settings) holds other token ids than the SFT target (weights do not count)."""
+) -> dict[str, dict[str, float]]:
+    """Per target (each of ``--gate-targets``, built from stage-1's greedy answer with the arm's own
+    loss settings): the share of dev records whose target holds other token ids than the SFT target
+    (weights do not count) and the share whose target keeps any of the answer's own elements."""
     losses = {
         arm: arm_config(stage1, arm, 0, stage1, splits, args, args.steps).loss for arm in args.gate_targets
     }
     cfg = sft_config(stage1.parent, stage1, splits, args)
-    return ls.target_difference(cfg, stage1, dev, predictions, losses)
+    return ls.target_reading(cfg, stage1, dev, predictions, losses)
 
 
 def diagnose(out: Path, stage1: Path, splits: dict[str, Path], args: argparse.Namespace) -> dict[str, Any]:

@@ -414,6 +414,7 @@ def _gate_line(gate: dict[str, Any]) -> dict[str, Any]:
         "cooldown_steps",
         "room_for_the_mechanism",
         "targets_differing_from_sft",
+        "targets_keeping_own_elements",
         "rule",
     )
     return {k: gate[k] for k in keys if k in gate}

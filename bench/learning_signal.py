@@ -364,6 +364,22 @@ def target_difference(
     """Fraction of dev rollouts (stage-1's greedy answers) whose target holds other token ids than the
     SFT target (weights alone do not count: equal ids train on SFT's own states); ``losses``: the
     targets by name (default: this study's rollout arms, each with its own loss settings)."""
+    reading = target_reading(cfg, stage1, dev, predictions, losses)
+    return {name: shares["differs"] for name, shares in reading.items()}
+
+
+def target_reading(
+    cfg: RollmatchConfig,
+    stage1: Path,
+    dev: list[Record],
+    predictions: Path,
+    losses: dict[str, LossConfig] | None = None,
+) -> dict[str, dict[str, float]]:
+    """Per target (:func:`target_difference`'s): ``differs``, the share of dev rollouts whose target
+    holds other token ids than SFT's, and ``keeps_own``, the share whose target keeps at least one of
+    the rollout's elements (rewritten to its GT or not). A kept prefix rewritten to its GT is SFT's own
+    start whenever it lists SFT's first objects in SFT's order, so ``keeps_own`` far above ``differs``
+    says the model keeps the canonical order and the target adds nothing to SFT there."""
     from rollmatch.data.prompts import PromptEncoder
     from rollmatch.detection.object_formats import build_codec
     from rollmatch.detection.scoring import score_response
@@ -377,7 +393,7 @@ def target_difference(
             name: LossConfig(**ROLLOUT_ARMS[name]["loss"])
             for name in ("prefix_fn", "prefix_fn_supervised", "reordered_gt")
         }
-    differ = dict.fromkeys(losses, 0)
+    differ, keep = dict.fromkeys(losses, 0), dict.fromkeys(losses, 0)
     for record, answer in zip(dev, answers, strict=True):
         encoded = encoder.encode(record)
         ids = encoder.tokenizer.encode(answer["text"], add_special_tokens=False)  # special tokens kept
@@ -393,7 +409,11 @@ def target_difference(
         for name, loss in losses.items():
             target = build_matched_target(scored.parse, scored.gt_objects, scored.match, loss=loss, **common)
             differ[name] += int(target_differs_from_sft(target, scored.gt_objects, codec, encoder.tokenizer))
-    return {name: round(count / len(dev), 3) for name, count in differ.items()}
+            keep[name] += int(scored.parse.num_complete > target.dropped_elements)
+    return {
+        name: {"differs": round(differ[name] / len(dev), 3), "keeps_own": round(keep[name] / len(dev), 3)}
+        for name in losses
+    }
 
 
 # ------------------------------------------------------------------------------------------- arms

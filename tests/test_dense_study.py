@@ -19,6 +19,7 @@ from scipy import stats
 sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
 import dense_study  # bench scripts are not a package: imported from their folder
 import dense_summary
+import learning_signal as ls
 import study_stats as st
 
 # ------------------------------------------------------------------------------ count-oracle F1
@@ -209,6 +210,42 @@ def test_an_arm_this_code_cannot_configure_is_refused_naming_what_it_needs(monke
     with pytest.raises(SystemExit, match=r"(?s)arm future_arm needs loss.no_such_key.*no_such_key.*Merge"):
         dense_study.require_arms(["sft", "future_arm"])
     dense_study.require_arms(["sft", "prefix_fn_supervised"])
+
+
+def test_the_gate_reads_which_targets_keep_the_answers_own_elements_and_which_differ(
+    tmp_path: Path, coord_model_dir: Path
+) -> None:
+    from rollmatch.config.load import load_config_dict
+    from rollmatch.config.schema import LossConfig
+    from rollmatch.data.prompts import PromptEncoder
+    from rollmatch.data.records import load_records
+    from rollmatch.data.shapes import SHAPES_PRESETS
+    from rollmatch.detection.object_formats import build_codec
+    from rollmatch.detection.objects import DetObject
+
+    splits = ls.generate_splits(tmp_path, {"train": 1, "dev": 2}, SHAPES_PRESETS["crowd"])
+    args = _args(tmp_path, backend="hf", max_new_tokens=64)
+    cfg = load_config_dict(ls.base_config(tmp_path, str(coord_model_dir), splits, args, seed=0), [])
+    dev = load_records(splits["dev"])
+    encoder = PromptEncoder.from_pretrained(coord_model_dir, cfg.data, object_format="coord_tokens")
+    codec = build_codec("coord_tokens", encoder.tokenizer, [encoder.eos_token_id])
+    gts = [encoder.gt_objects(r, encoder.encode(r)) for r in dev]
+    false_positive = DetObject(gts[1][0].label, (0, 0, 2, 2))  # nowhere near a 16-32 px object
+    answers = [
+        codec.serialize(gts[0][:2]),  # SFT's first two objects, in SFT's order, the rest missed
+        codec.serialize([false_positive, *gts[1][:2]]),  # a false positive first
+    ]
+    predictions = tmp_path / "predictions.jsonl"
+    predictions.write_text("".join(json.dumps({"text": a, "truncated": False}) + "\n" for a in answers))
+    losses = {
+        "prefix_fn_supervised": LossConfig(keep_prefix="matched", matched_prefix="supervise"),
+        "keep_all_supervised": LossConfig(keep_prefix="all", matched_prefix="supervise"),
+    }
+    reading = ls.target_reading(cfg, coord_model_dir, dev, predictions, losses)
+    # the kept prefix of the first answer, rewritten to its GT, is SFT's own start: kept, not different;
+    # the second keeps nothing under `matched` (cut at the false positive) and all of it under `all`
+    assert reading["prefix_fn_supervised"] == {"keeps_own": 0.5, "differs": 0.0}
+    assert reading["keep_all_supervised"] == {"keeps_own": 1.0, "differs": 0.5}
 
 
 # ------------------------------------------------------------------------------------- summary
