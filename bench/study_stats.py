@@ -148,6 +148,8 @@ def study_answer(decision: str | None, verdicts: Mapping[str, bool | None], miss
         return {"state": "stopped at the gate", "decision": decision, "reading": STOP_READINGS[decision]}
     if missing or not verdicts:
         return {"state": "arms running", "missing_arm_seeds": missing}
+    if any(gain is None for gain in verdicts.values()):
+        return {"state": "done", "gains": None, "reading": f"no verdict: fewer than {MIN_SEEDS} seeds"}
     gains = sorted(arm for arm, gain in verdicts.items() if gain)
     reading = (
         f"a gain over sft by the decision rule: {', '.join(gains)}"

@@ -361,6 +361,7 @@ def test_the_answer_waits_for_every_arm_seed_before_reading_the_verdicts() -> No
     assert (
         st.study_answer("pass", {"grpo": False}, 0)["reading"] == "no arm gains over sft by the decision rule"
     )
+    assert st.study_answer("pass", {"grpo": None}, 0)["gains"] is None  # fewer than 5 seeds: no verdict
 
 
 def test_pilot_summary_measures_cost_and_spread_and_says_how_many_seeds(tmp_path: Path) -> None:
