@@ -11,6 +11,14 @@
 
 from __future__ import annotations
 
+import os
+
+# One OpenMP thread per test process unless the caller sets it: the tiny models gain nothing from a
+# second thread on an idle machine (tests/training: 147 s either way), and beside any other job two
+# spinning threads per process slow a test several times over (the image-use test: 126 s against 27 s
+# next to a 2-thread training run). Subprocesses inherit it; the CPU launch plan sets its own.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
