@@ -105,6 +105,7 @@ def summarize(
         result["gate"].get("decision"),
         {arm: c["equal_steps"]["verdict"]["gain"] for arm, c in result["comparisons"].items()},
         len(result["missing"]),
+        arms_run=bool(result["arms"]),
     )
     result["default_target_on_dev"] = default_target(runs, final, args.bootstrap, rng)
     if args.replication:
@@ -344,7 +345,10 @@ def plot(result: dict[str, Any], path: Path) -> None:
     answer = result.get("answer", {})
     stopped = answer.get("state") == "stopped at the gate"
     if not result["comparisons"]:
-        empty = f"no arm runs: the gate decided {answer['decision']}" if stopped else "no arm has run yet"
+        if stopped and not answer["arms_outside_protocol"]:
+            empty = f"no arm runs: the gate decided {answer['decision']}"
+        else:
+            empty = "no rollout arm has run yet"
         diff.text(0.5, 0.75, empty, ha="center", va="center", transform=diff.transAxes)
         diff.set_ylim(-0.1, 0.1)
     diff.axhline(0.0, color="k", lw=0.8)
@@ -356,13 +360,12 @@ def plot(result: dict[str, Any], path: Path) -> None:
     for ax in grid.flat:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    progress = (
-        f"; stopped at the gate: {answer['decision']}"
-        if stopped
-        else f"; in progress, missing {len(result['missing'])} arm-seeds"
-        if result.get("missing")
-        else ""
-    )
+    progress = ""
+    if stopped:
+        anyway = ", arms run anyway (outside the protocol)" if answer["arms_outside_protocol"] else ""
+        progress = f"; stopped at the gate: {answer['decision']}{anyway}"
+    elif result.get("missing"):
+        progress = f"; in progress, missing {len(result['missing'])} arm-seeds"
     fig.suptitle(f"crowded scenes, mean over seeds ({result['date']}, {result.get('commit', '')}{progress})")
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -126,26 +126,32 @@ def stage1_next(gate: Mapping[str, Any], trunk_steps: int, max_trunk_steps: int)
 STOP_READINGS = {
     "fail_budget": (
         "no stage-1 reached the gate's F1 range within the step budget: the mechanism is absent in this "
-        "model class on this data at this budget (the study cannot show it here); no arm was run"
+        "model class on this data at this budget (the study cannot show it here)"
     ),
     "fail_room": (
         "stage-1 reached the F1 range without room for the mechanism or with too few rollout targets "
-        "differing from SFT's: the mechanism is absent in this model class on this data; no arm was run"
+        "differing from SFT's: the mechanism is absent in this model class on this data"
     ),
-    "fail_high": (
-        "stage-1 overshot the F1 range: too little left for any target to improve on this data; no arm "
-        "was run"
-    ),
+    "fail_high": ("stage-1 overshot the F1 range: too little left for any target to improve on this data"),
 }
 
 
-def study_answer(decision: str | None, verdicts: Mapping[str, bool | None], missing: int) -> dict[str, Any]:
-    """The study's answer so far: stage-1 in progress, stopped at the gate (:data:`STOP_READINGS`), arms
-    running, or each arm's :func:`gain_verdict` once every arm-seed is in (``missing == 0``)."""
+def study_answer(
+    decision: str | None, verdicts: Mapping[str, bool | None], missing: int, arms_run: bool
+) -> dict[str, Any]:
+    """The study's answer so far: stage-1 in progress, stopped at the gate (:data:`STOP_READINGS`; with
+    ``arms_run``, arms trained anyway under ``--ignore-gate``, outside the protocol), arms running, or
+    each arm's :func:`gain_verdict` once every arm-seed is in (``missing == 0``)."""
     if decision is None or decision == "extend":
         return {"state": "stage-1 in progress", "reading": "no answer yet: the gate has not decided"}
     if decision in STOP_READINGS:
-        return {"state": "stopped at the gate", "decision": decision, "reading": STOP_READINGS[decision]}
+        after = "arms were run anyway (--ignore-gate), outside the protocol" if arms_run else "no arm was run"
+        return {
+            "state": "stopped at the gate",
+            "decision": decision,
+            "reading": f"{STOP_READINGS[decision]}; {after}",
+            "arms_outside_protocol": arms_run,
+        }
     if missing or not verdicts:
         return {"state": "arms running", "missing_arm_seeds": missing}
     if any(gain is None for gain in verdicts.values()):

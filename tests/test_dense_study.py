@@ -344,24 +344,30 @@ def test_a_stage1_still_low_at_the_budget_stops_the_study_saying_what_that_means
     assert result["answer"] == {
         "state": "stopped at the gate",
         "decision": "fail_budget",
-        "reading": st.STOP_READINGS["fail_budget"],
+        "reading": st.STOP_READINGS["fail_budget"] + "; no arm was run",
+        "arms_outside_protocol": False,
     }
     assert (out / "dense_study.png").stat().st_size > 10_000
 
 
 def test_the_answer_waits_for_every_arm_seed_before_reading_the_verdicts() -> None:
-    assert st.study_answer(None, {}, 35)["state"] == "stage-1 in progress"
-    assert st.study_answer("extend", {}, 35)["state"] == "stage-1 in progress"
-    assert st.study_answer("pass", {"keep_all_supervised": None}, 4) == {
+    assert st.study_answer(None, {}, 35, False)["state"] == "stage-1 in progress"
+    assert st.study_answer("extend", {}, 35, False)["state"] == "stage-1 in progress"
+    # arms trained after a stop (--ignore-gate, as the smoke run does) are said to be outside the protocol
+    anyway = st.study_answer("fail_budget", {}, 0, True)
+    assert anyway["state"] == "stopped at the gate" and anyway["arms_outside_protocol"]
+    assert anyway["reading"].endswith("arms were run anyway (--ignore-gate), outside the protocol")
+    assert st.study_answer("pass", {"keep_all_supervised": None}, 4, True) == {
         "state": "arms running",
         "missing_arm_seeds": 4,
     }
-    done = st.study_answer("pass", {"keep_all_supervised": True, "grpo": False}, 0)
+    done = st.study_answer("pass", {"keep_all_supervised": True, "grpo": False}, 0, True)
     assert done["gains"] == ["keep_all_supervised"] and "keep_all_supervised" in done["reading"]
     assert (
-        st.study_answer("pass", {"grpo": False}, 0)["reading"] == "no arm gains over sft by the decision rule"
+        st.study_answer("pass", {"grpo": False}, 0, True)["reading"]
+        == "no arm gains over sft by the decision rule"
     )
-    assert st.study_answer("pass", {"grpo": None}, 0)["gains"] is None  # fewer than 5 seeds: no verdict
+    assert st.study_answer("pass", {"grpo": None}, 0, True)["gains"] is None  # fewer than 5 seeds: no verdict
 
 
 def test_pilot_summary_measures_cost_and_spread_and_says_how_many_seeds(tmp_path: Path) -> None:
