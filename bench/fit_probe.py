@@ -1,0 +1,204 @@
+"""Can a stage-1 model fit the images it trains on, and is it what it sees that limits it?
+
+A dense study whose stage-1 plateaus below its gate (docs/runbook.md, "Crowded scenes") leaves two
+readings: the model cannot resolve the objects (a 224 px crowd image is 7 x 7 visual tokens of 32 px
+for the tiny Qwen3-VL; its objects are 16-32 px), or it can but does not generalise from the data.
+This probe continues the study's gated stage-1 checkpoint on the first ``--images`` training images
+for ``--steps`` steps at each ``--pixels`` (the image resized to that many pixels: 448 x 448 is
+14 x 14 tokens of 16 px), the same recipe otherwise, and evaluates each on those training images and
+on as many dev images at the same pixels (greedy, the study's matching). Fitting the training images
+at every size points at data; fitting them only with more visual tokens points at resolution;
+fitting them at none points at the model.
+
+Every unit (the checkpoint before training, each size's run and evaluations) writes its own JSON under
+``--out`` (default ``<study>/fit_probe``) and a rerun skips what is done. Prints ONE JSON object (also
+``--out/fit_probe.json``): per size the training and dev F1, recall per GT-count bucket and seconds per
+step, and each size's training F1 over the first size's (``train_f1_ratio``). Run::
+
+    .venv/bin/python bench/fit_probe.py --study runs/crowd          # ~25 min of 2 cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import dense_study
+import learning_signal as ls
+
+import rollmatch  # noqa: F401  (environment workarounds before transformers loads)
+from rollmatch.config.load import load_config_dict
+from rollmatch.config.schema import RollmatchConfig
+from rollmatch.data.records import load_records, write_records
+
+LOCKED = ("images", "steps", "lr", "max_new_tokens")  # a probe folder's settings; sizes may be added
+# Smallest setting (tests/test_benches.py runs it after dense_study's, on that study folder).
+SMOKE_ARGS = "--study {tmp}/dense_study --images 2 --steps 2 --pixels 50176 200704 --max-new-tokens 16"
+SMOKE_KEYS = ("study", "checkpoint", "images", "steps", "before", "sizes", "train_f1_ratio")
+SMOKE_AFTER = ("dense_study",)
+
+
+def main() -> None:
+    args = parse_args()
+    with contextlib.redirect_stdout(sys.stderr):  # the trainer prints its logs; stdout is the JSON alone
+        result = run_probe(args)
+    print(json.dumps(result, indent=1))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--study", required=True, help="a bench/dense_study.py --out with a stage-1 gate")
+    parser.add_argument("--out", help="this probe's folder (default: <study>/fit_probe)")
+    parser.add_argument("--images", type=int, default=64, help="training images (and dev images) used")
+    parser.add_argument("--steps", type=int, default=400, help="optimizer steps per size (8 images each)")
+    parser.add_argument("--lr", type=float, default=2e-3, help="constant after a 5%% warm-up (stage-1's)")
+    parser.add_argument(
+        "--pixels",
+        type=int,
+        nargs="+",
+        default=[224 * 224, 448 * 448],
+        help="image sizes (224 x 224: the study's)",
+    )
+    parser.add_argument("--max-new-tokens", type=int, help="default: the study's")
+    args = parser.parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else argv
+    if args.images < 1 or args.steps < 1 or min(args.pixels) < 28 * 28:
+        parser.error("--images and --steps must be >= 1, every --pixels >= 784")
+    return args
+
+
+def run_probe(args: argparse.Namespace) -> dict[str, Any]:
+    study = Path(args.study).absolute()
+    out = Path(args.out).absolute() if args.out else study / "fit_probe"
+    settings = json.loads((study / "settings.json").read_text())
+    checkpoint = gated_checkpoint(study)
+    args.max_new_tokens = args.max_new_tokens or settings["max_new_tokens"]
+    lock_settings(out, args)
+    splits = subsets(dense_study.prepare_data(study, argparse.Namespace(**settings)), out, args.images)
+    recipe = argparse.Namespace(
+        object_format=settings["object_format"], max_new_tokens=args.max_new_tokens, backend="hf"
+    )
+    first = load_records(splits["train"], max_samples=1)[0]
+    study_pixels = first.width * first.height  # what the study's stage-1 saw (one size per preset)
+    before_cfg = probe_config(out / "before", checkpoint, splits, recipe, args, study_pixels, steps=1)
+    before = evaluations(before_cfg, checkpoint, checkpoint, splits, out / "before")
+    sizes = {}
+    for pixels in args.pixels:
+        folder = out / f"px{pixels}"
+        cfg = probe_config(folder, checkpoint, splits, recipe, args, pixels, steps=args.steps)
+        seconds, _ = ls.train_with_cost(cfg, folder, args.steps)
+        sizes[str(pixels)] = {
+            "visual_tokens_per_side": round(pixels**0.5 / token_pixels(checkpoint), 1),
+            "seconds_per_step": round(seconds / args.steps, 3),
+            **evaluations(cfg, folder / "final", checkpoint, splits, folder),
+        }
+    first = sizes[str(args.pixels[0])]["train"]["f1"]
+    result = {
+        "study": str(study),
+        "checkpoint": str(checkpoint),
+        "images": args.images,
+        "steps": args.steps,
+        "lr": args.lr,
+        "before": {"pixels": study_pixels, **before},
+        "sizes": sizes,
+        "train_f1_ratio": {
+            px: round(s["train"]["f1"] / first, 3) if first else None for px, s in sizes.items()
+        },
+        "command": "python bench/fit_probe.py " + " ".join(args.argv),
+        "commit": dense_study.code_commit(),
+    }
+    (out / "fit_probe.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+def lock_settings(out: Path, args: argparse.Namespace) -> None:
+    settings = {key: getattr(args, key) for key in LOCKED}
+    path = out / "settings.json"
+    saved = json.loads(path.read_text()) if path.exists() else settings
+    differing = sorted(key for key in LOCKED if saved.get(key) != settings[key])
+    if differing:
+        raise SystemExit(f"{out} holds a probe with other {differing} ({path}); use another --out")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(settings, indent=1))
+
+
+def gated_checkpoint(study: Path) -> Path:
+    """The checkpoint the study's gate judged last (``gate.json`` once it decided, else the newest
+    ``stage1/gate-<steps>.json``)."""
+    gates = sorted((study / "stage1").glob("gate-*.json"), key=lambda p: int(p.stem.split("-")[1]))
+    path = study / "gate.json" if (study / "gate.json").exists() else (gates[-1] if gates else None)
+    if path is None:
+        raise SystemExit(
+            f"{study} has no stage-1 gate yet: run bench/dense_study.py --out {study} --only-gate"
+        )
+    return Path(json.loads(path.read_text())["checkpoint"])
+
+
+def token_pixels(checkpoint: Path) -> int:
+    """The side in pixels of one visual token after merging (Qwen3-VL: 16 px patches, 2 x 2 merged)."""
+    processor = json.loads((checkpoint / "processor_config.json").read_text())
+    image = processor.get("image_processor", processor)
+    return int(image["patch_size"]) * int(image["merge_size"])
+
+
+def subsets(study_splits: dict[str, Path], out: Path, images: int) -> dict[str, Path]:
+    """The first ``images`` records of the study's train and dev splits (absolute image paths)."""
+    found = {}
+    for split in ("train", "dev"):
+        records = load_records(study_splits[split], max_samples=images)
+        found[split] = out / "data" / f"{split}-{images}.jsonl"
+        if not found[split].exists():
+            write_records(found[split], records)
+    return found
+
+
+def probe_config(
+    folder: Path,
+    checkpoint: Path,
+    splits: dict[str, Path],
+    recipe: argparse.Namespace,
+    args: argparse.Namespace,
+    pixels: int,
+    *,
+    steps: int,
+) -> RollmatchConfig:
+    config = ls.base_config(folder, str(checkpoint), splits, recipe, seed=0)
+    config["data"].update(min_pixels=pixels, max_pixels=pixels)
+    config["training"].update(
+        max_steps=steps,
+        learning_rate=args.lr,
+        lr_scheduler_type="constant_with_warmup",
+        warmup_ratio=0.05,
+        save_steps=max(steps // 4, 1),
+    )
+    if any(folder.glob("checkpoint-*/rollmatch_complete.json")):
+        config["training"]["resume_from_checkpoint"] = "latest"
+    return load_config_dict(config, [], source="bench/fit_probe.py")
+
+
+def evaluations(
+    cfg: RollmatchConfig, model: Path, stage1: Path, splits: dict[str, Path], folder: Path
+) -> dict[str, Any]:
+    """F1, precision, recall and recall per GT-count bucket on the training and dev subsets."""
+    found = {}
+    for split in ("train", "dev"):
+        result = dense_study.evaluation(cfg, model, stage1, splits, split, folder, 0)
+        found[split] = {
+            "f1": round(result["f1"], 4),
+            "precision": round(result["precision"], 4),
+            "recall": round(result["recall"], 4),
+            "recall_by_bucket": {
+                bucket: round(values["recall"], 3) for bucket, values in result["gt_count_buckets"].items()
+            },
+            "count_mae": round(result["count_mae"], 2),
+            "matched_iou": round(result["mean_iou"], 3),
+        }
+    return found
+
+
+if __name__ == "__main__":
+    main()
