@@ -37,7 +37,9 @@ from rollmatch.data.records import load_records, write_records
 
 LOCKED = ("images", "steps", "lr", "max_new_tokens")  # a probe folder's settings; sizes may be added
 # Smallest setting (tests/test_benches.py runs it after dense_study's, on that study folder).
-SMOKE_ARGS = "--study {tmp}/dense_study --images 2 --steps 2 --pixels 50176 200704 --max-new-tokens 16"
+SMOKE_ARGS = (
+    "--study {tmp}/dense_study --images 2 --steps 2 --pixels 50176 200704 --max-new-tokens 16 --backend hf"
+)
 SMOKE_KEYS = ("study", "checkpoint", "images", "steps", "before", "sizes", "train_f1_ratio")
 SMOKE_AFTER = ("dense_study",)
 
@@ -64,6 +66,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="image sizes (224 x 224: the study's)",
     )
     parser.add_argument("--max-new-tokens", type=int, help="default: the study's")
+    parser.add_argument("--backend", choices=["hf", "vllm"], default=ls._default_backend(), help="evaluation")
     args = parser.parse_args(argv)
     args.argv = sys.argv[1:] if argv is None else argv
     if args.images < 1 or args.steps < 1 or min(args.pixels) < 28 * 28:
@@ -80,7 +83,7 @@ def run_probe(args: argparse.Namespace) -> dict[str, Any]:
     lock_settings(out, args)
     splits = subsets(dense_study.prepare_data(study, argparse.Namespace(**settings)), out, args.images)
     recipe = argparse.Namespace(
-        object_format=settings["object_format"], max_new_tokens=args.max_new_tokens, backend="hf"
+        object_format=settings["object_format"], max_new_tokens=args.max_new_tokens, backend=args.backend
     )
     first = load_records(splits["train"], max_samples=1)[0]
     study_pixels = first.width * first.height  # what the study's stage-1 saw (one size per preset)
