@@ -1,21 +1,23 @@
-"""Can a stage-1 model fit the images it trains on, and is it what it sees that limits it?
+"""Can a stage-1 model fit the images it trains on, and at which image size?
 
-A dense study whose stage-1 plateaus below its gate (docs/runbook.md, "Crowded scenes") leaves two
-readings: the model cannot resolve the objects (a 224 px crowd image is 7 x 7 visual tokens of 32 px
-for the tiny Qwen3-VL; its objects are 16-32 px), or it can but does not generalise from the data.
-This probe continues the study's gated stage-1 checkpoint on the first ``--images`` training images
-for ``--steps`` steps at each ``--pixels`` (the image resized to that many pixels: 448 x 448 is
-14 x 14 tokens of 16 px), the same recipe otherwise, and evaluates each on those training images and
-on as many dev images at the same pixels (greedy, the study's matching). Fitting the training images
-at every size points at data; fitting them only with more visual tokens points at resolution;
-fitting them at none points at the model.
+A dense study whose stage-1 plateaus below its gate (docs/runbook.md, "Crowded scenes") scores little
+better on its training images than on dev. This probe separates what the model can write from what
+it learns: it continues the study's gated stage-1 checkpoint on the first ``--images`` training
+images for ``--steps`` steps at each ``--pixels`` (the image resized to that many pixels: for the
+tiny Qwen3-VL 224 x 224 is 7 x 7 visual tokens of 32 px, 448 x 448 is 14 x 14 of 16 px), the same
+recipe otherwise, and evaluates each on those training images and on as many dev images at the same
+size (greedy, the study's matching). Reading it: a model that cannot fit a few dozen images is
+limited by what it can write or see at that size; one that fits them while dev falls has memorised
+them (telling 64 images apart is enough for that), so its plateau on thousands of images is one of
+learning a localiser that transfers, and the probe alone does not say whether more pixels or a
+larger model would learn one; the sizes' dev F1 and seconds per step are what a next study budgets.
 
 Every unit (the checkpoint before training, each size's run and evaluations) writes its own JSON under
 ``--out`` (default ``<study>/fit_probe``) and a rerun skips what is done. Prints ONE JSON object (also
 ``--out/fit_probe.json``): per size the training and dev F1, recall per GT-count bucket and seconds per
 step, and each size's training F1 over the first size's (``train_f1_ratio``). Run::
 
-    .venv/bin/python bench/fit_probe.py --study runs/crowd          # ~25 min of 2 cores
+    .venv/bin/python bench/fit_probe.py --study runs/crowd          # ~20 min of 2 cores
 """
 
 from __future__ import annotations
