@@ -233,13 +233,17 @@ def run_study(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def lock_settings(out: Path, args: argparse.Namespace) -> dict[str, Any]:
-    settings = {key: getattr(args, key) for key in LOCKED}
+def lock_settings(
+    out: Path, args: argparse.Namespace, keys: tuple[str, ...] = LOCKED, what: str = "study"
+) -> dict[str, Any]:
+    """``out/settings.json`` holds ``keys`` of the first run; a rerun with other values is refused."""
+    settings = {key: getattr(args, key) for key in keys}
     path = out / "settings.json"
     saved = json.loads(path.read_text()) if path.exists() else settings
-    differing = sorted(key for key in LOCKED if saved.get(key) != settings[key])
+    differing = sorted(key for key in keys if saved.get(key) != settings[key])
     if differing:
-        raise SystemExit(f"{out} holds a study with other {differing} ({path}); use another --out")
+        raise SystemExit(f"{out} holds a {what} with other {differing} ({path}); use another --out")
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(settings, indent=1))
     return settings
 

@@ -82,7 +82,7 @@ def run_probe(args: argparse.Namespace) -> dict[str, Any]:
     settings = json.loads((study / "settings.json").read_text())
     checkpoint = gated_checkpoint(study)
     args.max_new_tokens = args.max_new_tokens or settings["max_new_tokens"]
-    lock_settings(out, args)
+    dense_study.lock_settings(out, args, LOCKED, "probe")
     splits = subsets(dense_study.prepare_data(study, argparse.Namespace(**settings)), out, args.images)
     recipe = argparse.Namespace(
         object_format=settings["object_format"], max_new_tokens=args.max_new_tokens, backend=args.backend
@@ -118,17 +118,6 @@ def run_probe(args: argparse.Namespace) -> dict[str, Any]:
     }
     (out / "fit_probe.json").write_text(json.dumps(result, indent=1))
     return result
-
-
-def lock_settings(out: Path, args: argparse.Namespace) -> None:
-    settings = {key: getattr(args, key) for key in LOCKED}
-    path = out / "settings.json"
-    saved = json.loads(path.read_text()) if path.exists() else settings
-    differing = sorted(key for key in LOCKED if saved.get(key) != settings[key])
-    if differing:
-        raise SystemExit(f"{out} holds a probe with other {differing} ({path}); use another --out")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(settings, indent=1))
 
 
 def gated_checkpoint(study: Path) -> Path:
