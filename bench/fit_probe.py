@@ -17,7 +17,7 @@ Every unit (the checkpoint before training, each size's run and evaluations) wri
 ``--out/fit_probe.json``): per size the training and dev F1, recall per GT-count bucket and seconds per
 step, and each size's training F1 over the first size's (``train_f1_ratio``). Run::
 
-    .venv/bin/python bench/fit_probe.py --study runs/crowd          # ~20 min of 2 cores
+    .venv/bin/python bench/fit_probe.py --study runs/crowd          # ~12 min of 2 cores
 """
 
 from __future__ import annotations
