@@ -236,8 +236,7 @@ def equal_compute_reports(out: Path, arm: str, seeds: list[int]) -> tuple[int, d
 def gate_summary(out: Path) -> dict[str, Any]:
     gate = _read(out / "gate.json")
     if gate is None:
-        chunks = sorted((out / "stage1").glob("gate-*.json"), key=lambda p: int(p.stem.split("-")[1]))
-        gates = [json.loads(p.read_text()) for p in chunks]
+        gates = [json.loads(p.read_text()) for p in chunk_gates(out)]
         return {"in_progress": [{**_gate_line(g), "dev": _slim(g["dev"])} for g in gates]}
     return {
         **_gate_line(gate),
@@ -398,6 +397,11 @@ def _plot_stage1(ax: Any, gate: dict[str, Any], settings: dict[str, Any]) -> Non
         xlim=(0, budget * 1.05),
         ylim=(0, 1),
     )
+
+
+def chunk_gates(out: Path) -> list[Path]:
+    """A study's ``stage1/gate-<steps>.json`` files, in trunk-step order."""
+    return sorted((out / "stage1").glob("gate-*.json"), key=lambda p: int(p.stem.split("-")[1]))
 
 
 def _stage1_dev(gate: dict[str, Any]) -> tuple[int, dict[str, Any]] | None:

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import dense_study
+import dense_summary
 import learning_signal as ls
 
 import rollmatch  # noqa: F401  (environment workarounds before transformers loads)
@@ -123,7 +124,7 @@ def run_probe(args: argparse.Namespace) -> dict[str, Any]:
 def gated_checkpoint(study: Path) -> Path:
     """The checkpoint the study's gate judged last (``gate.json`` once it decided, else the newest
     ``stage1/gate-<steps>.json``)."""
-    gates = sorted((study / "stage1").glob("gate-*.json"), key=lambda p: int(p.stem.split("-")[1]))
+    gates = dense_summary.chunk_gates(study)
     path = study / "gate.json" if (study / "gate.json").exists() else (gates[-1] if gates else None)
     if path is None:
         raise SystemExit(
