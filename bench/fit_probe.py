@@ -36,6 +36,7 @@ import learning_signal as ls
 import rollmatch  # noqa: F401  (environment workarounds before transformers loads)
 from rollmatch.config.load import load_config_dict
 from rollmatch.config.schema import RollmatchConfig
+from rollmatch.data.prompts import image_probe, load_processor
 from rollmatch.data.records import load_records, write_records
 
 LOCKED = ("images", "steps", "lr", "max_new_tokens")  # a probe folder's settings; sizes may be added
@@ -88,8 +89,8 @@ def run_probe(args: argparse.Namespace) -> dict[str, Any]:
     recipe = argparse.Namespace(
         object_format=settings["object_format"], max_new_tokens=args.max_new_tokens, backend=args.backend
     )
-    first = load_records(splits["train"], max_samples=1)[0]
-    study_pixels = first.width * first.height  # what the study's stage-1 saw (one size per preset)
+    image_size = load_records(splits["train"], max_samples=1)[0].image_size  # one size per preset
+    study_pixels = image_size[0] * image_size[1]  # what the study's stage-1 saw
     before_cfg = probe_config(out / "before", checkpoint, splits, recipe, args, study_pixels, steps=1)
     before = evaluations(before_cfg, checkpoint, checkpoint, splits, out / "before")
     sizes = {}
@@ -98,11 +99,11 @@ def run_probe(args: argparse.Namespace) -> dict[str, Any]:
         cfg = probe_config(folder, checkpoint, splits, recipe, args, pixels, steps=args.steps)
         seconds, _ = ls.train_with_cost(cfg, folder, args.steps)
         sizes[str(pixels)] = {
-            "visual_tokens_per_side": round(pixels**0.5 / token_pixels(checkpoint), 1),
+            "visual_tokens_per_side": visual_tokens_per_side(checkpoint, pixels, image_size),
             "seconds_per_step": round(seconds / args.steps, 3),
             **evaluations(cfg, folder / "final", checkpoint, splits, folder),
         }
-    first = sizes[str(args.pixels[0])]["train"]["f1"]
+    first_f1 = sizes[str(args.pixels[0])]["train"]["f1"]
     result = {
         "study": str(study),
         "checkpoint": str(checkpoint),
@@ -112,7 +113,7 @@ def run_probe(args: argparse.Namespace) -> dict[str, Any]:
         "before": {"pixels": study_pixels, **before},
         "sizes": sizes,
         "train_f1_ratio": {
-            px: round(s["train"]["f1"] / first, 3) if first else None for px, s in sizes.items()
+            px: round(s["train"]["f1"] / first_f1, 3) if first_f1 else None for px, s in sizes.items()
         },
         "command": "python bench/fit_probe.py " + " ".join(args.argv),
         "commit": dense_study.code_commit(),
@@ -133,11 +134,11 @@ def gated_checkpoint(study: Path) -> Path:
     return Path(json.loads(path.read_text())["checkpoint"])
 
 
-def token_pixels(checkpoint: Path) -> int:
-    """The side in pixels of one visual token after merging (Qwen3-VL: 16 px patches, 2 x 2 merged)."""
-    processor = json.loads((checkpoint / "processor_config.json").read_text())
-    image = processor.get("image_processor", processor)
-    return int(image["patch_size"]) * int(image["merge_size"])
+def visual_tokens_per_side(checkpoint: Path, pixels: int, image_size: tuple[int, int]) -> float:
+    """The square root of the image tokens the checkpoint's processor makes of an ``image_size`` image
+    resized to ``pixels`` (the tiny Qwen3-VL: 7 at 224 x 224, 14 at 448 x 448)."""
+    _, tokens = image_probe(load_processor(checkpoint, pixels, pixels), image_size)
+    return round(tokens**0.5, 1)
 
 
 def subsets(study_splits: dict[str, Path], out: Path, images: int) -> dict[str, Path]:
