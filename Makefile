@@ -9,7 +9,14 @@ SWIFT_VENV := .venv-swift
 SWIFT_STAMP := $(SWIFT_VENV)/.installed
 SWIFT_VERSION := 4.6.0
 
-.PHONY: venv swift-venv demo test bench-smoke lint format bench
+# TRL and verl for the GRPO loss cross-check (tests/training/test_grpo_references.py): their own loss code,
+# in a venv of their own (TRL's and verl's pins are not ours; verl --no-deps + what core_algos imports).
+TRL_VENV := .venv-trl
+TRL_STAMP := $(TRL_VENV)/.installed
+TRL_VERSION := 1.16.0
+VERL_VERSION := 0.9.1
+
+.PHONY: venv swift-venv trl-venv demo test bench-smoke lint format bench
 
 venv: $(STAMP)
 
@@ -32,11 +39,22 @@ $(SWIFT_STAMP): tests/server/swift_requirements.txt
 	$(SWIFT_VENV)/bin/python -c "from swift.infer_engine.protocol import RequestConfig, RolloutInferRequest, RolloutOutput"
 	touch $(SWIFT_STAMP)
 
+trl-venv: $(TRL_STAMP)
+
+$(TRL_STAMP):
+	test -x $(TRL_VENV)/bin/python || $(PY) -m venv $(TRL_VENV)
+	$(TRL_VENV)/bin/pip install -q torch==2.13.0
+	$(TRL_VENV)/bin/pip install -q trl==$(TRL_VERSION)
+	$(TRL_VENV)/bin/pip install -q --no-deps verl==$(VERL_VERSION)
+	$(TRL_VENV)/bin/pip install -q ray tensordict omegaconf hydra-core codetiming orjson
+	$(TRL_VENV)/bin/python -c "from trl.trainer.grpo_trainer import GRPOTrainer; from verl.trainer.ppo.core_algos import compute_policy_loss_vanilla"
+	touch $(TRL_STAMP)
+
 demo: $(STAMP)
 	$(VENV)/bin/rollmatch demo
 
 # The suite; the benchmark scripts' smoke runs (marker `bench`) are `make bench-smoke`, which CI runs after it.
-test: $(STAMP) $(SWIFT_STAMP)
+test: $(STAMP) $(SWIFT_STAMP) $(TRL_STAMP)
 	$(VENV)/bin/python -m pytest -q -m "not bench" --durations=20  # the slowest tests, to keep the suite fast
 
 bench-smoke: $(STAMP)

@@ -36,6 +36,7 @@ from rollmatch.config.legacy import aliased_section_conflicts, translate_legacy
 from rollmatch.config.resolved import resolved_values
 from rollmatch.config.rules import check_config
 from rollmatch.config.schema import RollmatchConfig
+from rollmatch.config.trl_names import translate_trl_names
 from rollmatch.errors import ConfigError, ConfigProblem
 
 _OVERRIDE_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
@@ -192,6 +193,8 @@ def _load_layers(layers: list[Layer], overrides: Sequence[str]) -> RollmatchConf
     for source, layer in all_layers:
         translated, legacy_problems = translate_legacy(layer, source)
         problems.extend(legacy_problems)
+        translated, trl_problems = translate_trl_names(translated, source)
+        problems.extend(trl_problems)
         merged = deep_merge(merged, translated)
 
     cfg, field_problems = _validate(merged)

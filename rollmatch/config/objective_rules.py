@@ -9,6 +9,7 @@ docs/config.md.
 from __future__ import annotations
 
 from rollmatch.config.schema import ROLLOUT_KEY, RollmatchConfig
+from rollmatch.config.sharding import parameter_sharding
 from rollmatch.errors import ConfigProblem
 
 _RM = ROLLOUT_KEY
@@ -42,7 +43,7 @@ def rule_rollouts_per_record(cfg: RollmatchConfig) -> list[ConfigProblem]:
 
 
 def rule_grpo(cfg: RollmatchConfig) -> list[ConfigProblem]:
-    """`loss.objective: grpo` needs `rollouts_per_record` >= 2 and a trainer variant that rolls out, takes no target weights (`loss.missed_weight`, `loss.fp_unlikelihood_weight`); `loss.grpo.clip_eps_high` needs a value below `loss.grpo.max_ratio - 1`."""
+    """`loss.objective: grpo` needs `rollouts_per_record` >= 2 and a trainer variant that rolls out, takes no target weights (`loss.missed_weight`, `loss.fp_unlikelihood_weight`); `loss.grpo.clip_eps_high` needs a value below `loss.grpo.max_ratio - 1`; the rollout decoding must be plain tempered sampling (`top_p: 1`, `top_k: -1`, `repetition_penalty: 1`: the learner's log-probs are those of `softmax(logits / temperature)`); `loss.grpo.kl_coef` > 0 is refused with ZeRO-3 / FSDP."""
     loss = cfg.loss
     if loss.objective != "grpo":
         return []
@@ -78,6 +79,17 @@ def rule_grpo(cfg: RollmatchConfig) -> list[ConfigProblem]:
                     f"(leave {neutral}) or use loss.objective: rollout_matching",
                 )
             )
+    problems.extend(_grpo_sampling_problems(cfg))
+    if loss.grpo.kl_coef > 0 and parameter_sharding(cfg) != "none":
+        problems.append(
+            ConfigProblem(
+                "loss.grpo.kl_coef",
+                loss.grpo.kl_coef,
+                f"the KL reference is an unsharded frozen copy of the model, which {parameter_sharding(cfg)} "
+                "training does not shard or run; set loss.grpo.kl_coef: 0 (TRL's default beta) or train "
+                "without ZeRO-3 / FSDP",
+            )
+        )
     high = loss.grpo.clip_eps if loss.grpo.clip_eps_high is None else loss.grpo.clip_eps_high
     if 1.0 + high >= loss.grpo.max_ratio:
         problems.append(
@@ -88,4 +100,32 @@ def rule_grpo(cfg: RollmatchConfig) -> list[ConfigProblem]:
                 "clip range; raise max_ratio (default 3.0) or lower loss.grpo.clip_eps_high",
             )
         )
+    return problems
+
+
+def _grpo_sampling_problems(cfg: RollmatchConfig) -> list[ConfigProblem]:
+    """Decoding settings whose sampling distribution the learner does not reproduce.
+
+    The learner's log-prob of a token is ``log_softmax(logits / temperature)``; every engine records the
+    log-prob of the distribution it drew from. Top-p / top-k truncate and renormalise that distribution
+    and the repetition penalty rescales logits by the history (HF and vLLM differently): a fresh
+    rollout's ratio would then not be 1 and the update not the sampling policy's gradient.
+    """
+    decoding = cfg.rollout.decoding
+    problems: list[ConfigProblem] = []
+    for key, value, neutral, why in (
+        ("top_p", decoding.top_p, 1.0, "truncates the sampling distribution"),
+        ("top_k", decoding.top_k, -1, "truncates the sampling distribution"),
+        ("repetition_penalty", decoding.repetition_penalty, 1.0, "rescales logits by the history"),
+    ):
+        if value != neutral and not (key == "top_k" and value == 0):
+            problems.append(
+                ConfigProblem(
+                    f"{_RM}.decoding.{key}",
+                    value,
+                    f"{why}, which the GRPO learner's log-probs (log_softmax(logits / temperature)) do not "
+                    f"reproduce, so the policy gradient would be biased; with loss.objective: grpo set "
+                    f"{_RM}.decoding.{key}: {neutral} and control exploration with decoding.temperature",
+                )
+            )
     return problems

@@ -86,28 +86,49 @@ class GrpoConfig(Section):
         ge=0.0,
         description="Subtracted times the rollout's duplicate rate (valid predictions with the label of an earlier one and IoU >= 0.7 with it, over all predictions).",
     )
-    scale_rewards: Literal["group", "none"] = Field(
+    scale_rewards: Literal["group", "batch", "none"] = Field(
         "group",
-        description="Advantage of sample k of a record: `group`: (r_k - mean) / (std + 1e-4) over the record's K rewards; `none`: r_k - mean.",
+        description="Advantage of sample k of a record: `r_k - mean` over the record's K rewards, divided by `std + 1e-4` with `group` (the record's K rewards, unbiased std as TRL and verl) or `batch` (every reward scored with it: the step's, or the ready pack's in async mode); `none`: not divided (Dr. GRPO).",
+    )
+    loss_type: Literal["dapo", "bnpo", "grpo", "dr_grpo"] = Field(
+        "dapo",
+        description="How token losses are averaged (TRL's `loss_type`). `dapo`: over every trained token of the optimizer step (all rows, micro-steps and ranks); `bnpo`: the same here (rollmatch's batch is the optimizer step; TRL's is each micro-batch, equal with one micro-batch on one process); `grpo`: each rollout's token mean, then the mean over the step's rollouts (short rollouts weigh more per token); `dr_grpo`: the step's token sum over (rollouts x `max_new_tokens`).",
+    )
+    mask_truncated_completions: bool = Field(
+        False,
+        description="Rollouts cut by `max_new_tokens` still get their (floor) reward and count in their group's advantages, but train no token (TRL's option of the same name); they still count in the `grpo` / `dr_grpo` normalisers, as in TRL.",
+    )
+    is_correction: Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = (
+        Field(
+            "token_truncate",
+            description="Engine/learner correction of fresh tokens (TRL's `vllm_importance_sampling_mode`): the ratio `exp(learner - engine log-prob)` per token (`token_*`) or its product over the rollout (`sequence_*`) weighs the token's loss, capped at `is_cap` (`*_truncate`) or zeroed above it (`*_mask`); no gradient through it. The PPO ratio of such a token is then taken against the learner (1 on a fresh rollout). Tokens trained a step or more after sampling keep the engine's log-prob in the PPO ratio and weigh 1. `none`: every ratio against the engine's log-prob (engine mismatch and staleness in one ratio).",
+        )
+    )
+    is_cap: float = Field(
+        3.0,
+        gt=1.0,
+        description="Cap of the engine/learner correction (TRL's `vllm_importance_sampling_clip_max`, default 3).",
     )
     clip_eps: float = Field(
         0.2,
         gt=0.0,
         lt=1.0,
-        description="PPO clip: the ratio to the behaviour policy is clipped to [1 - clip_eps, 1 + clip_eps_high].",
+        description="PPO clip: the ratio to the behaviour policy is clipped to [1 - clip_eps, 1 + clip_eps_high] (TRL: `epsilon`).",
     )
     clip_eps_high: float | None = Field(
-        None, gt=0.0, description="Upper clip (asymmetric, e.g. 0.28); null: equal to `clip_eps`."
+        None,
+        gt=0.0,
+        description="Upper clip (asymmetric, e.g. 0.28; TRL: `epsilon_high`); null: equal to `clip_eps`.",
     )
     max_ratio: float = Field(
         3.0,
         gt=1.0,
-        description="Truncated importance ratio: for a negative advantage the ratio to the behaviour policy counts at most this much (dual clip), bounding stale (async) rollouts' updates.",
+        description="Dual clip (verl's `clip_ratio_c`, TRL's `delta`): a token with a negative advantage whose ratio to the behaviour policy exceeds this gets the constant loss `-max_ratio * A` and no gradient, bounding how far stale rollouts (packing carry, async packs) can push.",
     )
     kl_coef: float = Field(
         0.0,
         ge=0.0,
-        description="Weight of the per-token KL (k3 estimator) to the starting weights; > 0 keeps a frozen copy of the model (one more copy of the weights in memory, one more forward per row).",
+        description="Weight of the per-token KL (k3 estimator) to the starting weights (TRL: `beta`), at the sampling temperature; > 0 keeps a frozen copy of the model (one more copy of the weights in memory, one more forward per row). Refused with ZeRO-3 / FSDP (the frozen copy is not sharded).",
     )
 
 

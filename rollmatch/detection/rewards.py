@@ -27,7 +27,7 @@ from rollmatch.detection.metrics import duplicate_counts
 from rollmatch.detection.scoring import ScoredResponse
 
 RewardKind = Literal["f1", "f1_iou"]
-ScaleRewards = Literal["group", "none"]
+ScaleRewards = Literal["group", "batch", "none"]
 # List-level outcomes that make a rollout malformed (``cut_mismatch`` is a tokenizer artefact of the
 # cut, not the model's output, so it does not).
 MALFORMED_REASONS = ("not_a_list", "not_object", "bad_structure", "text_after_list")
@@ -76,13 +76,29 @@ def detection_reward(
 
 
 def group_advantages(rewards: Sequence[float], scale: ScaleRewards = "group") -> list[float]:
-    """Advantages of one record's K rewards: ``r_k - mean``, divided by ``std + ADVANTAGE_EPS``
-    (population std) with ``scale: group``. A group whose rewards are all equal gets zeros."""
-    if not rewards:
-        return []
-    mean = sum(rewards) / len(rewards)
-    centred = [r - mean for r in rewards]
+    """Advantages of one record's K rewards: ``r_k - mean``, divided by ``std + ADVANTAGE_EPS`` (the
+    unbiased std, as TRL and verl) with ``scale: group``. A group whose rewards are all equal gets zeros."""
+    return batch_advantages([rewards], "group" if scale == "batch" else scale)[0]
+
+
+def batch_advantages(groups: Sequence[Sequence[float]], scale: ScaleRewards = "group") -> list[list[float]]:
+    """Advantages of several records' groups: ``r_k - group mean``, divided by ``std + ADVANTAGE_EPS``
+    with the unbiased std of the group (``group``) or of every reward in ``groups`` (``batch``), or not
+    divided (``none``), as TRL's ``scale_rewards``."""
+    centred = [[r - sum(g) / len(g) for r in g] if g else [] for g in groups]
     if scale == "none":
         return centred
-    std = (sum(c * c for c in centred) / len(centred)) ** 0.5
-    return [c / (std + ADVANTAGE_EPS) for c in centred]
+    if scale == "batch":
+        std = unbiased_std([r for g in groups for r in g])
+        return [[c / (std + ADVANTAGE_EPS) for c in g] for g in centred]
+    return [
+        [c / (unbiased_std(g) + ADVANTAGE_EPS) for c in cg] for g, cg in zip(groups, centred, strict=True)
+    ]
+
+
+def unbiased_std(values: Sequence[float]) -> float:
+    """Sample standard deviation (divides by n - 1; 0 for fewer than two values)."""
+    if len(values) < 2:
+        return 0.0
+    mean = sum(values) / len(values)
+    return (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5

@@ -137,7 +137,8 @@ def pad_batch(segments: Sequence[Segment], pad_token_id: int) -> Batch:
 def _policy_tensors(
     segments: Sequence[Segment], join: Callable[[list[torch.Tensor]], torch.Tensor]
 ) -> dict[str, torch.Tensor]:
-    """``advantages`` and ``behaviour_logprobs`` of policy-gradient segments (all or none of a row)."""
+    """``advantages``, ``behaviour_logprobs``, ``behaviour_versions`` and ``sequence_ids`` of
+    policy-gradient segments (all or none of a row)."""
     carrying = [s.advantages is not None and s.behaviour_logprobs is not None for s in segments]
     if not any(carrying):
         return {}
@@ -151,6 +152,14 @@ def _policy_tensors(
         "behaviour_logprobs": join(
             [s.behaviour_logprobs for s in segments if s.behaviour_logprobs is not None]
         ),
+        # per token: the weight version that sampled it (-1: unknown) and its rollout's index in the row
+        "behaviour_versions": join(
+            [
+                torch.full((s.length,), float(-1 if s.behaviour_version is None else s.behaviour_version))
+                for s in segments
+            ]
+        ),
+        "sequence_ids": join([torch.full((s.length,), float(i)) for i, s in enumerate(segments)]),
     }
 
 

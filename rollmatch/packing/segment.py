@@ -47,6 +47,10 @@ class Segment:
     # of predicting token t and the log-prob the behaviour policy sampled it with (0 on the prompt).
     advantages: torch.Tensor | None = None
     behaviour_logprobs: torch.Tensor | None = None
+    # Policy-gradient segments: the weight version that sampled the rollout (its lag when trained), and its
+    # share of the step's loss normaliser when that is not its weight sum (GRPO ``loss_type``).
+    behaviour_version: int | None = None
+    normaliser: float | None = None
 
     @property
     def length(self) -> int:
@@ -54,8 +58,9 @@ class Segment:
 
     @property
     def weight_sum(self) -> float:
-        """Total loss weight of the segment; position 0 is excluded (it is never predicted)."""
-        return float(self.weights[1:].sum())
+        """The segment's share of the step's loss normaliser: its total loss weight (position 0 excluded,
+        it is never predicted), or :attr:`normaliser` where set."""
+        return float(self.weights[1:].sum()) if self.normaliser is None else self.normaliser
 
     @property
     def supervised_tokens(self) -> int:
@@ -78,6 +83,8 @@ def build_segment(
     response_unlikelihood_weights: Sequence[float] | torch.Tensor | None = None,
     response_advantages: Sequence[float] | None = None,
     response_behaviour_logprobs: Sequence[float] | None = None,
+    behaviour_version: int | None = None,
+    normaliser: float | None = None,
 ) -> Segment:
     """Join prompt and response into a :class:`Segment` with its own mRoPE positions.
 
@@ -127,6 +134,8 @@ def build_segment(
         behaviour_logprobs=_response_values(
             sample_id, "behaviour log-probs", response_behaviour_logprobs, prompt, response
         ),
+        behaviour_version=behaviour_version,
+        normaliser=normaliser,
     )
 
 

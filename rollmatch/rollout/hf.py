@@ -6,8 +6,9 @@ Leaves out: prompt encoding (the trainer's ``PromptEncoder``) and the alignment 
 (``rollout.alignment``). Weights are shared with the trainer, so ``sync_weights`` only records the
 version.
 
-Every rollout carries its behaviour log-probs (``Rollout.response_logprobs``, ``stop_logprob``),
-recorded while generating (:class:`TokenChooser`): no second forward.
+Every rollout carries its behaviour log-probs (``Rollout.response_logprobs``, ``stop_logprob``) of the
+distribution each token was drawn from (tempered, truncated), recorded while generating
+(:class:`TokenChooser`): no second forward.
 
 Seeds, as in the vLLM backends: request ``i`` of a ``generate(requests, decoding, seed)`` call
 samples from its own generator seeded with ``seed + i`` (:class:`PerRequestSampler`), so its random
@@ -140,18 +141,22 @@ class HFBackend:
 
 class TokenChooser(LogitsProcessor):
     """Picks each row's next token (returns scores that are ``-inf`` except at it, so greedy generation
-    takes it) and records its log-prob under the model's own distribution: ``log_softmax`` of the scores
-    it receives (after HF's repetition penalty, before temperature / top-k / top-p), one (B,) tensor per
-    generated position in :attr:`logprobs`."""
+    takes it) and records its log-prob under the distribution it was drawn from: ``log_softmax`` of the
+    scores after HF's repetition penalty and this chooser's temperature / top-k / top-p (masked tokens
+    ``-inf``, the rest renormalised), as vLLM's ``processed_logprobs``; one (B,) tensor per generated
+    position in :attr:`logprobs`. Greedy decoding records the untempered distribution."""
 
     logprobs: list[torch.Tensor]
 
-    def choose(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.Tensor:
+    def choose(
+        self, input_ids: torch.LongTensor, scores: torch.FloatTensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(chosen (B, 1), the scores it was drawn from (B, V))``."""
         raise NotImplementedError
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        chosen = self.choose(input_ids, scores)
-        self.logprobs.append(torch.log_softmax(scores.float(), dim=-1).gather(1, chosen)[:, 0].cpu())
+        chosen, sampled_from = self.choose(input_ids, scores)
+        self.logprobs.append(torch.log_softmax(sampled_from.float(), dim=-1).gather(1, chosen)[:, 0].cpu())
         return torch.full_like(scores, float("-inf")).scatter_(1, chosen, 0.0)
 
 
@@ -161,8 +166,10 @@ class GreedyChooser(TokenChooser):
     def __init__(self) -> None:
         self.logprobs = []
 
-    def choose(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.Tensor:
-        return scores.argmax(dim=-1, keepdim=True)
+    def choose(
+        self, input_ids: torch.LongTensor, scores: torch.FloatTensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return scores.argmax(dim=-1, keepdim=True), scores
 
 
 class PerRequestSampler(TokenChooser):
@@ -181,14 +188,18 @@ class PerRequestSampler(TokenChooser):
             self.warpers.append(TopPLogitsWarper(decoding.top_p))
         self.generators = [torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
 
-    def choose(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.Tensor:
-        probs = torch.softmax(self.warpers(input_ids, scores.clone()).float(), dim=-1)
-        return torch.stack(
+    def choose(
+        self, input_ids: torch.LongTensor, scores: torch.FloatTensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        warped = self.warpers(input_ids, scores.clone()).float()
+        probs = torch.softmax(warped, dim=-1)
+        chosen = torch.stack(
             [
                 torch.multinomial(row, 1, generator=gen)
                 for row, gen in zip(probs, self.generators, strict=True)
             ]
         )
+        return chosen, warped
 
 
 def trim_at_eos(token_ids: list[int], eos_token_id: int, max_new_tokens: int) -> tuple[list[int], str]:

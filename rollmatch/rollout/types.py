@@ -51,8 +51,9 @@ class Rollout:
     finish_reason: FinishReason
     weight_version: int
     provenance: RolloutProvenance
-    # Behaviour log-probs: log p(token) under the weights that sampled it, of the model's own
-    # distribution (temperature 1, before top-k / top-p; vLLM's raw log-probs). One per response token,
+    # Behaviour log-probs: log p(token) under the weights that sampled it, of the distribution it was
+    # drawn from (after repetition penalty, temperature, top-k / top-p; vLLM's processed log-probs),
+    # which the GRPO learner matches with log_softmax(logits / temperature). One per response token,
     # then, when the rollout stopped on a stop token, that token (not in the stop-trimmed ids) and its
     # log-prob. None: the backend returned none.
     response_logprobs: list[float] | None = None

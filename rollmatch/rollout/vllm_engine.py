@@ -48,7 +48,8 @@ _GIB = 1 << 30
 @dataclass(frozen=True)
 class VllmOutput:
     """One response: the prompt ids vLLM used, stop-trimmed response ids, their text, finish reason, and
-    the sampled tokens' raw log-probs (``Rollout.response_logprobs`` / ``stop_logprob``)."""
+    the sampled tokens' log-probs of the sampling distribution (``Rollout.response_logprobs`` /
+    ``stop_logprob``; vLLM's ``processed_logprobs``)."""
 
     prompt_token_ids: list[int]
     token_ids: list[int]
@@ -347,6 +348,9 @@ class VllmEngine:
                 learner_world_size=torch.distributed.get_world_size() if distributed else 1,
             ),
             "limit_mm_per_prompt": {"image": s.max_images_per_prompt, "video": 0},
+            # Log-probs of the distribution each token was drawn from (after penalties, temperature,
+            # top-k / top-p): the behaviour policy GRPO's ratio and the learner's tempered log-probs use.
+            "logprobs_mode": "processed_logprobs",
         }
         if s.max_num_seqs is not None:
             kwargs["max_num_seqs"] = s.max_num_seqs
@@ -376,7 +380,7 @@ class VllmEngine:
             stop_token_ids=self.stop_token_ids,
             seed=seed,
             stop=list(stop) or None,
-            logprobs=0,  # the sampled token's log-prob only (raw: before temperature / top-k / top-p)
+            logprobs=0,  # the sampled token's log-prob only (processed: of the tempered distribution)
             detokenize=bool(stop),
             output_kind=RequestOutputKind.FINAL_ONLY,
         )

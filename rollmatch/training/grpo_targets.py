@@ -22,8 +22,8 @@ from rollmatch.config.schema import RollmatchConfig
 from rollmatch.data.prompts import EncodedPrompt, PromptEncoder
 from rollmatch.data.records import Record
 from rollmatch.detection.codec import ObjectCodec
-from rollmatch.detection.rewards import DetectionReward, detection_reward, group_advantages
-from rollmatch.detection.scoring import score_response
+from rollmatch.detection.rewards import DetectionReward, batch_advantages, detection_reward
+from rollmatch.detection.scoring import ScoredResponse, score_response
 from rollmatch.detection.targets import TargetSequence
 from rollmatch.errors import BackendError
 from rollmatch.rollout.types import Rollout
@@ -33,10 +33,29 @@ MEDIA_TOKENS = ("<|image_pad|>", "<|video_pad|>")
 
 @dataclass(frozen=True)
 class PolicyTokens:
-    """Per response token of a policy-gradient segment: its advantage and its behaviour log-prob."""
+    """Per response token of a policy-gradient segment: its advantage and its behaviour log-prob; the
+    rollout's weight version, and its share of the step's loss normaliser when that is not the sum of its
+    token weights (``loss_type: dr_grpo``, masked truncated rollouts)."""
 
     advantages: list[float]
     behaviour_logprobs: list[float]
+    weight_version: int = 0
+    normaliser: float | None = None
+
+
+def policy_token_weights(
+    trained_tokens: int, loss_type: str, max_new_tokens: int, masked: bool = False
+) -> tuple[float, float]:
+    """``(weight of each trained token, the rollout's share of the step normaliser)`` for ``loss.grpo.
+    loss_type``, so that ``sum(w * loss) / sum(normaliser)`` over the step is TRL's aggregation: ``dapo`` /
+    ``bnpo`` the token mean, ``grpo`` the mean over rollouts of each one's token mean, ``dr_grpo`` the token
+    sum over rollouts x ``max_new_tokens``. A masked rollout trains nothing and keeps its ``grpo`` /
+    ``dr_grpo`` share (TRL's means count it)."""
+    if loss_type == "grpo":
+        return (0.0 if masked else 1.0 / max(trained_tokens, 1)), 1.0
+    if loss_type == "dr_grpo":
+        return (0.0 if masked else 1.0), float(max_new_tokens)
+    return (0.0 if masked else 1.0), (0.0 if masked else float(trained_tokens))
 
 
 class GrpoGroups:
@@ -54,6 +73,28 @@ class GrpoGroups:
     def targets(
         self, record: Record, encoded: EncodedPrompt, group: Sequence[Rollout]
     ) -> list[tuple[TargetSequence, Counter[str], PolicyTokens]]:
+        return self.targets_of_groups([(record, encoded, group)])[0]
+
+    def targets_of_groups(
+        self, groups: Sequence[tuple[Record, EncodedPrompt, Sequence[Rollout]]]
+    ) -> list[list[tuple[TargetSequence, Counter[str], PolicyTokens]]]:
+        """Each record's K rollouts -> K targets; ``scale_rewards: batch`` divides by the std of every
+        reward in ``groups`` (one rollout call's)."""
+        grpo = self.cfg.loss.grpo
+        scored_groups = [self._rewards(record, encoded, group) for record, encoded, group in groups]
+        advantages = batch_advantages(
+            [[r.value for r in rewards] for _, rewards in scored_groups], grpo.scale_rewards
+        )
+        return [
+            self._group_targets(group, scored, rewards, group_advantages)
+            for (_, _, group), (scored, rewards), group_advantages in zip(
+                groups, scored_groups, advantages, strict=True
+            )
+        ]
+
+    def _rewards(
+        self, record: Record, encoded: EncodedPrompt, group: Sequence[Rollout]
+    ) -> tuple[list[ScoredResponse], list[DetectionReward]]:
         grpo = self.cfg.loss.grpo
         gt = self.encoder.gt_objects(record, encoded)
         scored = [
@@ -78,7 +119,16 @@ class GrpoGroups:
             else DetectionReward(value=grpo.invalid_reward, malformed=True, f1=0.0, duplicates=0)
             for s, rollout in zip(scored, group, strict=True)
         ]
-        advantages = group_advantages([r.value for r in rewards], grpo.scale_rewards)
+        return scored, rewards
+
+    def _group_targets(
+        self,
+        group: Sequence[Rollout],
+        scored: Sequence[ScoredResponse],
+        rewards: Sequence[DetectionReward],
+        advantages: Sequence[float],
+    ) -> list[tuple[TargetSequence, Counter[str], PolicyTokens]]:
+        grpo = self.cfg.loss.grpo
         values = [r.value for r in rewards]
         group_sums: Counter[str] = Counter(
             {"grpo/groups": 1, "grpo/groups_zero_std": int(max(values) == min(values))}
@@ -88,8 +138,12 @@ class GrpoGroups:
             zip(group, scored, rewards, advantages, strict=True)
         ):
             ids, behaviour = self._sampled_tokens(rollout)
+            masked = grpo.mask_truncated_completions and rollout.hit_max_tokens
+            weight, normaliser = policy_token_weights(
+                len(ids), grpo.loss_type, self.cfg.rollout.max_new_tokens, masked
+            )
             target = TargetSequence(
-                token_ids=ids, weights=[1.0] * len(ids), num_prefix_tokens=len(ids), text=rollout.text
+                token_ids=ids, weights=[weight] * len(ids), num_prefix_tokens=len(ids), text=rollout.text
             )
             sums: Counter[str] = Counter(score.counts().to_sums())
             sums.update(
@@ -102,12 +156,19 @@ class GrpoGroups:
                     "grpo/reward_sum": reward.value,
                     "grpo/reward_sq_sum": reward.value * reward.value,
                     "grpo/malformed": int(reward.malformed),
+                    "grpo/masked_truncated": int(masked),
                     "grpo/advantage_abs_sum": abs(advantage),
                 }
             )
             if index == 0:
                 sums.update(group_sums)
-            out.append((target, sums, PolicyTokens([advantage] * len(ids), behaviour)))
+            policy = PolicyTokens(
+                [advantage] * len(ids),
+                behaviour,
+                weight_version=rollout.weight_version,
+                normaliser=None if normaliser == weight * len(ids) else normaliser,
+            )
+            out.append((target, sums, policy))
         return out
 
     def _sampled_tokens(self, rollout: Rollout) -> tuple[list[int], list[float]]:

@@ -136,6 +136,7 @@ def grpo_metrics(sums: Sums, steps: int) -> dict[str, float]:
                 "grpo/reward_mean": mean,
                 "grpo/reward_std": variance**0.5,
                 "grpo/malformed_frac": float(sums.get("grpo/malformed", 0)) / rollouts,
+                "grpo/masked_truncated_frac": float(sums.get("grpo/masked_truncated", 0)) / rollouts,
                 "grpo/advantage_abs_mean": float(sums.get("grpo/advantage_abs_sum", 0)) / rollouts,
                 "grpo/zero_std_group_frac": float(sums.get("grpo/groups_zero_std", 0)) / groups
                 if groups
@@ -146,12 +147,18 @@ def grpo_metrics(sums: Sums, steps: int) -> dict[str, float]:
     if tokens:
         out.update(
             {
-                "grpo/clipped_frac": float(sums.get("grpo/clipped_tokens", 0)) / tokens,
+                "grpo/clip_frac": float(sums.get("grpo/clipped_tokens", 0)) / tokens,
                 "grpo/dual_clipped_frac": float(sums.get("grpo/dual_clipped_tokens", 0)) / tokens,
                 "grpo/ratio_mean": float(sums.get("grpo/ratio_sum", 0)) / tokens,
                 "grpo/kl_mean": float(sums.get("grpo/kl_sum", 0)) / tokens,
+                "grpo/lag_mean": float(sums.get("grpo/lag_sum", 0)) / tokens,
+                "grpo/stale_frac": float(sums.get("grpo/stale_tokens", 0)) / tokens,
             }
         )
+        corrected = float(sums.get("grpo/is_tokens", 0))
+        if corrected:
+            out["grpo/is_ratio_mean"] = float(sums.get("grpo/is_ratio_sum", 0)) / corrected
+            out["grpo/is_capped_frac"] = float(sums.get("grpo/is_capped_tokens", 0)) / corrected
         quantiles = ratio_quantiles(sums)
         if quantiles:
             out["grpo/ratio_p05"], out["grpo/ratio_p50"], out["grpo/ratio_p95"] = quantiles

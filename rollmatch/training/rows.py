@@ -124,5 +124,6 @@ def padding_row(segment: Segment) -> Row:
             sample_id=f"{segment.sample_id}#padding",
             weights=torch.zeros_like(segment.weights),
             unlikelihood_weights=None,
+            normaliser=None,
         )
     ]

@@ -94,6 +94,8 @@ class _SegmentFactory:
             response_unlikelihood_weights=target.unlikelihood_weights or None,
             response_advantages=None if policy is None else policy.advantages,
             response_behaviour_logprobs=None if policy is None else policy.behaviour_logprobs,
+            behaviour_version=None if policy is None else policy.weight_version,
+            normaliser=None if policy is None else policy.normaliser,
         )
 
 
@@ -183,11 +185,15 @@ class RolloutSegmentProducer(_SegmentFactory):
         out.sums["rollout/seconds"] += seconds
         if self._server_sums is not None:
             out.sums.update(self._server_sums())
-        for index, (record, enc) in enumerate(zip(records, encoded, strict=True)):
-            group = rollouts[index * per_record : (index + 1) * per_record]
+        groups = [
+            (record, enc, rollouts[index * per_record : (index + 1) * per_record])
+            for index, (record, enc) in enumerate(zip(records, encoded, strict=True))
+        ]
+        for _, enc, group in groups:
             for rollout in group:
                 check_prompt_alignment(rollout, enc.input_ids, self.encoder.tokenizer)
-            for target, sums, policy in self.group_targets(record, enc, group):
+        for (_, enc, group), targets in zip(groups, self.call_targets(groups), strict=True):
+            for target, sums, policy in targets:
                 out.sums.update(sums)
                 out.segments.append(self.segment(enc, target, created_step, policy))
             out.versions.extend(rollout.weight_version for rollout in group)
@@ -195,14 +201,17 @@ class RolloutSegmentProducer(_SegmentFactory):
             self.rollout_log.rolled_out(records, encoded, rollouts, out.segments)
         return out
 
-    def group_targets(
-        self, record: Record, encoded: EncodedPrompt, group: Sequence[Rollout]
-    ) -> list[tuple[TargetSequence, Counter[str], PolicyTokens | None]]:
-        """The targets of one record's K rollouts: rollout matching builds each rollout's own target;
-        GRPO rewards the group and keeps each rollout's tokens with its advantage."""
+    def call_targets(
+        self, groups: Sequence[tuple[Record, EncodedPrompt, Sequence[Rollout]]]
+    ) -> list[list[tuple[TargetSequence, Counter[str], PolicyTokens | None]]]:
+        """The targets of one rollout call's records, K rollouts each: rollout matching builds each
+        rollout's own target; GRPO rewards the groups and keeps each rollout's tokens with its advantage."""
         if self._grpo is not None:
-            return list(self._grpo.targets(record, encoded, group))
-        return [(*self.rollout_target(record, encoded, rollout), None) for rollout in group]
+            return [list(targets) for targets in self._grpo.targets_of_groups(groups)]
+        return [
+            [(*self.rollout_target(record, encoded, rollout), None) for rollout in group]
+            for record, encoded, group in groups
+        ]
 
     def rollout_target(
         self, record: Record, encoded: EncodedPrompt, rollout: Rollout

@@ -172,12 +172,17 @@ class RollmatchTrainer(Trainer):
         if self.grpo is None:
             raise RuntimeError("a row carries advantages but loss.objective is not grpo")
         trained = inputs["weights"] != 0
-        logprobs = token_logprobs(logits, inputs["input_ids"], trained)
+        temperature = self.grpo.temperature  # the sampling distribution's log-probs, as the engines record
+        logprobs = token_logprobs(logits, inputs["input_ids"], trained, temperature)
         reference = None
         if self.reference_model is not None:
             with torch.no_grad():
                 reference_logits = self.reference_model(**model_inputs(inputs)).logits
-                reference = token_logprobs(reference_logits, inputs["input_ids"], trained)
+                reference = token_logprobs(reference_logits, inputs["input_ids"], trained, temperature)
+        # Weights trained now are version global_step (every sync pushes the step count); a token sampled by
+        # an older version (packing carry, async packs) or of unknown version (-1) is stale.
+        versions = inputs["behaviour_versions"].to(logprobs.device)
+        lag = torch.where(versions < 0, 1.0, float(self.state.global_step) - versions)
         loss_sum, stats = grpo_loss_sum(
             logprobs,
             inputs["behaviour_logprobs"],
@@ -185,6 +190,8 @@ class RollmatchTrainer(Trainer):
             inputs["weights"],
             self.grpo,
             reference_logprobs=reference,
+            lag=lag,
+            sequence_ids=inputs["sequence_ids"],
         )
         self._local_sums.update(stats)
         return loss_sum

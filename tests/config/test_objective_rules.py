@@ -79,3 +79,15 @@ def test_grpo_refuses_the_rollout_matching_target_weights(problems_of) -> None:
             f"loss.{key}"
         )
         assert problem.value == value and "loss.objective: rollout_matching" in problem.fix
+
+
+def test_grpo_refuses_decoding_the_learner_cannot_reproduce(problems_of) -> None:
+    """Top-p / top-k truncate the sampling distribution and the repetition penalty rescales logits by the
+    history: the learner's log_softmax(logits / T) would not be the behaviour policy's log-prob."""
+    for key, value in (("top_p", 0.9), ("top_k", 20), ("repetition_penalty", 1.1)):
+        decoding = {"temperature": 0.7, key: value}
+        data = {**rollout(rollouts_per_record=2, decoding=decoding), "loss": {"objective": "grpo"}}
+        problem = problems_of(data).only(f"{RM}.decoding.{key}")
+        assert problem.value == value and "temperature" in problem.fix, problem
+    tempered = rollout(rollouts_per_record=2, decoding={"temperature": 0.7, "top_p": 0.9})
+    assert load_config_dict(tempered).rollout.decoding.top_p == 0.9  # rollout matching keeps them

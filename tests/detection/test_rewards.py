@@ -10,7 +10,7 @@ import pytest
 from rollmatch.config.schema import MatchingConfig
 from rollmatch.detection.codec import QwenJsonCodec
 from rollmatch.detection.objects import DetObject
-from rollmatch.detection.rewards import ADVANTAGE_EPS, detection_reward, group_advantages
+from rollmatch.detection.rewards import ADVANTAGE_EPS, batch_advantages, detection_reward, group_advantages
 from rollmatch.detection.scoring import score_response
 
 EXTENT = (1000, 1000)
@@ -97,10 +97,24 @@ def test_no_gt_and_an_empty_list_scores_one(codec: QwenJsonCodec) -> None:
 
 def test_group_advantages_are_centred_and_scaled_by_the_group_std() -> None:
     rewards = [1.0, 0.5, 0.0, 0.5]
-    std = math.sqrt((0.25 + 0 + 0.25 + 0) / 4)
+    std = math.sqrt((0.25 + 0 + 0.25 + 0) / 3)  # unbiased, as TRL's torch.std and verl
     assert group_advantages(rewards, "group") == pytest.approx(
         [0.5 / (std + ADVANTAGE_EPS), 0.0, -0.5 / (std + ADVANTAGE_EPS), 0.0], rel=1e-12
     )
     assert group_advantages(rewards, "none") == pytest.approx([0.5, 0.0, -0.5, 0.0], rel=1e-12)
     assert group_advantages([0.3, 0.3, 0.3], "group") == [0.0, 0.0, 0.0]  # no signal in the group
     assert group_advantages([], "group") == []
+
+
+def test_batch_scaling_divides_by_the_std_of_every_reward() -> None:
+    """TRL's ``scale_rewards: batch``: centred within each group, divided by the std of all rewards."""
+    groups = [[1.0, 0.0], [0.5, 0.5, 0.2]]
+    flat = [1.0, 0.0, 0.5, 0.5, 0.2]
+    mean = sum(flat) / 5
+    std = math.sqrt(sum((r - mean) ** 2 for r in flat) / 4)
+    out = batch_advantages(groups, "batch")
+    assert out[0] == pytest.approx([0.5 / (std + ADVANTAGE_EPS), -0.5 / (std + ADVANTAGE_EPS)], rel=1e-12)
+    assert out[1] == pytest.approx(
+        [0.1 / (std + ADVANTAGE_EPS)] * 2 + [-0.2 / (std + ADVANTAGE_EPS)], rel=1e-9
+    )
+    assert batch_advantages(groups, "group")[0] == group_advantages(groups[0], "group")

@@ -1,4 +1,5 @@
-"""Behaviour log-probs travel with every HF rollout and equal the learner's recomputation.
+"""Behaviour log-probs travel with every HF rollout and equal the learner's recomputation at the
+sampling temperature (``log_softmax(logits / T)``: the distribution the token was drawn from).
 
 Tolerance (relative, per token): ``|engine - learner| <= TOLERANCE * max(1, |learner|)``. The HF engine
 is the training model itself (a left-padded, KV-cached generate against one packed training forward):
@@ -33,11 +34,11 @@ def sampled_tokens(rollout: Rollout, eos_token_id: int) -> tuple[list[int], list
     return ids, values
 
 
-def worst_relative_gap(model, requests, rollouts, eos_token_id: int) -> float:
+def worst_relative_gap(model, requests, rollouts, eos_token_id: int, temperature: float = 1.0) -> float:
     worst = 0.0
     for request, rollout in zip(requests, rollouts, strict=True):
         ids, engine = sampled_tokens(rollout, eos_token_id)
-        learner = recompute_logprobs(model, request, ids)
+        learner = recompute_logprobs(model, request, ids, temperature)
         worst = max([worst, *(abs(e - v) / max(1.0, abs(v)) for e, v in zip(engine, learner, strict=True))])
     return worst
 
@@ -56,7 +57,12 @@ def requests_(tiny_model_dir, tmp_path_factory) -> tuple[PromptEncoder, list[Rol
 
 
 @pytest.mark.parametrize(
-    "decoding", [Decoding(temperature=1.0, max_new_tokens=12), Decoding(max_new_tokens=12)]
+    "decoding",
+    [
+        Decoding(temperature=1.0, max_new_tokens=12),
+        Decoding(temperature=0.7, max_new_tokens=12),
+        Decoding(max_new_tokens=12),
+    ],
 )
 def test_hf_rollouts_carry_the_learners_logprobs(loaded_tiny, requests_, decoding: Decoding) -> None:
     model, _ = loaded_tiny
@@ -66,6 +72,9 @@ def test_hf_rollouts_carry_the_learners_logprobs(loaded_tiny, requests_, decodin
     )
     rollouts = backend.generate(requests, decoding, seed=11)
     assert all(len(r.response_token_ids) > 0 for r in rollouts)
-    assert worst_relative_gap(model, requests, rollouts, encoder.eos_token_id) <= TOLERANCE
+    temperature = 1.0 if decoding.greedy else decoding.temperature  # greedy: the untempered distribution
+    assert worst_relative_gap(model, requests, rollouts, encoder.eos_token_id, temperature) <= TOLERANCE
+    if decoding.temperature not in (0.0, 1.0):  # the temperature-1 log-probs are not what was sampled
+        assert worst_relative_gap(model, requests, rollouts, encoder.eos_token_id) > 1e-2
     if decoding.greedy:  # greedy takes the most likely token: its log-prob is the row's maximum
         assert all(v > -20 for r in rollouts for v in r.response_logprobs or [])

@@ -316,8 +316,9 @@ def test_engine_start_leaves_the_thread_count_to_the_process(engine: VllmEngine)
 def test_sampled_logprobs_equal_the_learners_after_a_weight_sync(
     engine: VllmEngine, model_dir: str, encoder: PromptEncoder, requests_: list[RolloutRequest]
 ) -> None:
-    """vLLM's raw log-probs of its sampled tokens (stop token included) equal the learner's recomputation on
-    the synced weights: a wrong tokenisation, prompt or weight sync shows as a gap. Tolerance (relative per
+    """vLLM's processed log-probs of its sampled tokens (stop token included, temperature 0.7) equal the
+    learner's recomputation at that temperature on the synced weights: a wrong tokenisation, prompt,
+    weight sync or temperature shows as a gap. Tolerance (relative per
     token): 2e-3 (vLLM's CPU kernels against the training forward; measured below 4e-4)."""
     from rollmatch.training.grpo_loss import recompute_logprobs
 
@@ -327,8 +328,8 @@ def test_sampled_logprobs_equal_the_learners_after_a_weight_sync(
         _sft_step(model, optimizer, encoder, requests_[step % len(requests_)])
     backend = VllmColocateBackend(engine, model=model, tokenizer=encoder.tokenizer)
     backend.sync_weights(model, 1)
-    rollouts = backend.generate(requests_, Decoding(temperature=1.0, max_new_tokens=16), seed=5)
-    worst = 0.0
+    rollouts = backend.generate(requests_, Decoding(temperature=0.7, max_new_tokens=16), seed=5)
+    worst = untempered = 0.0
     for request, rollout in zip(requests_, rollouts, strict=True):
         assert rollout.response_logprobs is not None
         assert (rollout.stop_logprob is not None) == (rollout.finish_reason == "stop")
@@ -340,12 +341,15 @@ def test_sampled_logprobs_equal_the_learners_after_a_weight_sync(
             *rollout.response_logprobs,
             *([rollout.stop_logprob] if rollout.stop_logprob is not None else []),
         ]
-        learner = recompute_logprobs(model, request, ids)
+        learner = recompute_logprobs(model, request, ids, 0.7)
         worst = max(
             [worst, *(abs(e - v) / max(1.0, abs(v)) for e, v in zip(engine_values, learner, strict=True))]
         )
+        raw = recompute_logprobs(model, request, ids)
+        untempered = max([untempered, *(abs(e - v) for e, v in zip(engine_values, raw, strict=True))])
     assert worst <= 2e-3, worst
+    assert untempered > 1e-2, untempered  # temperature-1 log-probs are not the sampling distribution's
     stale = _load(model_dir)  # the weights before training: the engine no longer serves them
     request, rollout = requests_[0], rollouts[0]
-    old = recompute_logprobs(stale, request, rollout.response_token_ids)
+    old = recompute_logprobs(stale, request, rollout.response_token_ids, 0.7)
     assert max(abs(e - v) for e, v in zip(rollout.response_logprobs, old, strict=True)) > 1e-2

@@ -9,7 +9,7 @@ import pytest
 
 from rollmatch.training.entry import run_training
 
-GRPO_ROLLOUTS = {"rollouts_per_record": 4, "decoding": {"temperature": 1.0}, "max_new_tokens": 24}
+GRPO_ROLLOUTS = {"rollouts_per_record": 4, "decoding": {"temperature": 0.7}, "max_new_tokens": 24}
 
 
 def grpo_config(make_config: Any, **rollout: Any) -> Any:
@@ -32,16 +32,19 @@ def test_grpo_steps_on_the_hf_backend_log_rewards_and_ratio(make_config) -> None
     for line in logged:
         assert line["rollout/count"] == 8  # 2 records x 4 samples
         assert math.isfinite(line["loss"])
-        for key in ("grpo/reward_mean", "grpo/reward_std", "grpo/zero_std_group_frac", "grpo/clipped_frac"):
+        for key in ("grpo/reward_mean", "grpo/reward_std", "grpo/zero_std_group_frac", "grpo/clip_frac"):
             assert key in line, key
-        # fresh rollouts from the training model itself: the ratio is 1 up to float rounding
+        # fresh rollouts from the training model itself: the ratio is 1 up to float rounding, and so is the
+        # engine/learner correction of the tokens trained in the step that sampled them
         assert abs(line["grpo/ratio_mean"] - 1.0) < 1e-3, line
+        assert abs(line["grpo/is_ratio_mean"] - 1.0) < 1e-3 and line["grpo/is_capped_frac"] == 0.0, line
+        assert line["grpo/lag_mean"] >= 0.0 and 0.0 <= line["grpo/stale_frac"] <= 1.0, line
         assert line["grpo/ratio_p05"] > 0.99 and line["grpo/ratio_p95"] < 1.01
 
 
 @pytest.mark.heavy
 def test_grpo_steps_on_a_colocated_vllm_engine(make_config) -> None:
-    """In-process vLLM: its raw log-probs are the behaviour policy; after each push they match the learner's,
+    """In-process vLLM: its processed log-probs (temperature 0.7) are the behaviour policy; after each push they match the learner's,
     so the importance ratio of these fresh rollouts stays 1 within the engine's arithmetic."""
     pytest.importorskip("vllm")
     cfg = grpo_config(
@@ -59,4 +62,4 @@ def test_grpo_steps_on_a_colocated_vllm_engine(make_config) -> None:
     logged = [h for h in result.log_history if "loss" in h]
     assert all(h["rollout/count"] == 8 and math.isfinite(h["loss"]) for h in logged)
     assert all(abs(h["grpo/ratio_mean"] - 1.0) < 1e-2 for h in logged), [h["grpo/ratio_mean"] for h in logged]
-    assert all(h["grpo/clipped_frac"] == 0.0 for h in logged)
+    assert all(h["grpo/clip_frac"] == 0.0 for h in logged)

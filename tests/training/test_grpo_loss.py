@@ -17,7 +17,8 @@ from rollmatch.training.grpo_loss import (
     token_logprobs,
 )
 
-SETTINGS = GrpoSettings(clip_eps=0.2, clip_eps_high=0.3, max_ratio=3.0)
+# is_correction "none": every ratio is taken against the behaviour log-prob (the staleness path)
+SETTINGS = GrpoSettings(clip_eps=0.2, clip_eps_high=0.3, max_ratio=3.0, is_correction="none")
 
 
 def test_loss_of_a_tiny_batch_equals_a_hand_computation() -> None:
@@ -59,7 +60,7 @@ def test_importance_ratio_is_one_for_fresh_rollouts() -> None:
 def test_kl_to_the_reference_is_the_k3_estimator() -> None:
     current = torch.log(torch.tensor([[0.5, 0.5, 0.25]]))
     reference = torch.log(torch.tensor([[0.5, 0.5, 0.5]]))
-    settings = GrpoSettings(kl_coef=0.1)
+    settings = GrpoSettings(kl_coef=0.1, is_correction="none")
     zero = torch.zeros_like(current)
     loss_sum, stats = grpo_loss_sum(
         current, current.clone(), zero, torch.ones_like(current), settings, reference
