@@ -4,13 +4,13 @@ Design (docs/runbook.md, "GRPO"):
 
 - **Stage-1**: the demo's (``rollmatch demo``: tiny Qwen2.5-VL with coordinate tokens, the demo shapes
   set, 2,400 SFT steps), trained into ``--out/sft`` or taken from ``--stage1`` (e.g. ``runs/demo/sft/final``).
-- **Reward**: on ``--images`` val images, ``--reward-rollouts`` K samples per image at temperature 1 with
+- **Reward**: on ``--images`` val images, ``--reward-rollouts`` K samples per image at ``--temperature`` with
   fixed seeds (the same seeds before and after), each scored by the GRPO objective's own reward
   (``training.grpo_targets.GrpoGroups``: ``loss.grpo`` settings, the same parse, match and floor); an
   image's reward is the mean of its K. Rollouts come from the backend the demo uses (vLLM colocated when
   installed, else HF generate).
 - **GRPO**: ``--steps`` optimizer steps from stage-1 (``loss.objective: grpo``, ``--records-per-step``
-  records x ``--rollouts`` samples at temperature 1, learning rate ``--lr``, HF ``constant`` schedule),
+  records x ``--rollouts`` samples at ``--temperature`` (default 1), learning rate ``--lr``, HF ``constant`` schedule),
   ``grpo/reward_mean`` logged every step.
 - **Statistics**, fixed before the run: paired bootstrap over images of the per-image mean reward
   difference (after - before); the objective *works* when the 95% interval is above 0 and the greedy
@@ -103,6 +103,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--reward-seed", type=int, default=1234, help="the reward samples' seed, before and after"
     )
     parser.add_argument("--max-new-tokens", type=int, default=160)
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=1.0,
+        help="sampling temperature of the GRPO rollouts and the reward samples (the dense study's arm: 0.7)",
+    )
     parser.add_argument("--backend", choices=["hf", "vllm"], default=default_backend())
     parser.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples")
     args = parser.parse_args(argv)
@@ -199,7 +205,7 @@ def stage1_checkpoint(
 
 # ------------------------------------------------------------------------------------------ GRPO
 def grpo_phase(stage1: str, args: argparse.Namespace) -> dict[str, Any]:
-    """The demo's rollout phase with ``loss.objective: grpo``: K samples per record at temperature 1."""
+    """The demo's rollout phase with ``loss.objective: grpo``: K samples per record at ``--temperature``."""
     return deep_merge(
         ROLLOUT_PHASE,
         {
@@ -209,7 +215,7 @@ def grpo_phase(stage1: str, args: argparse.Namespace) -> dict[str, Any]:
                 "extra": {
                     "rollout_matching": {
                         "rollouts_per_record": args.rollouts,
-                        "decoding": {"temperature": 1.0},
+                        "decoding": {"temperature": args.temperature},
                     }
                 }
             },
