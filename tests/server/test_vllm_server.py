@@ -92,3 +92,34 @@ def test_vllm_weight_pushes_under_load_are_fair_and_every_answer_has_the_right_v
     side = trainer_side(vllm_server.url)
     result = pushes_under_load(vllm_server.url, side, raccoon_requests, Decoding(max_new_tokens=24))
     check_load_result(result, "vllm")
+
+
+def test_vllm_server_logprobs_are_the_tempered_distributions(
+    vllm_server: Any, trainer_side: Callable[..., Any], raccoon_requests: list[Any]
+) -> None:
+    """The server's vLLM engine records processed log-probs: at temperature 0.7 they equal the learner's
+    ``log_softmax(logits / 0.7)`` on the pushed weights (2e-3 relative: vLLM's CPU kernels against the
+    training forward), not the temperature-1 ones."""
+    from rollmatch.training.grpo_loss import recompute_logprobs
+
+    side = trainer_side(vllm_server.url)
+    model, backend = side.model, side.backend
+    with torch.no_grad():
+        generator = torch.Generator().manual_seed(1)
+        for param in model.parameters():
+            param.add_(torch.randn(param.shape, generator=generator) * 0.05)
+    backend.sync_weights(model, 7)
+    rollouts = backend.generate(raccoon_requests, Decoding(temperature=0.7, max_new_tokens=10), seed=3)
+    worst = untempered = 0.0
+    for request, rollout in zip(raccoon_requests, rollouts, strict=True):
+        ids, values = list(rollout.response_token_ids), list(rollout.response_logprobs or [])
+        if rollout.stop_logprob is not None:
+            ids.append(rollout.stop_token_id)
+            values.append(rollout.stop_logprob)
+        assert len(values) == len(ids) > 0
+        tempered = recompute_logprobs(model, request, ids, 0.7)
+        plain = recompute_logprobs(model, request, ids)
+        worst = max([worst, *(abs(e - v) / max(1.0, abs(v)) for e, v in zip(values, tempered, strict=True))])
+        untempered = max([untempered, *(abs(e - v) for e, v in zip(values, plain, strict=True))])
+    assert worst <= 2e-3, worst
+    assert untempered > 1e-2, untempered

@@ -63,3 +63,34 @@ def test_grpo_steps_on_a_colocated_vllm_engine(make_config) -> None:
     assert all(h["rollout/count"] == 8 and math.isfinite(h["loss"]) for h in logged)
     assert all(abs(h["grpo/ratio_mean"] - 1.0) < 1e-2 for h in logged), [h["grpo/ratio_mean"] for h in logged]
     assert all(h["grpo/clip_frac"] == 0.0 for h in logged)
+
+
+@pytest.mark.heavy
+def test_packing_carry_trains_part_of_a_group_one_step_late_and_reports_its_lag(make_config) -> None:
+    """Packed rows hold fewer rollouts than a step samples: the carry buffer leaves the rest of a record's
+    group for the next step. Those segments keep the advantages computed over their whole group and
+    train with lag 1: ``grpo/lag_mean`` and ``grpo/stale_frac`` count them, the staleness ratio (against
+    the engine's log-prob) is no longer exactly 1, and fresh tokens still get the engine/learner weight."""
+    cfg = make_config(
+        {
+            "data": {"max_samples": 6},
+            "custom": {"extra": {"rollout_matching": GRPO_ROLLOUTS}},
+            "loss": {"objective": "grpo"},
+            "training": {
+                "max_steps": 3,
+                "per_device_train_batch_size": 2,
+                "packing": True,
+                "global_max_length": 300,  # a few rollouts per row: the rest of a step's waits
+                "learning_rate": 1e-3,
+            },
+        }
+    )
+    result = run_training(cfg)
+    logged = [h for h in result.log_history if "loss" in h]
+    assert len(logged) == 3 and all(math.isfinite(h["loss"]) for h in logged)
+    assert logged[0]["grpo/lag_mean"] == 0.0  # nothing was sampled before the first step
+    late = [h for h in logged[1:] if h["grpo/stale_frac"] > 0]
+    assert late, [(h["grpo/lag_mean"], h["grpo/stale_frac"]) for h in logged]
+    for line in late:
+        assert line["grpo/lag_mean"] > 0.0 and line["grpo/lag_mean"] == pytest.approx(line["grpo/stale_frac"])
+        assert abs(line["grpo/is_ratio_mean"] - 1.0) < 1e-3  # the fresh tokens' engine gap stays tiny
