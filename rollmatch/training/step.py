@@ -335,7 +335,9 @@ class StepPlanner:
         if total_weight <= 0:
             raise PackingError(
                 f"optimizer step {global_step} has total loss weight {total_weight}: no trained token in its "
-                "targets (check `loss.*` weights and that targets are not empty)"
+                "targets (check `loss.*` weights and that targets are not empty; with "
+                "`loss.grpo.mask_truncated_completions: true` a step whose rollouts all hit `max_new_tokens` "
+                "trains nothing: raise `custom.extra.rollout_matching.max_new_tokens` or set it false)"
             )
         num_rows = max(rank_view.rows for rank_view in gathered)
         if self.collectives.world_size > 1:  # DDP: exactly one forward/backward per micro-step, every rank

@@ -292,7 +292,9 @@ def _require_weight(weight: float, global_step: int) -> None:
     if weight <= 0:
         raise PackingError(
             f"step-mode optimizer step {global_step} has total loss weight {weight}: no trained token in its "
-            "rollout targets (check `loss.*` weights and that targets are not empty)"
+            "rollout targets (check `loss.*` weights and that targets are not empty; with "
+            "`loss.grpo.mask_truncated_completions: true` a step whose rollouts all hit `max_new_tokens` "
+            "trains nothing: raise `custom.extra.rollout_matching.max_new_tokens` or set it false)"
         )
 
 
