@@ -1,14 +1,16 @@
 """GRPO segments of one record's K rollouts: reward each, normalise within the group, keep the tokens.
 
-Owns :class:`PolicyTokens` (what a policy-gradient segment carries besides ids and weights) and
-:class:`GrpoGroups` (``loss.objective: grpo``: one record's rollouts -> their rewards, group-normalised
-advantages and per-token training data, plus the ``grpo/*`` reward sums). Leaves out: rolling out
+Owns :class:`PolicyTokens` (what a policy-gradient segment carries besides ids and weights),
+:func:`policy_token_weights` (``loss.grpo.loss_type`` as token weights and normaliser shares) and
+:class:`GrpoGroups` (``loss.objective: grpo``: records' rollouts -> their rewards, normalised advantages
+(``scale_rewards``) and per-token training data, plus the ``grpo/*`` reward sums). Leaves out: rolling out
 (``training.segment_producers``), the reward arithmetic (``detection.rewards``) and the loss
 (``training.grpo_loss``).
 
 A GRPO segment is the prompt + the rollout's own tokens, the stop token included when the rollout
-stopped on one; every response token has weight 1, the rollout's advantage and the log-prob the
-behaviour policy sampled it with. A rollout that sampled a media placeholder (``<|image_pad|>``: the
+stopped on one; every response token has the ``loss_type``'s weight (1 by default; 0 for a truncated
+rollout under ``mask_truncated_completions``), the rollout's advantage and the log-prob the behaviour
+policy sampled it with (of the tempered distribution), and the segment the rollout's weight version. A rollout that sampled a media placeholder (``<|image_pad|>``: the
 model would expand it into vision features) scores the floor and trains only its tokens before it.
 """
 
