@@ -249,6 +249,14 @@ class ServerConfig(Section):
         "is used again once re-synced to the learner's weights. null: every server (the first failure ends "
         "the run). docs/runbook.md 'When a server dies'.",
     )
+    rotate_servers: bool = Field(
+        False,
+        description="Opt-in departure from the seed's distribution rule. false (the rule): server i gets "
+        "requests [i*chunk : (i+1)*chunk] of every call, so the same requests always reach the same server "
+        "indices (calls of fewer requests than servers use only the first ones). true: each call starts one "
+        "server further on, and each async actor starts at its learner rank, spreading small calls over every "
+        "server (bench/server_distribution.py measures the split).",
+    )
     image_wire: Literal["png", "resized_bmp"] = Field(
         "png",
         description="How /infer/ carries images. png: each original image as PNG (any swift-style server). "

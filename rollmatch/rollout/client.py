@@ -110,6 +110,8 @@ class ServerBackend:
         bucket_bytes: int = 64 << 20,
         image_wire: ImageWire | None = None,
         min_healthy: int | None = None,
+        rotate_servers: bool = False,
+        first_server: int = 0,
     ):
         if not connections:
             raise BackendError("ServerBackend needs at least one server connection")
@@ -129,7 +131,9 @@ class ServerBackend:
         self._frozen_synced = False  # frozen weights (training.freeze) already pushed to every server
         self._export_sharded = False  # the last push gathered sharded parameters (ZeRO-3 / FSDP2)
         self._closed = False
-        self._calls = 0  # generate() calls so far: where the next one starts (see generate)
+        self.rotate_servers = rotate_servers
+        self.first_server = int(first_server)  # with rotate_servers: where this client's first call starts
+        self._calls = 0  # generate() calls so far: where the next one starts (with rotate_servers)
         self.last_infer_timings: list[InferTiming] = []  # one per server of the latest generate()
 
     @classmethod
@@ -173,6 +177,7 @@ class ServerBackend:
             fallback_to_full=vllm.sync.fallback_to_full,
             image_wire=build_image_wire(vllm.server.image_wire, processor),
             min_healthy=vllm.server.min_healthy,
+            rotate_servers=vllm.server.rotate_servers,
         )
         with ThreadPoolExecutor(max_workers=len(connections)) as pool:
             list(pool.map(ServerConnection.wait_healthy, connections))
@@ -205,8 +210,9 @@ class ServerBackend:
             )
 
     def generate(self, requests: Sequence[RolloutRequest], decoding: Decoding, seed: int) -> list[Rollout]:
-        """Split into contiguous chunks (one per healthy server, starting one server further on each
-        call), roll out in parallel, keep request order.
+        """Split into contiguous chunks (one per healthy server: healthy server ``i`` gets chunk ``i`` on
+        every call, the seed's rule; with ``rotate_servers`` each call starts one server further on), roll
+        out in parallel, keep request order.
 
         ``seed`` is the step's seed (:func:`~rollmatch.rollout.chunking.step_seed`); the chunk starting
         at request ``s`` is sent with ``seed + s``, also when it is re-sent to another server.
@@ -214,11 +220,13 @@ class ServerBackend:
         if not requests:
             return []
         servers = self.pool.usable()
-        # Each call starts at the next server: calls of fewer requests than servers (a single record, a
-        # partial decode batch) spread over every server instead of all landing on the first.
-        first = self._calls % len(servers)
+        if self.rotate_servers:
+            # Opt-in departure from the seed's rule: calls of fewer requests than servers (a single
+            # record, an async actor's small call) spread over every server instead of all landing on
+            # the first.
+            first = (self.first_server + self._calls) % len(servers)
+            servers = servers[first:] + servers[:first]
         self._calls += 1
-        servers = servers[first:] + servers[:first]
         jobs = [
             (conn, (start, end))
             for conn, (start, end) in zip(
