@@ -474,7 +474,21 @@ class TrainingConfig(Section):
         description="Per module group (as in `freeze`): its learning rate is `learning_rate` x this, through "
         "warmup and decay, e.g. `{vision_tower: 0.1}`; a group not listed gets 1. Not with `model.lora.enabled`.",
     )
-    resume_from_checkpoint: str | None = Field(None, description="Checkpoint dir, or `latest`.")
+    resume_from_checkpoint: str | None = Field(
+        "auto",
+        description="Where training starts. `auto`: from the newest complete checkpoint under `output_dir` when "
+        "there is one, else step 0 (a resubmitted, requeued or rerun job goes on; with `overwrite_output_dir: "
+        "true`, step 0). `latest`: the same, also under `overwrite_output_dir`. A checkpoint dir: that one (it "
+        "must be complete). null: step 0, refused over complete checkpoints unless `overwrite_output_dir`. "
+        "Checkpoints that exist but none complete, or saved by another world size, are refused.",
+    )
+    overwrite_output_dir: bool = Field(
+        False,
+        description="Start at step 0 although `output_dir` holds complete checkpoints of an earlier run (with "
+        "`resume_from_checkpoint` `auto` or null); `save_total_limit` then deletes them as new ones are saved. "
+        "Applies to every start of that config, a resubmitted job's included: remove it once the new run saved "
+        "its first checkpoint.",
+    )
     deepspeed: str | None = Field(None, description="DeepSpeed JSON config path (HF Trainer integration).")
     dataloader_num_workers: int = Field(0, ge=0, description="DataLoader worker processes (0: main process).")
     collective_timeout_s: float = Field(
@@ -644,7 +658,8 @@ class SlurmSettings(Section):
     requeue: bool = Field(
         True,
         description="`#SBATCH --requeue`: a preempted job, or one stopped by the warning signal, goes back to the "
-        "queue and resumes from its latest complete checkpoint (`training.resume_from_checkpoint=latest`).",
+        "queue and resumes from its latest complete checkpoint (`training.resume_from_checkpoint=latest`); without "
+        "it, resubmit the script: `auto` (the default) resumes as well.",
     )
     options: list[str] = Field(
         default_factory=list,

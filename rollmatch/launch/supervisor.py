@@ -287,7 +287,7 @@ class _Run:
                     return Outcome(
                         EXIT_PREEMPTED,
                         f"learner stopped on the warning signal after {elapsed:.0f}s with a complete checkpoint "
-                        f"(log {learner.spec.log_path}): resume with training.resume_from_checkpoint=latest",
+                        f"(log {learner.spec.log_path}): rerun or resubmit to resume (training.resume_from_checkpoint: auto)",
                     )
                 status = "finished" if code == 0 else "failed"
                 message = f"learner {status} with exit code {code} after {elapsed:.0f}s (log {learner.spec.log_path})"

@@ -67,7 +67,7 @@ def train_command(args: argparse.Namespace) -> int:
     if result.final_model_dir is None:
         print(
             f"stopped on the warning signal (SIGUSR1) after step {result.global_step}: checkpoint-"
-            f"{result.global_step} saved under {result.output_dir}; resume with training.resume_from_checkpoint=latest"
+            f"{result.global_step} saved under {result.output_dir}; rerun to resume (training.resume_from_checkpoint: auto)"
         )
         return 0
     print(
@@ -88,7 +88,12 @@ def run_training(cfg: RollmatchConfig) -> TrainResult:
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     resume, resume_problems = None, []
     try:  # before anything heavy: an incomplete checkpoint or another world size is refused at once
-        resume = resolve_resume(cfg.training.resume_from_checkpoint, cfg.training.output_dir, world_size)
+        resume = resolve_resume(
+            cfg.training.resume_from_checkpoint,
+            cfg.training.output_dir,
+            world_size,
+            overwrite=cfg.training.overwrite_output_dir,
+        )
     except ConfigError as error:
         resume_problems = error.problems
     run = resolve_run(

@@ -59,8 +59,8 @@ class CheckpointOnWarning(TrainerCallback):
         if here > 0 and self.stopped_at_step is None:
             self.stopped_at_step = state.global_step
             log.warning(
-                "warning signal (SIGUSR1): saving checkpoint-%d, then stopping; resume with "
-                "training.resume_from_checkpoint=latest",
+                "warning signal (SIGUSR1): saving checkpoint-%d, then stopping; the next start resumes "
+                "from it (training.resume_from_checkpoint: auto, the default)",
                 state.global_step,
             )
             control.should_save = True
