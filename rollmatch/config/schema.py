@@ -651,9 +651,11 @@ class SlurmSettings(Section):
     signal_warning_s: int | None = Field(
         120,
         gt=0,
-        description="`#SBATCH --signal=B:USR1@<s>`: this long before the time limit the script tells every node; "
-        "the learner saves a complete checkpoint and stops, and the job requeues itself (`requeue`). null: no "
-        "warning signal.",
+        description="`#SBATCH --signal=USR1@<s>`: this long before the time limit Slurm signals every step (each "
+        "node's `rollmatch launch`; not `B:USR1`, which would signal only the batch shell); the learner saves a "
+        "complete checkpoint and stops, and the job requeues itself (`requeue`). Leave it above one save + one step "
+        "+ `stage2_ab.channel_b.async.max_wait_s`: the learner measures the first two and warns when it is not. "
+        "null: no warning signal.",
     )
     requeue: bool = Field(
         True,

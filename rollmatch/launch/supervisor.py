@@ -119,6 +119,13 @@ class _StopSignals:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)  # type: ignore[arg-type]
 
+    def pause(self, seconds: float) -> bool:
+        """Sleep up to ``seconds``, woken early by a new signal (True). The signal stays recorded in
+        ``received`` / ``warned``; the event is cleared, so the loops idle after it instead of spinning."""
+        woke = self.event.wait(seconds)
+        self.event.clear()
+        return woke
+
     def _record(self, signum: int, frame: FrameType | None) -> None:
         if signum == signal.SIGUSR1:
             self.warned = True
@@ -257,7 +264,7 @@ class _Run:
                     f"node healthy{others} after {now - start:.0f}s (timeout {timeout_s:.0f}s)"
                 )
             self._refresh_pids()
-            stop.event.wait(_POLL_S)
+            stop.pause(_POLL_S)
         return None
 
     def _watch(self, stop: _StopSignals, learner: Child | None) -> Outcome:
@@ -266,9 +273,9 @@ class _Run:
         while True:
             if stop.received is not None:
                 return self._signalled(stop.received)
-            if stop.warned and not warned:
+            if stop.warned:  # again every poll: a rank still starting (signal ignored until then) gets it too
+                self._warn(learner, say=not warned)
                 warned = True
-                self._warn(learner)
             if (lost := self._node_lost()) is not None:
                 return lost
             if learner is None and (done := self._learners_done()) is not None:
@@ -299,7 +306,7 @@ class _Run:
                         return Outcome(EXIT_NODE_LOST, f"{cause}; this node's {message}")
                 return Outcome(code if code >= 0 else 128 - code, message)
             self._refresh_pids()
-            stop.event.wait(_POLL_S)
+            stop.pause(_POLL_S)
 
     def _restart_failed_servers(self, stop: _StopSignals, learner: Child | None) -> Outcome | None:
         """Restart each server that exited or stopped answering ``/health/`` while restarts are left
@@ -329,7 +336,7 @@ class _Run:
                 f"the same devices and port (restart {used + 1} of {self.plan.restart_servers}). Last lines of "
                 f"{child.spec.log_path}:\n{child.log_tail(5)}"
             )
-            if stop.event.wait(backoff_s) and (stop.received is not None or stop.warned):
+            if stop.pause(backoff_s) and (stop.received is not None or stop.warned):
                 return None  # the watch loop acts on the signal
             self._restarts[child.spec.name] = used + 1
             log = child.spec.log_path  # kept: why it died; the restart writes a fresh one
@@ -360,10 +367,14 @@ class _Run:
             return f"did not answer /health/ for {silent_s:.0f}s ({_TIMEOUT_KEY})"
         return None
 
-    def _warn(self, learner: Child | None) -> None:
+    def _warn(self, learner: Child | None, *, say: bool) -> None:
         """SIGUSR1 to torchrun's ranks (its direct children), which save a checkpoint at the end of the
-        current step and stop; torchrun itself ignores it (``launch.processes``)."""
+        current step and stop; torchrun itself ignores it (``launch.processes``). Sent on every poll until
+        the learner exits: ranks handle it from process start, but one still starting (before
+        ``rollmatch train`` installed its handler, the signal is ignored) must get it once it can."""
         if learner is None:
+            if not say:
+                return
             self.console.say(
                 "received SIGUSR1 (the scheduler's warning): the learner nodes save a checkpoint and stop; "
                 "this node's servers run until they do"
@@ -378,6 +389,8 @@ class _Run:
                 rank.send_signal(signal.SIGUSR1)
             except psutil.Error:
                 continue  # exited meanwhile
+        if not say:
+            return
         self.console.say(
             "received SIGUSR1 (the scheduler's warning): forwarded to the learner, which saves a complete "
             "checkpoint at the end of its current step and stops"
