@@ -157,6 +157,7 @@ class _Run:
         self._seen: dict[int, list[dict[str, Any]]] = {}
         self._pids_written = 0.0
         self._restarts: dict[str, int] = {}  # server name -> restarts so far
+        self._given_up: set[str] = set()  # servers left down: the others still meet vllm.server.min_healthy
         self._answered: dict[str, float] = {}  # server name -> when /health/ last answered 200 (restarts on)
         self._next_health = 0.0
         self._session = requests.Session()
@@ -286,7 +287,14 @@ class _Run:
             if learner is not None and (code := learner.exit_code()) is not None:
                 if code != 0:  # a server crash that made the learner fail is reported as the cause
                     time.sleep(_POLL_S)
-                    dead = next((s for s in self.servers if s.exit_code() is not None), None)
+                    dead = next(
+                        (
+                            s
+                            for s in self.servers
+                            if s.exit_code() is not None and s.spec.name not in self._given_up
+                        ),
+                        None,
+                    )
                     if dead is not None:
                         return self._server_failed(dead, "while the learner was running")
                 elapsed = time.monotonic() - started
@@ -315,11 +323,15 @@ class _Run:
         if self.plan.restart_servers and learner is not None and learner.exit_code() is not None:
             return None  # the learner ended (its exit code tells how): no server is needed any more
         for index, child in enumerate(self.servers):
+            if child.spec.name in self._given_up:
+                continue
             why = self._server_problem(child)
             if why is None:
                 continue
             used = self._restarts.get(child.spec.name, 0)
             if used >= self.plan.restart_servers:
+                if self._spare(child, why, used, when):
+                    continue
                 if used == 0:
                     return self._server_failed(child, when)
                 return Outcome(
@@ -345,6 +357,26 @@ class _Run:
             self.servers[index] = self._start(child.spec)
             self._answered[child.spec.name] = time.monotonic()  # it gets the start-up timeout to answer
         return None
+
+    def _spare(self, child: Child, why: str, used: int, when: str) -> bool:
+        """Leave ``child`` down (out of restarts) when the other servers still meet
+        ``vllm.server.min_healthy``: the learner trains on without it (its pool dropped it), so the launch
+        goes on. False (the launch ends) with ``min_healthy`` null, or when too few would be left."""
+        floor = self.plan.learner_config.rollout.vllm.server.min_healthy
+        total = max(len(self.plan.endpoints), len(self.servers))
+        left = total - len(self._given_up) - 1
+        if floor is None or left < floor:
+            return False
+        self._given_up.add(child.spec.name)
+        if child.exit_code() is None:
+            terminate_all([child], self._grace_s)
+        self.console.say(
+            f"rollout server {child.spec.name} ({child.spec.url}) {why} {when}, after {used} restart(s) "
+            f"(launch.restart_servers = {self.plan.restart_servers}): left down; the learner trains on with "
+            f"{left} of {total} server(s) (vllm.server.min_healthy = {floor}). Last lines of "
+            f"{child.spec.log_path}:\n{child.log_tail(5)}"
+        )
+        return True
 
     def _server_problem(self, child: Child) -> str | None:
         """Why ``child`` needs a restart: it exited, or (restarts on) ``/health/`` has not answered 200

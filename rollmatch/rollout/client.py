@@ -37,7 +37,14 @@ from pydantic import ValidationError
 
 from rollmatch.collectives import Collectives
 from rollmatch.config.resolved import ResolvedRun
-from rollmatch.errors import BackendError, ConfigError, ConfigProblem, RollmatchError, SyncError
+from rollmatch.errors import (
+    BackendError,
+    ConfigError,
+    ConfigProblem,
+    RollmatchError,
+    ServerSyncFailure,
+    SyncError,
+)
 from rollmatch.models.wrappers import strip_parallel_wrappers
 from rollmatch.protocol import (
     INFER_REPLY,
@@ -117,6 +124,9 @@ class ServerBackend:
             raise BackendError("ServerBackend needs at least one server connection")
         self.connections = list(connections)
         self.pool = ServerPool(self.connections, min_healthy=min_healthy)
+        # Other clients of the same servers in this process (each async actor's): every push outcome
+        # reaches their pools too, so a server the push left out is dropped by them as well.
+        self.followers: list[ServerPool] = []
         self.collectives = collectives
         self.tokenizer = tokenizer
         self.sync_mode = sync_mode
@@ -340,9 +350,11 @@ class ServerBackend:
         if isinstance(outcome, str):
             raise SyncError(f"rank 0's weight push of version {version} failed: {outcome}")
         self._version = outcome.version
-        for conn in self.connections:  # every rank uses the servers rank 0 pushed to at once
-            if conn.url in outcome.servers:
-                self.pool.admit(conn, outcome.version)
+        # Every rank, and every actor's client, uses exactly the servers rank 0 pushed to: the others are
+        # down until a later push re-syncs them (rank 0 counted the failover when the push failed).
+        why = f"left out of the weight push of version {outcome.version} (its push failed or it is down)"
+        for pool in (self.pool, *self.followers):
+            pool.learner_pushed(outcome.version, outcome.servers, why, count=False)
         return outcome
 
     def close(self) -> None:
@@ -383,6 +395,7 @@ class ServerBackend:
                 raise  # nothing to go on with (sharded: the other ranks ran their gathers once already)
             for conn in failed:
                 self.pool.mark_down(conn, f"weight push of version {version} failed: {exc}")
+                self.pool.push_failed(conn)
             rest = [conn for conn in targets if conn not in failed]
             log.warning(
                 "weight push of version %d failed (%s): sending it again to %s",
@@ -393,7 +406,8 @@ class ServerBackend:
             return self._push_to(model, version, rest)
 
     def _push_targets(self) -> list[ServerConnection]:
-        back = self.pool.answering()
+        due = [c for c in self.connections if self.pool.is_down(c) and self.pool.resync_due(c)]
+        back = self.pool.answering(due)
         if back:
             log.warning("rollout server(s) %s answer again: re-syncing them", [c.url for c in back])
         targets = [c for c in self.connections if not self.pool.is_down(c) or c in back]
@@ -404,7 +418,13 @@ class ServerBackend:
         return targets
 
     def _failed_targets(self, exc: RollmatchError, targets: list[ServerConnection]) -> list[ServerConnection]:
-        """The servers a failed push names, or, when it names none, those that stopped answering."""
+        """The server a group-formation failure belongs to (typed: :class:`ServerSyncFailure`), else the
+        servers a failed push names, or, when it names none, those that stopped answering."""
+        cause: BaseException | None = exc
+        while cause is not None:
+            if isinstance(cause, ServerSyncFailure):
+                return [conn for conn in targets if conn.url == cause.server_url]
+            cause = cause.__cause__
         text = str(exc)  # a URL followed by more of a host or port is another server's
         named = [conn for conn in targets if re.search(re.escape(conn.url) + r"(?![\w.-])", text)]
         if named:
@@ -472,36 +492,48 @@ class ServerBackend:
         backend = default_backend(device)
         self._digest_key = new_digest_key()
         for conn in targets:
-            server_ranks = int(conn.get("/get_world_size/", "communicator init")["world_size"])
-            group_host = socket.gethostbyname(conn.host)  # the server listens on the address we reach it at
-            body = InitCommunicatorBody(
+            try:
+                self._open_group(conn, device, backend)
+            except Exception as exc:  # whatever the cause names (host:group_port), it is this server's
+                raise ServerSyncFailure(
+                    conn.url,
+                    f"rollout server {conn.url}: forming its weight-sync group failed: "
+                    f"{type(exc).__name__}: {exc}",
+                ) from exc
+        self._group_stale = False
+
+    def _open_group(self, conn: ServerConnection, device: Any, backend: str) -> None:
+        """``conn``'s group: ``/init_communicator/``, then the trainer's side (its last rank)."""
+        server_ranks = int(conn.get("/get_world_size/", "communicator init")["world_size"])
+        group_host = socket.gethostbyname(conn.host)  # the server listens on the address we reach it at
+        body = InitCommunicatorBody(
+            host=group_host,
+            port=conn.group_port,
+            world_size=server_ranks + 1,
+            backend=backend,
+            timeout_s=min(conn.timeout_s, MAX_GROUP_TIMEOUT_S),
+            digest_key=self._digest_key.hex(),
+        )
+        conn.sync_lease = None
+        reply = init_reply(conn, conn.post("/init_communicator/", body, "communicator init"))
+        if parse_digest_key(reply.digest_key, f"{conn.url} /init_communicator/") != self._digest_key:
+            raise SyncError(
+                f"rollout server {conn.url}: /init_communicator/ answered another digest key than the trainer "
+                "sent; is it a rollmatch server of the same protocol version?"
+            )
+        conn.sync_lease = reply.lease
+        self._transports.append(
+            GroupTransport(
                 host=group_host,
                 port=conn.group_port,
+                rank=server_ranks,
                 world_size=server_ranks + 1,
                 backend=backend,
-                timeout_s=min(conn.timeout_s, MAX_GROUP_TIMEOUT_S),
-                digest_key=self._digest_key.hex(),
+                timeout_s=conn.timeout_s,
+                device=device,
             )
-            conn.sync_lease = None
-            reply = init_reply(conn, conn.post("/init_communicator/", body, "communicator init"))
-            if parse_digest_key(reply.digest_key, f"{conn.url} /init_communicator/") != self._digest_key:
-                raise SyncError(
-                    f"rollout server {conn.url}: /init_communicator/ answered another digest key than the trainer "
-                    "sent; is it a rollmatch server of the same protocol version?"
-                )
-            conn.sync_lease = reply.lease
-            self._transports.append(
-                GroupTransport(
-                    host=group_host,
-                    port=conn.group_port,
-                    rank=server_ranks,
-                    world_size=server_ranks + 1,
-                    backend=backend,
-                    timeout_s=conn.timeout_s,
-                    device=device,
-                )
-            )
-            self._group_members.append(conn)
+        )
+        self._group_members.append(conn)
         self._group_stale = False
 
     def _close_groups(self, *, notify: bool) -> None:

@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 _PROBE_EVERY_S = 5.0  # how often a down server is asked whether it is back (each probe: <= 2 s)
 _PROBE_TIMEOUT_S = 2.0
+_MAX_RESYNC_SKIPS = 32  # a server whose pushes keep failing is tried again at most every 33 pushes
 MIN_HEALTHY_KEY = f"{KEY}.server.min_healthy"
 
 
@@ -56,6 +57,9 @@ class ServerPool:
         self._down: dict[str, str] = {}  # url -> why it went down
         self._next_probe: dict[str, float] = {}
         self._version_floor = 0  # the newest weight version a reply of any server carried
+        self._version_ceiling: int | None = None  # the learner's version (None: not told yet)
+        self._push_failures: Counter[str] = Counter()  # url -> pushes failed in a row
+        self._resync_skips: dict[str, int] = {}  # url -> pushes left before it is tried again
         self._served: dict[str, int] = {}  # url -> the newest weight version a reply of that server carried
         self._sums: Counter[str] = Counter()
 
@@ -68,13 +72,15 @@ class ServerPool:
         """The servers in use now (no probing)."""
         return [c for c in self.connections if c.url not in self._down]
 
-    def mark_down(self, conn: ServerConnection, why: str) -> None:
-        """Stop using ``conn`` until it is re-admitted; counts one failover."""
+    def mark_down(self, conn: ServerConnection, why: str, *, count: bool = True) -> None:
+        """Stop using ``conn`` until it is re-admitted; counts one failover (``count``: False where another
+        client's pool already counted this failure)."""
         if conn.url in self._down:
             return
         self._down[conn.url] = why
         self._next_probe[conn.url] = time.monotonic() + _PROBE_EVERY_S
-        self._sums["servers/failovers"] += 1
+        if count:
+            self._sums["servers/failovers"] += 1
         log.warning(
             "rollout server %s marked down (%d of %d servers left): %s",
             conn.url,
@@ -87,11 +93,45 @@ class ServerPool:
         """``conn`` now serves ``version``, pushed by this run: use it again."""
         self.seen_version(version)
         self._served[conn.url] = int(version)
+        self._push_failures.pop(conn.url, None)
+        self._resync_skips.pop(conn.url, None)
         if self._down.pop(conn.url, None) is not None:
             log.warning("rollout server %s re-admitted at weight version %d", conn.url, version)
 
     def seen_version(self, version: int) -> None:
-        self._version_floor = max(self._version_floor, int(version))
+        """A reply carried ``version``; versions above the learner's (a server still at a version of a run
+        the learner resumed behind) never raise the re-admission floor."""
+        version = int(version)
+        if self._version_ceiling is not None and version > self._version_ceiling:
+            return
+        self._version_floor = max(self._version_floor, version)
+
+    def learner_pushed(self, version: int, servers: Sequence[str], why: str, *, count: bool) -> None:
+        """The learner's push of ``version`` reached exactly ``servers`` (urls): those serve it now, every
+        other server is down for this client too until a later push re-admits it (an actor's client
+        would otherwise keep rolling out on a server the learner can no longer update)."""
+        self._version_ceiling = int(version)
+        self._version_floor = min(self._version_floor, int(version))
+        for conn in self.connections:
+            if conn.url in servers:
+                self.admit(conn, version)
+            else:
+                self.mark_down(conn, why, count=count)
+
+    def push_failed(self, conn: ServerConnection) -> None:
+        """A push to ``conn`` failed: skip it in the next 1, 2, 4 ... (at most 32) pushes' re-syncs, so a
+        server that answers ``/health/`` but cannot take weights does not cost every push a failed
+        attempt and a second push."""
+        self._push_failures[conn.url] += 1
+        self._resync_skips[conn.url] = min(2 ** (self._push_failures[conn.url] - 1), _MAX_RESYNC_SKIPS)
+
+    def resync_due(self, conn: ServerConnection) -> bool:
+        """Whether the coming push should try to re-sync the down server ``conn`` (counts one push)."""
+        left = self._resync_skips.get(conn.url, 0)
+        if left > 0:
+            self._resync_skips[conn.url] = left - 1
+            return False
+        return True
 
     def check_served(self, conn: ServerConnection, versions: Sequence[int]) -> None:
         """Raise :class:`ServerDown` when ``conn`` answers at an older weight version than it answered at

@@ -40,7 +40,11 @@ from rollmatch.training.grpo_loss import grpo_settings
 from rollmatch.training.metric_summary import JsonlMetricsCallback, summarize
 from rollmatch.training.param_groups import freeze_groups
 from rollmatch.training.periodic_eval import DetectionEval, build_detection_eval
-from rollmatch.training.preemption import CheckpointOnWarning, install_warning_handler
+from rollmatch.training.preemption import (
+    CheckpointOnWarning,
+    ignore_warning_signal,
+    install_warning_handler,
+)
 from rollmatch.training.rollout_log import RolloutLog
 from rollmatch.training.sizing import check_row_sizing
 from rollmatch.training.step import SyncBeforeRollouts
@@ -64,8 +68,11 @@ def train_command(args: argparse.Namespace) -> int:
     install_warning_handler()  # from the first second: a warning while loading stops the run cleanly
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = load_config(args.config, args.overrides)
-    with exit_hard_on_fatal_distributed_error():  # a hung peer must not hang this rank's teardown
-        result = run_training(cfg)
+    try:
+        with exit_hard_on_fatal_distributed_error():  # a hung peer must not hang this rank's teardown
+            result = run_training(cfg)
+    finally:
+        ignore_warning_signal()  # a forward arriving while the process exits must not kill it
     if result.final_model_dir is None and result.stopped_before_training:
         print(
             f"stopped on the warning signal (SIGUSR1) before training (step {result.global_step}): nothing "

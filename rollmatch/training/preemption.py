@@ -49,6 +49,14 @@ def install_warning_handler() -> None:
         signal.signal(WARNING_SIGNAL, _record)
 
 
+def ignore_warning_signal() -> None:
+    """From now on SIGUSR1 is ignored: call when the process is about to exit. The launcher keeps
+    forwarding it until the learner exits, and Python restores the default (fatal) action of every signal
+    it handles while shutting down; an ignored one stays ignored."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(WARNING_SIGNAL, signal.SIG_IGN)
+
+
 def warning_received() -> bool:
     """SIGUSR1 reached this process since the last run that acted on it."""
     return _RECEIVED.is_set()

@@ -311,6 +311,7 @@ class ActorRolloutClient:
             rotate_servers=backend.rotate_servers,
             first_server=backend.collectives.rank,  # with rotate_servers: the ranks' actors start apart
         )
+        backend.followers.append(self._client.pool)  # the learner's push outcomes reach this client too
 
     @property
     def weight_version(self) -> int:

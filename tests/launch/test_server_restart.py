@@ -88,7 +88,8 @@ def test_a_killed_server_is_restarted_resynced_and_serves_again_while_the_run_tr
                 "async": {"version_window": 2, "max_wait_s": 30.0, "record_trace": True},
             },
         },
-        training={"max_steps": STEPS, "global_max_length": 320, "collective_timeout_s": 150},
+        # collective_timeout_s: a failover push may form groups twice (2 x timeout_s) below it
+        training={"max_steps": STEPS, "global_max_length": 320, "collective_timeout_s": 300},
         launch={"restart_servers": 1},
     )
     out = tmp_path / "out"
