@@ -138,6 +138,7 @@ class ServerBackend:
         self._group_members: list[ServerConnection] = []  # the servers of the open groups, in order
         self._digest_key = b""  # the groups' checksum key, sent with every init (sync.digest)
         self._group_stale = True
+        self._groups_failed = False  # a transfer on the open groups failed (see _close_groups)
         self._frozen_synced = False  # frozen weights (training.freeze) already pushed to every server
         self._export_sharded = False  # the last push gathered sharded parameters (ZeRO-3 / FSDP2)
         self._closed = False
@@ -470,6 +471,7 @@ class ServerBackend:
             )
         except Exception:
             self._group_stale = True  # a half-sent bucket leaves the group out of step: rebuild it next time
+            self._groups_failed = True  # and a peer may be dead: abort its communicator, never wait on it
             raise
         finally:
             tensors.drain()  # whatever failed, run the gathers other ranks wait in (sharded parameters)
@@ -538,7 +540,8 @@ class ServerBackend:
 
     def _close_groups(self, *, notify: bool) -> None:
         for transport in self._transports:
-            transport.close()
+            transport.close(abort=self._groups_failed)
+        self._groups_failed = False
         if notify and self.collectives.is_main:
             for conn in self.connections:
                 if conn.sync_lease is None:  # no group of ours there: nothing to close
