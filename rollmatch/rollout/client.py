@@ -101,6 +101,19 @@ class InferTiming:
         return self.round_trip_s - sum(self.server_s.values())
 
 
+_RETRY_SHARDED = (
+    "rollmatch: sharded push, second attempt"  # rank 0's outcome that asks every rank to gather again
+)
+
+
+class _ShardedRetry(Exception):
+    """Rank 0's sharded push failed on some servers and goes again to ``rest`` (every rank joins)."""
+
+    def __init__(self, rest: list[ServerConnection]):
+        super().__init__(f"re-send to {[c.url for c in rest]}")
+        self.rest = rest
+
+
 class ServerBackend:
     """Rollouts from rollout servers; weights pushed in memory by rank 0 (see the module docstring)."""
 
@@ -333,19 +346,36 @@ class ServerBackend:
         return outputs
 
     def sync_weights(self, model: Any, version: int) -> SyncReport:
-        """``barrier -> rank 0 pushes -> every rank gets the outcome`` (a failure raises on every rank)."""
+        """``barrier -> rank 0 pushes -> every rank gets the outcome`` (a failure raises on every rank).
+
+        Sharded parameters (ZeRO-3 / FSDP2): every rank takes part in each attempt's per-bucket gathers,
+        so a push that failed on some servers is re-sent to the rest as a second attempt every rank
+        joins (the outcome of the first says so), like a full-weight push's failover."""
         coll = self.collectives
         coll.barrier(f"weight sync v{version}: before push")
         outcome: SyncReport | str | None = None
         failure: Exception | None = None
-        if coll.is_main:
-            try:
-                outcome = self._push(model, version)
-            except Exception as exc:  # any cause (a DNS error, a bad answer): every rank must hear it
-                failure, outcome = exc, f"{type(exc).__name__}: {exc}"
-        else:  # sharded parameters (ZeRO-3 / FSDP2): take part in rank 0's per-bucket gathers
-            SyncTensors(model, self.sync_mode).drain()  # type: ignore[arg-type]
-        outcome = coll.broadcast_object(outcome, f"weight sync v{version}: after push")
+        rest: list[ServerConnection] | None = None
+        for attempt in (1, 2):
+            outcome, failure = None, None
+            if coll.is_main:
+                try:
+                    outcome = (
+                        self._push(model, version) if rest is None else self._push_to(model, version, rest)
+                    )
+                except _ShardedRetry as retry:
+                    rest, outcome = retry.rest, _RETRY_SHARDED
+                except Exception as exc:  # any cause (a DNS error, a bad answer): every rank must hear it
+                    failure, outcome = exc, f"{type(exc).__name__}: {exc}"
+            else:  # sharded parameters (ZeRO-3 / FSDP2): take part in rank 0's per-bucket gathers
+                SyncTensors(model, self.sync_mode).drain()  # type: ignore[arg-type]
+            outcome = coll.broadcast_object(
+                outcome, f"weight sync v{version}: after push (attempt {attempt})"
+            )
+            if outcome != _RETRY_SHARDED:
+                break
+        if outcome == _RETRY_SHARDED:
+            raise SyncError(f"weight push of version {version}: a second failover was asked for; a bug")
         if failure is not None:
             raise failure
         if isinstance(outcome, str):
@@ -392,12 +422,20 @@ class ServerBackend:
             return self._push_to(model, version, targets)
         except RollmatchError as exc:
             failed = self._failed_targets(exc, targets)
-            if not failed or len(targets) - len(failed) < self.pool.min_healthy or self._export_sharded:
-                raise  # nothing to go on with (sharded: the other ranks ran their gathers once already)
+            if not failed or len(targets) - len(failed) < self.pool.min_healthy:
+                raise  # nothing to go on with
             for conn in failed:
                 self.pool.mark_down(conn, f"weight push of version {version} failed: {exc}")
                 self.pool.push_failed(conn)
             rest = [conn for conn in targets if conn not in failed]
+            if self._export_sharded:  # the other ranks must join the second push's gathers: tell them first
+                log.warning(
+                    "weight push of version %d failed (%s): sending it again to %s (sharded: every rank gathers again)",
+                    version,
+                    exc,
+                    [c.url for c in rest],
+                )
+                raise _ShardedRetry(rest) from exc
             log.warning(
                 "weight push of version %d failed (%s): sending it again to %s",
                 version,
