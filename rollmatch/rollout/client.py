@@ -23,6 +23,7 @@ so no rank generates with stale weights and a failed push fails every rank; with
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import socket
@@ -356,13 +357,15 @@ class ServerBackend:
         outcome: SyncReport | str | None = None
         failure: Exception | None = None
         rest: list[ServerConnection] | None = None
+        started = time.perf_counter()  # sync/seconds: the whole push, probes, group formation and retries
         for attempt in (1, 2):
             outcome, failure = None, None
             if coll.is_main:
                 try:
-                    outcome = (
+                    pushed = (
                         self._push(model, version) if rest is None else self._push_to(model, version, rest)
                     )
+                    outcome = dataclasses.replace(pushed, seconds=time.perf_counter() - started)
                 except _ShardedRetry as retry:
                     rest, outcome = retry.rest, _RETRY_SHARDED
                 except Exception as exc:  # any cause (a DNS error, a bad answer): every rank must hear it

@@ -286,3 +286,15 @@ def test_a_pack_from_a_version_above_the_learners_is_dropped_and_never_trained()
     assert queue.reserve(2, current_version=2, version_window=1) == 1
     assert [p.version for p in queue.take_reserved(1)] == [2]
     assert queue.counts.dropped_stale == 1 and queue.counts.balance(len(queue)) == 0
+
+
+def test_the_ready_count_leaves_out_the_packs_a_step_trains() -> None:
+    """``async/queue_depth`` reports packs waiting to be trained, not the ones the step took."""
+    queue: ReadyPackQueue[int] = ReadyPackQueue(limit=8)
+    for n in (1, 2, 3):
+        queue.put(pack(0, n))
+    queue.reserve(2, current_version=0, version_window=0)
+    queue.take_reserved(1)
+    assert len(queue) == 3 and queue.ready == 2  # one in training, one reserved, one queued
+    queue.mark_trained(1)
+    assert len(queue) == 2 and queue.ready == 2

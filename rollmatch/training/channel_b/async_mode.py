@@ -213,7 +213,7 @@ class AsyncPacks:
         counts = self.queue.counts
         gauges: dict[str, tuple[GaugeKind, float]] = {
             f"{_PREFIX}/ver": ("first", float(self.ver)),
-            f"{_PREFIX}/queue_depth": ("spread", float(len(self.queue))),
+            f"{_PREFIX}/queue_depth": ("spread", float(self.queue.ready)),  # not the packs in training
             f"{_PREFIX}/rollouts_per_s": ("sum", (rollouts - before) / max(now - then, 1e-9)),
             f"{_PREFIX}/packs_produced_total": ("sum", float(counts.produced)),
             f"{_PREFIX}/packs_trained_total": ("sum", float(counts.trained)),

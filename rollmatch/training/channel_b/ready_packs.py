@@ -223,6 +223,12 @@ class ReadyPackQueue(Generic[S]):
         with self._lock:
             return len(self._packs) + len(self._reserved) + len(self._training)
 
+    @property
+    def ready(self) -> int:
+        """Packs waiting to be trained: queued or reserved (not those a step took and trains now)."""
+        with self._lock:
+            return len(self._packs) + len(self._reserved)
+
     def put(self, pack: ReadyPack[S]) -> None:
         with self._lock:
             pack.seq = self.counts.produced
