@@ -74,7 +74,7 @@ def resolve_resume(
                     RESUME_KEY,
                     spec,
                     f"incomplete checkpoint: it has no {COMPLETE_MARKER} (written last, after every rank "
-                    "saved its state), so the run crashed while saving it; use `auto` or `latest` (the "
+                    "saved its state), so the run crashed while saving it; use `latest` or `auto` (the "
                     "newest complete checkpoint) or name a complete one",
                 )
             ]
