@@ -290,6 +290,7 @@ class ServerBackend:
         self, conn: ServerConnection, chunk: Sequence[RolloutRequest], decoding: Decoding, seed: int
     ) -> tuple[list[Rollout], InferTiming]:
         start = time.perf_counter()
+        since = self.pool.served_version(conn)  # what this server answered at before this call was sent
         images = [self.image_wire.encode(r) for r in chunk]
         encoded = time.perf_counter()
         body = InferBody(
@@ -316,7 +317,7 @@ class ServerBackend:
         newest = [
             o.weight_version if o.weight_version_last is None else o.weight_version_last for o in outputs
         ]
-        self.pool.check_served(conn, newest)
+        self.pool.check_served(conn, newest, since=since)
         timing = InferTiming(
             server=conn.url,
             requests=len(chunk),

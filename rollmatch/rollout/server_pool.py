@@ -133,23 +133,32 @@ class ServerPool:
             return False
         return True
 
-    def check_served(self, conn: ServerConnection, versions: Sequence[int]) -> None:
+    def served_version(self, conn: ServerConnection) -> int:
+        """The newest version ``conn`` answered at so far (0: none yet): a call's ``since``."""
+        return self._served.get(conn.url, 0)
+
+    def check_served(
+        self, conn: ServerConnection, versions: Sequence[int], *, since: int | None = None
+    ) -> None:
         """Raise :class:`ServerDown` when ``conn`` answers at an older weight version than it answered at
         before (``versions``: the newest version behind each answer): one server process only moves
         forward, so another process answers on its port (restarted, serving the model directory's
         weights, not re-synced). Its answer is not used; the chunk goes to a healthy server and the
-        pusher re-syncs this one. (A client that never had an answer from that server cannot tell: in
+        pusher re-syncs this one. ``since``: what :meth:`served_version` said when this call was sent;
+        only that counts, since calls on one server end in any order (two re-sent chunks: the one that
+        ended first may carry a version pushed while the other ran). (A client that never had an answer from that server cannot tell: in
         async mode the version window drops such rollouts as stale; the other modes push before each
         rollout phase through the same client, and that push finds the restart first.)"""
         if not versions:
             return
-        before, oldest = self._served.get(conn.url, 0), min(versions)
+        served = self._served.get(conn.url, 0)
+        before, oldest = (served if since is None else since), min(versions)
         if oldest < before:
             raise ServerDown(
                 f"rollout server {conn.url} answered at weight version {oldest} after serving {before}: it "
                 "restarted and was not re-synced yet; its answer is dropped"
             )
-        self._served[conn.url] = max(before, max(versions))
+        self._served[conn.url] = max(served, max(versions))
 
     def check_enough(self) -> None:
         """Raise, naming every down server, when fewer than ``min_healthy`` are up."""

@@ -198,3 +198,19 @@ def test_a_server_whose_pushes_keep_failing_is_retried_after_1_2_4_pushes() -> N
     pool.admit(conn, 5)  # re-synced: the next failure starts over at one skipped push
     pool.push_failed(conn)
     assert not pool.resync_due(conn) and pool.resync_due(conn)
+
+
+def test_two_calls_on_one_server_ending_out_of_order_do_not_mark_it_down() -> None:
+    """Two re-sent chunks on one server: the one sent first ends last, at the version it started under,
+    after the other answered at a version pushed meanwhile. Each is judged against what the server had
+    answered when it was sent, so the server stays up; a real restart (older than at sending) still
+    marks it down."""
+    conn = _conn(f"http://127.0.0.1:{free_tcp_port()}")
+    pool = ServerPool([conn], min_healthy=1)
+    pool.check_served(conn, [4])
+    first_sent, second_sent = pool.served_version(conn), pool.served_version(conn)
+    pool.check_served(conn, [5], since=second_sent)  # the later call ends first, after a push to 5
+    pool.check_served(conn, [4], since=first_sent)  # the earlier one ends at 4: not a restart
+    assert not pool.is_down(conn) and pool.served_version(conn) == 5
+    with pytest.raises(ServerDown, match="answered at weight version 0 after serving 5"):
+        pool.check_served(conn, [0], since=pool.served_version(conn))
