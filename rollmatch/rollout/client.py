@@ -34,8 +34,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import ValidationError
-
 from rollmatch.collectives import Collectives
 from rollmatch.config.resolved import ResolvedRun
 from rollmatch.errors import (
@@ -48,13 +46,11 @@ from rollmatch.errors import (
 )
 from rollmatch.models.wrappers import strip_parallel_wrappers
 from rollmatch.protocol import (
-    INFER_REPLY,
     MAX_GROUP_TIMEOUT_S,
     SERVER_TIMING_HEADER,
     InferBody,
     InferRequest,
     InitCommunicatorBody,
-    RolloutOutput,
     ServerInfo,
     parse_server_timing,
     request_config_from_decoding,
@@ -62,7 +58,7 @@ from rollmatch.protocol import (
 from rollmatch.rollout.chunking import contiguous_chunks
 from rollmatch.rollout.connection import KEY, ServerConnection, encode_body
 from rollmatch.rollout.image_wire import ImageWire, OriginalPng, build_image_wire
-from rollmatch.rollout.replies import init_reply, reply_rollout
+from rollmatch.rollout.replies import init_reply, parse_infer_reply, reply_rollout
 from rollmatch.rollout.server_compat import LocalModelInfo, local_model_info, server_mismatches
 from rollmatch.rollout.server_pool import ServerPool
 from rollmatch.rollout.types import Decoding, Rollout, RolloutProvenance, RolloutRequest, SyncReport
@@ -306,7 +302,7 @@ class ServerBackend:
             "/infer/", payload, f"rollout of {len(chunk)} request(s)", timeout_s=conn.infer_timeout_s
         )
         answered = time.perf_counter()
-        outputs = self._parse_reply(conn, reply.content, len(chunk))
+        outputs = parse_infer_reply(conn, reply.content, len(chunk))
         provenance = RolloutProvenance(backend=self.name, seed=seed, decoding=decoding, server=conn.url)
         rollouts = [
             reply_rollout(conn, request, output, provenance)
@@ -330,22 +326,6 @@ class ServerBackend:
             server_s=parse_server_timing(reply.headers.get(SERVER_TIMING_HEADER, "")),
         )
         return rollouts, timing
-
-    @staticmethod
-    def _parse_reply(conn: ServerConnection, content: bytes, expected: int) -> list[RolloutOutput]:
-        try:
-            outputs = INFER_REPLY.validate_json(content)
-        except ValidationError as exc:
-            first = exc.errors(include_input=False, include_url=False)[0]
-            raise BackendError(
-                f"rollout server {conn.url}: /infer/ answered something that is not a list of rollout outputs "
-                f"({'.'.join(map(str, first['loc'])) or 'answer'}: {first['msg']}); is it a rollmatch server?"
-            ) from None
-        if len(outputs) != expected:
-            raise BackendError(
-                f"rollout server {conn.url}: sent {expected} requests, got {len(outputs)} outputs"
-            )
-        return outputs
 
     def sync_weights(self, model: Any, version: int) -> SyncReport:
         """``barrier -> rank 0 pushes -> every rank gets the outcome`` (a failure raises on every rank).
