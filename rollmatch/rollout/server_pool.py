@@ -15,7 +15,10 @@ push, not admitted), and that version is not older than the newest this client h
 answers at an older version than it answered at before restarted behind the client's back (a call re-sent
 on a fresh connection reached the new process): :meth:`check_served` marks it down the same way. The learner's
 pusher brings it there: it pushes full weights on fresh groups to every down server that answers
-``/health/`` again (``rollout.client``), then :meth:`admit` marks it up at once. Leaves out: HTTP
+``/health/`` again (``rollout.client``), then :meth:`admit` marks it up at once. Every push outcome
+also reaches the async actors' pools (:meth:`learner_pushed`): a server the push left out is down for
+them too, and the learner's version caps the versions that raise the re-admission floor. A server whose
+pushes keep failing is re-tried with back-off (:meth:`push_failed`, :meth:`resync_due`). Leaves out: HTTP
 (``rollout.connection``), chunking and the weight push itself (``rollout.client``).
 """
 
@@ -164,7 +167,9 @@ class ServerPool:
         """Raise, naming every down server, when fewer than ``min_healthy`` are up."""
         if len(self.healthy) >= self.min_healthy:
             return
-        down = "; ".join(f"{url} ({why})" for url, why in self._down.items())
+        down = "; ".join(
+            f"{url} ({why})" for url, why in list(self._down.items())
+        )  # the learner's thread may update it
         lower = (
             f", or lower {MIN_HEALTHY_KEY} to keep training on the others"
             if len(self.connections) > 1
