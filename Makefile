@@ -72,3 +72,10 @@ bench: $(STAMP)
 	# Scripts with a __main__ block, less health_prober.py (server_hammer.py runs it).
 	for b in bench/*.py; do grep -q '__main__' $$b && [ $$b != bench/health_prober.py ] || continue; \
 	  echo "== $$b"; $(VENV)/bin/python $$b || exit 1; done
+
+# The GPU check (tools/gpu_check.py, docs/runbook.md "GPU check"): run first on any GPU machine, with that
+# machine's own PyTorch and this package (`GPU_PY=... make gpu-check`); one JSON, pass / fail per item.
+GPU_PY ?= python3
+.PHONY: gpu-check
+gpu-check:
+	PYTHONPATH=$(CURDIR):$$PYTHONPATH $(GPU_PY) tools/gpu_check.py

@@ -99,5 +99,15 @@ class SyncError(BackendError):
     """A weight update failed; the receiver keeps serving its previous version."""
 
 
+class ServerSyncFailure(SyncError):
+    """Forming the weight-sync group with one rollout server failed (its ``/init_communicator/`` call or
+    the trainer's side of the group): ``server_url`` says which server, whatever the cause's text names
+    (a group error names ``host:group_port``), so the push failover drops that server."""
+
+    def __init__(self, server_url: str, message: str):
+        super().__init__(message)
+        self.server_url = server_url
+
+
 class CollectiveTimeoutError(RollmatchError):
     """A collective (barrier, broadcast, all-reduce) did not complete in time; names the phase."""

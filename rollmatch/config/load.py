@@ -34,6 +34,7 @@ from pydantic.fields import FieldInfo
 from rollmatch.config.frames import describe_coord_frame
 from rollmatch.config.legacy import aliased_section_conflicts, translate_legacy
 from rollmatch.config.resolved import resolved_values
+from rollmatch.config.resume import resolve_resume
 from rollmatch.config.rules import check_config
 from rollmatch.config.schema import RollmatchConfig
 from rollmatch.config.trl_names import translate_trl_names
@@ -107,14 +108,21 @@ def check_config_command(args: argparse.Namespace) -> int:
     try:
         frame = describe_coord_frame(cfg.data.coord_frame, cfg.model.path, cfg.custom.object_format)
         resolved = resolved_values(cfg)
+        resume_from = resolve_resume(  # the trainer's rule, on this machine's output_dir
+            cfg.training.resume_from_checkpoint,
+            cfg.training.output_dir,
+            None,
+            overwrite=cfg.training.overwrite_output_dir,
+        )
     except ConfigError as exc:
         _print_problems(args.config, exc)
         return 2
     if getattr(args, "json", False):
-        print(json.dumps({**_plain(cfg), "resolved": resolved}, indent=2))
+        print(json.dumps({**_plain(cfg), "resolved": {**resolved, "resume_from": resume_from}}, indent=2))
     else:
         print(config_to_yaml(cfg), end="")
     print(f"resolved: {frame}", file=sys.stderr)
+    print(f"resolved: training starts from {resume_from or 'step 0'}", file=sys.stderr)
     return 0
 
 

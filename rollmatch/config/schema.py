@@ -270,6 +270,14 @@ class ServerConfig(Section):
         "is used again once re-synced to the learner's weights. null: every server (the first failure ends "
         "the run). docs/runbook.md 'When a server dies'.",
     )
+    rotate_servers: bool = Field(
+        False,
+        description="Opt-in departure from the seed's distribution rule. false (the rule): server i gets "
+        "requests [i*chunk : (i+1)*chunk] of every call, so the same requests always reach the same server "
+        "indices (calls of fewer requests than servers use only the first ones). true: each call starts one "
+        "server further on, and each async actor starts at its learner rank, spreading small calls over every "
+        "server (bench/server_distribution.py measures the split).",
+    )
     image_wire: Literal["png", "resized_bmp"] = Field(
         "png",
         description="How /infer/ carries images. png: each original image as PNG (any swift-style server). "
@@ -487,7 +495,21 @@ class TrainingConfig(Section):
         description="Per module group (as in `freeze`): its learning rate is `learning_rate` x this, through "
         "warmup and decay, e.g. `{vision_tower: 0.1}`; a group not listed gets 1. Not with `model.lora.enabled`.",
     )
-    resume_from_checkpoint: str | None = Field(None, description="Checkpoint dir, or `latest`.")
+    resume_from_checkpoint: str | None = Field(
+        "auto",
+        description="Where training starts. `auto`: from the newest complete checkpoint under `output_dir` when "
+        "there is one, else step 0 (a resubmitted, requeued or rerun job goes on; with `overwrite_output_dir: "
+        "true`, step 0). `latest`: the same, also under `overwrite_output_dir`. A checkpoint dir: that one (it "
+        "must be complete). null: step 0, refused over complete checkpoints unless `overwrite_output_dir`. "
+        "Checkpoints that exist but none complete, or saved by another world size, are refused.",
+    )
+    overwrite_output_dir: bool = Field(
+        False,
+        description="Start at step 0 although `output_dir` holds complete checkpoints of an earlier run (with "
+        "`resume_from_checkpoint` `auto` or null); `save_total_limit` then deletes them as new ones are saved. "
+        "Applies to every start of that config, a resubmitted job's included: remove it once the new run saved "
+        "its first checkpoint.",
+    )
     deepspeed: str | None = Field(None, description="DeepSpeed JSON config path (HF Trainer integration).")
     dataloader_num_workers: int = Field(0, ge=0, description="DataLoader worker processes (0: main process).")
     collective_timeout_s: float = Field(
@@ -650,14 +672,17 @@ class SlurmSettings(Section):
     signal_warning_s: int | None = Field(
         120,
         gt=0,
-        description="`#SBATCH --signal=B:USR1@<s>`: this long before the time limit the script tells every node; "
-        "the learner saves a complete checkpoint and stops, and the job requeues itself (`requeue`). null: no "
-        "warning signal.",
+        description="`#SBATCH --signal=USR1@<s>`: this long before the time limit Slurm signals every step (each "
+        "node's `rollmatch launch`; not `B:USR1`, which would signal only the batch shell); the learner saves a "
+        "complete checkpoint and stops, and the job requeues itself (`requeue`). Leave it above one save + one step "
+        "+ `stage2_ab.channel_b.async.max_wait_s`: the learner measures the first two and warns when it is not. "
+        "null: no warning signal.",
     )
     requeue: bool = Field(
         True,
         description="`#SBATCH --requeue`: a preempted job, or one stopped by the warning signal, goes back to the "
-        "queue and resumes from its latest complete checkpoint (`training.resume_from_checkpoint=latest`).",
+        "queue and resumes from its latest complete checkpoint (`training.resume_from_checkpoint=latest`); without "
+        "it, resubmit the script: `auto` (the default) resumes as well.",
     )
     options: list[str] = Field(
         default_factory=list,

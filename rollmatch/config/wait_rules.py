@@ -62,7 +62,9 @@ def rule_async_on_policy(cfg: RollmatchConfig) -> list[ConfigProblem]:
 
 def first_push_problems(cfg: RollmatchConfig, *, world_size: int) -> list[ConfigProblem]:
     """Rank 0 forms the weight-sync groups in the first push (each server's rendezvous waits up to
-    ``vllm.server.timeout_s``) while the other ranks wait in a collective: it must fail or finish first."""
+    ``vllm.server.timeout_s``) while the other ranks wait in a collective: it must fail or finish first.
+    With failover (``min_healthy`` set) a push whose group formation failed is sent again to the other
+    servers, forming their groups anew: two such waits must fit."""
     rm = cfg.rollout
     if (
         world_size <= 1
@@ -72,16 +74,24 @@ def first_push_problems(cfg: RollmatchConfig, *, world_size: int) -> list[Config
     ):
         return []
     timeout = cfg.training.collective_timeout_s
-    most = timeout - collective_margin_s(timeout)
+    attempts = 1 if rm.vllm.server.min_healthy is None else 2  # failover: the push goes again to the rest
+    most = (timeout - collective_margin_s(timeout)) / attempts
     if rm.vllm.server.timeout_s <= most:
         return []
+    failover = (
+        ""
+        if attempts == 1
+        else f" With {_SERVER}.min_healthy set, a push whose group formation failed is sent once more to the "
+        "other servers (new groups): two such waits must fit."
+    )
     return [
         ConfigProblem(
             f"{_SERVER}.timeout_s",
             rm.vllm.server.timeout_s,
             f"above training.collective_timeout_s = {timeout:g} minus its margin of {collective_margin_s(timeout):g} "
-            f"s (world_size={world_size}): while rank 0 forms the weight-sync group of the first push (a server's "
-            "rendezvous waits up to timeout_s) the other ranks wait in a collective and would time out before "
-            f"rank 0 can tell them why; set timeout_s <= {most:g} or raise training.collective_timeout_s",
+            f"s{' (halved: failover)' if attempts == 2 else ''} (world_size={world_size}): while rank 0 forms the "
+            "weight-sync group of the first push (a server's rendezvous waits up to timeout_s) the other ranks wait "
+            f"in a collective and would time out before rank 0 can tell them why.{failover} Set timeout_s <= "
+            f"{most:g} or raise training.collective_timeout_s",
         )
     ]

@@ -14,7 +14,9 @@ Preemption: ``--signal=USR1@<launch.slurm.signal_warning_s>`` reaches every node
 learner saves a complete checkpoint and stops, its launchers exit
 :data:`~rollmatch.launch.supervisor.EXIT_PREEMPTED`, and the script requeues the job
 (``launch.slurm.requeue``), which resumes from the latest complete checkpoint
-(``training.resume_from_checkpoint=latest`` once ``SLURM_RESTART_COUNT`` > 0). Any other failing step
+(``training.resume_from_checkpoint=latest`` once ``SLURM_RESTART_COUNT`` > 0). A resubmitted script
+(after a TIMEOUT, or with ``requeue: false``) resumes too: the key's default, ``auto``, goes on from the
+newest complete checkpoint of ``training.output_dir`` (``config.resume``). Any other failing step
 stops the others.
 Leaves out: what each launch starts (``launch.plan``); Slurm itself is never called here.
 """
@@ -138,6 +140,8 @@ def slurm_script(cfg: RollmatchConfig, request: LaunchRequest, *, python: str = 
         '  "launch.nodes.rendezvous=$RDZV"',
         '  "launch.nodes.rendezvous_id=rollmatch-$SLURM_JOB_ID"',
         ")",
+        "# a resubmitted job resumes as well: training.resume_from_checkpoint: auto (the default) goes on from",
+        "# the newest complete checkpoint of training.output_dir",
         'if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then  # requeued: go on from the latest complete checkpoint',
         "  LAUNCH+=(training.resume_from_checkpoint=latest)",
         "fi",

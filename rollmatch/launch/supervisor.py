@@ -119,6 +119,13 @@ class _StopSignals:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)  # type: ignore[arg-type]
 
+    def pause(self, seconds: float) -> bool:
+        """Sleep up to ``seconds``, woken early by a new signal (True). The signal stays recorded in
+        ``received`` / ``warned``; the event is cleared, so the loops idle after it instead of spinning."""
+        woke = self.event.wait(seconds)
+        self.event.clear()
+        return woke
+
     def _record(self, signum: int, frame: FrameType | None) -> None:
         if signum == signal.SIGUSR1:
             self.warned = True
@@ -150,6 +157,7 @@ class _Run:
         self._seen: dict[int, list[dict[str, Any]]] = {}
         self._pids_written = 0.0
         self._restarts: dict[str, int] = {}  # server name -> restarts so far
+        self._given_up: set[str] = set()  # servers left down: the others still meet vllm.server.min_healthy
         self._answered: dict[str, float] = {}  # server name -> when /health/ last answered 200 (restarts on)
         self._next_health = 0.0
         self._session = requests.Session()
@@ -257,7 +265,7 @@ class _Run:
                     f"node healthy{others} after {now - start:.0f}s (timeout {timeout_s:.0f}s)"
                 )
             self._refresh_pids()
-            stop.event.wait(_POLL_S)
+            stop.pause(_POLL_S)
         return None
 
     def _watch(self, stop: _StopSignals, learner: Child | None) -> Outcome:
@@ -266,9 +274,9 @@ class _Run:
         while True:
             if stop.received is not None:
                 return self._signalled(stop.received)
-            if stop.warned and not warned:
+            if stop.warned:  # again every poll: a rank still starting (signal ignored until then) gets it too
+                self._warn(learner, say=not warned)
                 warned = True
-                self._warn(learner)
             if (lost := self._node_lost()) is not None:
                 return lost
             if learner is None and (done := self._learners_done()) is not None:
@@ -279,7 +287,14 @@ class _Run:
             if learner is not None and (code := learner.exit_code()) is not None:
                 if code != 0:  # a server crash that made the learner fail is reported as the cause
                     time.sleep(_POLL_S)
-                    dead = next((s for s in self.servers if s.exit_code() is not None), None)
+                    dead = next(
+                        (
+                            s
+                            for s in self.servers
+                            if s.exit_code() is not None and s.spec.name not in self._given_up
+                        ),
+                        None,
+                    )
                     if dead is not None:
                         return self._server_failed(dead, "while the learner was running")
                 elapsed = time.monotonic() - started
@@ -287,7 +302,7 @@ class _Run:
                     return Outcome(
                         EXIT_PREEMPTED,
                         f"learner stopped on the warning signal after {elapsed:.0f}s with a complete checkpoint "
-                        f"(log {learner.spec.log_path}): resume with training.resume_from_checkpoint=latest",
+                        f"(log {learner.spec.log_path}): rerun or resubmit to resume (training.resume_from_checkpoint: auto)",
                     )
                 status = "finished" if code == 0 else "failed"
                 message = f"learner {status} with exit code {code} after {elapsed:.0f}s (log {learner.spec.log_path})"
@@ -299,7 +314,7 @@ class _Run:
                         return Outcome(EXIT_NODE_LOST, f"{cause}; this node's {message}")
                 return Outcome(code if code >= 0 else 128 - code, message)
             self._refresh_pids()
-            stop.event.wait(_POLL_S)
+            stop.pause(_POLL_S)
 
     def _restart_failed_servers(self, stop: _StopSignals, learner: Child | None) -> Outcome | None:
         """Restart each server that exited or stopped answering ``/health/`` while restarts are left
@@ -308,11 +323,15 @@ class _Run:
         if self.plan.restart_servers and learner is not None and learner.exit_code() is not None:
             return None  # the learner ended (its exit code tells how): no server is needed any more
         for index, child in enumerate(self.servers):
+            if child.spec.name in self._given_up:
+                continue
             why = self._server_problem(child)
             if why is None:
                 continue
             used = self._restarts.get(child.spec.name, 0)
             if used >= self.plan.restart_servers:
+                if self._spare(child, why, used, when):
+                    continue
                 if used == 0:
                     return self._server_failed(child, when)
                 return Outcome(
@@ -329,7 +348,7 @@ class _Run:
                 f"the same devices and port (restart {used + 1} of {self.plan.restart_servers}). Last lines of "
                 f"{child.spec.log_path}:\n{child.log_tail(5)}"
             )
-            if stop.event.wait(backoff_s) and (stop.received is not None or stop.warned):
+            if stop.pause(backoff_s) and (stop.received is not None or stop.warned):
                 return None  # the watch loop acts on the signal
             self._restarts[child.spec.name] = used + 1
             log = child.spec.log_path  # kept: why it died; the restart writes a fresh one
@@ -338,6 +357,26 @@ class _Run:
             self.servers[index] = self._start(child.spec)
             self._answered[child.spec.name] = time.monotonic()  # it gets the start-up timeout to answer
         return None
+
+    def _spare(self, child: Child, why: str, used: int, when: str) -> bool:
+        """Leave ``child`` down (out of restarts) when the other servers still meet
+        ``vllm.server.min_healthy``: the learner trains on without it (its pool dropped it), so the launch
+        goes on. False (the launch ends) with ``min_healthy`` null, or when too few would be left."""
+        floor = self.plan.learner_config.rollout.vllm.server.min_healthy
+        total = max(len(self.plan.endpoints), len(self.servers))
+        left = total - len(self._given_up) - 1
+        if floor is None or left < floor:
+            return False
+        self._given_up.add(child.spec.name)
+        if child.exit_code() is None:
+            terminate_all([child], self._grace_s)
+        self.console.say(
+            f"rollout server {child.spec.name} ({child.spec.url}) {why} {when}, after {used} restart(s) "
+            f"(launch.restart_servers = {self.plan.restart_servers}): left down; the learner trains on with "
+            f"{left} of {total} server(s) (vllm.server.min_healthy = {floor}). Last lines of "
+            f"{child.spec.log_path}:\n{child.log_tail(5)}"
+        )
+        return True
 
     def _server_problem(self, child: Child) -> str | None:
         """Why ``child`` needs a restart: it exited, or (restarts on) ``/health/`` has not answered 200
@@ -360,10 +399,14 @@ class _Run:
             return f"did not answer /health/ for {silent_s:.0f}s ({_TIMEOUT_KEY})"
         return None
 
-    def _warn(self, learner: Child | None) -> None:
+    def _warn(self, learner: Child | None, *, say: bool) -> None:
         """SIGUSR1 to torchrun's ranks (its direct children), which save a checkpoint at the end of the
-        current step and stop; torchrun itself ignores it (``launch.processes``)."""
+        current step and stop; torchrun itself ignores it (``launch.processes``). Sent on every poll until
+        the learner exits: ranks handle it from process start, but one still starting (before
+        ``rollmatch train`` installed its handler, the signal is ignored) must get it once it can."""
         if learner is None:
+            if not say:
+                return
             self.console.say(
                 "received SIGUSR1 (the scheduler's warning): the learner nodes save a checkpoint and stop; "
                 "this node's servers run until they do"
@@ -378,6 +421,8 @@ class _Run:
                 rank.send_signal(signal.SIGUSR1)
             except psutil.Error:
                 continue  # exited meanwhile
+        if not say:
+            return
         self.console.say(
             "received SIGUSR1 (the scheduler's warning): forwarded to the learner, which saves a complete "
             "checkpoint at the end of its current step and stops"

@@ -23,6 +23,7 @@ so no rank generates with stale weights and a failed push fails every rank; with
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import socket
@@ -33,20 +34,23 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import ValidationError
-
 from rollmatch.collectives import Collectives
 from rollmatch.config.resolved import ResolvedRun
-from rollmatch.errors import BackendError, ConfigError, ConfigProblem, RollmatchError, SyncError
+from rollmatch.errors import (
+    BackendError,
+    ConfigError,
+    ConfigProblem,
+    RollmatchError,
+    ServerSyncFailure,
+    SyncError,
+)
 from rollmatch.models.wrappers import strip_parallel_wrappers
 from rollmatch.protocol import (
-    INFER_REPLY,
     MAX_GROUP_TIMEOUT_S,
     SERVER_TIMING_HEADER,
     InferBody,
     InferRequest,
     InitCommunicatorBody,
-    RolloutOutput,
     ServerInfo,
     parse_server_timing,
     request_config_from_decoding,
@@ -54,7 +58,7 @@ from rollmatch.protocol import (
 from rollmatch.rollout.chunking import contiguous_chunks
 from rollmatch.rollout.connection import KEY, ServerConnection, encode_body
 from rollmatch.rollout.image_wire import ImageWire, OriginalPng, build_image_wire
-from rollmatch.rollout.replies import init_reply, reply_rollout
+from rollmatch.rollout.replies import init_reply, parse_infer_reply, reply_rollout
 from rollmatch.rollout.server_compat import LocalModelInfo, local_model_info, server_mismatches
 from rollmatch.rollout.server_pool import ServerPool
 from rollmatch.rollout.types import Decoding, Rollout, RolloutProvenance, RolloutRequest, SyncReport
@@ -94,6 +98,19 @@ class InferTiming:
         return self.round_trip_s - sum(self.server_s.values())
 
 
+_RETRY_SHARDED = (
+    "rollmatch: sharded push, second attempt"  # rank 0's outcome that asks every rank to gather again
+)
+
+
+class _ShardedRetry(Exception):
+    """Rank 0's sharded push failed on some servers and goes again to ``rest`` (every rank joins)."""
+
+    def __init__(self, rest: list[ServerConnection]):
+        super().__init__(f"re-send to {[c.url for c in rest]}")
+        self.rest = rest
+
+
 class ServerBackend:
     """Rollouts from rollout servers; weights pushed in memory by rank 0 (see the module docstring)."""
 
@@ -110,11 +127,16 @@ class ServerBackend:
         bucket_bytes: int = 64 << 20,
         image_wire: ImageWire | None = None,
         min_healthy: int | None = None,
+        rotate_servers: bool = False,
+        first_server: int = 0,
     ):
         if not connections:
             raise BackendError("ServerBackend needs at least one server connection")
         self.connections = list(connections)
         self.pool = ServerPool(self.connections, min_healthy=min_healthy)
+        # Other clients of the same servers in this process (each async actor's): every push outcome
+        # reaches their pools too, so a server the push left out is dropped by them as well.
+        self.followers: list[ServerPool] = []
         self.collectives = collectives
         self.tokenizer = tokenizer
         self.sync_mode = sync_mode
@@ -126,10 +148,13 @@ class ServerBackend:
         self._group_members: list[ServerConnection] = []  # the servers of the open groups, in order
         self._digest_key = b""  # the groups' checksum key, sent with every init (sync.digest)
         self._group_stale = True
+        self._groups_failed = False  # a transfer on the open groups failed (see _close_groups)
         self._frozen_synced = False  # frozen weights (training.freeze) already pushed to every server
         self._export_sharded = False  # the last push gathered sharded parameters (ZeRO-3 / FSDP2)
         self._closed = False
-        self._calls = 0  # generate() calls so far: where the next one starts (see generate)
+        self.rotate_servers = rotate_servers
+        self.first_server = int(first_server)  # with rotate_servers: where this client's first call starts
+        self._calls = 0  # generate() calls so far: where the next one starts (with rotate_servers)
         self.last_infer_timings: list[InferTiming] = []  # one per server of the latest generate()
 
     @classmethod
@@ -173,6 +198,7 @@ class ServerBackend:
             fallback_to_full=vllm.sync.fallback_to_full,
             image_wire=build_image_wire(vllm.server.image_wire, processor),
             min_healthy=vllm.server.min_healthy,
+            rotate_servers=vllm.server.rotate_servers,
         )
         with ThreadPoolExecutor(max_workers=len(connections)) as pool:
             list(pool.map(ServerConnection.wait_healthy, connections))
@@ -205,8 +231,9 @@ class ServerBackend:
             )
 
     def generate(self, requests: Sequence[RolloutRequest], decoding: Decoding, seed: int) -> list[Rollout]:
-        """Split into contiguous chunks (one per healthy server, starting one server further on each
-        call), roll out in parallel, keep request order.
+        """Split into contiguous chunks (one per healthy server: healthy server ``i`` gets chunk ``i`` on
+        every call, the seed's rule; with ``rotate_servers`` each call starts one server further on), roll
+        out in parallel, keep request order.
 
         ``seed`` is the step's seed (:func:`~rollmatch.rollout.chunking.step_seed`); the chunk starting
         at request ``s`` is sent with ``seed + s``, also when it is re-sent to another server.
@@ -214,11 +241,13 @@ class ServerBackend:
         if not requests:
             return []
         servers = self.pool.usable()
-        # Each call starts at the next server: calls of fewer requests than servers (a single record, a
-        # partial decode batch) spread over every server instead of all landing on the first.
-        first = self._calls % len(servers)
+        if self.rotate_servers:
+            # Opt-in departure from the seed's rule: calls of fewer requests than servers (a single
+            # record, an async actor's small call) spread over every server instead of all landing on
+            # the first.
+            first = (self.first_server + self._calls) % len(servers)
+            servers = servers[first:] + servers[:first]
         self._calls += 1
-        servers = servers[first:] + servers[:first]
         jobs = [
             (conn, (start, end))
             for conn, (start, end) in zip(
@@ -257,6 +286,7 @@ class ServerBackend:
         self, conn: ServerConnection, chunk: Sequence[RolloutRequest], decoding: Decoding, seed: int
     ) -> tuple[list[Rollout], InferTiming]:
         start = time.perf_counter()
+        since = self.pool.served_version(conn)  # what this server answered at before this call was sent
         images = [self.image_wire.encode(r) for r in chunk]
         encoded = time.perf_counter()
         body = InferBody(
@@ -272,7 +302,7 @@ class ServerBackend:
             "/infer/", payload, f"rollout of {len(chunk)} request(s)", timeout_s=conn.infer_timeout_s
         )
         answered = time.perf_counter()
-        outputs = self._parse_reply(conn, reply.content, len(chunk))
+        outputs = parse_infer_reply(conn, reply.content, len(chunk))
         provenance = RolloutProvenance(backend=self.name, seed=seed, decoding=decoding, server=conn.url)
         rollouts = [
             reply_rollout(conn, request, output, provenance)
@@ -283,7 +313,7 @@ class ServerBackend:
         newest = [
             o.weight_version if o.weight_version_last is None else o.weight_version_last for o in outputs
         ]
-        self.pool.check_served(conn, newest)
+        self.pool.check_served(conn, newest, since=since)
         timing = InferTiming(
             server=conn.url,
             requests=len(chunk),
@@ -297,44 +327,49 @@ class ServerBackend:
         )
         return rollouts, timing
 
-    @staticmethod
-    def _parse_reply(conn: ServerConnection, content: bytes, expected: int) -> list[RolloutOutput]:
-        try:
-            outputs = INFER_REPLY.validate_json(content)
-        except ValidationError as exc:
-            first = exc.errors(include_input=False, include_url=False)[0]
-            raise BackendError(
-                f"rollout server {conn.url}: /infer/ answered something that is not a list of rollout outputs "
-                f"({'.'.join(map(str, first['loc'])) or 'answer'}: {first['msg']}); is it a rollmatch server?"
-            ) from None
-        if len(outputs) != expected:
-            raise BackendError(
-                f"rollout server {conn.url}: sent {expected} requests, got {len(outputs)} outputs"
-            )
-        return outputs
-
     def sync_weights(self, model: Any, version: int) -> SyncReport:
-        """``barrier -> rank 0 pushes -> every rank gets the outcome`` (a failure raises on every rank)."""
+        """``barrier -> rank 0 pushes -> every rank gets the outcome`` (a failure raises on every rank).
+
+        Sharded parameters (ZeRO-3 / FSDP2): every rank takes part in each attempt's per-bucket gathers,
+        so a push that failed on some servers is re-sent to the rest as a second attempt every rank
+        joins (the outcome of the first says so), like a full-weight push's failover."""
         coll = self.collectives
         coll.barrier(f"weight sync v{version}: before push")
         outcome: SyncReport | str | None = None
         failure: Exception | None = None
-        if coll.is_main:
-            try:
-                outcome = self._push(model, version)
-            except Exception as exc:  # any cause (a DNS error, a bad answer): every rank must hear it
-                failure, outcome = exc, f"{type(exc).__name__}: {exc}"
-        else:  # sharded parameters (ZeRO-3 / FSDP2): take part in rank 0's per-bucket gathers
-            SyncTensors(model, self.sync_mode).drain()  # type: ignore[arg-type]
-        outcome = coll.broadcast_object(outcome, f"weight sync v{version}: after push")
+        rest: list[ServerConnection] | None = None
+        started = time.perf_counter()  # sync/seconds: the whole push, probes, group formation and retries
+        for attempt in (1, 2):
+            outcome, failure = None, None
+            if coll.is_main:
+                try:
+                    pushed = (
+                        self._push(model, version) if rest is None else self._push_to(model, version, rest)
+                    )
+                    outcome = dataclasses.replace(pushed, seconds=time.perf_counter() - started)
+                except _ShardedRetry as retry:
+                    rest, outcome = retry.rest, _RETRY_SHARDED
+                except Exception as exc:  # any cause (a DNS error, a bad answer): every rank must hear it
+                    failure, outcome = exc, f"{type(exc).__name__}: {exc}"
+            else:  # sharded parameters (ZeRO-3 / FSDP2): take part in rank 0's per-bucket gathers
+                SyncTensors(model, self.sync_mode).drain()  # type: ignore[arg-type]
+            outcome = coll.broadcast_object(
+                outcome, f"weight sync v{version}: after push (attempt {attempt})"
+            )
+            if outcome != _RETRY_SHARDED:
+                break
+        if outcome == _RETRY_SHARDED:
+            raise SyncError(f"weight push of version {version}: a second failover was asked for; a bug")
         if failure is not None:
             raise failure
         if isinstance(outcome, str):
             raise SyncError(f"rank 0's weight push of version {version} failed: {outcome}")
         self._version = outcome.version
-        for conn in self.connections:  # every rank uses the servers rank 0 pushed to at once
-            if conn.url in outcome.servers:
-                self.pool.admit(conn, outcome.version)
+        # Every rank, and every actor's client, uses exactly the servers rank 0 pushed to: the others are
+        # down until a later push re-syncs them (rank 0 counted the failover when the push failed).
+        why = f"left out of the weight push of version {outcome.version} (its push failed or it is down)"
+        for pool in (self.pool, *self.followers):
+            pool.learner_pushed(outcome.version, outcome.servers, why, count=False)
         return outcome
 
     def close(self) -> None:
@@ -371,11 +406,20 @@ class ServerBackend:
             return self._push_to(model, version, targets)
         except RollmatchError as exc:
             failed = self._failed_targets(exc, targets)
-            if not failed or len(targets) - len(failed) < self.pool.min_healthy or self._export_sharded:
-                raise  # nothing to go on with (sharded: the other ranks ran their gathers once already)
+            if not failed or len(targets) - len(failed) < self.pool.min_healthy:
+                raise  # nothing to go on with
             for conn in failed:
                 self.pool.mark_down(conn, f"weight push of version {version} failed: {exc}")
+                self.pool.push_failed(conn)
             rest = [conn for conn in targets if conn not in failed]
+            if self._export_sharded:  # the other ranks must join the second push's gathers: tell them first
+                log.warning(
+                    "weight push of version %d failed (%s): sending it again to %s (sharded: every rank gathers again)",
+                    version,
+                    exc,
+                    [c.url for c in rest],
+                )
+                raise _ShardedRetry(rest) from exc
             log.warning(
                 "weight push of version %d failed (%s): sending it again to %s",
                 version,
@@ -385,7 +429,8 @@ class ServerBackend:
             return self._push_to(model, version, rest)
 
     def _push_targets(self) -> list[ServerConnection]:
-        back = self.pool.answering()
+        due = [c for c in self.connections if self.pool.is_down(c) and self.pool.resync_due(c)]
+        back = self.pool.answering(due)
         if back:
             log.warning("rollout server(s) %s answer again: re-syncing them", [c.url for c in back])
         targets = [c for c in self.connections if not self.pool.is_down(c) or c in back]
@@ -396,7 +441,13 @@ class ServerBackend:
         return targets
 
     def _failed_targets(self, exc: RollmatchError, targets: list[ServerConnection]) -> list[ServerConnection]:
-        """The servers a failed push names, or, when it names none, those that stopped answering."""
+        """The server a group-formation failure belongs to (typed: :class:`ServerSyncFailure`), else the
+        servers a failed push names, or, when it names none, those that stopped answering."""
+        cause: BaseException | None = exc
+        while cause is not None:
+            if isinstance(cause, ServerSyncFailure):
+                return [conn for conn in targets if conn.url == cause.server_url]
+            cause = cause.__cause__
         text = str(exc)  # a URL followed by more of a host or port is another server's
         named = [conn for conn in targets if re.search(re.escape(conn.url) + r"(?![\w.-])", text)]
         if named:
@@ -442,6 +493,7 @@ class ServerBackend:
             )
         except Exception:
             self._group_stale = True  # a half-sent bucket leaves the group out of step: rebuild it next time
+            self._groups_failed = True  # and a peer may be dead: abort its communicator, never wait on it
             raise
         finally:
             tensors.drain()  # whatever failed, run the gathers other ranks wait in (sharded parameters)
@@ -464,41 +516,54 @@ class ServerBackend:
         backend = default_backend(device)
         self._digest_key = new_digest_key()
         for conn in targets:
-            server_ranks = int(conn.get("/get_world_size/", "communicator init")["world_size"])
-            group_host = socket.gethostbyname(conn.host)  # the server listens on the address we reach it at
-            body = InitCommunicatorBody(
+            try:
+                self._open_group(conn, device, backend)
+            except Exception as exc:  # whatever the cause names (host:group_port), it is this server's
+                raise ServerSyncFailure(
+                    conn.url,
+                    f"rollout server {conn.url}: forming its weight-sync group failed: "
+                    f"{type(exc).__name__}: {exc}",
+                ) from exc
+        self._group_stale = False
+
+    def _open_group(self, conn: ServerConnection, device: Any, backend: str) -> None:
+        """``conn``'s group: ``/init_communicator/``, then the trainer's side (its last rank)."""
+        server_ranks = int(conn.get("/get_world_size/", "communicator init")["world_size"])
+        group_host = socket.gethostbyname(conn.host)  # the server listens on the address we reach it at
+        body = InitCommunicatorBody(
+            host=group_host,
+            port=conn.group_port,
+            world_size=server_ranks + 1,
+            backend=backend,
+            timeout_s=min(conn.timeout_s, MAX_GROUP_TIMEOUT_S),
+            digest_key=self._digest_key.hex(),
+        )
+        conn.sync_lease = None
+        reply = init_reply(conn, conn.post("/init_communicator/", body, "communicator init"))
+        if parse_digest_key(reply.digest_key, f"{conn.url} /init_communicator/") != self._digest_key:
+            raise SyncError(
+                f"rollout server {conn.url}: /init_communicator/ answered another digest key than the trainer "
+                "sent; is it a rollmatch server of the same protocol version?"
+            )
+        conn.sync_lease = reply.lease
+        self._transports.append(
+            GroupTransport(
                 host=group_host,
                 port=conn.group_port,
+                rank=server_ranks,
                 world_size=server_ranks + 1,
                 backend=backend,
-                timeout_s=min(conn.timeout_s, MAX_GROUP_TIMEOUT_S),
-                digest_key=self._digest_key.hex(),
+                timeout_s=conn.timeout_s,
+                device=device,
             )
-            conn.sync_lease = None
-            reply = init_reply(conn, conn.post("/init_communicator/", body, "communicator init"))
-            if parse_digest_key(reply.digest_key, f"{conn.url} /init_communicator/") != self._digest_key:
-                raise SyncError(
-                    f"rollout server {conn.url}: /init_communicator/ answered another digest key than the trainer "
-                    "sent; is it a rollmatch server of the same protocol version?"
-                )
-            conn.sync_lease = reply.lease
-            self._transports.append(
-                GroupTransport(
-                    host=group_host,
-                    port=conn.group_port,
-                    rank=server_ranks,
-                    world_size=server_ranks + 1,
-                    backend=backend,
-                    timeout_s=conn.timeout_s,
-                    device=device,
-                )
-            )
-            self._group_members.append(conn)
+        )
+        self._group_members.append(conn)
         self._group_stale = False
 
     def _close_groups(self, *, notify: bool) -> None:
         for transport in self._transports:
-            transport.close()
+            transport.close(abort=self._groups_failed)
+        self._groups_failed = False
         if notify and self.collectives.is_main:
             for conn in self.connections:
                 if conn.sync_lease is None:  # no group of ours there: nothing to close

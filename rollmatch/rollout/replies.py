@@ -1,7 +1,8 @@
 """What a rollout server's answers become on the trainer's side: ``/infer/`` items -> :class:`Rollout`.
 
 Owns: :func:`reply_rollout` (one ``/infer/`` reply item, with its behaviour log-probs checked),
-:func:`behaviour_logprobs` and :func:`init_reply` (the ``/init_communicator/`` answer). Leaves out:
+:func:`behaviour_logprobs`, :func:`parse_infer_reply` (a whole ``/infer/`` answer, checked against the
+requests sent) and :func:`init_reply` (the ``/init_communicator/`` answer). Leaves out:
 sending the calls (``rollout.client``, ``rollout.connection``) and the wire shapes (``rollmatch.protocol``).
 """
 
@@ -12,7 +13,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from rollmatch.errors import BackendError, SyncError
-from rollmatch.protocol import InitCommunicatorReply, RolloutOutput
+from rollmatch.protocol import INFER_REPLY, InitCommunicatorReply, RolloutOutput
 from rollmatch.rollout.connection import ServerConnection
 from rollmatch.rollout.types import Rollout, RolloutProvenance, RolloutRequest
 
@@ -85,3 +86,18 @@ def behaviour_logprobs(
         "stop_token_id": stop_token_id,
         "stop_logprob": values[-1] if extra else None,
     }
+
+
+def parse_infer_reply(conn: ServerConnection, content: bytes, expected: int) -> list[RolloutOutput]:
+    """``/infer/``'s answer as rollout outputs, one per request sent; anything else names the server."""
+    try:
+        outputs = INFER_REPLY.validate_json(content)
+    except ValidationError as exc:
+        first = exc.errors(include_input=False, include_url=False)[0]
+        raise BackendError(
+            f"rollout server {conn.url}: /infer/ answered something that is not a list of rollout outputs "
+            f"({'.'.join(map(str, first['loc'])) or 'answer'}: {first['msg']}); is it a rollmatch server?"
+        ) from None
+    if len(outputs) != expected:
+        raise BackendError(f"rollout server {conn.url}: sent {expected} requests, got {len(outputs)} outputs")
+    return outputs

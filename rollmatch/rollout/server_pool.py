@@ -15,7 +15,10 @@ push, not admitted), and that version is not older than the newest this client h
 answers at an older version than it answered at before restarted behind the client's back (a call re-sent
 on a fresh connection reached the new process): :meth:`check_served` marks it down the same way. The learner's
 pusher brings it there: it pushes full weights on fresh groups to every down server that answers
-``/health/`` again (``rollout.client``), then :meth:`admit` marks it up at once. Leaves out: HTTP
+``/health/`` again (``rollout.client``), then :meth:`admit` marks it up at once. Every push outcome
+also reaches the async actors' pools (:meth:`learner_pushed`): a server the push left out is down for
+them too, and the learner's version caps the versions that raise the re-admission floor. A server whose
+pushes keep failing is re-tried with back-off (:meth:`push_failed`, :meth:`resync_due`). Leaves out: HTTP
 (``rollout.connection``), chunking and the weight push itself (``rollout.client``).
 """
 
@@ -38,6 +41,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 _PROBE_EVERY_S = 5.0  # how often a down server is asked whether it is back (each probe: <= 2 s)
 _PROBE_TIMEOUT_S = 2.0
+_MAX_RESYNC_SKIPS = 32  # a server whose pushes keep failing is tried again at most every 33 pushes
 MIN_HEALTHY_KEY = f"{KEY}.server.min_healthy"
 
 
@@ -56,6 +60,9 @@ class ServerPool:
         self._down: dict[str, str] = {}  # url -> why it went down
         self._next_probe: dict[str, float] = {}
         self._version_floor = 0  # the newest weight version a reply of any server carried
+        self._version_ceiling: int | None = None  # the learner's version (None: not told yet)
+        self._push_failures: Counter[str] = Counter()  # url -> pushes failed in a row
+        self._resync_skips: dict[str, int] = {}  # url -> pushes left before it is tried again
         self._served: dict[str, int] = {}  # url -> the newest weight version a reply of that server carried
         self._sums: Counter[str] = Counter()
 
@@ -68,13 +75,15 @@ class ServerPool:
         """The servers in use now (no probing)."""
         return [c for c in self.connections if c.url not in self._down]
 
-    def mark_down(self, conn: ServerConnection, why: str) -> None:
-        """Stop using ``conn`` until it is re-admitted; counts one failover."""
+    def mark_down(self, conn: ServerConnection, why: str, *, count: bool = True) -> None:
+        """Stop using ``conn`` until it is re-admitted; counts one failover (``count``: False where another
+        client's pool already counted this failure)."""
         if conn.url in self._down:
             return
         self._down[conn.url] = why
         self._next_probe[conn.url] = time.monotonic() + _PROBE_EVERY_S
-        self._sums["servers/failovers"] += 1
+        if count:
+            self._sums["servers/failovers"] += 1
         log.warning(
             "rollout server %s marked down (%d of %d servers left): %s",
             conn.url,
@@ -87,35 +96,80 @@ class ServerPool:
         """``conn`` now serves ``version``, pushed by this run: use it again."""
         self.seen_version(version)
         self._served[conn.url] = int(version)
+        self._push_failures.pop(conn.url, None)
+        self._resync_skips.pop(conn.url, None)
         if self._down.pop(conn.url, None) is not None:
             log.warning("rollout server %s re-admitted at weight version %d", conn.url, version)
 
     def seen_version(self, version: int) -> None:
-        self._version_floor = max(self._version_floor, int(version))
+        """A reply carried ``version``; versions above the learner's (a server still at a version of a run
+        the learner resumed behind) never raise the re-admission floor."""
+        version = int(version)
+        if self._version_ceiling is not None and version > self._version_ceiling:
+            return
+        self._version_floor = max(self._version_floor, version)
 
-    def check_served(self, conn: ServerConnection, versions: Sequence[int]) -> None:
+    def learner_pushed(self, version: int, servers: Sequence[str], why: str, *, count: bool) -> None:
+        """The learner's push of ``version`` reached exactly ``servers`` (urls): those serve it now, every
+        other server is down for this client too until a later push re-admits it (an actor's client
+        would otherwise keep rolling out on a server the learner can no longer update)."""
+        self._version_ceiling = int(version)
+        self._version_floor = min(self._version_floor, int(version))
+        for conn in self.connections:
+            if conn.url in servers:
+                self.admit(conn, version)
+            else:
+                self.mark_down(conn, why, count=count)
+
+    def push_failed(self, conn: ServerConnection) -> None:
+        """A push to ``conn`` failed: skip it in the next 1, 2, 4 ... (at most 32) pushes' re-syncs, so a
+        server that answers ``/health/`` but cannot take weights does not cost every push a failed
+        attempt and a second push."""
+        self._push_failures[conn.url] += 1
+        self._resync_skips[conn.url] = min(2 ** (self._push_failures[conn.url] - 1), _MAX_RESYNC_SKIPS)
+
+    def resync_due(self, conn: ServerConnection) -> bool:
+        """Whether the coming push should try to re-sync the down server ``conn`` (counts one push)."""
+        left = self._resync_skips.get(conn.url, 0)
+        if left > 0:
+            self._resync_skips[conn.url] = left - 1
+            return False
+        return True
+
+    def served_version(self, conn: ServerConnection) -> int:
+        """The newest version ``conn`` answered at so far (0: none yet): a call's ``since``."""
+        return self._served.get(conn.url, 0)
+
+    def check_served(
+        self, conn: ServerConnection, versions: Sequence[int], *, since: int | None = None
+    ) -> None:
         """Raise :class:`ServerDown` when ``conn`` answers at an older weight version than it answered at
         before (``versions``: the newest version behind each answer): one server process only moves
         forward, so another process answers on its port (restarted, serving the model directory's
         weights, not re-synced). Its answer is not used; the chunk goes to a healthy server and the
-        pusher re-syncs this one. (A client that never had an answer from that server cannot tell: in
+        pusher re-syncs this one. ``since``: what :meth:`served_version` said when this call was sent;
+        only that counts, since calls on one server end in any order (two re-sent chunks: the one that
+        ended first may carry a version pushed while the other ran). (A client that never had an answer from that server cannot tell: in
         async mode the version window drops such rollouts as stale; the other modes push before each
         rollout phase through the same client, and that push finds the restart first.)"""
         if not versions:
             return
-        before, oldest = self._served.get(conn.url, 0), min(versions)
+        served = self._served.get(conn.url, 0)
+        before, oldest = (served if since is None else since), min(versions)
         if oldest < before:
             raise ServerDown(
                 f"rollout server {conn.url} answered at weight version {oldest} after serving {before}: it "
                 "restarted and was not re-synced yet; its answer is dropped"
             )
-        self._served[conn.url] = max(before, max(versions))
+        self._served[conn.url] = max(served, max(versions))
 
     def check_enough(self) -> None:
         """Raise, naming every down server, when fewer than ``min_healthy`` are up."""
         if len(self.healthy) >= self.min_healthy:
             return
-        down = "; ".join(f"{url} ({why})" for url, why in self._down.items())
+        down = "; ".join(
+            f"{url} ({why})" for url, why in list(self._down.items())
+        )  # the learner's thread may update it
         lower = (
             f", or lower {MIN_HEALTHY_KEY} to keep training on the others"
             if len(self.connections) > 1

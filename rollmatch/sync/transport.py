@@ -17,12 +17,15 @@ reaches the group's host, and a waiting rank 0 can be cancelled (``cancel``).
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import ipaddress
+import os
 import queue
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -54,8 +57,8 @@ class WeightTransport(Protocol):
         """Broadcast and wait (bounded by the transport's timeout)."""
         ...
 
-    def close(self) -> None:
-        """Tear the group down; safe to call twice."""
+    def close(self, *, abort: bool = False) -> None:
+        """Tear the group down; safe to call twice (``abort``: a transfer failed, do not wait for peers)."""
         ...
 
 
@@ -155,13 +158,18 @@ class GroupTransport:
     def broadcast(self, tensor: torch.Tensor, src: int, phase: str) -> None:
         self.broadcast_async(tensor, src).wait(phase)
 
-    def close(self) -> None:
+    def close(self, *, abort: bool = False) -> None:
+        """Release the group. ``abort``: a transfer on it failed (a peer may be dead): NCCL's ``abort()``
+        returns at once, where ``shutdown()`` would wait for the dead peer's pending work."""
         group = getattr(self, "_group", None)
         if group is not None:
             self._group = None
             # NCCL groups must be shut down explicitly; gloo's sockets close when released.
             if self.backend == "nccl":
-                group.shutdown()
+                if abort:
+                    group.abort()
+                else:
+                    group.shutdown()
         self._store = None
 
 
@@ -240,6 +248,28 @@ def _wait_for_peers(
         time.sleep(_JOIN_POLL_S)
 
 
+NCCL_ERROR_HANDLING_ENV = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+NCCL_ERRORS_RAISE = "2"  # CleanUpOnly: abort the communicator and raise in the waiting call
+
+
+@contextlib.contextmanager
+def nccl_errors_raise() -> Iterator[None]:
+    """While a weight-sync NCCL group is constructed (the variable is read then, per group):
+    ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2``, so a dead or hung server makes the pushing rank's wait raise
+    (and the push fail over) instead of PyTorch's default, which tears the whole learner process down.
+    The learner's own default group keeps whatever the environment says (a dead learner rank must still
+    end the run)."""
+    before = os.environ.get(NCCL_ERROR_HANDLING_ENV)
+    os.environ[NCCL_ERROR_HANDLING_ENV] = NCCL_ERRORS_RAISE
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(NCCL_ERROR_HANDLING_ENV, None)
+        else:
+            os.environ[NCCL_ERROR_HANDLING_ENV] = before
+
+
 def _make_group(
     store: torch_dist.Store,
     rank: int,
@@ -258,7 +288,8 @@ def _make_group(
         raise RuntimeError("the NCCL weight-sync group needs CUDA; use gloo on CPU-only machines")
     options = torch_dist.ProcessGroupNCCL.Options()
     options._timeout = timeout
-    group = torch_dist.ProcessGroupNCCL(store, rank, world_size, options)
+    with nccl_errors_raise():
+        group = torch_dist.ProcessGroupNCCL(store, rank, world_size, options)
     # NCCL connects lazily; a first tiny broadcast makes construction the bounded rendezvous.
     probe = torch.zeros(1, device=device)
     opts = torch_dist.BroadcastOptions()
@@ -329,5 +360,5 @@ class LocalTransport:
     def broadcast(self, tensor: torch.Tensor, src: int, phase: str) -> None:
         self.broadcast_async(tensor, src).wait(phase)
 
-    def close(self) -> None:
+    def close(self, *, abort: bool = False) -> None:
         return None

@@ -34,13 +34,17 @@ from rollmatch.detection.object_formats import build_codec
 from rollmatch.errors import ConfigError
 from rollmatch.models.pretrained import load_pretrained
 from rollmatch.packing.collate import enable_packed_attention
-from rollmatch.training.checkpoints import ConfiguredIntervals, resolve_resume
+from rollmatch.training.checkpoints import CHECKPOINT_PREFIX, ConfiguredIntervals, resolve_resume
 from rollmatch.training.coord_loss import CoordLoss
 from rollmatch.training.grpo_loss import grpo_settings
 from rollmatch.training.metric_summary import JsonlMetricsCallback, summarize
 from rollmatch.training.param_groups import freeze_groups
 from rollmatch.training.periodic_eval import DetectionEval, build_detection_eval
-from rollmatch.training.preemption import CheckpointOnWarning
+from rollmatch.training.preemption import (
+    CheckpointOnWarning,
+    ignore_warning_signal,
+    install_warning_handler,
+)
 from rollmatch.training.rollout_log import RolloutLog
 from rollmatch.training.sizing import check_row_sizing
 from rollmatch.training.step import SyncBeforeRollouts
@@ -57,23 +61,41 @@ class TrainResult:
     global_step: int
     seconds: float
     log_history: list[dict[str, Any]]
+    stopped_before_training: bool = False  # the warning came while the run was starting
 
 
 def train_command(args: argparse.Namespace) -> int:
+    install_warning_handler()  # from the first second: a warning while loading stops the run cleanly
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = load_config(args.config, args.overrides)
-    with exit_hard_on_fatal_distributed_error():  # a hung peer must not hang this rank's teardown
-        result = run_training(cfg)
+    try:
+        with exit_hard_on_fatal_distributed_error():  # a hung peer must not hang this rank's teardown
+            result = run_training(cfg)
+    finally:
+        ignore_warning_signal()  # a forward arriving while the process exits must not kill it
+    if result.final_model_dir is None and result.stopped_before_training:
+        print(
+            f"stopped on the warning signal (SIGUSR1) before training (step {result.global_step}): nothing "
+            f"new to save under {result.output_dir}; rerun to resume (training.resume_from_checkpoint: auto)"
+        )
+        return 0
     if result.final_model_dir is None:
         print(
             f"stopped on the warning signal (SIGUSR1) after step {result.global_step}: checkpoint-"
-            f"{result.global_step} saved under {result.output_dir}; resume with training.resume_from_checkpoint=latest"
+            f"{result.global_step} saved under {result.output_dir}; rerun to resume (training.resume_from_checkpoint: auto)"
         )
         return 0
     print(
         f"trained {result.global_step} steps in {result.seconds:.1f}s; final model: {result.final_model_dir}"
     )
     return 0
+
+
+def checkpoint_step(checkpoint: str | None) -> int:
+    """The optimizer step a ``checkpoint-N`` folder was saved at (0: no checkpoint)."""
+    if checkpoint is None:
+        return 0
+    return int(os.path.basename(os.path.normpath(checkpoint)).removeprefix(CHECKPOINT_PREFIX))
 
 
 def coord_loss_for(cfg: RollmatchConfig, codec: Any) -> CoordLoss | None:
@@ -84,11 +106,17 @@ def coord_loss_for(cfg: RollmatchConfig, codec: Any) -> CoordLoss | None:
 
 def run_training(cfg: RollmatchConfig) -> TrainResult:
     """Train one variant end to end; returns where the results are."""
+    install_warning_handler()  # API callers too (a no-op off the main thread)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     resume, resume_problems = None, []
     try:  # before anything heavy: an incomplete checkpoint or another world size is refused at once
-        resume = resolve_resume(cfg.training.resume_from_checkpoint, cfg.training.output_dir, world_size)
+        resume = resolve_resume(
+            cfg.training.resume_from_checkpoint,
+            cfg.training.output_dir,
+            world_size,
+            overwrite=cfg.training.overwrite_output_dir,
+        )
     except ConfigError as error:
         resume_problems = error.problems
     run = resolve_run(
@@ -126,7 +154,14 @@ def run_training(cfg: RollmatchConfig) -> TrainResult:
     )
     parts = build_variant(ctx)
     start = time.perf_counter()
-    warning = CheckpointOnWarning(collectives)
+    warning = CheckpointOnWarning(
+        collectives,
+        # the warning's lead only matters where a scheduler sends it before a time limit
+        signal_warning_s=cfg.launch.slurm.signal_warning_s if "SLURM_JOB_ID" in os.environ else None,
+        max_wait_s=cfg.stage2_ab.channel_b.async_.max_wait_s
+        if cfg.stage2_ab.channel_b.mode == "async"
+        else 0.0,
+    )
     try:
         detection_eval = eval_for_variant(ctx, parts)
         trainer = RollmatchTrainer(
@@ -155,6 +190,15 @@ def run_training(cfg: RollmatchConfig) -> TrainResult:
         if resume is not None:
             trainer.load_rank_state(resume)
         warning.install()
+        if warning.stop_before_training(checkpoint_step(resume)):
+            return TrainResult(
+                output_dir=cfg.training.output_dir,
+                final_model_dir=None,
+                global_step=checkpoint_step(resume),
+                seconds=time.perf_counter() - start,
+                log_history=[],
+                stopped_before_training=True,
+            )
         trainer.train(resume_from_checkpoint=resume)
         warning.uninstall()
         stopped = warning.stopped_at_step is not None

@@ -308,7 +308,10 @@ class ActorRolloutClient:
             tokenizer=backend.tokenizer,
             image_wire=backend.image_wire,
             min_healthy=backend.pool.min_healthy,
+            rotate_servers=backend.rotate_servers,
+            first_server=backend.collectives.rank,  # with rotate_servers: the ranks' actors start apart
         )
+        backend.followers.append(self._client.pool)  # the learner's push outcomes reach this client too
 
     @property
     def weight_version(self) -> int:

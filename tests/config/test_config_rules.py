@@ -395,6 +395,19 @@ def test_runtime_first_push_leaves_the_collective_timeout_its_margin() -> None:
     assert check_runtime(load_config_dict(data), world_size=2, device_count=0, device_type="cpu") == []
 
 
+def test_runtime_a_failover_push_forms_groups_twice_within_the_collective_timeout() -> None:
+    """With min_healthy a push whose group formation failed goes once more to the other servers."""
+    two = [{"base_url": f"http://127.0.0.1:{port}", "group_port": port + 1} for port in (8000, 8002)]
+    data = server_mode({"servers": two, "timeout_s": 280.0})
+    data["custom"]["trainer_variant"] = "stage2_ab_training"
+    data |= {"stage2_ab": {"schedule": {"b_ratio": 0.5}}}  # collective_timeout_s 600: margin 60
+    assert check_runtime(load_config_dict(data), world_size=2, device_count=0, device_type="cpu") == []
+    data["custom"]["extra"]["rollout_matching"]["vllm"]["server"]["min_healthy"] = 1
+    (problem,) = check_runtime(load_config_dict(data), world_size=2, device_count=0, device_type="cpu")
+    assert problem.key == f"{SERVER}.timeout_s" and problem.value == 280.0
+    assert "timeout_s <= 270" in problem.fix and "min_healthy set" in problem.fix
+
+
 def test_runtime_tensor_parallel_size() -> None:
     cfg = load_config_dict(rollout(vllm={"tensor_parallel_size": 4}))
     (cpu,) = check_runtime(cfg, world_size=1, device_count=0, device_type="cpu")

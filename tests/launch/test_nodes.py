@@ -4,6 +4,7 @@ config alone, and the sbatch script of ``--emit slurm`` (golden file, ``bash -n`
 from __future__ import annotations
 
 import re
+import shlex
 import shutil
 import socket
 import subprocess
@@ -17,7 +18,10 @@ import pytest
 
 from rollmatch.cli import main
 from rollmatch.config.load import load_config
+from rollmatch.config.resume import resolve_resume
 from rollmatch.errors import ConfigError
+from rollmatch.launch.plan import load_launch_config
+from rollmatch.training.checkpoints import write_complete_marker
 
 GOLDEN = Path(__file__).parent / "golden"
 TWO_NODES = {
@@ -357,3 +361,17 @@ def test_the_script_requeues_a_job_whose_learner_stopped_on_the_warning(
     assert "launch.nodes.hosts=[gpu-a,gpu-b] " in args and "launch.nodes.rank=0" in args
     assert f"launch.nodes.rendezvous=gpu-b:{20000 + 4242} launch.nodes.rendezvous_id=rollmatch-4242" in args
     assert ("training.resume_from_checkpoint=latest" in args) == (restart != "0")
+    # Resubmitted (restart 0) or requeued: the job's own command line, under the trainer's rule, resumes
+    # from the newest complete checkpoint of the output directory instead of training over it.
+    checkpoint = tmp_path / "out" / "checkpoint-4"
+    checkpoint.mkdir(parents=True)
+    write_complete_marker(str(checkpoint), 4, 8)
+    words = shlex.split(args.splitlines()[0])
+    at = words.index("launch")  # srun's options, then `python -m rollmatch.cli launch CONFIG key=value ...`
+    overrides = [w for w in words[at + 2 :] if "=" in w and not w.startswith("-")]
+    cfg = load_launch_config(words[at + 1], overrides).cfg
+    spec = cfg.training.resume_from_checkpoint
+    assert spec == ("auto" if restart == "0" else "latest")
+    assert resolve_resume(
+        spec, cfg.training.output_dir, 8, overwrite=cfg.training.overwrite_output_dir
+    ) == str(checkpoint)

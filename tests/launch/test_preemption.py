@@ -1,8 +1,8 @@
 """The scheduler's warning signal on a real ``rollmatch launch --cpu`` (one hf server, a 2-rank learner):
 SIGUSR1 mid-run makes the learner save a complete checkpoint and stop (exit 5, no final model), with
 every process of the launch receiving it as Slurm may deliver it; the requeued launch resumes from that
-checkpoint (``training.resume_from_checkpoint=latest``, what the Slurm script adds on a restart) and
-finishes. Stepwise (micro) and async Channel-B alike."""
+checkpoint and finishes: rerun with the same config and no resume override (a resubmitted Slurm script
+is that: ``training.resume_from_checkpoint: auto``, the default, finds the newest complete checkpoint). Stepwise (micro) and async Channel-B alike."""
 
 from __future__ import annotations
 
@@ -58,10 +58,9 @@ def test_the_warning_signal_checkpoints_mid_run_and_the_requeued_launch_resumes(
     assert not (out / "final").exists()  # stopped, not finished
     assert survivors(run.pids()) == []
 
-    # the requeued job: the same launch, resuming from the latest complete checkpoint
+    # the resubmitted job: the same launch, no resume override; it goes on from the checkpoint
     requeued = start_launch(
         config,
-        "training.resume_from_checkpoint=latest",
         f"training.max_steps={step + 1}",
         "--cpu",
         "--learner-procs",
@@ -76,5 +75,6 @@ def test_the_warning_signal_checkpoints_mid_run_and_the_requeued_launch_resumes(
     logged = [json.loads(line) for line in metrics.read_text().splitlines()]
     steps = [h["step"] for h in logged if "loss" in h and "step" in h]
     assert steps[-1] == step + 1 and steps.count(step + 1) == 1, steps  # one step after the checkpoint
+    assert steps.count(1) == 1, steps  # resumed: step 1 was not trained again
     assert (out / "final" / "config.json").is_file()
     assert survivors(requeued.pids()) == []

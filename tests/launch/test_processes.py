@@ -88,3 +88,18 @@ def test_children_and_their_children_survive_the_schedulers_warning_signal(tmp_p
     time.sleep(1.0)
     assert child.exit_code() is None and all(p.is_running() for p in child.descendants())
     assert terminate_all([child], grace_s=20.0) == []
+
+
+def test_the_launcher_idles_after_the_warning_signal() -> None:
+    """After SIGUSR1 the supervisor's loops keep polling (the learner still saves its checkpoint): the
+    recorded warning stays, but the wake-up event is cleared, so each poll waits again instead of
+    returning at once (the loops spun a core on every node)."""
+    from rollmatch.launch.supervisor import _StopSignals
+
+    with _StopSignals() as stop:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert stop.warned and stop.received is None
+        assert stop.pause(0.01)  # woken by the signal
+        assert not stop.event.is_set()  # the next poll waits its full interval
+        assert not stop.pause(0.01)  # no new signal: a plain wait
+        assert stop.warned  # still recorded: the watch loop acts on it

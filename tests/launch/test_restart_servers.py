@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 import textwrap
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -41,6 +42,8 @@ SERVER = textwrap.dedent(
         time.sleep(1.5)
         print(f"stand-in server: {fault}", flush=True)
         if fault == "exit-once" and first_run:
+            os._exit(1)
+        if fault == "exit-always":
             os._exit(1)
         if fault == "freeze":
             os.kill(os.getpid(), signal.SIGSTOP)
@@ -114,3 +117,42 @@ def test_a_frozen_server_is_restarted_then_given_up_naming_it(
         and "given up (launch.restart_servers = 1)" in last
     )
     assert (tmp_path / "starts.txt").read_text().count("started") == 2
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("restarts", [0, 1])
+def test_a_server_out_of_restarts_is_left_down_while_the_others_meet_min_healthy(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], restarts: int
+) -> None:
+    """Two servers, ``min_healthy: 1``: the one that keeps exiting is restarted ``restarts`` times, then
+    left down, and the launch goes on until the learner finishes (it trains on the other server); with
+    ``min_healthy`` null the same exit ends the launch, as before."""
+    from rollmatch.config.schema import ServerEndpoint
+
+    base = _plan(tmp_path, "exit-always", learner_s=20.0)
+    script = tmp_path / "stand_in_server.py"
+    port = free_tcp_port()
+    healthy = ProcessSpec(
+        role="server",
+        index=1,
+        command=(sys.executable, str(script), str(port), "none", str(tmp_path / "starts-1.txt")),
+        env={},
+        log_path=tmp_path / "server-1.log",
+        url=f"http://127.0.0.1:{port}",
+    )
+    servers = (base.servers[0], healthy)
+    cfg = RollmatchConfig.model_validate(
+        {"custom": {"extra": {"rollout_matching": {"vllm": {"server": {"min_healthy": 1}}}}}}
+    )
+    endpoints = tuple(ServerEndpoint(base_url=s.url or "", group_port=1) for s in servers)
+    plan = replace(base, servers=servers, endpoints=endpoints, learner_config=cfg, restart_servers=restarts)
+    assert run_plan(plan, grace_s=1.0) == 0
+    output = capfd.readouterr().out
+    assert f"after {restarts} restart(s) (launch.restart_servers = {restarts}): left down" in output
+    assert "the learner trains on with 1 of 2 server(s) (vllm.server.min_healthy = 1)" in output
+    assert "learner finished with exit code 0" in output
+    assert (tmp_path / "starts.txt").read_text().count("started") == restarts + 1
+
+    every = replace(plan, learner_config=RollmatchConfig(), launch_dir=tmp_path)  # min_healthy null
+    (tmp_path / "starts.txt").unlink()
+    assert run_plan(every, grace_s=1.0) == EXIT_SERVER_FAILED

@@ -79,7 +79,15 @@ def test_a_killed_server_is_restarted_resynced_and_serves_again_while_the_run_tr
     launch_config: Callable[..., Path], start_launch: Callable[..., Any], tmp_path: Path
 ) -> None:
     config = launch_config(
-        custom={"extra": {"rollout_matching": {"vllm": {"server": {"timeout_s": 120, "min_healthy": 1}}}}},
+        # rotate_servers: the actors' calls are often of one request; under the seed's rule (chunk i to
+        # server i) those all go to server-0 and the restarted server-1 would get none to serve
+        custom={
+            "extra": {
+                "rollout_matching": {
+                    "vllm": {"server": {"timeout_s": 120, "min_healthy": 1, "rotate_servers": True}}
+                }
+            }
+        },
         stage2_ab={
             "schedule": {"b_ratio": 1.0},
             "channel_b": {
@@ -88,7 +96,8 @@ def test_a_killed_server_is_restarted_resynced_and_serves_again_while_the_run_tr
                 "async": {"version_window": 2, "max_wait_s": 30.0, "record_trace": True},
             },
         },
-        training={"max_steps": STEPS, "global_max_length": 320, "collective_timeout_s": 150},
+        # collective_timeout_s: a failover push may form groups twice (2 x timeout_s) below it
+        training={"max_steps": STEPS, "global_max_length": 320, "collective_timeout_s": 300},
         launch={"restart_servers": 1},
     )
     out = tmp_path / "out"

@@ -163,3 +163,54 @@ def test_a_server_answering_at_an_older_version_than_before_is_marked_down_and_i
     assert pool.run_chunks([(a, 0), (b, 1)], call) == [f"0@{a.url}", f"1@{b.url}"]
     with pytest.raises(ServerDown, match="answered at weight version 4 after serving 5"):
         pool.check_served(b, [4, 5])
+
+
+def test_the_learners_push_outcome_drops_the_servers_it_left_out_and_caps_the_floor(
+    answering_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An actor's pool follows the learner's pushes: a server the push left out (its push failed) is down
+    for this client too, without counting a second failover; a version above the learner's (a server
+    still at an older run's weights) never raises the re-admission floor."""
+    monkeypatch.setattr(server_pool, "_PROBE_EVERY_S", 0.0)
+    back, other = _conn(answering_url), _conn(f"http://127.0.0.1:{free_tcp_port()}")
+    pool = ServerPool([back, other], min_healthy=1)
+    pool.learner_pushed(2, [other.url], "left out of the weight push of version 2", count=False)
+    assert pool.healthy == [other] and pool.is_down(back)
+    assert pool.take_sums()["servers/failovers"] == 0  # the learner's pool counted it
+    pool.seen_version(9)  # a reply above the learner's version 2
+    _Stats.version, _Stats.pushed = 2, {"2": 1}
+    assert pool.usable() == [back, other]  # back at the learner's version: re-admitted
+    pool.learner_pushed(3, [back.url, other.url], "unused", count=False)
+    assert pool.healthy == [back, other]
+
+
+def test_a_server_whose_pushes_keep_failing_is_retried_after_1_2_4_pushes() -> None:
+    conn = _conn(f"http://127.0.0.1:{free_tcp_port()}")
+    pool = ServerPool([conn], min_healthy=1)
+    pattern = []
+    for _ in range(3):
+        pool.push_failed(conn)
+        skipped = 0
+        while not pool.resync_due(conn):
+            skipped += 1
+        pattern.append(skipped)
+    assert pattern == [1, 2, 4]
+    pool.admit(conn, 5)  # re-synced: the next failure starts over at one skipped push
+    pool.push_failed(conn)
+    assert not pool.resync_due(conn) and pool.resync_due(conn)
+
+
+def test_two_calls_on_one_server_ending_out_of_order_do_not_mark_it_down() -> None:
+    """Two re-sent chunks on one server: the one sent first ends last, at the version it started under,
+    after the other answered at a version pushed meanwhile. Each is judged against what the server had
+    answered when it was sent, so the server stays up; a real restart (older than at sending) still
+    marks it down."""
+    conn = _conn(f"http://127.0.0.1:{free_tcp_port()}")
+    pool = ServerPool([conn], min_healthy=1)
+    pool.check_served(conn, [4])
+    first_sent, second_sent = pool.served_version(conn), pool.served_version(conn)
+    pool.check_served(conn, [5], since=second_sent)  # the later call ends first, after a push to 5
+    pool.check_served(conn, [4], since=first_sent)  # the earlier one ends at 4: not a restart
+    assert not pool.is_down(conn) and pool.served_version(conn) == 5
+    with pytest.raises(ServerDown, match="answered at weight version 0 after serving 5"):
+        pool.check_served(conn, [0], since=pool.served_version(conn))

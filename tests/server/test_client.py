@@ -51,6 +51,7 @@ def hf_backend(
 
 
 @pytest.mark.heavy
+@pytest.mark.parametrize("rotate_servers", [False, True])
 def test_requests_are_split_in_contiguous_chunks_and_reassembled_in_order(
     hf_server: Any,
     hf_sync_server: Any,
@@ -59,36 +60,63 @@ def test_requests_are_split_in_contiguous_chunks_and_reassembled_in_order(
     loaded_tiny: tuple[Any, Any],
     prompt_encoder: Any,
     free_port: Callable[[], int],
+    rotate_servers: bool,
 ) -> None:
     servers = [
         {"base_url": hf_server.url, "group_port": free_port()},
         {"base_url": hf_sync_server.url, "group_port": free_port()},
     ]
-    backend = _backend(server_config(servers=servers), loaded_tiny[0], prompt_encoder.tokenizer)
+    cfg = server_config(servers=servers, rotate_servers=rotate_servers)
+    backend = _backend(cfg, loaded_tiny[0], prompt_encoder.tokenizer)
     requests = [*raccoon_requests, *raccoon_requests[:2]]
     for i, request in enumerate(requests):
         request = requests[i] = type(request)(**{**vars(request), "sample_id": f"s{i}"})
     before = [s.get("/stats/")["infer_requests"] for s in (hf_server, hf_sync_server)]
     rollouts = [backend.generate(requests, DECODING, seed=100) for _ in range(2)]
     after = [s.get("/stats/")["infer_requests"] for s in (hf_server, hf_sync_server)]
-    # N=5, S=2 -> [0:3] and [3:5]; each call starts one server further on (calls of one request would
-    # otherwise all land on the first server); the chunk seeds do not depend on the server.
-    first, second = (
-        [hf_server.url] * 3 + [hf_sync_server.url] * 2,
-        [hf_sync_server.url] * 3 + [hf_server.url] * 2,
-    )
+    # N=5, S=2 -> [0:3] and [3:5]. The seed's rule: server i gets chunk i on every call, so the same
+    # requests twice reach the same server indices. rotate_servers (opt-in) starts each call one server
+    # further on. The chunk seeds never depend on the server.
+    first = [hf_server.url] * 3 + [hf_sync_server.url] * 2
+    rotated = [hf_sync_server.url] * 3 + [hf_server.url] * 2
+    second = rotated if rotate_servers else first
     for run, servers_of in zip(rollouts, (first, second), strict=True):
         assert [r.sample_id for r in run] == [f"s{i}" for i in range(5)]
         assert [r.provenance.server for r in run] == servers_of
         assert [r.provenance.seed for r in run] == [100] * 3 + [103] * 2
         assert [r.prompt_token_ids for r in run] == [q.prompt_token_ids for q in requests]
-    assert [a - b for a, b in zip(after, before, strict=True)] == [5, 5]
+    assert [a - b for a, b in zip(after, before, strict=True)] == ([5, 5] if rotate_servers else [6, 4])
     assert [r.response_token_ids for r in rollouts[0]] == [r.response_token_ids for r in rollouts[1]]
     assert rollouts[0][3].response_token_ids == rollouts[0][0].response_token_ids  # same prompt, both greedy
     calls = hf_server.get("/stats/")["infer_calls"]
     assert backend.generate([], DECODING, seed=1) == []  # N=0 sends nothing
     assert hf_server.get("/stats/")["infer_calls"] == calls
     backend.close()
+
+
+def test_small_calls_keep_to_the_first_servers_unless_rotation_is_opted_in() -> None:
+    """One request per call over three servers: the seed's rule sends every call to server 0; with
+    ``rotate_servers`` each client starts at its ``first_server`` (an async actor: its rank) and moves on."""
+    urls = [f"http://127.0.0.1:{port}" for port in (1, 2, 3)]
+
+    def servers_used(**keys: Any) -> list[str]:
+        backend = ServerBackend(
+            [ServerConnection(u, 1, timeout_s=5.0, infer_timeout_s=None) for u in urls],
+            collectives=LocalCollectives(),
+            tokenizer=None,
+            **keys,
+        )
+        used: list[str] = []
+        backend._infer_chunk = lambda conn, chunk, decoding, seed: (  # type: ignore[method-assign]
+            used.append(conn.url) or ([], None)
+        )
+        for _ in range(4):
+            backend.generate([object()], DECODING, seed=0)  # type: ignore[list-item]
+        return used
+
+    assert servers_used() == [urls[0]] * 4
+    assert servers_used(rotate_servers=True) == [urls[0], urls[1], urls[2], urls[0]]
+    assert servers_used(rotate_servers=True, first_server=1) == [urls[1], urls[2], urls[0], urls[1]]
 
 
 def test_sampling_is_seeded_per_chunk_and_logged(

@@ -130,3 +130,68 @@ def test_a_stalled_engine_is_detected_by_health_and_its_calls_resent(
         strict.close()
     finally:
         stuck.stop()
+
+
+def test_a_server_that_cannot_form_its_group_is_dropped_for_every_client_and_readmitted_once_it_can(
+    start_server: Callable[..., Any],
+    server_config: Callable[..., Any],
+    tiny_model_dir: Path,
+    raccoon_requests: list[Any],
+    prompt_encoder: Any,
+    free_port: Callable[[], int],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The second server answers ``/health/`` but its group cannot form (fault injected: its
+    ``/init_communicator/`` fails with an error naming only ``host:group_port``, as a group error does).
+    The failure is attributed to that server (typed, not from the text), the push goes on to the first,
+    the server is dropped by the learner *and* by an async actor's client, re-sync attempts back off, and
+    once its group can form again the next due push re-admits it everywhere."""
+    from rollmatch.training.variants import ActorRolloutClient
+
+    first, second = (
+        start_server(tiny_model_dir, "--engine", "hf"),
+        start_server(tiny_model_dir, "--engine", "hf"),
+    )
+    model = AutoModelForImageTextToText.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    group_port = free_port()
+    cfg = server_config(
+        servers=[
+            {"base_url": first.url, "group_port": free_port()},
+            {"base_url": second.url, "group_port": group_port},
+        ],
+        timeout_s=20.0,
+        min_healthy=1,
+    )
+    backend = connect_backend(cfg, prompt_encoder, model)
+    actor = ActorRolloutClient(backend)  # built as the async variant builds each rank's actor client
+    broken, inits = True, []
+    conn = backend.connections[1]
+    post = conn.post
+
+    def post_or_fail(path: str, body: Any, phase: str, timeout_s: Any = None) -> Any:
+        if path == "/init_communicator/":
+            inits.append(broken)
+            if broken:
+                raise ConnectionError(f"TCPStore at 127.0.0.1:{group_port}: connection refused")
+        return post(path, body, phase) if timeout_s is None else post(path, body, phase, timeout_s)
+
+    monkeypatch.setattr(conn, "post", post_or_fail)
+    requests = raccoon_requests[:3]
+    try:
+        report = backend.sync_weights(model, 1)
+        assert report.servers == (first.url,)  # the push went on without it
+        assert backend.pool.is_down(conn) and actor._client.pool.is_down(actor._client.connections[1])
+        assert backend.take_server_sums()["servers/failovers"] == 1
+        assert actor.take_server_sums()["servers/failovers"] == 0  # one death, counted once
+        assert _servers_of(actor.generate(requests, DECODING, seed=0)) == [first.url] * 3
+        assert backend.sync_weights(model, 2).servers == (first.url,)
+        assert inits == [True]  # push 2 skipped its re-sync (back-off): no failed attempt, no second push
+        broken = False  # its group can form again
+        assert backend.sync_weights(model, 3).servers == (first.url, second.url)
+        assert inits[-1] is False and second.get("/info/")["weight_version"] == 3
+        rollouts = actor.generate(requests, DECODING, seed=0)
+        assert _servers_of(rollouts) == [first.url] * 2 + [second.url]  # chunk i to server i again
+        assert {r.weight_version for r in rollouts} == {3}
+    finally:
+        actor.close()
+        backend.close()

@@ -20,6 +20,7 @@ from rollmatch.config.resolved import resolve_run_on_this_machine
 from rollmatch.errors import BackendError
 from rollmatch.protocol import format_server_timing, parse_server_timing
 from rollmatch.rollout.client import ServerBackend, ServerConnection
+from rollmatch.rollout.replies import parse_infer_reply
 from rollmatch.rollout.types import Decoding
 from rollmatch.server.timing import PhaseTimes
 
@@ -123,8 +124,8 @@ def test_an_answer_that_is_not_a_list_of_outputs_names_the_server() -> None:
         (b"<html>", "Invalid JSON"),
     ):
         with pytest.raises(BackendError, match=needle) as caught:
-            ServerBackend._parse_reply(conn, content, 1)
+            parse_infer_reply(conn, content, 1)
         assert "http://127.0.0.1:9" in str(caught.value)
     with pytest.raises(BackendError, match="sent 2 requests, got 0 outputs"):
-        ServerBackend._parse_reply(conn, b"[]", 2)
+        parse_infer_reply(conn, b"[]", 2)
     conn.close()

@@ -53,7 +53,12 @@ def test_a_push_that_fails_on_rank_0_for_any_reason_fails_every_rank_with_the_ca
     )
     output = (run.stdout + run.stderr)[-4000:]
     outcomes = {rank: json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)}
-    assert outcomes[0]["outcome"].startswith(cause), (outcomes, output)  # rank 0 raises the cause itself
+    # rank 0 raises the cause, attributed to the server whose group it could not form
+    assert outcomes[0]["outcome"].startswith(f"ServerSyncFailure: rollout server {hf_sync_server.url}: "), (
+        outcomes,
+        output,
+    )
+    assert cause in outcomes[0]["outcome"], outcomes
     assert outcomes[1]["outcome"].startswith("SyncError: rank 0's weight push of version 1 failed: "), (
         outcomes,
         output,

@@ -7,7 +7,8 @@
   hangs;
 - FSDP2 end to end, in the same 2-rank run: ``ServerBackend.sync_weights`` on both ranks pushes the
   gathered weights to a real ``rollmatch serve`` process (rank 0 sends, rank 1 joins the gathers); the
-  server verifies the checksum and serves the new version.
+  server verifies the checksum and serves the new version. A second, killed server (``min_healthy: 1``)
+  makes the first attempt fail; the push goes again to the live one, every rank gathering again.
 
 One torchrun start serves both tests: the ranks run the ZeRO-3 export on one model, then the FSDP2
 export and push on a second one (a start costs more than the exports).
@@ -113,10 +114,15 @@ def export_and_push(rank, world, mode):
         from rollmatch.rollout.client import ServerBackend, ServerConnection
         collectives = TorchCollectives(timeout_s=60)
         connection = ServerConnection(server_url, int(sys.argv[5]), timeout_s=30, infer_timeout_s=None)
-        backend = ServerBackend([connection], collectives=collectives, tokenizer=None)
+        connections = [connection]
+        if len(sys.argv) > 6:  # a second server, killed: nothing listens on its port any more
+            connections.append(ServerConnection(sys.argv[6], int(sys.argv[7]), timeout_s=30, infer_timeout_s=None))
+        backend = ServerBackend(connections, collectives=collectives, tokenizer=None, min_healthy=1)
         report = backend.sync_weights(model, 7)
         result["version"] = report.version
         result["bytes"] = report.num_bytes
+        result["servers"] = list(report.servers)
+        result["down"] = [c.url for c in connections if backend.pool.is_down(c)]
         backend.close()
     return result
 
@@ -166,7 +172,16 @@ def probe_results(
 ) -> list[dict[str, Any]]:
     """The two ranks' results of the module's one 2-rank run: ZeRO-3 export, then FSDP2 export and push."""
     folder = tmp_path_factory.mktemp("sharded_sync")
-    return run_probe(folder, tiny_model_dir, "zero3,fsdp2", hf_sync_server.url, str(free_tcp_port()))
+    killed = f"http://127.0.0.1:{free_tcp_port()}"  # a server that died: its port refuses connections
+    return run_probe(
+        folder,
+        tiny_model_dir,
+        "zero3,fsdp2",
+        hf_sync_server.url,
+        str(free_tcp_port()),
+        killed,
+        str(free_tcp_port()),
+    )
 
 
 def test_zero3_export_gathers_sharded_parameters_on_every_rank(probe_results: list[dict[str, Any]]) -> None:
@@ -182,3 +197,7 @@ def test_fsdp2_export_gathers_on_every_rank_and_pushes_gathered_weights_to_a_ser
     assert rank0["version"] == rank1["version"] == 7  # both ranks learn the outcome
     assert rank0["bytes"] > 0
     assert hf_sync_server.get("/info/")["weight_version"] == 7  # the server verified and serves it
+    # The second server was dead (min_healthy 1): its group could not form, every rank gathered again and
+    # the push went to the live one; both ranks drop the dead server.
+    assert rank0["servers"] == rank1["servers"] == [hf_sync_server.url]
+    assert len(rank0["down"]) == len(rank1["down"]) == 1 and rank0["down"] == rank1["down"]

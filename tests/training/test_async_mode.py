@@ -371,3 +371,39 @@ def test_periodic_evaluation_scores_the_current_weights_between_pushes(tiny, tra
     assert round_.sync is not None and round_.sync.version == 2 and channel.weights_step == 5
     assert round_.metrics["eval/weight_version"] == 2.0
     assert channel.actor.next_step == next_step  # the actor's step is the loop's, not the evaluation's
+
+
+def test_the_warning_signal_ends_a_max_wait_s_wait_within_one_slice(tiny, monkeypatch, caplog) -> None:
+    """SIGUSR1 (Slurm's warning) sent from inside the first wait slice of a step that wants B and has no
+    pack (the actor is idle, max_wait_s 300): the wait ends after that one slice, so the checkpoint at
+    this step's end is not held up by max_wait_s."""
+    import os
+    import signal
+
+    from rollmatch.training import preemption
+
+    channel = async_channel(tiny, window=1, max_wait_s=300.0)
+    previous = signal.signal(signal.SIGUSR1, lambda signum, frame: None)  # never the default (fatal) action
+    preemption.install_warning_handler()
+    wait = channel.queue.wait_for_change
+    slices: list[float] = []
+
+    def wait_then_warn(timeout: float) -> Any:
+        if threading.current_thread() is threading.main_thread():  # the step's wait (the actor waits too)
+            slices.append(timeout)
+            if len(slices) == 1:
+                os.kill(os.getpid(), signal.SIGUSR1)
+        return wait(timeout)
+
+    monkeypatch.setattr(channel.queue, "wait_for_change", wait_then_warn)
+    try:
+        started = time.monotonic()
+        plan = planner(tiny, channel).plan([tiny.records[:1]], 0)
+        elapsed = time.monotonic() - started
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+        preemption._RECEIVED.clear()
+    assert plan.kind == "A"  # no pack came: the step trains Channel-A, then the step-end vote checkpoints
+    assert len(slices) == 1, slices  # one slice after the signal, not 600 of them
+    assert "stopped waiting for Channel-B packs" in caplog.text
+    assert elapsed < 30  # a tenth of max_wait_s

@@ -80,7 +80,7 @@ def test_a_crash_before_the_marker_keeps_the_previous_checkpoint(make_config, tm
     with pytest.raises(ConfigError, match=r"checkpoint-4.*incomplete checkpoint.*use `latest`"):
         run_training(config(str(out / "checkpoint-4")))
 
-    with caplog.at_level(logging.WARNING, logger="rollmatch.training.checkpoints"):
+    with caplog.at_level(logging.WARNING, logger="rollmatch.config.resume"):
         resumed = run_training(config("latest"))
     assert "skipping incomplete checkpoint(s) checkpoint-4" in caplog.text
     assert resumed.global_step == 4
@@ -151,7 +151,7 @@ def test_latest_skips_newer_incomplete_checkpoints_and_names_them(tmp_path, capl
     make_checkpoint(tmp_path, 2, complete=True)
     make_checkpoint(tmp_path, 10, complete=True)
     make_checkpoint(tmp_path, 12, complete=False)
-    with caplog.at_level(logging.WARNING, logger="rollmatch.training.checkpoints"):
+    with caplog.at_level(logging.WARNING, logger="rollmatch.config.resume"):
         chosen = resolve_resume("latest", str(tmp_path), world_size=1)
     assert chosen == str(tmp_path / "checkpoint-10")  # by step, not by name (10 > 2)
     assert "checkpoint-12" in caplog.text
@@ -161,6 +161,63 @@ def test_latest_without_checkpoints_starts_at_step_zero(tmp_path):
     assert resolve_resume("latest", str(tmp_path / "not-yet"), world_size=1) is None
     assert resolve_resume("latest", str(tmp_path), world_size=1) is None
     assert resolve_resume(None, str(tmp_path), world_size=1) is None
+    assert resolve_resume("auto", str(tmp_path), world_size=1) is None
+
+
+# ------------------------------------------------------------------ never start over a run's own work
+def test_auto_is_the_default_and_resumes_the_newest_complete_checkpoint(tmp_path):
+    from rollmatch.config.schema import RollmatchConfig
+
+    assert RollmatchConfig().training.resume_from_checkpoint == "auto"
+    make_checkpoint(tmp_path, 2, complete=True)
+    make_checkpoint(tmp_path, 4, complete=True)
+    assert resolve_resume("auto", str(tmp_path), world_size=1) == str(tmp_path / "checkpoint-4")
+
+
+def test_a_fresh_start_over_complete_checkpoints_is_refused_unless_overwrite(tmp_path, caplog):
+    make_checkpoint(tmp_path, 2, complete=True)
+    make_checkpoint(tmp_path, 6, complete=False)  # only complete ones are work to lose
+    with pytest.raises(ConfigError) as refused:
+        resolve_resume(None, str(tmp_path), world_size=1)
+    (problem,) = refused.value.problems
+    assert problem.key == "training.resume_from_checkpoint" and problem.value is None
+    assert f"{tmp_path} holds complete checkpoint(s) of an earlier run (checkpoint-2)" in problem.fix
+    assert "training.resume_from_checkpoint: auto" in problem.fix
+    assert "training.overwrite_output_dir: true" in problem.fix
+    with caplog.at_level(logging.WARNING, logger="rollmatch.config.resume"):
+        assert resolve_resume(None, str(tmp_path), world_size=1, overwrite=True) is None
+        assert resolve_resume("auto", str(tmp_path), world_size=1, overwrite=True) is None
+    assert "starting at step 0" in caplog.text and "checkpoint-2" in caplog.text
+    # an explicit resume still resumes (the Slurm script's requeue adds `latest`)
+    assert resolve_resume("latest", str(tmp_path), world_size=1, overwrite=True) == str(
+        tmp_path / "checkpoint-2"
+    )
+
+
+def test_the_trainer_refuses_a_fresh_start_before_loading_anything(make_config, tmp_path):
+    out = tmp_path / "out"
+    make_checkpoint(out, 3, complete=True)
+    with pytest.raises(
+        ConfigError, match=r"holds complete checkpoint\(s\) of an earlier run \(checkpoint-3\)"
+    ):
+        run_training(sft_config(make_config, out, max_steps=1, resume_from_checkpoint=None))
+    assert not (out / "metrics.jsonl").exists()
+
+
+def test_check_config_applies_the_same_rule(make_config, tmp_path, capsys):
+    from rollmatch.cli import main
+
+    out = tmp_path / "out"
+    path = tmp_path / "run.yaml"
+    path.write_text(config_to_yaml(sft_config(make_config, out)))
+    assert main(["check-config", str(path)]) == 0  # nothing saved yet
+    assert "training starts from step 0" in capsys.readouterr().err
+    make_checkpoint(out, 3, complete=True)
+    assert main(["check-config", str(path)]) == 0  # the default, auto: the rerun resumes
+    assert f"training starts from {out / 'checkpoint-3'}" in capsys.readouterr().err
+    assert main(["check-config", str(path), "training.resume_from_checkpoint=null"]) == 2
+    err = capsys.readouterr().err
+    assert "training.resume_from_checkpoint" in err and "training.overwrite_output_dir: true" in err
 
 
 def test_latest_refuses_when_checkpoints_exist_but_none_is_complete(tmp_path):

@@ -104,7 +104,7 @@ def test_training_leaves_frozen_weights_and_uses_group_rates(make_config, tiny_m
 
 
 @pytest.mark.heavy
-def test_colocated_vllm_syncs_frozen_weights_once(make_config) -> None:
+def test_colocated_vllm_syncs_frozen_weights_once(make_config, tmp_path) -> None:
     pytest.importorskip("vllm")
     from rollmatch.training.entry import run_training
 
@@ -124,7 +124,12 @@ def test_colocated_vllm_syncs_frozen_weights_once(make_config) -> None:
                         }
                     }
                 },
-                "training": {"max_steps": 3, "eval_strategy": "no", "freeze": freeze},
+                "training": {  # one output_dir per run: the second would resume the first's checkpoint
+                    "output_dir": str(tmp_path / "-".join(["out", *freeze])),
+                    "max_steps": 3,
+                    "eval_strategy": "no",
+                    "freeze": freeze,
+                },
             }
         )
         return [h["sync/bytes"] for h in run_training(cfg).log_history if "sync/bytes" in h]

@@ -273,3 +273,28 @@ def test_admission_room_is_what_the_steps_within_the_window_still_take() -> None
     # b_ratio 0.5, GAS 2: a B step's whole need counts, not the average of one pack a step. During
     # step 4 (next step 5, a B step) the actor may fill both of step 5's micro-steps.
     assert [room(held=0, version=4, next_step=s, window=1, b_ratio=0.5) for s in (5, 6)] == [2, 0]
+
+
+def test_a_pack_from_a_version_above_the_learners_is_dropped_and_never_trained() -> None:
+    """A server still at a version of a run the learner resumed behind answers with a version above the
+    learner's: its pack would pass the window with a negative lag; it is dropped like a stale one."""
+    queue: ReadyPackQueue[int] = ReadyPackQueue(limit=8)
+    queue.put(pack(7, 3))  # from the future: the learner is at version 2
+    queue.put(pack(2, 4))
+    assert not is_eligible(7, 2, 1) and is_eligible(2, 2, 1) and is_eligible(1, 2, 1)
+    assert queue.eligible(2, 1) == 1
+    assert queue.reserve(2, current_version=2, version_window=1) == 1
+    assert [p.version for p in queue.take_reserved(1)] == [2]
+    assert queue.counts.dropped_stale == 1 and queue.counts.balance(len(queue)) == 0
+
+
+def test_the_ready_count_leaves_out_the_packs_a_step_trains() -> None:
+    """``async/queue_depth`` reports packs waiting to be trained, not the ones the step took."""
+    queue: ReadyPackQueue[int] = ReadyPackQueue(limit=8)
+    for n in (1, 2, 3):
+        queue.put(pack(0, n))
+    queue.reserve(2, current_version=0, version_window=0)
+    queue.take_reserved(1)
+    assert len(queue) == 3 and queue.ready == 2  # one in training, one reserved, one queued
+    queue.mark_trained(1)
+    assert len(queue) == 2 and queue.ready == 2

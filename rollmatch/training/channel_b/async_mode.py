@@ -37,6 +37,7 @@ from rollmatch.rollout.types import RolloutBackend, SyncReport
 from rollmatch.training.channel_b.actor import RolloutActor
 from rollmatch.training.channel_b.ready_packs import ReadyPackQueue, SegmentOrigin
 from rollmatch.training.channel_b.record_stream import StreamLedger
+from rollmatch.training.preemption import warning_received
 from rollmatch.training.rows import RowPlanner
 from rollmatch.training.schedule import StepKind
 from rollmatch.training.step import ChannelBatch, ChannelStatus, GaugeKind, Windows
@@ -145,14 +146,24 @@ class AsyncPacks:
 
     def _wait_for_packs(self, version: int, micro_steps: int) -> None:
         """Up to ``max_wait_s`` until ``micro_steps`` packs are eligible under ``version`` (or the actor
-        failed). Meanwhile the actor completes the partial pack that used the last of its admission room:
-        with no later B step in the window no rollout may be admitted to fill it (window 0)."""
+        failed, or the scheduler's warning came: the checkpoint it asks for is saved at this step's end,
+        within one wait slice instead of after ``max_wait_s``). Meanwhile the actor completes the partial
+        pack that used the last of its admission room: with no later B step in the window no rollout may
+        be admitted to fill it (window 0)."""
         deadline = time.monotonic() + self.max_wait_s
         self.actor.set_step_waiting(True)
         try:
             while (
                 self.queue.eligible(version, self.version_window) < micro_steps and self.actor.failure is None
             ):
+                if warning_received():
+                    log.warning(
+                        "warning signal (SIGUSR1): stopped waiting for Channel-B packs after %.1fs of "
+                        "max_wait_s %.0fs; this step trains what is ready, then checkpoints",
+                        self.max_wait_s - (deadline - time.monotonic()),
+                        self.max_wait_s,
+                    )
+                    break
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
@@ -202,7 +213,7 @@ class AsyncPacks:
         counts = self.queue.counts
         gauges: dict[str, tuple[GaugeKind, float]] = {
             f"{_PREFIX}/ver": ("first", float(self.ver)),
-            f"{_PREFIX}/queue_depth": ("spread", float(len(self.queue))),
+            f"{_PREFIX}/queue_depth": ("spread", float(self.queue.ready)),  # not the packs in training
             f"{_PREFIX}/rollouts_per_s": ("sum", (rollouts - before) / max(now - then, 1e-9)),
             f"{_PREFIX}/packs_produced_total": ("sum", float(counts.produced)),
             f"{_PREFIX}/packs_trained_total": ("sum", float(counts.trained)),

@@ -82,8 +82,10 @@ class QueueCounts:
 
 
 def is_eligible(pack_version: int, current_version: int, version_window: int) -> bool:
-    """The freshness rule: a pack is trainable iff ``pack_version >= current_version - version_window``."""
-    return pack_version >= current_version - version_window
+    """The freshness rule: a pack is trainable iff ``current_version - version_window <= pack_version
+    <= current_version``. A version above the learner's comes from a server still serving the weights of
+    a run the learner resumed behind (a learner-only restart): never trained, dropped like a stale one."""
+    return current_version - version_window <= pack_version <= current_version
 
 
 def admission_room(
@@ -220,6 +222,12 @@ class ReadyPackQueue(Generic[S]):
         """Packs held: queued, reserved, and taken but not yet trained."""
         with self._lock:
             return len(self._packs) + len(self._reserved) + len(self._training)
+
+    @property
+    def ready(self) -> int:
+        """Packs waiting to be trained: queued or reserved (not those a step took and trains now)."""
+        with self._lock:
+            return len(self._packs) + len(self._reserved)
 
     def put(self, pack: ReadyPack[S]) -> None:
         with self._lock:
