@@ -18,7 +18,7 @@ from rollmatch.server.limits import add_server_limit_flags
 # command name -> "module:function"; the function takes the parsed argparse.Namespace, returns an exit code.
 COMMANDS: dict[str, str] = {
     "train": "rollmatch.training.entry:train_command",
-    "check-config": "rollmatch.config.load:check_config_command",
+    "check-config": "rollmatch.data.input_checks:check_config_command",
     "make-tiny-model": "rollmatch.models.tiny:make_tiny_model_command",
     "add-coord-tokens": "rollmatch.models.coord_vocab:add_coord_tokens_command",
     "data": "rollmatch.data.commands:data_command",
@@ -90,10 +90,19 @@ def _add_train_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 
 def _add_check_config_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("check-config", help="Print the fully resolved config, or every problem in it.")
+    p = sub.add_parser(
+        "check-config",
+        help="Print the fully resolved config, or every problem in it and in its inputs (files, record lengths).",
+    )
     p.add_argument("config", help="YAML config file")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     p.add_argument("--json", action="store_true", help="print the resolved config as JSON")
+    p.add_argument(
+        "--schema-only",
+        action="store_true",
+        help="check keys and rules only, not the inputs (model directory, data files, DeepSpeed JSON, "
+        "record lengths): e.g. on a machine without the data",
+    )
 
 
 def _add_add_coord_tokens_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -67,6 +67,12 @@ class DataConfig(Section):
     max_samples: int | None = Field(None, gt=0, description="Use only the first N training records.")
     min_pixels: int | None = Field(None, gt=0, description="Override the processor's min_pixels.")
     max_pixels: int | None = Field(None, gt=0, description="Override the processor's max_pixels.")
+    over_length: Literal["error", "drop"] = Field(
+        "error",
+        description="Training records longer than training.global_max_length (prompt + GT target; for variants "
+        "that roll out also prompt + max_new_tokens + 1), found by `check-config` and `train` before the model "
+        "loads: `error` refuses the run naming them, `drop` trains without them (counted and named).",
+    )
 
 
 # ----------------------------------------------------------------------------------------------- loss

@@ -31,6 +31,7 @@ import sys
 from pathlib import Path
 
 from rollmatch.config.schema import RollmatchConfig
+from rollmatch.data.input_checks import run_input_problems
 from rollmatch.errors import ConfigError, ConfigProblem, LaunchError
 from rollmatch.launch.heartbeat import NodeHeartbeat
 from rollmatch.launch.layout import (
@@ -96,6 +97,13 @@ def launch_command(args: argparse.Namespace) -> int:
             print(render_plan(_node_plan(launch, node, check_ports=False)[0]), end="", flush=True)
         print("dry run: nothing started, nothing written")
         return 0
+    # check-config's input checks (files, record lengths), before any server starts; a servers-only
+    # node needs only the model.
+    problems, _ = run_input_problems(launch.cfg)
+    if request.servers_only:
+        problems = [p for p in problems if p.key == "model.path"]
+    if problems:
+        raise LaunchError(problems)
     if launch.cfg.launch.nodes.count > 1:
         problems = own_host_problems(list(launch.cfg.launch.nodes.hosts), request.node_rank)
         if problems:

@@ -41,18 +41,30 @@ def test_every_model_and_dataset_has_a_recipe() -> None:
             assert f"{model}_{data}" in names
 
 
+@pytest.fixture(scope="module")
+def records(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Stand-ins for the recipes' converted records (the input checks read them)."""
+    from rollmatch.data.shapes import generate_shapes
+
+    return generate_shapes(tmp_path_factory.mktemp("recipe_records"), n_train=4, n_val=2, size=112, seed=0)
+
+
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
 @pytest.mark.parametrize("nodes", ["one_node", "two_nodes"])
 def test_recipe_passes_check_config(
     recipe: Path,
     nodes: str,
     tiny_model_dirs: dict[str, Path],
+    records: dict[str, Path],
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
 ) -> None:
-    monkeypatch.chdir(REPO)  # the recipes name configs/recipes/zero2.json from the repository root
+    monkeypatch.chdir(tmp_path)  # input paths resolve against the recipe's file, not the working directory
     overrides = [
         f"model.path={tiny_model_dirs[_family(recipe)]}",
+        f"data.train_jsonl={records['train']}",
+        f"data.val_jsonl={records['val']}",
         *(TWO_NODES if nodes == "two_nodes" else []),
     ]
     code = main(["check-config", str(recipe), *overrides])
