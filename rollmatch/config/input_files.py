@@ -57,6 +57,20 @@ def anchor_input_paths(data: dict[str, Any], base_dir: Path) -> dict[str, Any]:
     return data
 
 
+def absolute_input_paths(cfg: RollmatchConfig, base_dir: Path) -> None:
+    """Make ``cfg``'s relative input paths absolute against ``base_dir`` (in place): a config written
+    elsewhere (``launch``'s learner.yaml) must not re-anchor an override's path to its own folder."""
+    for section, key in INPUT_PATH_KEYS:
+        node = getattr(cfg, section)
+        value = getattr(node, key)
+        if (
+            isinstance(value, str)
+            and not Path(value).expanduser().is_absolute()
+            and not looks_like_hub_id(value)
+        ):
+            setattr(node, key, str((base_dir / Path(value).expanduser()).resolve()))
+
+
 def input_file_problems(cfg: RollmatchConfig) -> list[ConfigProblem]:
     """One problem per input that is not there: the model directory and the records."""
     problems = _model_problems(cfg.model.path)

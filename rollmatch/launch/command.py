@@ -97,13 +97,6 @@ def launch_command(args: argparse.Namespace) -> int:
             print(render_plan(_node_plan(launch, node, check_ports=False)[0]), end="", flush=True)
         print("dry run: nothing started, nothing written")
         return 0
-    # check-config's input checks (files, record lengths), before any server starts; a servers-only
-    # node needs only the model.
-    problems, _ = run_input_problems(launch.cfg)
-    if request.servers_only:
-        problems = [p for p in problems if p.key == "model.path"]
-    if problems:
-        raise LaunchError(problems)
     if launch.cfg.launch.nodes.count > 1:
         problems = own_host_problems(list(launch.cfg.launch.nodes.hosts), request.node_rank)
         if problems:
@@ -112,6 +105,14 @@ def launch_command(args: argparse.Namespace) -> int:
     print(render_plan(plan), end="", flush=True)
     pids_name = "pids-learner.json" if request.learner_only else PIDS_NAME
     claim_launch_dir(launch_dir / pids_name, grace_s=request.grace_s)
+    # check-config's input checks (files, record lengths) before any server starts; a servers-only
+    # node needs only the model. A refused launch leaves no claim behind.
+    problems, _ = run_input_problems(launch.cfg)
+    if request.servers_only:
+        problems = [p for p in problems if p.key == "model.path"]
+    if problems:
+        (launch_dir / pids_name).unlink()
+        raise LaunchError(problems)
     api_key = plan.servers[0].env.get(API_KEY_ENV) if plan.servers else None
     if request.servers_only and api_key is not None:
         _write_key_file(launch_dir / API_KEY_FILE, api_key)

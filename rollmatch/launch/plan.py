@@ -28,6 +28,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from rollmatch.config.frames import fixed_coord_frame
+from rollmatch.config.input_files import absolute_input_paths
 from rollmatch.config.load import load_config
 from rollmatch.config.rules import min_healthy_problems, resolve_servers
 from rollmatch.config.schema import RollmatchConfig, ServerEndpoint
@@ -349,6 +350,9 @@ def learner_config(cfg: RollmatchConfig, endpoints: list[ServerEndpoint], tp: in
     server.servers = [e.model_copy() for e in endpoints]
     server.base_url, server.group_port = None, None
     resolved.rollout.vllm.tensor_parallel_size = tp
+    absolute_input_paths(
+        resolved, Path.cwd()
+    )  # learner.yaml lives elsewhere: no path may depend on its folder
     return resolved
 
 

@@ -190,3 +190,23 @@ def test_train_refuses_what_check_config_refuses_before_loading_the_model(
         assert main(["train", str(path)]) == 2
         trained = _problem_lines(capsys.readouterr().err)
         assert checked and trained == checked, name
+
+
+def test_launch_refuses_missing_inputs_before_any_server_starts(write_yaml, tmp_path: Path, capsys) -> None:
+    cfg = _config(tmp_path / "no_model", tmp_path / "nowhere.jsonl")
+    cfg["custom"] = {
+        "trainer_variant": "rollout_matching_sft",
+        "extra": {"rollout_matching": {"vllm": {"mode": "server", "tensor_parallel_size": 1}}},
+    }
+    cfg["training"]["output_dir"] = str(tmp_path / "out")
+    path = write_yaml("launch.yaml", cfg)
+    servers = (
+        "custom.extra.rollout_matching.vllm.server.servers=[{base_url: 'http://127.0.0.1:1', group_port: 2}]"
+    )
+    assert main(["check-config", str(path), servers]) == 2  # launch writes the server list itself
+    checked = _problem_lines(capsys.readouterr().err)
+    assert main(["launch", str(path), "--cpu", "--engine", "hf"]) == 2
+    err = capsys.readouterr().err
+    assert _problem_lines(err) == checked and "launch refused before starting anything" in err
+    assert not list((tmp_path / "out" / "launch").glob("server-*.log"))  # nothing started
+    assert not (tmp_path / "out" / "launch" / "pids.json").exists()  # and no claim left behind
