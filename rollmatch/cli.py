@@ -213,6 +213,15 @@ def _add_eval_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         default=0,
         help="draw the first N images into <predictions dir>/pictures",
     )
+    p.add_argument(
+        "--coco-results",
+        help="also write the standard COCO results JSON here (image_id, category_id, bbox [x, y, w, h] in "
+        "original pixels, score by list position); needs --coco-annotations",
+    )
+    p.add_argument(
+        "--coco-annotations",
+        help="the COCO annotation json the --data records were converted from (its image and category ids)",
+    )
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides")
 
 
