@@ -283,6 +283,30 @@ def _add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "--max-num-seqs", type=int, default=None, help="vLLM engine: sequences per batch (default: vLLM's)"
     )
     p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="vLLM engine: fraction of GPU memory (vllm.gpu_memory_utilization; default 0.9)",
+    )
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="vLLM engine: reuse the KV cache of shared prompt prefixes (vllm.enable_prefix_caching; default on)",
+    )
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        default=None,
+        help="vLLM engine: no CUDA graphs / compilation (vllm.enforce_eager; always on CPU)",
+    )
+    p.add_argument(
+        "--kv-cache-space-gib",
+        type=float,
+        default=None,
+        help="vLLM engine on CPU: KV cache size in GiB (vllm.kv_cache_space_gib; default 1)",
+    )
+    p.add_argument(
         "--min-pixels", type=int, default=None, help="image processor min_pixels (data.min_pixels)"
     )
     p.add_argument(

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Literal
 from urllib.parse import urlparse
 
+from rollmatch.config.engine_rules import rule_engine_keys_in_mode
 from rollmatch.config.hf_args import (
     dry_build_problems,
     eval_problems,
@@ -481,6 +482,7 @@ STATIC_RULES: tuple[Rule, ...] = (
     _rule_target,
     _rule_coord_tokens,
     _rule_engine_memory,
+    rule_engine_keys_in_mode,
     rule_rollouts_per_record,
     rule_grpo,
     hf_args_problems,

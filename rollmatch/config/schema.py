@@ -280,21 +280,49 @@ class VllmConfig(Section):
         "colocate", description="In-process engine or HTTP rollout servers."
     )
     gpu_memory_utilization: float = Field(
-        0.45, gt=0.0, le=1.0, description="Fraction of device memory for vLLM, in (0, 1]."
+        0.45,
+        gt=0.0,
+        le=1.0,
+        description="Fraction of device memory for vLLM, in (0, 1]: the colocated engine's share beside "
+        "training, or each rollout server's (`launch` passes it as `rollmatch serve --gpu-memory-utilization`; "
+        "a server owns its GPUs, so 0.85-0.9 there).",
     )
-    tensor_parallel_size: int = Field(4, gt=0, description="vLLM tensor parallel size (CPU: 1).")
+    tensor_parallel_size: int = Field(
+        1,
+        gt=0,
+        description="The colocated engine's tensor parallel size (CPU: 1). Server mode refuses a value other "
+        "than 1: the servers' size is launch.tensor_parallel_size.",
+    )
+    max_num_seqs: int | None = Field(
+        None,
+        gt=0,
+        description="Sequences per vLLM batch (null: vLLM's default); colocated engine, or each rollout server "
+        "through `launch` (`--max-num-seqs`).",
+    )
     enable_lora: bool = Field(False, description="Serve LoRA adapters (needed by sync.mode adapter).")
     max_model_len: int | None = Field(
         None, gt=0, description="Engine context length; >= training.global_max_length."
     )
     enable_prefix_caching: bool = Field(
-        True, description="Reuse KV cache across requests sharing a prompt prefix."
+        True,
+        description="Reuse KV cache across requests sharing a prompt prefix (colocated engine, or each rollout "
+        "server through `launch`).",
     )
-    enforce_eager: bool = Field(False, description="Disable CUDA graphs / compilation.")
+    enforce_eager: bool = Field(
+        False,
+        description="Disable CUDA graphs / compilation (colocated engine, or each rollout server through `launch`).",
+    )
     kv_cache_space_gib: float = Field(
-        1.0, gt=0.0, description="CPU only: KV cache size (VLLM_CPU_KVCACHE_SPACE)."
+        1.0,
+        gt=0.0,
+        description="CPU only: KV cache size (VLLM_CPU_KVCACHE_SPACE) of the colocated engine, or of each CPU "
+        "rollout server through `launch`.",
     )
-    sleep_level: Literal[0, 1, 2] = Field(0, description="vLLM sleep mode between generations (0: off).")
+    sleep_level: Literal[0, 1, 2] = Field(
+        0,
+        description="The colocated engine's sleep mode between generations (0: off); server mode refuses "
+        "other values (a server keeps its GPUs).",
+    )
     server: ServerConfig = Field(default_factory=ServerConfig)
     sync: SyncConfig = Field(default_factory=SyncConfig)
 

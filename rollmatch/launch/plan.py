@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from rollmatch.config.engine_rules import server_engine_flags
 from rollmatch.config.frames import fixed_coord_frame
 from rollmatch.config.input_files import absolute_input_paths
 from rollmatch.config.load import load_config
@@ -219,7 +220,7 @@ def build_plan(
     if floor:  # the servers a launch starts are known only here
         raise ConfigError(floor)
 
-    learner_cfg = learner_config(cfg, endpoints, layout.tensor_parallel_size)
+    learner_cfg = learner_config(cfg, endpoints)
     learner_path = launch_dir / LEARNER_CONFIG_NAME
     learner_nodes = [r for r in range(nodes.count) if nodes.role(r) != "servers"]
     learner = None
@@ -340,16 +341,17 @@ def server_flags(
         flags += ["--coord-frame", frame]
     if vllm.enable_lora:
         flags.append("--enable-lora")
+    if request.engine == "vllm":  # the engine keys of the config reach every vLLM server
+        flags += server_engine_flags(cfg, on_cpu=layout.on_cpu)
     return flags
 
 
-def learner_config(cfg: RollmatchConfig, endpoints: list[ServerEndpoint], tp: int) -> RollmatchConfig:
+def learner_config(cfg: RollmatchConfig, endpoints: list[ServerEndpoint]) -> RollmatchConfig:
     """The config the learner trains with: ``cfg`` with the started servers written in (preferred form)."""
     resolved = cfg.model_copy(deep=True)
     server = resolved.rollout.vllm.server
     server.servers = [e.model_copy() for e in endpoints]
     server.base_url, server.group_port = None, None
-    resolved.rollout.vllm.tensor_parallel_size = tp
     absolute_input_paths(
         resolved, Path.cwd()
     )  # learner.yaml lives elsewhere: no path may depend on its folder

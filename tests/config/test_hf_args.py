@@ -132,7 +132,12 @@ def test_eval_keys(problems_of, tmp_path: Path) -> None:
 
 
 def test_eval_with_a_colocated_engine_over_ranks_is_refused_at_start() -> None:
-    cfg = load_config_dict({"training": {"eval_steps": 2}})  # default: vLLM colocate, tensor_parallel_size 4
+    cfg = load_config_dict(  # vLLM colocate over 4 ranks
+        {
+            "training": {"eval_steps": 2},
+            "custom": {"extra": {"rollout_matching": {"vllm": {"tensor_parallel_size": 4}}}},
+        }
+    )
     problems = check_runtime(cfg, world_size=4, device_count=4, device_type="cuda")
     assert any(p.key == "training.eval_strategy" and "rank 0" in p.fix for p in problems)
     assert not any(
