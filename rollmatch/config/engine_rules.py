@@ -5,7 +5,7 @@ Owns :func:`rule_engine_keys_in_mode` (a static rule) and :data:`SERVER_ENGINE_F
 
 | mode | keys that take effect |
 | --- | --- |
-| `rollout_backend: hf` | none (the training model generates) |
+| `rollout_backend: hf` | none (the training model generates; not refused, so ``eval --backend hf`` takes any config) |
 | `vllm` + `colocate` | every engine key |
 | `vllm` + `server` | the keys of :data:`SERVER_ENGINE_FLAGS`, `max_model_len`, `enable_lora` (through `launch`); not `tensor_parallel_size` (`launch.tensor_parallel_size` sizes the servers) nor `sleep_level` |
 
@@ -46,24 +46,13 @@ _SERVER_IGNORES = {
 
 
 def rule_engine_keys_in_mode(cfg: RollmatchConfig) -> list[ConfigProblem]:
-    """A `vllm.*` engine key set (not its default) where it has no effect is refused: every one under `rollout_backend: hf`; `tensor_parallel_size` and `sleep_level` under `vllm.mode: server` (servers take `launch.tensor_parallel_size`); the server engine keys under `launch.engine: hf`."""
+    """With `rollout_backend: vllm`, a `vllm.*` engine key set (not its default) where it has no effect is refused: `tensor_parallel_size` and `sleep_level` under `vllm.mode: server` (servers take `launch.tensor_parallel_size`); the server engine keys under `launch.engine: hf`."""
     rollout = cfg.rollout
     vllm = rollout.vllm
     changed = [key for key in ENGINE_KEYS if getattr(vllm, key) != getattr(_DEFAULTS, key)]
     problems: list[ConfigProblem] = []
     if rollout.rollout_backend == "hf":
-        for key in changed:
-            if key == "enable_lora":
-                continue  # read by the sync rules (adapter sync needs it), reported there
-            problems.append(
-                ConfigProblem(
-                    f"{_VLLM}.{key}",
-                    getattr(vllm, key),
-                    f"no effect with {ROLLOUT_KEY}.rollout_backend: hf (the training model generates); remove "
-                    "it, or roll out with vLLM (rollout_backend: vllm)",
-                )
-            )
-        return problems
+        return problems  # no engine at all: `eval --backend hf` may take any config as it is
     if vllm.mode == "server":
         for key in changed:
             if key in _SERVER_IGNORES:

@@ -419,20 +419,10 @@ def test_runtime_tensor_parallel_only_for_colocated_vllm() -> None:
 @pytest.mark.parametrize(
     ("data", "key", "fix"),
     [
-        (
-            rollout(rollout_backend="hf", vllm={"tensor_parallel_size": 4}),
-            "tensor_parallel_size",
-            "rollout_backend: hf",
-        ),
-        (
-            rollout(rollout_backend="hf", vllm={"gpu_memory_utilization": 0.8}),
-            "gpu_memory_utilization",
-            "rollout_backend: hf",
-        ),
         (server_mode(SERVERS, tensor_parallel_size=4), "tensor_parallel_size", "launch.tensor_parallel_size"),
         (server_mode(SERVERS, sleep_level=1), "sleep_level", "never sleeps"),
     ],
-    ids=["hf-tp", "hf-memory", "server-tp", "server-sleep"],
+    ids=["server-tp", "server-sleep"],
 )
 def test_an_engine_key_without_effect_in_its_mode_is_refused(
     data: dict[str, Any], key: str, fix: str
