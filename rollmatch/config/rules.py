@@ -24,6 +24,7 @@ from rollmatch.config.hf_args import (
 )
 from rollmatch.config.launch_rules import launch_problems
 from rollmatch.config.objective_rules import rule_grpo, rule_rollouts_per_record
+from rollmatch.config.precision import rule_mixed_precision
 from rollmatch.config.schema import ROLLOUT_KEY, RollmatchConfig, ServerConfig, ServerEndpoint
 from rollmatch.config.sharding import sharding_problems
 from rollmatch.config.wait_rules import first_push_problems, rule_async_on_policy, rule_async_wait
@@ -483,6 +484,7 @@ STATIC_RULES: tuple[Rule, ...] = (
     _rule_coord_tokens,
     _rule_engine_memory,
     rule_engine_keys_in_mode,
+    rule_mixed_precision,
     rule_rollouts_per_record,
     rule_grpo,
     hf_args_problems,

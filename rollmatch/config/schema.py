@@ -40,7 +40,13 @@ class ModelConfig(Section):
     """The model to train: a Qwen2-VL / Qwen2.5-VL / Qwen3-VL directory."""
 
     path: str = Field("runs/demo/model", description="Model directory (`from_pretrained`).")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Training dtype.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32",
+        description="Dtype of the trained weights and their AdamW state. `float32` with "
+        "training.mixed_precision: bf16 is fp32 master weights with bf16 compute (the recipes' setting); "
+        "`bfloat16` trains pure bf16: an update below a weight's bf16 spacing (~4e-3 relative) is lost "
+        "(tests/training/test_precision.py).",
+    )
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = Field(
         "sdpa", description="Attention kernel; `flash_attention_2` needs a GPU."
     )
@@ -484,6 +490,12 @@ class TrainingConfig(Section):
     save_total_limit: int | None = Field(2, gt=0, description="Keep at most N checkpoints (null: all).")
     report_to: list[str] = Field(
         default_factory=lambda: ["tensorboard"], description="HF logging integrations; [] for none."
+    )
+    mixed_precision: Literal["no", "bf16", "fp16"] = Field(
+        "no",
+        description="Compute (autocast) dtype while the weights and optimizer state stay in model.dtype (which "
+        "must then be float32): HF `bf16`/`fp16`; under DeepSpeed its bf16 mode, which keeps fp32 master "
+        "weights. Rollout engines then run in this dtype (vLLM `--dtype`). `no`: compute in model.dtype.",
     )
     gradient_checkpointing: bool = Field(
         False, description="Recompute activations in backward to save memory."

@@ -31,6 +31,7 @@ from rollmatch.config.engine_rules import server_engine_flags
 from rollmatch.config.frames import fixed_coord_frame
 from rollmatch.config.input_files import absolute_input_paths
 from rollmatch.config.load import load_config
+from rollmatch.config.precision import rollout_dtype
 from rollmatch.config.rules import min_healthy_problems, resolve_servers
 from rollmatch.config.schema import RollmatchConfig, ServerEndpoint
 from rollmatch.errors import ConfigError
@@ -330,7 +331,7 @@ def server_flags(
         str(vllm.max_model_len or cfg.training.global_max_length),
         # CPU engines run float32 (vLLM's CPU kernels; the colocated engine does the same).
         "--dtype",
-        "float32" if layout.on_cpu else cfg.model.dtype,
+        "float32" if layout.on_cpu else rollout_dtype(cfg),
     ]
     if cfg.data.min_pixels is not None:
         flags += ["--min-pixels", str(cfg.data.min_pixels)]

@@ -59,7 +59,7 @@ def test_typed_key_duplicate_names_both(problems_of) -> None:
     )
     assert "training.learning_rate" in problem.fix
     problem = problems_of({"training": {"hf_args": {"bf16": True}}}).only("training.hf_args.bf16")
-    assert "model.dtype" in problem.fix
+    assert "training.mixed_precision" in problem.fix
 
 
 def test_controlled_field_is_refused_with_the_reason(problems_of) -> None:
