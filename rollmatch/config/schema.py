@@ -473,7 +473,12 @@ class TrainingConfig(Section):
     max_grad_norm: float = Field(1.0, ge=0.0, description="Gradient clipping norm (0: off).")
     num_train_epochs: float = Field(1.0, gt=0.0, description="Epochs over train_jsonl (when max_steps <= 0).")
     max_steps: int = Field(-1, ge=-1, description="> 0 overrides num_train_epochs; -1: use the epochs.")
-    logging_steps: int = Field(1, gt=0, description="Log metrics every N optimizer steps.")
+    logging_steps: int = Field(
+        10,
+        gt=0,
+        description="Log metrics every N optimizer steps: one short line on the console (loss, lr, grad_norm, "
+        "f1, ...), every metric to <output_dir>/metrics.jsonl and TensorBoard (docs/metrics.md).",
+    )
     log_rollouts_every: int = Field(
         50,
         ge=0,
