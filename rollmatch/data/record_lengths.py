@@ -5,8 +5,9 @@ records that do not fit ``training.global_max_length``) and :func:`fitting_recor
 keeps under ``data.over_length``). A record's prompt length is the chat template's text tokens plus
 the image tokens the processor makes of an image of the record's ``width`` x ``height`` (measured once
 per size with :func:`rollmatch.data.prompts.image_probe`); its target is the GT serialization in the
-run's frame and object format plus EOS, tokenized as training tokenizes it. So the whole set is
-scanned in seconds per 10k records, where encoding each image would take minutes.
+run's frame and object format plus EOS, tokenized as training tokenizes it. No image is opened, so
+the whole set is scanned, not a sample of it (``tests/config/test_check_inputs.py`` checks the counts
+against the full encoding).
 
 Leaves out: checking the image files themselves (``rollmatch data validate``) and the exact check of
 every packed segment (``packing.segment``).
