@@ -32,11 +32,11 @@ CONSOLE_METRICS: tuple[tuple[str, str], ...] = (
 
 def metrics_line(step: int, max_steps: int, logs: Mapping[str, Any]) -> str:
     """``step S/N | name value | ...`` for the :data:`CONSOLE_METRICS` present in ``logs``; HF's summary at
-    the end of training becomes ``trained S steps | train_loss ... | runtime ...s``."""
+    the end of training becomes ``end of training at step S | train_loss ... | runtime ...s``."""
     if "train_runtime" in logs:
         loss = logs.get("train_loss")
         shown = f" | train_loss {loss:.4g}" if isinstance(loss, int | float) else ""
-        return f"trained {step} steps{shown} | runtime {float(logs['train_runtime']):.1f}s"
+        return f"end of training at step {step}{shown} | runtime {float(logs['train_runtime']):.1f}s"
     parts = [f"step {step}/{max_steps}" if max_steps > 0 else f"step {step}"]
     for name, label in CONSOLE_METRICS:
         value = logs.get(name)
