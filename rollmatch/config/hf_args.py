@@ -58,8 +58,8 @@ OWNED: dict[str, str] = {
     "eval_strategy": "training.eval_strategy",
     "eval_steps": "training.eval_steps",
     "metric_for_best_model": "training.metric_for_best_model",
-    "bf16": "model.dtype",
-    "fp16": "model.dtype",
+    "bf16": "training.mixed_precision",
+    "fp16": "training.mixed_precision",
 }
 
 _NOT_HF_EVAL = (
@@ -146,8 +146,9 @@ def training_arguments_kwargs(cfg: RollmatchConfig, gas: int, *, use_cpu: bool) 
         "eval_strategy": eval_strategy(cfg),
         "eval_steps": t.eval_steps,
         "remove_unused_columns": False,
-        "bf16": cfg.model.dtype == "bfloat16" and not use_cpu,
-        "fp16": cfg.model.dtype == "float16" and not use_cpu,
+        # mixed precision autocasts on CPU too (fp32 master weights); a bf16/fp16 model trains as loaded
+        "bf16": t.mixed_precision == "bf16" or (cfg.model.dtype == "bfloat16" and not use_cpu),
+        "fp16": t.mixed_precision == "fp16" or (cfg.model.dtype == "float16" and not use_cpu),
         "use_cpu": use_cpu,
         "ddp_timeout": int(t.collective_timeout_s),
         "ddp_find_unused_parameters": False,

@@ -7,7 +7,9 @@ keys and defaults (``config.schema``), moved / removed keys (``config.legacy``) 
 rules (``config.rules``).
 
 Merge semantics: ``extends: base.yaml`` (or a list, merged in order) is resolved relative to the
-extending file; mappings merge key by key, everything else (lists included) is replaced by the later
+extending file, and so are the input paths a file sets (``config.input_files.INPUT_PATH_KEYS``:
+model, data files, DeepSpeed config; an override's relative path stays relative to the working
+directory); mappings merge key by key, everything else (lists included) is replaced by the later
 layer. Overrides ``a.b.c=VALUE`` form the last layer; VALUE is parsed as YAML (``10``, ``[]``,
 ``[http://a,http://b]``, ``null``).
 """
@@ -22,7 +24,7 @@ import re
 import sys
 import typing
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +34,7 @@ from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
 from rollmatch.config.frames import describe_coord_frame
+from rollmatch.config.input_files import anchor_input_paths
 from rollmatch.config.legacy import aliased_section_conflicts, translate_legacy
 from rollmatch.config.resolved import resolved_values
 from rollmatch.config.resume import resolve_resume
@@ -87,8 +90,13 @@ def config_to_json(cfg: RollmatchConfig) -> str:
     return json.dumps(_plain(cfg), indent=2)
 
 
-def check_config_command(args: argparse.Namespace) -> int:
+def check_config_command(
+    args: argparse.Namespace, input_checks: Callable[[RollmatchConfig], list[ConfigProblem]] | None = None
+) -> int:
     """``rollmatch check-config FILE [overrides...] [--json]``: print the resolved config, or every problem.
+
+    ``input_checks`` adds the checks of the run's inputs (``data.input_checks``: files, record
+    lengths), run once the keys are valid; their problems are reported like the config's own.
 
     Exit 0 with the config on stdout and the resolved ``data.coord_frame`` (``resolved: ...``) on
     stderr; ``--json`` adds a top-level ``resolved`` object (not a config key) with the values in
@@ -116,6 +124,9 @@ def check_config_command(args: argparse.Namespace) -> int:
         )
     except ConfigError as exc:
         _print_problems(args.config, exc)
+        return 2
+    if input_checks is not None and (input_problems := input_checks(cfg)):
+        _print_problems(args.config, ConfigError(input_problems))
         return 2
     if getattr(args, "json", False):
         print(json.dumps({**_plain(cfg), "resolved": {**resolved, "resume_from": resume_from}}, indent=2))
@@ -148,7 +159,7 @@ def read_config_layers(path: Path, _chain: tuple[Path, ...] = ()) -> list[Layer]
                 ]
             )
         layers.extend(read_config_layers(base_path, (*_chain, resolved)))
-    layers.append((str(resolved), data))
+    layers.append((str(resolved), anchor_input_paths(data, resolved.parent)))
     return layers
 
 

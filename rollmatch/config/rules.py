@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Literal
 from urllib.parse import urlparse
 
+from rollmatch.config.engine_rules import rule_engine_keys_in_mode
 from rollmatch.config.hf_args import (
     dry_build_problems,
     eval_problems,
@@ -23,6 +24,7 @@ from rollmatch.config.hf_args import (
 )
 from rollmatch.config.launch_rules import launch_problems
 from rollmatch.config.objective_rules import rule_grpo, rule_rollouts_per_record
+from rollmatch.config.precision import rule_mixed_precision
 from rollmatch.config.schema import ROLLOUT_KEY, RollmatchConfig, ServerConfig, ServerEndpoint
 from rollmatch.config.sharding import sharding_problems
 from rollmatch.config.wait_rules import first_push_problems, rule_async_on_policy, rule_async_wait
@@ -481,6 +483,8 @@ STATIC_RULES: tuple[Rule, ...] = (
     _rule_target,
     _rule_coord_tokens,
     _rule_engine_memory,
+    rule_engine_keys_in_mode,
+    rule_mixed_precision,
     rule_rollouts_per_record,
     rule_grpo,
     hf_args_problems,

@@ -40,7 +40,13 @@ class ModelConfig(Section):
     """The model to train: a Qwen2-VL / Qwen2.5-VL / Qwen3-VL directory."""
 
     path: str = Field("runs/demo/model", description="Model directory (`from_pretrained`).")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Training dtype.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32",
+        description="Dtype of the trained weights and their AdamW state. `float32` with "
+        "training.mixed_precision: bf16 is fp32 master weights with bf16 compute (the recipes' setting); "
+        "`bfloat16` trains pure bf16: an update below a weight's bf16 spacing (~4e-3 relative) is lost "
+        "(tests/training/test_precision.py).",
+    )
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = Field(
         "sdpa", description="Attention kernel; `flash_attention_2` needs a GPU."
     )
@@ -67,6 +73,12 @@ class DataConfig(Section):
     max_samples: int | None = Field(None, gt=0, description="Use only the first N training records.")
     min_pixels: int | None = Field(None, gt=0, description="Override the processor's min_pixels.")
     max_pixels: int | None = Field(None, gt=0, description="Override the processor's max_pixels.")
+    over_length: Literal["error", "drop"] = Field(
+        "error",
+        description="Training records longer than training.global_max_length (prompt + GT target; for variants "
+        "that roll out also prompt + max_new_tokens + 1), found by `check-config` and `train` before the model "
+        "loads: `error` refuses the run naming them, `drop` trains without them (counted and named).",
+    )
 
 
 # ----------------------------------------------------------------------------------------------- loss
@@ -303,21 +315,49 @@ class VllmConfig(Section):
         "colocate", description="In-process engine or HTTP rollout servers."
     )
     gpu_memory_utilization: float = Field(
-        0.45, gt=0.0, le=1.0, description="Fraction of device memory for vLLM, in (0, 1]."
+        0.45,
+        gt=0.0,
+        le=1.0,
+        description="Fraction of device memory for vLLM, in (0, 1]: the colocated engine's share beside "
+        "training, or each rollout server's (`launch` passes it as `rollmatch serve --gpu-memory-utilization`; "
+        "a server owns its GPUs, so 0.85-0.9 there).",
     )
-    tensor_parallel_size: int = Field(4, gt=0, description="vLLM tensor parallel size (CPU: 1).")
+    tensor_parallel_size: int = Field(
+        1,
+        gt=0,
+        description="The colocated engine's tensor parallel size (CPU: 1). Server mode refuses a value other "
+        "than 1: the servers' size is launch.tensor_parallel_size.",
+    )
+    max_num_seqs: int | None = Field(
+        None,
+        gt=0,
+        description="Sequences per vLLM batch (null: vLLM's default); colocated engine, or each rollout server "
+        "through `launch` (`--max-num-seqs`).",
+    )
     enable_lora: bool = Field(False, description="Serve LoRA adapters (needed by sync.mode adapter).")
     max_model_len: int | None = Field(
         None, gt=0, description="Engine context length; >= training.global_max_length."
     )
     enable_prefix_caching: bool = Field(
-        True, description="Reuse KV cache across requests sharing a prompt prefix."
+        True,
+        description="Reuse KV cache across requests sharing a prompt prefix (colocated engine, or each rollout "
+        "server through `launch`).",
     )
-    enforce_eager: bool = Field(False, description="Disable CUDA graphs / compilation.")
+    enforce_eager: bool = Field(
+        False,
+        description="Disable CUDA graphs / compilation (colocated engine, or each rollout server through `launch`).",
+    )
     kv_cache_space_gib: float = Field(
-        1.0, gt=0.0, description="CPU only: KV cache size (VLLM_CPU_KVCACHE_SPACE)."
+        1.0,
+        gt=0.0,
+        description="CPU only: KV cache size (VLLM_CPU_KVCACHE_SPACE) of the colocated engine, or of each CPU "
+        "rollout server through `launch`.",
     )
-    sleep_level: Literal[0, 1, 2] = Field(0, description="vLLM sleep mode between generations (0: off).")
+    sleep_level: Literal[0, 1, 2] = Field(
+        0,
+        description="The colocated engine's sleep mode between generations (0: off); server mode refuses "
+        "other values (a server keeps its GPUs).",
+    )
     server: ServerConfig = Field(default_factory=ServerConfig)
     sync: SyncConfig = Field(default_factory=SyncConfig)
 
@@ -462,7 +502,12 @@ class TrainingConfig(Section):
     max_grad_norm: float = Field(1.0, ge=0.0, description="Gradient clipping norm (0: off).")
     num_train_epochs: float = Field(1.0, gt=0.0, description="Epochs over train_jsonl (when max_steps <= 0).")
     max_steps: int = Field(-1, ge=-1, description="> 0 overrides num_train_epochs; -1: use the epochs.")
-    logging_steps: int = Field(1, gt=0, description="Log metrics every N optimizer steps.")
+    logging_steps: int = Field(
+        10,
+        gt=0,
+        description="Log metrics every N optimizer steps: one short line on the console (loss, lr, grad_norm, "
+        "f1, ...), every metric to <output_dir>/metrics.jsonl and TensorBoard (docs/metrics.md).",
+    )
     log_rollouts_every: int = Field(
         50,
         ge=0,
@@ -479,6 +524,12 @@ class TrainingConfig(Section):
     save_total_limit: int | None = Field(2, gt=0, description="Keep at most N checkpoints (null: all).")
     report_to: list[str] = Field(
         default_factory=lambda: ["tensorboard"], description="HF logging integrations; [] for none."
+    )
+    mixed_precision: Literal["no", "bf16", "fp16"] = Field(
+        "no",
+        description="Compute (autocast) dtype while the weights and optimizer state stay in model.dtype (which "
+        "must then be float32): HF `bf16`/`fp16`; under DeepSpeed its bf16 mode, which keeps fp32 master "
+        "weights. Rollout engines then run in this dtype (vLLM `--dtype`). `no`: compute in model.dtype.",
     )
     gradient_checkpointing: bool = Field(
         False, description="Recompute activations in backward to save memory."

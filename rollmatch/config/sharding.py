@@ -112,7 +112,10 @@ def _zero_stage(path: str | None) -> int | str | None:
         return None
     file = Path(path).expanduser()
     if not file.is_file():
-        return f"DeepSpeed config file not found: {file.resolve()}"
+        return (
+            f"DeepSpeed config file not found: {file.resolve()} (a config file's relative paths resolve "
+            "against its directory, an override's against the working directory)"
+        )
     try:
         data: Any = json.loads(file.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:

@@ -131,4 +131,10 @@ def describe_records(records: Sequence[Record]) -> str:
     """One line: images, boxes and boxes per label, e.g. ``200 images, 217 boxes; raccoon 217``."""
     per_label = Counter(o.label for r in records for o in r.objects)
     labels = ", ".join(f"{label} {n}" for label, n in sorted(per_label.items()))
-    return f"{len(records)} images, {sum(per_label.values())} boxes; {labels or 'no labels'}"
+    crowds = sum(len(r.ignore) for r in records)
+    kept = (
+        f"; {crowds} crowd regions kept as ignore regions in {sum(1 for r in records if r.ignore)} images"
+        if crowds
+        else ""
+    )
+    return f"{len(records)} images, {sum(per_label.values())} boxes; {labels or 'no labels'}{kept}"

@@ -7,8 +7,9 @@ absolute image paths and pixel ``xyxy`` boxes of the stored image, checks each b
 the real image. Leaves out: writing JSONL (``records.write_records``) and any resizing.
 
 Choices (docs/data.md):
-- COCO: ``iscrowd: 1`` annotations are skipped (crowd regions are not single objects; COCO
-  evaluation ignores them too); images without annotations are kept with no objects.
+- COCO: ``iscrowd: 1`` annotations become the record's ``ignore`` regions (a crowd is not a single
+  object, so never a target; a prediction on one is neither a match nor a false positive, as in
+  COCO's evaluation); images without annotations are kept with no objects.
 - VOC: pixel indices are 1-based and inclusive (``xmin = 1`` is the first column, ``xmax`` the
   last column covered), so a box becomes ``[xmin - 1, ymin - 1, xmax, ymax]`` in the project's
   0-based frame, as Detectron2's VOC loader and the usual VOC -> COCO converters do; the same
@@ -93,16 +94,20 @@ def _coco_record(
     path = os.path.normpath(Path(images_dir).absolute() / file_name)
     size = (int(_field(image, "width", src)), int(_field(image, "height", src)))
     _check_real_size(path, size, f"{src}: image id {image['id']}")
-    objects = []
+    objects: list[RecordObject] = []
+    crowds: list[RecordObject] = []
     for ann in annotations:
-        if ann.get("iscrowd", 0):
-            continue
         where = f"{src}: annotation id {ann.get('id')} (image {file_name})"
         obj = _annotation_object(ann, categories, size, where, src, dropped)
         if obj is not None:
-            objects.append(obj)
+            (crowds if ann.get("iscrowd", 0) else objects).append(obj)
     return Record(
-        id=Path(file_name).stem, images=(path,), width=size[0], height=size[1], objects=tuple(objects)
+        id=Path(file_name).stem,
+        images=(path,),
+        width=size[0],
+        height=size[1],
+        objects=tuple(objects),
+        ignore=tuple(crowds),
     )
 
 

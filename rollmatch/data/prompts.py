@@ -201,6 +201,13 @@ class PromptEncoder:
         ]
         return canonical_order(objects)
 
+    def ignore_regions(self, record: Record, encoded: EncodedPrompt) -> list[DetObject]:
+        """The record's ignore (crowd) regions in the frame of :meth:`gt_objects`."""
+        return [
+            DetObject(o.label, to_frame(o.bbox, record.image_size, self.coord_frame, encoded.frame_sizes[0]))
+            for o in record.ignore
+        ]
+
     def frame_extent(self, encoded: EncodedPrompt) -> tuple[int, int]:
         """The largest ``(x, y)`` coordinate of the frame: ``(1000, 1000)`` or the resized image size."""
         return _frame_extent(self.coord_frame, encoded.frame_sizes[0])

@@ -35,8 +35,10 @@ BOX_TOLERANCE_PX = 1.0
 """How far (pixels) a box may lie outside the image before it is an error; within it, it is clipped."""
 
 RECORD_FIELDS = ("id", "images", "width", "height", "objects")
-OPTIONAL_RECORD_FIELDS = ("prompt",)
-"""``prompt``: the record's own prompt text (a referring expression's question), replacing ``data.prompt``."""
+OPTIONAL_RECORD_FIELDS = ("prompt", "ignore")
+"""``prompt``: the record's own prompt text (a referring expression's question), replacing ``data.prompt``;
+``ignore``: regions (``label`` + ``bbox``, e.g. COCO ``iscrowd`` boxes) where a prediction is neither a
+match nor a false positive."""
 OBJECT_FIELDS = ("label", "bbox")
 
 Box = tuple[float, float, float, float]
@@ -65,6 +67,8 @@ class Record:
     objects: tuple[RecordObject, ...] = field(default_factory=tuple)
     prompt: str | None = None
     """The record's own prompt text (grounding: "Locate the man in red ..."); ``None``: ``data.prompt``."""
+    ignore: tuple[RecordObject, ...] = field(default_factory=tuple)
+    """Ignore regions (COCO crowd boxes): never a training target; a prediction on one is ignored."""
 
     @property
     def image_size(self) -> tuple[int, int]:
@@ -82,6 +86,10 @@ class Record:
         }
         if self.prompt is not None:
             out["prompt"] = self.prompt
+        if self.ignore:
+            out["ignore"] = [
+                {"label": o.label, "bbox": [_json_number(v) for v in o.bbox]} for o in self.ignore
+            ]
         return out
 
 
@@ -279,6 +287,7 @@ def _parse_line(line: str, base_dir: Path, problems: list[str]) -> Record | None
     images = _parse_images(raw["images"], base_dir, problems)
     size = (width, height) if width is not None and height is not None else None
     objects = _parse_objects(raw["objects"], size, problems)
+    ignore = _parse_objects(raw.get("ignore", []), size, problems, name="ignore")
     prompt = raw.get("prompt")
     if prompt is not None and (not isinstance(prompt, str) or not prompt.strip()):
         problems.append(
@@ -286,7 +295,15 @@ def _parse_line(line: str, base_dir: Path, problems: list[str]) -> Record | None
         )
     if len(problems) > n_before or width is None or height is None or images is None or objects is None:
         return None
-    return Record(id=record_id, images=images, width=width, height=height, objects=objects, prompt=prompt)
+    return Record(
+        id=record_id,
+        images=images,
+        width=width,
+        height=height,
+        objects=objects,
+        prompt=prompt,
+        ignore=ignore or (),
+    )
 
 
 def _positive_int(value: Any, name: str, problems: list[str]) -> int | None:
@@ -316,14 +333,16 @@ def _parse_images(value: Any, base_dir: Path, problems: list[str]) -> tuple[str,
 
 
 def _parse_objects(
-    value: Any, image_size: tuple[int, int] | None, problems: list[str]
+    value: Any, image_size: tuple[int, int] | None, problems: list[str], *, name: str = "objects"
 ) -> tuple[RecordObject, ...] | None:
+    """The ``objects`` (or ``ignore``) list: label + pixel box each."""
+    field_name = name
     if not isinstance(value, list):
-        problems.append(f"field 'objects': must be a list (possibly empty), got {type(value).__name__}")
+        problems.append(f"field '{field_name}': must be a list (possibly empty), got {type(value).__name__}")
         return None
     objects: list[RecordObject] = []
     for i, item in enumerate(value):
-        name = f"objects[{i}]"
+        name = f"{field_name}[{i}]"
         if not isinstance(item, dict):
             problems.append(f"field '{name}': must be an object with 'label' and 'bbox', got {item!r}")
             continue

@@ -14,11 +14,18 @@ A pair is allowed iff its IoU is positive and at least ``iou_threshold`` (and, u
 ``label_mode="require"``, the labels are equal). So ``iou_threshold: 0`` means "any overlap": boxes
 that only touch or lie apart (IoU 0) never match, at any threshold. The dummy blocks always give a
 feasible assignment, so a forbidden pair is never chosen.
+
+Ignore regions (COCO's ``iscrowd`` boxes, a record's ``ignore``): a prediction left unmatched after the
+assignment that lies on a region (:func:`~rollmatch.detection.objects.crowd_overlap` >=
+``iou_threshold``, same label under ``label_mode: require``) is *ignored*: neither a match nor a false
+positive, as COCO's evaluation treats detections matched to crowd GT. Regions never take part in the
+assignment, so they cannot take a prediction from a real object, and any number of predictions may
+fall on one region.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -26,7 +33,7 @@ from pydantic import ValidationError
 from scipy.optimize import linear_sum_assignment
 
 from rollmatch.config.schema import MatchingConfig
-from rollmatch.detection.objects import DetObject, iou_matrix
+from rollmatch.detection.objects import DetObject, crowd_overlap, iou_matrix
 from rollmatch.errors import ConfigError, ConfigProblem
 
 _DEFAULTS = MatchingConfig()
@@ -34,11 +41,13 @@ _DEFAULTS = MatchingConfig()
 
 @dataclass
 class MatchResult:
-    """Matched pairs, unmatched GT (false negatives) and unmatched predictions (false positives)."""
+    """Matched pairs, unmatched GT (false negatives), unmatched predictions (false positives) and the
+    unmatched predictions on an ignore region (neither)."""
 
     pairs: list[tuple[int, int, float]] = field(default_factory=list)  # (pred index, gt index, iou)
     fn: list[int] = field(default_factory=list)  # unmatched gt indices, sorted
-    fp: list[int] = field(default_factory=list)  # unmatched pred indices, sorted
+    fp: list[int] = field(default_factory=list)  # unmatched pred indices off every ignore region, sorted
+    ignored: list[int] = field(default_factory=list)  # unmatched pred indices on an ignore region, sorted
 
 
 def hungarian_match(
@@ -49,16 +58,19 @@ def hungarian_match(
     label_mode: str = _DEFAULTS.label_mode,
     fp_cost: float = _DEFAULTS.fp_cost,
     fn_cost: float = _DEFAULTS.fn_cost,
+    ignore_regions: Sequence[DetObject] = (),
 ) -> MatchResult:
     """Minimum-cost one-to-one matching of ``preds`` to ``gts`` (accepts ``**MatchingConfig.model_dump()``).
 
     Pairs are sorted by prediction index. Empty inputs are normal: no predictions -> every GT is a
-    false negative; no GT -> every prediction is a false positive.
+    false negative; no GT -> every prediction is a false positive, unless it lies on one of
+    ``ignore_regions`` (see the module docstring).
     """
     _check_settings(iou_threshold, label_mode, fp_cost, fn_cost)
     num_pred, num_gt = len(preds), len(gts)
     if num_pred == 0 or num_gt == 0:
-        return MatchResult(pairs=[], fn=list(range(num_gt)), fp=list(range(num_pred)))
+        fp, ignored = _split_unmatched(preds, range(num_pred), ignore_regions, iou_threshold, label_mode)
+        return MatchResult(pairs=[], fn=list(range(num_gt)), fp=fp, ignored=ignored)
 
     ious = iou_matrix(preds, gts)
     allowed = (ious > 0.0) & (ious >= iou_threshold)
@@ -81,11 +93,32 @@ def hungarian_match(
     ]
     matched_preds = {p for p, _, _ in pairs}
     matched_gts = {g for _, g, _ in pairs}
+    unmatched = [p for p in range(num_pred) if p not in matched_preds]
+    fp, ignored = _split_unmatched(preds, unmatched, ignore_regions, iou_threshold, label_mode)
     return MatchResult(
-        pairs=pairs,
-        fn=[g for g in range(num_gt) if g not in matched_gts],
-        fp=[p for p in range(num_pred) if p not in matched_preds],
+        pairs=pairs, fn=[g for g in range(num_gt) if g not in matched_gts], fp=fp, ignored=ignored
     )
+
+
+def _split_unmatched(
+    preds: Sequence[DetObject],
+    unmatched: Iterable[int],
+    regions: Sequence[DetObject],
+    iou_threshold: float,
+    label_mode: str,
+) -> tuple[list[int], list[int]]:
+    """``(false positives, ignored)``: the unmatched predictions off / on an ignore region."""
+    fp: list[int] = []
+    ignored: list[int] = []
+    for p in unmatched:
+        on_region = any(
+            (label_mode != "require" or region.label == preds[p].label)
+            and (overlap := crowd_overlap(preds[p].bbox, region.bbox)) > 0.0
+            and overlap >= iou_threshold
+            for region in regions
+        )
+        (ignored if on_region else fp).append(p)
+    return fp, ignored
 
 
 def _check_settings(iou_threshold: float, label_mode: str, fp_cost: float, fn_cost: float) -> None:

@@ -36,18 +36,22 @@ class DetectionCounts:
     fp: int = 0
     fn: int = 0
     iou_sum: float = 0.0
+    ignored: int = 0  # predictions on an ignore (crowd) region: in neither precision nor recall
 
     def add(self, match: MatchResult, n_pred: int, n_gt: int) -> None:
         """Add one image's matching; ``n_pred``/``n_gt`` guard against a match of other lists."""
-        if len(match.pairs) + len(match.fp) != n_pred or len(match.pairs) + len(match.fn) != n_gt:
+        placed = len(match.pairs) + len(match.fp) + len(match.ignored)
+        if placed != n_pred or len(match.pairs) + len(match.fn) != n_gt:
             raise RollmatchError(
                 f"match does not fit {n_pred} predictions / {n_gt} GT objects: {len(match.pairs)} pairs, "
-                f"{len(match.fp)} fp, {len(match.fn)} fn; pass the lengths of the lists that were matched"
+                f"{len(match.fp)} fp, {len(match.ignored)} ignored, {len(match.fn)} fn; pass the lengths of "
+                "the lists that were matched"
             )
         self.tp += len(match.pairs)
         self.fp += len(match.fp)
         self.fn += len(match.fn)
         self.iou_sum += sum(iou for _, _, iou in match.pairs)
+        self.ignored += len(match.ignored)
 
     def merge(self, other: DetectionCounts) -> DetectionCounts:
         """A new total of both counts."""
@@ -56,6 +60,7 @@ class DetectionCounts:
             fp=self.fp + other.fp,
             fn=self.fn + other.fn,
             iou_sum=self.iou_sum + other.iou_sum,
+            ignored=self.ignored + other.ignored,
         )
 
     def to_sums(self) -> dict[str, float]:
@@ -68,7 +73,11 @@ class DetectionCounts:
         """The counts in ``sums`` (missing names count 0), e.g. after summing many :meth:`to_sums`."""
         get = {f.name: sums.get(f"match/{f.name}", 0) for f in fields(cls)}
         return cls(
-            tp=round(get["tp"]), fp=round(get["fp"]), fn=round(get["fn"]), iou_sum=float(get["iou_sum"])
+            tp=round(get["tp"]),
+            fp=round(get["fp"]),
+            fn=round(get["fn"]),
+            iou_sum=float(get["iou_sum"]),
+            ignored=round(get["ignored"]),
         )
 
     @property
@@ -245,10 +254,13 @@ def coco_map(
     predictions: list[list[tuple[DetObject, float]]],
     ground_truths: list[list[DetObject]],
     labels: list[str],
+    ignore_regions: list[list[DetObject]] | None = None,
 ) -> dict[str, float]:
     """COCO bbox mAP (IoU 0.50:0.95), AP50 and AP75 over images, scored by pycocotools.
 
     ``predictions[i]`` are ``(object, score)`` pairs for image ``i``; ``labels`` are the categories.
+    ``ignore_regions[i]`` (optional) are image ``i``'s crowd boxes, given to pycocotools as
+    ``iscrowd: 1`` GT: a detection on one is ignored, as in COCO's own evaluation.
     Boxes of one image must share a coordinate frame. Predictions whose label is not in ``labels``
     cannot be scored per category; they are left out and counted in ``unknown_label_predictions``.
     With no GT box at all the APs are NaN (undefined); with GT but no prediction they are 0.0.
@@ -263,16 +275,23 @@ def coco_map(
     if unknown_gt:
         raise DataError(f"coco_map: GT labels {unknown_gt} are not in labels={list(category)}; add them")
 
+    crowds = ignore_regions if ignore_regions is not None else [[] for _ in ground_truths]
+    if len(crowds) != len(ground_truths):
+        raise DataError(
+            f"coco_map got ignore regions for {len(crowds)} images but GT for {len(ground_truths)}"
+        )
     gt_annotations = [
         {
             "image_id": image_id,
             "category_id": category[o.label],
             "bbox": _xywh(o.bbox),
             "area": float((o.bbox[2] - o.bbox[0]) * (o.bbox[3] - o.bbox[1])),
-            "iscrowd": 0,
+            "iscrowd": crowd,
         }
-        for image_id, image_gts in enumerate(ground_truths, start=1)
+        for crowd, per_image in ((0, ground_truths), (1, crowds))
+        for image_id, image_gts in enumerate(per_image, start=1)
         for o in image_gts
+        if crowd == 0 or o.label in category  # a crowd of a category nothing else has cannot be scored
     ]
     for annotation_id, annotation in enumerate(gt_annotations, start=1):  # COCOeval needs ids > 0
         annotation["id"] = annotation_id
@@ -284,7 +303,7 @@ def coco_map(
     ]
     unknown = sum(1 for image in predictions for o, _ in image if o.label not in category)
     result = {"unknown_label_predictions": float(unknown)}
-    if not gt_annotations:
+    if not any(a["iscrowd"] == 0 for a in gt_annotations):
         return {"map": float("nan"), "map_50": float("nan"), "map_75": float("nan"), **result}
     if not detections:
         return {"map": 0.0, "map_50": 0.0, "map_75": 0.0, **result}

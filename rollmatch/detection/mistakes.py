@@ -28,10 +28,14 @@ class KeptElement:
     valid: bool
     gt: int | None  # the GT it is matched to; None for a false positive, a duplicate or an invalid element
     remaining: tuple[int, ...]  # GT indices not matched by any earlier element (the correct next objects)
+    ignored: bool = False  # a valid prediction on an ignore (crowd) region: no mistake to unlearn
 
 
-def walk_elements(parse: ParseResult, gt_of: dict[int, int], num_gts: int) -> list[KeptElement]:
-    """The complete elements of ``parse`` in order, each with its GT and the GT still to be found."""
+def walk_elements(
+    parse: ParseResult, gt_of: dict[int, int], num_gts: int, ignored: frozenset[int] = frozenset()
+) -> list[KeptElement]:
+    """The complete elements of ``parse`` in order, each with its GT and the GT still to be found
+    (``ignored``: valid-object indices on an ignore region, ``MatchResult.ignored``)."""
     starts = [1, *parse.element_ends][: parse.num_complete]  # after the "[", then after each "}"
     found: set[int] = set()
     elements: list[KeptElement] = []
@@ -40,11 +44,13 @@ def walk_elements(parse: ParseResult, gt_of: dict[int, int], num_gts: int) -> li
         zip(starts, parse.element_ends, parse.element_valid, strict=True)
     ):
         gt = None
+        on_region = False
         if valid:
             gt = gt_of.get(obj)
+            on_region = obj in ignored
             obj += 1
         remaining = tuple(g for g in range(num_gts) if g not in found)
-        elements.append(KeptElement(i, start, end, valid, gt, remaining))
+        elements.append(KeptElement(i, start, end, valid, gt, remaining, on_region))
         if gt is not None:
             found.add(gt)
     return elements
@@ -57,8 +63,8 @@ def fp_divergences(
     first leaves every correct continuation (:func:`divergence`); the rollout's own context."""
     gt_of = {p: g for p, g, _ in match.pairs}
     divergences: list[int] = []
-    for element in walk_elements(parse, gt_of, len(gts))[:keep]:
-        if not element.valid or element.gt is not None:
+    for element in walk_elements(parse, gt_of, len(gts), frozenset(match.ignored))[:keep]:
+        if not element.valid or element.gt is not None or element.ignored:
             continue
         raw = parse.prefix_text[element.start : element.end]
         first = divergence(raw, [gts[g] for g in element.remaining], codec, after_element=element.index > 0)

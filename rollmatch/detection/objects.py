@@ -34,6 +34,15 @@ def iou(a: Sequence[float], b: Sequence[float]) -> float:
     return float(inter / union) if union > 0 else 0.0
 
 
+def crowd_overlap(pred: Sequence[float], region: Sequence[float]) -> float:
+    """The share of ``pred``'s area inside an ignore (crowd) ``region``: COCO's IoU against a crowd
+    box, whose "union" is the detection alone (a small box anywhere inside a crowd scores 1)."""
+    ix = max(0.0, min(pred[2], region[2]) - max(pred[0], region[0]))
+    iy = max(0.0, min(pred[3], region[3]) - max(pred[1], region[1]))
+    area = (pred[2] - pred[0]) * (pred[3] - pred[1])
+    return float(ix * iy / area) if area > 0 else 0.0
+
+
 def iou_matrix(preds: Sequence[DetObject], gts: Sequence[DetObject]) -> np.ndarray:
     """Pairwise IoU, shape ``(len(preds), len(gts))``, vectorised."""
     if not preds or not gts:

@@ -10,7 +10,8 @@ Reward of a rollout (``loss.grpo``), worked examples in docs/detection.md:
 - **malformed** (truncated: hit ``max_new_tokens`` or ended inside the list; or the list is not a list,
   has bad structure or text after it, or is never closed): ``invalid_reward`` (the floor);
 - otherwise ``f1 = 2 TP / (P + G)`` with ``P`` the predictions (valid objects plus invalid elements,
-  which count as false positives), ``G`` the GT objects and ``TP`` the matched pairs; ``f1_iou`` replaces
+  which count as false positives, less the predictions on an ignore region), ``G`` the GT objects and
+  ``TP`` the matched pairs; ``f1_iou`` replaces
   ``TP`` by the sum of the matched pairs' IoU. No GT and no prediction: 1.
 - minus ``duplicate_penalty`` x the duplicate rate (valid predictions with the label of an earlier one and
   IoU >= 0.7 with it, over ``P``).
@@ -61,7 +62,8 @@ def detection_reward(
     if is_malformed(parse):
         return DetectionReward(value=invalid_reward, malformed=True, f1=0.0, duplicates=0)
     invalid_elements = sum(parse.invalid.get(reason, 0) for reason in ELEMENT_REASONS)
-    predictions = len(parse.objects) + invalid_elements
+    # predictions on an ignore (crowd) region are neither hits nor false positives
+    predictions = len(parse.objects) + invalid_elements - len(scored.match.ignored)
     total = predictions + len(scored.gt_objects)
     if total == 0:
         f1 = 1.0

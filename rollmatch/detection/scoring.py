@@ -50,11 +50,14 @@ def score_response(
     extent: tuple[int, int],
     hit_max_tokens: bool,
     matching: MatchingConfig,
+    ignore_regions: Sequence[DetObject] = (),
 ) -> ScoredResponse:
     """Strictly parse ``response_token_ids`` (frame ``extent``) and match the valid objects to
-    ``gt_objects`` with the ``matching`` settings; never raises on model output."""
+    ``gt_objects`` with the ``matching`` settings; a prediction on one of ``ignore_regions`` (the
+    record's crowd boxes, same frame) is neither a match nor a false positive. Never raises on model
+    output."""
     parse = codec.parse(response_token_ids, extent=extent, hit_max_tokens=hit_max_tokens)
-    match = hungarian_match(parse.objects, gt_objects, **matching.model_dump())
+    match = hungarian_match(parse.objects, gt_objects, **matching.model_dump(), ignore_regions=ignore_regions)
     return ScoredResponse(parse=parse, match=match, gt_objects=tuple(gt_objects))
 
 

@@ -23,7 +23,9 @@ Weights, one per response token (the weight of the loss for predicting that toke
 - EOS: 1.
 
 ``unlikelihood_weights`` (``loss.fp_unlikelihood_weight``): one token per kept false positive or
-duplicate, the weight of ``-log(1 - p(token))`` there (``detection.mistakes``).
+duplicate, the weight of ``-log(1 - p(token))`` there (``detection.mistakes``). A prediction on an
+ignore (crowd) region (``MatchResult.ignored``) is no false positive: it is kept or cut like one, at
+weight 0, but never flagged.
 
 Tokens are classified through the characters they decode to (``json_scan.char_roles``). A token
 is a *label* token if any of its characters lies inside a string value (the label text, not its
@@ -152,13 +154,13 @@ def build_supervised_context_target(
     text = "["
     context_spans: list[tuple[int, int]] = []
     divergences: list[int] = []
-    for element in walk_elements(parse, gt_of, len(gts)):
+    for element in walk_elements(parse, gt_of, len(gts), frozenset(match.ignored)):
         after = element.index > 0
         if element.gt is not None:
             text += codec.append_fragment([gts[element.gt]], after_element=after)[:-1]
             continue
         raw = parse.prefix_text[element.start : element.end]
-        if element.valid and loss.fp_unlikelihood_weight > 0:
+        if element.valid and not element.ignored and loss.fp_unlikelihood_weight > 0:
             first = divergence(raw, [gts[g] for g in element.remaining], codec, after_element=after)
             if first is not None:
                 divergences.append(len(text) + first)

@@ -31,6 +31,7 @@ import sys
 from pathlib import Path
 
 from rollmatch.config.schema import RollmatchConfig
+from rollmatch.data.input_checks import run_input_problems
 from rollmatch.errors import ConfigError, ConfigProblem, LaunchError
 from rollmatch.launch.heartbeat import NodeHeartbeat
 from rollmatch.launch.layout import (
@@ -104,6 +105,14 @@ def launch_command(args: argparse.Namespace) -> int:
     print(render_plan(plan), end="", flush=True)
     pids_name = "pids-learner.json" if request.learner_only else PIDS_NAME
     claim_launch_dir(launch_dir / pids_name, grace_s=request.grace_s)
+    # check-config's input checks (files, record lengths) before any server starts; a servers-only
+    # node needs only the model. A refused launch leaves no claim behind.
+    problems, _ = run_input_problems(launch.cfg)
+    if request.servers_only:
+        problems = [p for p in problems if p.key == "model.path"]
+    if problems:
+        (launch_dir / pids_name).unlink()
+        raise LaunchError(problems)
     api_key = plan.servers[0].env.get(API_KEY_ENV) if plan.servers else None
     if request.servers_only and api_key is not None:
         _write_key_file(launch_dir / API_KEY_FILE, api_key)

@@ -27,8 +27,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from rollmatch.config.engine_rules import server_engine_flags
 from rollmatch.config.frames import fixed_coord_frame
+from rollmatch.config.input_files import absolute_input_paths
 from rollmatch.config.load import load_config
+from rollmatch.config.precision import rollout_dtype
 from rollmatch.config.rules import min_healthy_problems, resolve_servers
 from rollmatch.config.schema import RollmatchConfig, ServerEndpoint
 from rollmatch.errors import ConfigError
@@ -218,7 +221,7 @@ def build_plan(
     if floor:  # the servers a launch starts are known only here
         raise ConfigError(floor)
 
-    learner_cfg = learner_config(cfg, endpoints, layout.tensor_parallel_size)
+    learner_cfg = learner_config(cfg, endpoints)
     learner_path = launch_dir / LEARNER_CONFIG_NAME
     learner_nodes = [r for r in range(nodes.count) if nodes.role(r) != "servers"]
     learner = None
@@ -328,7 +331,7 @@ def server_flags(
         str(vllm.max_model_len or cfg.training.global_max_length),
         # CPU engines run float32 (vLLM's CPU kernels; the colocated engine does the same).
         "--dtype",
-        "float32" if layout.on_cpu else cfg.model.dtype,
+        "float32" if layout.on_cpu else rollout_dtype(cfg),
     ]
     if cfg.data.min_pixels is not None:
         flags += ["--min-pixels", str(cfg.data.min_pixels)]
@@ -339,16 +342,20 @@ def server_flags(
         flags += ["--coord-frame", frame]
     if vllm.enable_lora:
         flags.append("--enable-lora")
+    if request.engine == "vllm":  # the engine keys of the config reach every vLLM server
+        flags += server_engine_flags(cfg, on_cpu=layout.on_cpu)
     return flags
 
 
-def learner_config(cfg: RollmatchConfig, endpoints: list[ServerEndpoint], tp: int) -> RollmatchConfig:
+def learner_config(cfg: RollmatchConfig, endpoints: list[ServerEndpoint]) -> RollmatchConfig:
     """The config the learner trains with: ``cfg`` with the started servers written in (preferred form)."""
     resolved = cfg.model_copy(deep=True)
     server = resolved.rollout.vllm.server
     server.servers = [e.model_copy() for e in endpoints]
     server.base_url, server.group_port = None, None
-    resolved.rollout.vllm.tensor_parallel_size = tp
+    absolute_input_paths(
+        resolved, Path.cwd()
+    )  # learner.yaml lives elsewhere: no path may depend on its folder
     return resolved
 
 

@@ -60,8 +60,8 @@ def build_backend(
 def machine_overrides() -> list[str]:
     """Overrides that make a config-less command's engine run on this machine.
 
-    The schema's engine defaults are the spec's training settings (a colocated vLLM sharing 4 GPUs
-    with the learner: ``tensor_parallel_size`` 4, ``gpu_memory_utilization`` 0.45). A command that
+    The schema's engine defaults are a colocated vLLM sharing its GPU with the learner
+    (``tensor_parallel_size`` 1, ``gpu_memory_utilization`` 0.45). A command that
     takes no config (``rollmatch eval --model DIR``) runs one engine alone instead: vLLM when it is
     installed, else HF generate; one unsharded engine (``tensor_parallel_size`` 1, the only size
     the CPU engine runs and one that fits any single GPU that holds the model); on GPU 0.9 of the

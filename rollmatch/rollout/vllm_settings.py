@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from rollmatch.config.precision import rollout_dtype
 from rollmatch.config.rules import check_config, check_runtime
 from rollmatch.config.schema import ROLLOUT_KEY, RollmatchConfig
 from rollmatch.errors import ConfigError, ConfigProblem
@@ -64,8 +65,8 @@ def engine_settings_from_config(cfg: RollmatchConfig, model_dir: str) -> VllmEng
     }
     return VllmEngineSettings(
         model_dir=str(model_dir),
-        # vLLM's CPU kernels run float32 (bf16 matmuls are not exact there); GPUs use the training dtype.
-        dtype="float32" if not torch.cuda.is_available() else cfg.model.dtype,
+        # vLLM's CPU kernels run float32 (bf16 matmuls are not exact there); GPUs the compute dtype.
+        dtype="float32" if not torch.cuda.is_available() else rollout_dtype(cfg),
         max_model_len=vllm.max_model_len or cfg.training.global_max_length,
         tensor_parallel_size=vllm.tensor_parallel_size,
         gpu_memory_utilization=vllm.gpu_memory_utilization,

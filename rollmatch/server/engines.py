@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -303,7 +303,10 @@ class VllmServerEngine:
         pixel_bounds: PixelBounds = (None, None),
         media: MediaPolicy | None = None,
         max_images: int = 8,
+        **engine_settings: Any,
     ):
+        """``engine_settings``: further ``VllmEngineSettings`` fields (``gpu_memory_utilization``,
+        ``enable_prefix_caching``, ``enforce_eager``, ``kv_cache_space_gib``)."""
         from transformers import AutoConfig, AutoModelForImageTextToText
 
         from rollmatch.rollout.vllm_engine import VllmEngine
@@ -333,8 +336,8 @@ class VllmServerEngine:
             tensor_parallel_size=tensor_parallel_size,
             enable_lora=enable_lora,
             max_num_seqs=max_num_seqs,
-            enforce_eager=on_cpu,
             max_images_per_prompt=max_images,
+            **{**engine_settings, "enforce_eager": on_cpu or bool(engine_settings.get("enforce_eager"))},
             # vLLM resizes images itself: the same bounds give the trainer's image-token counts.
             mm_processor_kwargs={
                 k: v for k, v in zip(("min_pixels", "max_pixels"), pixel_bounds, strict=True) if v
@@ -479,8 +482,13 @@ def build_engine(
     max_pixels: int | None = None,
     media: MediaPolicy | None = None,
     max_images: int = 8,
+    vllm_settings: Mapping[str, Any] | None = None,
 ) -> ServerEngine:
-    """The engine ``rollmatch serve`` runs; unsupported parallel sizes fail with what to do instead."""
+    """The engine ``rollmatch serve`` runs; unsupported parallel sizes fail with what to do instead.
+
+    ``vllm_settings``: further ``VllmEngineSettings`` fields from the command line
+    (``--gpu-memory-utilization``, ...), refused by the HF engine."""
+    vllm_settings = dict(vllm_settings or {})
     if not (Path(model_dir) / "config.json").is_file():
         raise BackendError(
             f"--model {model_dir!r} is not a model directory (no config.json); pass a saved model"
@@ -491,10 +499,11 @@ def build_engine(
             "per data-parallel replica and list them all under custom.extra.rollout_matching.vllm.server.servers"
         )
     if engine == "hf":
-        if tensor_parallel_size != 1 or enable_lora or max_num_seqs is not None:
+        if tensor_parallel_size != 1 or enable_lora or max_num_seqs is not None or vllm_settings:
+            flags = ", ".join(f"--{name.replace('_', '-')}" for name in vllm_settings)
             raise BackendError(
-                "--engine hf supports none of --tensor-parallel-size > 1, --enable-lora, --max-num-seqs; "
-                "use --engine vllm"
+                "--engine hf supports none of --tensor-parallel-size > 1, --enable-lora, --max-num-seqs"
+                f"{', ' + flags if flags else ''} (vLLM engine settings); use --engine vllm"
             )
         return HFServerEngine(
             model_dir,
@@ -521,4 +530,5 @@ def build_engine(
         pixel_bounds=(min_pixels, max_pixels),
         media=media,
         max_images=max_images,
+        **vllm_settings,
     )

@@ -19,6 +19,7 @@ import threading
 import time
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 import torch
 import uvicorn
@@ -63,6 +64,7 @@ def serve_command(args: argparse.Namespace) -> int:
         data_parallel_size=args.data_parallel_size,
         enable_lora=bool(getattr(args, "enable_lora", False)),
         max_num_seqs=getattr(args, "max_num_seqs", None),
+        vllm_settings=vllm_flag_settings(args),
         min_pixels=getattr(args, "min_pixels", None),
         max_pixels=getattr(args, "max_pixels", None),
         media=media,
@@ -105,6 +107,13 @@ def serve_command(args: argparse.Namespace) -> int:
     )
     _BoundedStopServer(config).run()
     return _close_within(server, HARD_EXIT_AFTER_S - SHUTDOWN_GRACE_S - 1.0)
+
+
+def vllm_flag_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The vLLM engine settings given on the command line (``VllmEngineSettings`` fields; unset flags
+    keep the engine's defaults)."""
+    names = ("gpu_memory_utilization", "enable_prefix_caching", "enforce_eager", "kv_cache_space_gib")
+    return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
 
 
 def server_access(args: argparse.Namespace) -> str | None:

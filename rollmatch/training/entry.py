@@ -25,10 +25,12 @@ from rollmatch.collectives import (
     init_default_group,
 )
 from rollmatch.config.hf_args import eval_strategy, training_arguments_kwargs
+from rollmatch.config.input_files import input_file_problems
 from rollmatch.config.load import load_config
 from rollmatch.config.resolved import resolve_run
 from rollmatch.config.schema import RollmatchConfig
 from rollmatch.data.prompts import PromptEncoder, load_processor
+from rollmatch.data.record_lengths import fitting_records
 from rollmatch.data.records import load_records
 from rollmatch.detection.object_formats import build_codec
 from rollmatch.errors import ConfigError
@@ -46,7 +48,6 @@ from rollmatch.training.preemption import (
     install_warning_handler,
 )
 from rollmatch.training.rollout_log import RolloutLog
-from rollmatch.training.sizing import check_row_sizing
 from rollmatch.training.step import SyncBeforeRollouts
 from rollmatch.training.trainer import RecordDataset, RollmatchTrainer, keep_records
 from rollmatch.training.variants import BuildContext, VariantParts, backend_for, build_variant
@@ -109,6 +110,8 @@ def run_training(cfg: RollmatchConfig) -> TrainResult:
     install_warning_handler()  # API callers too (a no-op off the main thread)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    if missing := input_file_problems(cfg):  # what check-config refuses, refused here with its message
+        raise ConfigError(missing)
     resume, resume_problems = None, []
     try:  # before anything heavy: an incomplete checkpoint or another world size is refused at once
         resume = resolve_resume(
@@ -136,10 +139,12 @@ def run_training(cfg: RollmatchConfig) -> TrainResult:
         load_processor(run.model_dir, *run.pixel_bounds), cfg.data.prompt, run.coord_frame
     )
     log.info("coordinate frame: %s (data.coord_frame: %s)", run.coord_frame, cfg.data.coord_frame)
-    model = load_model(cfg)
     codec = build_codec(cfg.custom.object_format, encoder.tokenizer, [encoder.eos_token_id])
-    records = load_records(cfg.data.train_jsonl, max_samples=cfg.data.max_samples)
-    check_row_sizing(cfg, records, encoder, codec)
+    # Every record's length against a row, before the model loads (data.over_length: error | drop).
+    records = fitting_records(
+        cfg, load_records(cfg.data.train_jsonl, max_samples=cfg.data.max_samples), encoder, codec
+    )
+    model = load_model(cfg)
     holder: dict[str, Any] = {}
     rollout_log = rollout_log_for(cfg, encoder, codec, collectives)
     ctx = BuildContext(

@@ -99,6 +99,7 @@ class GrpoGroups:
     ) -> tuple[list[ScoredResponse], list[DetectionReward]]:
         grpo = self.cfg.loss.grpo
         gt = self.encoder.gt_objects(record, encoded)
+        crowds = self.encoder.ignore_regions(record, encoded)  # a prediction there costs no reward
         scored = [
             score_response(
                 self.codec,
@@ -107,6 +108,7 @@ class GrpoGroups:
                 extent=self.encoder.frame_extent(encoded),
                 hit_max_tokens=rollout.hit_max_tokens,
                 matching=self.cfg.matching,
+                ignore_regions=crowds,
             )
             for rollout in group
         ]

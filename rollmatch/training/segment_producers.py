@@ -224,6 +224,7 @@ class RolloutSegmentProducer(_SegmentFactory):
             extent=self.encoder.frame_extent(encoded),
             hit_max_tokens=rollout.hit_max_tokens,
             matching=self.cfg.matching,
+            ignore_regions=self.encoder.ignore_regions(record, encoded),
         )
         target = build_matched_target(
             scored.parse,

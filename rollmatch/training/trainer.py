@@ -37,6 +37,7 @@ from transformers import Trainer
 from rollmatch.collectives import Collectives
 from rollmatch.packing.collate import model_inputs
 from rollmatch.training import checkpoints
+from rollmatch.training.console import use_console_line
 from rollmatch.training.coord_loss import CoordLoss
 from rollmatch.training.grpo_loss import GrpoSettings, frozen_copy, grpo_loss_sum, token_logprobs
 from rollmatch.training.losses import weighted_ce_sum
@@ -87,6 +88,7 @@ class RollmatchTrainer(Trainer):
         **kwargs: Any,
     ):
         super().__init__(*args, **kwargs)
+        use_console_line(self)  # one short line per log; every metric still goes to metrics.jsonl
         self.lr_multipliers = dict(lr_multipliers or {})  # training.lr_multipliers, per module group
         self.planner = planner
         self.coord_loss = coord_loss  # coordinate positions' loss (object_format: coord_tokens)

@@ -20,7 +20,7 @@ EXAMPLES = sorted((REPO / "configs").glob("*.yaml"))
 
 def test_prints_resolved_yaml_with_defaults(write_yaml, capsys: pytest.CaptureFixture[str]) -> None:
     path = write_yaml("c.yaml", {"training": {"max_steps": 3}})
-    assert main(["check-config", str(path), "training.seed=5"]) == 0
+    assert main(["check-config", "--schema-only", str(path), "training.seed=5"]) == 0
     out = capsys.readouterr().out
     resolved = yaml.safe_load(out)
     assert resolved["training"]["max_steps"] == 3 and resolved["training"]["seed"] == 5
@@ -32,7 +32,7 @@ def test_prints_resolved_yaml_with_defaults(write_yaml, capsys: pytest.CaptureFi
 
 def test_json_output(write_yaml, capsys: pytest.CaptureFixture[str]) -> None:
     path = write_yaml("c.yaml", {"stage2_ab": {"channel_b": {"async": {"queue_limit": 3}}}})
-    assert main(["check-config", str(path), "--json"]) == 0
+    assert main(["check-config", "--schema-only", str(path), "--json"]) == 0
     resolved = json.loads(capsys.readouterr().out)
     assert resolved["stage2_ab"]["channel_b"]["async"]["queue_limit"] == 3
 
@@ -58,7 +58,7 @@ def test_json_output_holds_the_resolved_values(
             },
         },
     )
-    assert main(["check-config", str(path), "--json"]) == 0
+    assert main(["check-config", "--schema-only", str(path), "--json"]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert printed["data"]["coord_frame"] == "auto"  # the config as written
     assert (
@@ -92,7 +92,7 @@ def test_json_output_holds_the_resolved_values(
         }
     )
     missing = write_yaml("m.yaml", {"model": {"path": str(tmp_path / "not_yet")}})
-    assert main(["check-config", str(missing), "--json"]) == 0
+    assert main(["check-config", "--schema-only", str(missing), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["resolved"]["coord_frame"] == "auto"  # resolved at start
 
 
@@ -101,7 +101,7 @@ def test_every_problem_on_stderr_exit_2(write_yaml, capsys: pytest.CaptureFixtur
         "bad.yaml",
         {"custom": {"trainer_variant": "stage2_ab_training"}, "matching": {"iou_treshold": 0.3}},
     )
-    assert main(["check-config", str(path), "training.max_steps=ten"]) == 2
+    assert main(["check-config", "--schema-only", str(path), "training.max_steps=ten"]) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
     assert "(3 problem(s))" in captured.err
@@ -130,13 +130,13 @@ def test_check_config_refuses_what_train_refuses(
 ) -> None:
     stage2_ab = {"schedule": {"b_ratio": 0.5}, "channel_b": channel_b}
     path = write_yaml("c.yaml", {**STAGE2, "stage2_ab": stage2_ab, "training": training})
-    assert main(["check-config", str(path)]) == 2
+    assert main(["check-config", "--schema-only", str(path)]) == 2
     assert f"- {key} = " in capsys.readouterr().err
 
 
 def test_deprecation_warning_goes_to_stderr(write_yaml, capsys: pytest.CaptureFixture[str]) -> None:
     path = write_yaml("old.yaml", {"custom": {"extra": {"stage2_ab": {"schedule": {"b_ratio": 0.5}}}}})
-    assert main(["check-config", str(path)]) == 0
+    assert main(["check-config", "--schema-only", str(path)]) == 0
     captured = capsys.readouterr()
     assert "warning:" in captured.err and "custom.extra.stage2_ab" in captured.err
     assert yaml.safe_load(captured.out)["stage2_ab"]["schedule"]["b_ratio"] == 0.5
@@ -146,7 +146,13 @@ def test_installed_cli_subprocess(tmp_path: Path) -> None:
     exe = Path(sys.executable).with_name("rollmatch")
     assert exe.exists(), f"console script missing: {exe} (pip install -e .)"
     good = subprocess.run(
-        [str(exe), "check-config", str(REPO / "configs" / "stage2_ab_server.yaml"), "--json"],
+        [
+            str(exe),
+            "check-config",
+            "--schema-only",
+            str(REPO / "configs" / "stage2_ab_server.yaml"),
+            "--json",
+        ],
         capture_output=True,
         text=True,
         timeout=120,
@@ -169,7 +175,7 @@ def test_example_configs_exist() -> None:
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
 def test_example_config_passes_check_config(path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["check-config", str(path)]) == 0, capsys.readouterr().err
+    assert main(["check-config", "--schema-only", str(path)]) == 0, capsys.readouterr().err
 
 
 @pytest.mark.parametrize("name", ["demo_sft.yaml", "demo_rollout.yaml"])
@@ -185,7 +191,8 @@ def test_demo_rollout_continues_from_sft() -> None:
     sft = load_config(REPO / "configs" / "demo_sft.yaml")
     rollout = load_config(REPO / "configs" / "demo_rollout.yaml")
     assert (sft.custom.trainer_variant, rollout.custom.trainer_variant) == ("sft", "rollout_matching_sft")
-    assert rollout.model.path == f"{sft.training.output_dir}/final"
+    # model.path resolves against configs/, output_dir against the working directory (the repository root)
+    assert Path(rollout.model.path) == REPO / sft.training.output_dir / "final"
 
 
 def test_a_healthy_floor_above_the_listed_servers_exits_2_naming_the_key(
@@ -196,9 +203,9 @@ def test_a_healthy_floor_above_the_listed_servers_exits_2_naming_the_key(
     server = {"servers": [{"base_url": "http://127.0.0.1:9001", "group_port": 7000}], "min_healthy": 2}
     rollout = {"vllm": {"mode": "server", "server": server}}
     path = write_yaml("c.yaml", {"custom": {"extra": {"rollout_matching": rollout}}})
-    assert main(["check-config", str(path)]) == 2
+    assert main(["check-config", "--schema-only", str(path)]) == 2
     err = capsys.readouterr().err
     assert "custom.extra.rollout_matching.vllm.server.min_healthy = 2" in err
     assert "the run has 1 rollout server(s)" in err
     key = "custom.extra.rollout_matching.vllm.server.min_healthy"
-    assert main(["check-config", str(path), f"{key}=1"]) == 0
+    assert main(["check-config", "--schema-only", str(path), f"{key}=1"]) == 0

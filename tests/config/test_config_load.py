@@ -39,7 +39,7 @@ def test_extends_chain_relative_to_each_file(write_yaml) -> None:
     cfg = load_config(leaf)
     assert cfg.training.max_steps == 1  # from root
     assert cfg.training.seed == 2  # mid overrides root
-    assert cfg.model.path == "m"
+    assert cfg.model.path == str(leaf.parent.parent / "b" / "m")  # relative to mid.yaml, which set it
     assert cfg.training.report_to == []  # lists are replaced, not merged
 
 

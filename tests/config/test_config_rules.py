@@ -421,23 +421,55 @@ def test_runtime_tensor_parallel_size() -> None:
     assert "spans 4 learner ranks" in world.fix and "multiple of 4" in world.fix
 
 
-@pytest.mark.parametrize(
-    "data",
-    [
-        rollout(rollout_backend="hf"),
-        server_mode(SERVERS),
-        {"custom": {"trainer_variant": "sft"}},  # stage-1 makes no rollouts
-    ],
-    ids=["hf", "server", "sft"],
-)
-def test_runtime_tensor_parallel_only_for_colocated_vllm(data: dict[str, Any]) -> None:
-    cfg = load_config_dict(data)
-    assert cfg.rollout.vllm.tensor_parallel_size == 4
+def test_runtime_tensor_parallel_only_for_colocated_vllm() -> None:
+    # stage-1 makes no rollouts: a colocated engine's size is not checked against the devices
+    cfg = load_config_dict(
+        {**rollout(vllm={"tensor_parallel_size": 4}), "custom": {"trainer_variant": "sft"}}
+    )
     assert check_runtime(cfg, world_size=1, device_count=0, device_type="cpu") == []
 
 
+@pytest.mark.parametrize(
+    ("data", "key", "fix"),
+    [
+        (server_mode(SERVERS, tensor_parallel_size=4), "tensor_parallel_size", "launch.tensor_parallel_size"),
+        (server_mode(SERVERS, sleep_level=1), "sleep_level", "never sleeps"),
+    ],
+    ids=["server-tp", "server-sleep"],
+)
+def test_an_engine_key_without_effect_in_its_mode_is_refused(
+    data: dict[str, Any], key: str, fix: str
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config_dict(data)
+    (problem,) = [p for p in info.value.problems if p.key == f"{VLLM}.{key}"]
+    assert "no effect" in problem.fix and fix in problem.fix
+
+
+def test_server_mode_takes_the_engine_keys_launch_passes_on() -> None:
+    cfg = load_config_dict(
+        server_mode(SERVERS, gpu_memory_utilization=0.85, max_num_seqs=64, enforce_eager=True)
+    )
+    assert cfg.rollout.vllm.max_num_seqs == 64
+    with pytest.raises(ConfigError, match=r"launch\.engine: hf"):
+        load_config_dict({**server_mode(SERVERS, max_num_seqs=64), "launch": {"engine": "hf"}})
+
+
+def test_defaults_run_without_extends_on_one_gpu() -> None:
+    """The schema's engine defaults fit one GPU (no tensor parallel 4 on one device), as configs/base.yaml."""
+    import yaml
+
+    assert check_runtime(load_config_dict({}), world_size=1, device_count=1, device_type="cuda") == []
+    base = yaml.safe_load((Path(__file__).resolve().parents[2] / "configs" / "base.yaml").read_text())
+    engine = base["custom"]["extra"]["rollout_matching"]["vllm"]
+    defaults = load_config_dict({}).rollout.vllm.model_dump()
+    assert {k: v for k, v in engine.items() if not isinstance(v, dict)} == {
+        k: defaults[k] for k in engine if not isinstance(engine[k], dict)
+    }
+
+
 def test_validate_runtime_raises_every_problem() -> None:
-    data = rollout(vllm={"sync": {"mode": "adapter"}, "enable_lora": True}) | {
+    data = rollout(vllm={"sync": {"mode": "adapter"}, "enable_lora": True, "tensor_parallel_size": 4}) | {
         "model": {"lora": {"enabled": True}},
         "stage2_ab": {"channel_b": {"mode": "step"}},
     }

@@ -60,14 +60,14 @@ def test_check_config_prints_the_resolved_frame(tmp_path: Path, capsys: pytest.C
     folder = _model_dir(tmp_path, "qwen2_5_vl")
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump({"model": {"path": str(folder)}}), encoding="utf-8")
-    assert main(["check-config", str(config)]) == 0
+    assert main(["check-config", "--schema-only", str(config)]) == 0
     out = capsys.readouterr()
     assert yaml.safe_load(out.out)["data"]["coord_frame"] == "auto"  # the config itself is unchanged
     assert f"resolved: data.coord_frame: auto -> pixels (model_type 'qwen2_5_vl' of {folder})" in out.err
-    assert main(["check-config", str(config), "data.coord_frame=norm1000"]) == 0
+    assert main(["check-config", "--schema-only", str(config), "data.coord_frame=norm1000"]) == 0
     assert "resolved: data.coord_frame: norm1000 (set explicitly)" in capsys.readouterr().err
     config.write_text(yaml.safe_dump({"model": {"path": str(_model_dir(tmp_path, "llava"))}}))
-    assert main(["check-config", str(config)]) == 2
+    assert main(["check-config", "--schema-only", str(config)]) == 2
     assert "data.coord_frame = 'auto'" in capsys.readouterr().err
     # a model directory that does not exist yet (the demo builds it later) is no error
     assert "when the run starts" in describe_coord_frame("auto", tmp_path / "later")

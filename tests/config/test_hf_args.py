@@ -59,7 +59,7 @@ def test_typed_key_duplicate_names_both(problems_of) -> None:
     )
     assert "training.learning_rate" in problem.fix
     problem = problems_of({"training": {"hf_args": {"bf16": True}}}).only("training.hf_args.bf16")
-    assert "model.dtype" in problem.fix
+    assert "training.mixed_precision" in problem.fix
 
 
 def test_controlled_field_is_refused_with_the_reason(problems_of) -> None:
@@ -81,7 +81,7 @@ def test_wrong_type_and_what_transformers_refuses(problems_of) -> None:
 
 def test_check_config_shows_hf_args_problems(write_yaml, capsys: pytest.CaptureFixture[str]) -> None:
     path = write_yaml("c.yaml", {"training": {"hf_args": {"optimizer": "adamw_torch"}}})
-    assert main(["check-config", str(path)]) == 2
+    assert main(["check-config", "--schema-only", str(path)]) == 2
     err = capsys.readouterr().err
     assert "training.hf_args.optimizer" in err and "did you mean training.hf_args.optim?" in err
 
@@ -132,7 +132,12 @@ def test_eval_keys(problems_of, tmp_path: Path) -> None:
 
 
 def test_eval_with_a_colocated_engine_over_ranks_is_refused_at_start() -> None:
-    cfg = load_config_dict({"training": {"eval_steps": 2}})  # default: vLLM colocate, tensor_parallel_size 4
+    cfg = load_config_dict(  # vLLM colocate over 4 ranks
+        {
+            "training": {"eval_steps": 2},
+            "custom": {"extra": {"rollout_matching": {"vllm": {"tensor_parallel_size": 4}}}},
+        }
+    )
     problems = check_runtime(cfg, world_size=4, device_count=4, device_type="cuda")
     assert any(p.key == "training.eval_strategy" and "rank 0" in p.fix for p in problems)
     assert not any(

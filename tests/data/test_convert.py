@@ -13,7 +13,7 @@ import pytest
 from PIL import Image
 
 from rollmatch.data.convert import from_coco, from_voc, from_yolo, natural_key, read_yolo_names
-from rollmatch.data.records import Record, load_records, write_records
+from rollmatch.data.records import Record, RecordObject, load_records, write_records
 from rollmatch.errors import DataError
 
 AQUARIUM_NAMES = ["fish", "jellyfish", "penguin", "puffin", "shark", "starfish", "stingray"]
@@ -171,7 +171,7 @@ def test_coco_round_trip_on_real_voc_records(
 ) -> None:
     subset = raccoon[:20]
     coco = coco_from_records(subset, category_ids={"raccoon": 7})
-    # An image without annotations stays (no objects); a crowd region is skipped.
+    # An image whose only annotation is a crowd region: no objects, the crowd kept as an ignore region.
     coco["images"].append({"id": 999, "file_name": "raccoon-150.jpg", "width": 275, "height": 183})
     coco["annotations"].append(
         {"id": 5000, "image_id": 999, "category_id": 7, "bbox": [1, 1, 50, 50], "area": 2500, "iscrowd": 1}
@@ -182,8 +182,9 @@ def test_coco_round_trip_on_real_voc_records(
     assert converted[:20] == subset
     assert converted[20].id == "raccoon-150"
     assert converted[20].objects == ()
+    assert converted[20].ignore == (RecordObject("raccoon", (1.0, 1.0, 51.0, 51.0)),)
     jsonl = write_records(tmp_path / "coco.jsonl", converted)
-    assert load_records(jsonl) == converted
+    assert load_records(jsonl) == converted  # the ignore regions survive the JSONL round trip
 
 
 def test_voc_and_coco_annotations_of_the_same_photos_agree(

@@ -91,6 +91,7 @@ def write_config(path: Path, *, model: str, train_jsonl: str, output_dir: Path, 
             "per_device_train_batch_size": 1,
             "max_steps": 2,
             "learning_rate": 3e-3,
+            "logging_steps": 1,  # the tests read every step's metrics
             "report_to": [],
             "save_steps": 1000,
             "packing": True,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import stat
@@ -71,7 +72,7 @@ def test_a_server_killed_mid_run_stops_the_launch_with_its_name_and_leaves_no_pr
     config = launch_config(stage2_ab={"schedule": {"b_ratio": 1.0}}, training={"max_steps": 100000})
     run = start_launch(config, "--cpu", "--learner-procs", "1", "--engine", "hf", "--grace-s", "5")
     learner_log = run.launch_dir / "learner-0.log"
-    run.wait_for(lambda: learner_log.exists() and "'loss'" in learner_log.read_text(), 300, "a trained step")
+    run.wait_for(lambda: learner_log.exists() and "| loss " in learner_log.read_text(), 300, "a trained step")
 
     pids = run.pids()
     server, learner = pids["processes"]
@@ -92,17 +93,30 @@ def test_a_server_killed_mid_run_stops_the_launch_with_its_name_and_leaves_no_pr
 
 @pytest.mark.heavy
 def test_a_server_that_dies_during_start_up_fails_the_launch_with_its_log(
-    tmp_path: Path, config_writer: Callable[..., Path], start_launch: Callable[..., Any]
+    tmp_path: Path,
+    config_writer: Callable[..., Path],
+    start_launch: Callable[..., Any],
+    tiny_model_dir: Path,
+    launch_shapes: dict[str, Path],
 ) -> None:
+    # A model directory that passes the input checks (config.json, processor) but whose weights
+    # cannot load: the server dies while it starts.
+    broken = tmp_path / "broken_model"
+    shutil.copytree(tiny_model_dir, broken)
+    for weights in broken.glob("*.safetensors"):
+        weights.write_bytes(b"not a safetensors file")
     config = config_writer(
-        tmp_path / "launch.yaml", model=str(tmp_path), train_jsonl="/t.jsonl", output_dir=tmp_path / "out"
+        tmp_path / "launch.yaml",
+        model=str(broken),
+        train_jsonl=str(launch_shapes["train"]),
+        output_dir=tmp_path / "out",
     )
     run = start_launch(config, *CPU_2_RANKS, "--engine", "hf")
     code = run.wait(120)
     output = run.output()
     assert code == 3, output
     assert "rollout server server-0" in output and "during start-up, before /health/ answered" in output
-    assert "is not a model directory" in output.split("Last lines of")[-1]  # the log tail names the cause
+    assert "safetensors" in output.split("Last lines of")[-1].lower()  # the log tail names the cause
     assert not (run.launch_dir / "learner-0.log").exists()  # the learner never started
     assert survivors(run.pids()) == []
 

@@ -57,7 +57,9 @@ def test_dry_run_prints_the_exact_gpu_plan_and_starts_nothing(tmp_path: Path) ->
     py, launch_dir = shlex.quote(sys.executable), out / "launch"
     env = "PYTHONUNBUFFERED=1 ROLLMATCH_API_KEY='<redacted>'"
     serve = "-m rollmatch.cli serve --model /ckpt/stage1 --host 127.0.0.1"
-    pinned = "--engine vllm --tensor-parallel-size 2 --max-model-len 4096 --dtype bfloat16"
+    pinned = (  # ... and the config's vLLM engine settings (vllm.gpu_memory_utilization 0.9)
+        "--engine vllm --tensor-parallel-size 2 --max-model-len 4096 --dtype bfloat16 --gpu-memory-utilization 0.9"
+    )
     # this run's own rendezvous id: another run meeting at 127.0.0.1:8006 never joins this one
     cfg = load_launch_config(str(SHIPPED_SERVER_CONFIG), [f"training.output_dir={out}"]).cfg
     rdzv_id = rendezvous_id(cfg, "127.0.0.1:8006")

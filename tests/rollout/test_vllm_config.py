@@ -45,12 +45,12 @@ def test_a_valid_cpu_config_has_no_problems() -> None:
     assert _problems(_valid()) == {}
 
 
-def test_default_tensor_parallel_size_is_too_large_on_cpu() -> None:
-    problems = _problems(RollmatchConfig())
-    assert "set tensor_parallel_size: 1" in problems[f"{KEY}.tensor_parallel_size"]
-    assert (
-        "tensor_parallel_size <= 2" in _problems(RollmatchConfig(), devices=2)[f"{KEY}.tensor_parallel_size"]
-    )
+def test_tensor_parallel_size_too_large_for_the_devices() -> None:
+    assert f"{KEY}.tensor_parallel_size" not in _problems(RollmatchConfig())  # the default runs anywhere
+    cfg = RollmatchConfig()
+    cfg.rollout.vllm.tensor_parallel_size = 4
+    assert "set tensor_parallel_size: 1" in _problems(cfg)[f"{KEY}.tensor_parallel_size"]
+    assert "tensor_parallel_size <= 2" in _problems(cfg, devices=2)[f"{KEY}.tensor_parallel_size"]
 
 
 def test_tensor_parallel_groups_must_divide_the_world() -> None:
@@ -116,7 +116,8 @@ def test_missing_vllm_says_how_to_install_or_switch_backend(monkeypatch: pytest.
 
 
 def test_all_problems_are_reported_at_once() -> None:
-    cfg = RollmatchConfig()  # tensor_parallel_size 4 on CPU
+    cfg = RollmatchConfig()
+    cfg.rollout.vllm.tensor_parallel_size = 4  # on CPU
     cfg.rollout.vllm.sleep_level = 1
     cfg.rollout.vllm.max_model_len = 16
     with pytest.raises(ConfigError) as info:

@@ -85,6 +85,7 @@ def async_config(
             "gradient_accumulation_steps": gradient_accumulation_steps,
             "max_steps": max_steps,
             "learning_rate": 1e-3,
+            "logging_steps": 1,  # the tests read every step's metrics
             "report_to": [],
             "save_steps": save_steps,
             "packing": True,

@@ -126,7 +126,12 @@ def test_a_colocated_backend_reenters_no_rule() -> None:
 
 
 def test_resolution_reports_runtime_and_caller_problems_at_once(tmp_path: Path) -> None:
-    cfg = RollmatchConfig.model_validate({"model": {"path": str(tmp_path)}})  # auto frame, no config.json
+    cfg = RollmatchConfig.model_validate(  # auto frame, no config.json; a colocated engine over 4 GPUs
+        {
+            "model": {"path": str(tmp_path)},
+            "custom": {"extra": {"rollout_matching": {"vllm": {"tensor_parallel_size": 4}}}},
+        }
+    )
     with pytest.raises(ConfigError) as info:
         resolve_run(
             cfg,
