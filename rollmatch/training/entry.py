@@ -134,10 +134,6 @@ def run_training(cfg: RollmatchConfig) -> TrainResult:
         rollout_log=rollout_log,
     )
     parts = build_variant(ctx)
-    if cfg.custom.trainer_variant != "sft" and cfg.preflight.records > 0:
-        from rollmatch.training.preflight import preflight_before_training
-
-        preflight_before_training(ctx, parts, records)
     start = time.perf_counter()
     warning = CheckpointOnWarning(collectives)
     try:
@@ -165,6 +161,10 @@ def run_training(cfg: RollmatchConfig) -> TrainResult:
             ],
         )
         holder["trainer"] = trainer
+        if cfg.custom.trainer_variant != "sft" and cfg.preflight.records > 0 and resume is None:
+            from rollmatch.training.preflight import preflight_before_training
+
+            preflight_before_training(ctx, records)  # after the Trainer placed the model on its device
         if rollout_log is not None:  # its pictures go through HF's TensorBoard writer
             rollout_log.writers = lambda: trainer.callback_handler.callbacks
         if resume is not None:

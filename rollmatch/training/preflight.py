@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from rollmatch.data.prompts import PromptEncoder
     from rollmatch.data.records import Record
     from rollmatch.rollout.types import RolloutBackend
-    from rollmatch.training.variants import BuildContext, VariantParts
+    from rollmatch.training.variants import BuildContext
 
 log = logging.getLogger(__name__)
 
@@ -181,14 +181,20 @@ def preflight_decoding(cfg: RollmatchConfig, eval_decoding: Decoding) -> Decodin
     return replace(eval_decoding, max_new_tokens=cfg.rollout.max_new_tokens)
 
 
-def preflight_before_training(ctx: BuildContext, parts: VariantParts, records: Sequence[Record]) -> None:
+def preflight_before_training(ctx: BuildContext, records: Sequence[Record]) -> None:
     """Rank 0 checks the start model on the first ``preflight.records`` records with the training model
-    itself (HF generate, before any wrapping); every rank stops with the report when it fails."""
+    itself (HF generate, before DDP / DeepSpeed wrap it: no other rank takes part, whatever the rollout
+    backend); every rank stops with the report when it fails. A model still on the CPU (DeepSpeed
+    places it later) is moved to this rank's GPU first, as training would."""
+    import torch
+
     from rollmatch.rollout.hf import HFBackend
 
     cfg = ctx.cfg
     failure: str | None = None
     if ctx.collectives.is_main:
+        if torch.cuda.is_available() and next(ctx.model.parameters()).device.type == "cpu":
+            ctx.model.to(torch.device("cuda", torch.cuda.current_device()))
         backend = HFBackend(
             ctx.model,
             ctx.encoder.tokenizer,
