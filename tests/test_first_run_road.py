@@ -126,7 +126,7 @@ def test_from_an_instruct_checkpoint_and_coco_to_an_exported_detector(
         n_val=4,
         size=112,
         seed=0,
-        difficulty=ShapesDifficulty(min_objects=1, max_objects=2, min_side=30, max_side=60),
+        difficulty=ShapesDifficulty(min_objects=1, max_objects=1, min_side=30, max_side=60),
     )
     data = tmp_path / "data"
     data.mkdir()
@@ -207,7 +207,7 @@ def test_from_an_instruct_checkpoint_and_coco_to_an_exported_detector(
             [
                 f"model.path={instruct}",
                 "custom.trainer_variant=sft",
-                "training.max_steps=80",
+                "training.max_steps=160",
                 "training.learning_rate=3e-3",
                 f"training.output_dir={tmp_path / 'stage1'}",
             ],
