@@ -66,3 +66,32 @@ def test_the_report_names_each_reason_with_its_fix_and_an_example() -> None:
         "FAILED: 1 of 4" in text and "fenced_json: 3 records" in text and "unknown_label: 2 records" in text
     )
     assert "stage-1" in text and "{labels}" in text
+
+
+@pytest.mark.heavy
+def test_a_failed_preflight_stops_every_rank_with_the_report(make_config, tmp_path, free_port) -> None:
+    """Two gloo ranks under torchrun, started from the untrained tiny model: rank 0's rollouts are not
+    in the format, every rank stops (exit 2) with the report before the first step, none hangs."""
+    import os
+    import subprocess
+
+    from rollmatch.config.load import config_to_yaml
+    from rollmatch.launch.plan import torchrun_command
+
+    cfg = make_config(
+        {
+            "preflight": {"records": 2, "min_valid_fraction": 0.5},
+            "training": {"per_device_train_batch_size": 1, "max_steps": 2},
+        }
+    )
+    cfg_path = tmp_path / "cfg.yaml"
+    cfg_path.write_text(config_to_yaml(cfg))
+    entry = tmp_path / "train.py"
+    entry.write_text("import sys\nfrom rollmatch.cli import main\nsys.exit(main(['train', sys.argv[1]]))\n")
+    command = torchrun_command(2, free_port(), str(entry), str(cfg_path))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=280)
+    assert done.returncode != 0, done.stderr[-3000:]
+    assert done.stderr.count("preflight.min_valid_fraction") >= 2, done.stderr[-3000:]  # both ranks
+    assert "preflight FAILED: 0 of 2 rollouts valid" in done.stderr
+    assert not (tmp_path / "out" / "final").exists()
