@@ -118,6 +118,7 @@ def run_training(cfg: RollmatchConfig) -> TrainResult:
     settings = saved_run_settings(run, encoder, codec)
     if resume is not None:
         check_resume_settings(resume, settings)
+    warn_start_model_settings(cfg.model.path, settings)
     model = load_model(cfg)
     records = load_records(cfg.data.train_jsonl, max_samples=cfg.data.max_samples)
     check_row_sizing(cfg, records, encoder, codec)
@@ -269,6 +270,21 @@ def check_resume_settings(checkpoint: str, settings: dict[str, Any]) -> None:
         return
     if problems := changed_settings(saved, settings):
         raise ConfigError(problems)
+
+
+def warn_start_model_settings(model_dir: str, settings: dict[str, Any]) -> None:
+    """A start model trained by rollmatch (stage-1's ``final/``) with other answer settings than this run
+    (another prompt, class list, frame, format) is usually a config mistake: say which, once each."""
+    saved = read_run_file(model_dir)
+    for problem in changed_settings(saved, settings) if saved is not None else []:
+        log.warning(
+            "%s = %r here, but the start model %s was trained with %r (its %s)",
+            problem.key,
+            problem.value,
+            model_dir,
+            saved["settings"].get(problem.key),
+            RUN_FILE,
+        )
 
 
 def save_final_model(
