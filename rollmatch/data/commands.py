@@ -99,7 +99,9 @@ def _convert(args: argparse.Namespace) -> int:
     names = class_names(args, records)
     if names is not None:
         labels = write_label_file(labels_file_for(args.out), names)
-        print(f"wrote {labels}: {len(names)} class names ({{labels}} in data.prompt lists them; docs/data.md)")
+        print(
+            f"wrote {labels}: {len(names)} class names ({{labels}} in data.prompt lists them; docs/data.md)"
+        )
     for note in dropped:
         print(note)
     if dropped:

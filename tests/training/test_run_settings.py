@@ -46,7 +46,13 @@ def test_eval_reads_the_saved_settings(
             "model": {"path": str(coord_model_dir)},
             "data": {"prompt": PROMPT, "labels": labels, "min_pixels": 3136, "max_pixels": 12544},
             "custom": {"object_format": "coord_tokens", "trainer_variant": "sft"},
-            "training": {"max_steps": 60, "save_steps": 30, "save_total_limit": 1, "learning_rate": 3e-3, "per_device_train_batch_size": 4},
+            "training": {
+                "max_steps": 60,
+                "save_steps": 30,
+                "save_total_limit": 1,
+                "learning_rate": 3e-3,
+                "per_device_train_batch_size": 4,
+            },
             "eval": {"max_new_tokens": 40},
         }
     )
