@@ -111,6 +111,7 @@ def train(
                     },
                 },
             },
+            "preflight": {"records": 0},  # a benchmark, not a run: no readiness check of the start model
             "training": {
                 "output_dir": str(root / f"train_{mode}_{'admission' if admission else 'no_admission'}"),
                 "per_device_train_batch_size": args.batch,

@@ -270,6 +270,7 @@ def arm_config(
     spec = ARMS[arm]
     config = ls.base_config(folder, str(model), splits, args, seed=seed)
     config["custom"]["trainer_variant"] = spec["variant"]
+    config["preflight"] = {"records": 0}  # every arm starts from the one gated stage-1 model
     config["custom"]["extra"]["rollout_matching"].update(spec.get("rollout", {}))
     config["loss"] = spec["loss"]
     save_steps = save_steps or min(args.eval_at)

@@ -219,6 +219,7 @@ def grpo_phase(stage1: str, args: argparse.Namespace) -> dict[str, Any]:
                     }
                 }
             },
+            "preflight": {"records": 0},  # a benchmark, not a run: no readiness check of the start model
             "training": {
                 "output_dir": "{out}/grpo",
                 "max_steps": args.steps,

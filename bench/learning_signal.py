@@ -463,6 +463,7 @@ def arm_config(
     spec = ARMS["sft" if arm == "sft_equal_compute" else arm]
     config = base_config(out, str(stage1), splits, args, seed=seed)
     config["custom"]["trainer_variant"] = spec["variant"]
+    config["preflight"] = {"records": 0}  # every arm starts from the one gated stage-1 model
     config["loss"] = spec["loss"]
     config["training"].update(
         {

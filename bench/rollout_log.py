@@ -57,6 +57,7 @@ def main() -> None:
             "model": {"path": str(root / "model")},
             "data": {"train_jsonl": str(data["train"]), "coord_frame": "norm1000"},
             "custom": {"trainer_variant": "rollout_matching_sft"},
+            "preflight": {"records": 0},  # a benchmark, not a run: no readiness check of the start model
             "training": {
                 "output_dir": str(root / "out"),
                 "report_to": ["tensorboard"],

@@ -79,6 +79,7 @@ def train(
                     "enable_pipeline": pipeline,
                 },
             },
+            "preflight": {"records": 0},  # a benchmark, not a run: no readiness check of the start model
             "training": {
                 "output_dir": str(root / f"train_pipeline_{pipeline}"),
                 "per_device_train_batch_size": 1,

@@ -127,6 +127,7 @@ def base_config(out: Path, model: str, max_new_tokens: int, **training: Any) -> 
             "custom": {
                 "extra": {"rollout_matching": {"rollout_backend": "hf", "max_new_tokens": max_new_tokens}}
             },
+            "preflight": {"records": 0},  # a benchmark, not a run: no readiness check of the start model
             "training": {
                 "per_device_train_batch_size": 8,
                 "packing": True,

@@ -29,6 +29,7 @@ COMMANDS: dict[str, str] = {
     "serve": "rollmatch.server.serve:serve_command",
     "launch": "rollmatch.launch.command:launch_command",
     "export": "rollmatch.models.export:export_command",
+    "preflight": "rollmatch.training.preflight:preflight_command",
 }
 
 
@@ -43,6 +44,7 @@ where to start:
   rollmatch demo                                 tiny end-to-end run on CPU (minutes, no downloads)
   rollmatch data convert --format coco ...       your annotations -> JSONL records (docs/data.md)
   rollmatch check-config configs/recipes/qwen3_vl_4b_coco.yaml
+  rollmatch preflight CONFIG.yaml                does the start model answer in the format? (before Stage-2)
                                                  a recipe for a real checkpoint (configs/recipes/)
   rollmatch launch CONFIG.yaml                   rollout servers + learner on one or more GPU nodes
   rollmatch eval --model DIR --data val.jsonl    P/R/F1 and COCO mAP of a checkpoint
@@ -71,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
         _add_serve_parser,
         _add_launch_parser,
         _add_export_parser,
+        _add_preflight_parser,
     ):
         add_command(sub)
     for command in sub.choices.values():  # every command: the engine's INFO lines and repeats on demand
@@ -356,6 +359,19 @@ def _add_export_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     p.add_argument("--checkpoint", required=True, help="checkpoint-N or final/ folder of a run")
     p.add_argument("--out", required=True, help="folder to write")
     p.add_argument("--processor", help="where the tokenizer/processor is, when the checkpoint has none")
+
+
+def _add_preflight_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "preflight",
+        help="Roll out training records with the start model: is it ready for rollout training? "
+        "(exit 1 when the valid fraction is below preflight.min_valid_fraction)",
+    )
+    p.add_argument("config", help="YAML config (the one `train` takes)")
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+    p.add_argument(
+        "--records", type=_positive_int, default=None, help="records to roll out (default: preflight.records)"
+    )
 
 
 def _add_launch_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

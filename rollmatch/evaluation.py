@@ -25,6 +25,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from tqdm import tqdm
 
@@ -42,7 +43,7 @@ from rollmatch.detection.codec import ObjectCodec, ParseResult
 from rollmatch.detection.metrics import coco_map
 from rollmatch.detection.objects import CoordFrame, DetObject, from_frame
 from rollmatch.detection.scoring import ScoreCounts, score_response
-from rollmatch.errors import DataError
+from rollmatch.errors import ConfigError, ConfigProblem, DataError
 from rollmatch.rollout.alignment import check_prompt_alignment
 from rollmatch.rollout.types import Decoding, RolloutBackend
 
@@ -68,6 +69,7 @@ class EvalResult:
     map_75_uniform_score: float
     truncated_frac: float
     invalid: dict[str, int]
+    unknown_labels: int | None  # valid predictions whose label is not in the run's class list (None: no list)
     objects_per_image: float  # valid predicted objects
     fp_per_image: float
     ignored_predictions: int  # predictions on a record's ignore (crowd) regions: neither TP nor FP
@@ -110,6 +112,8 @@ def evaluate(
     gts_all: list[list[DetObject]] = []
     crowds_all: list[list[DetObject]] = []  # ignore regions: a prediction there is no false positive
     lines: list[str] = []
+    vocabulary = set(encoder.labels.names) if encoder.labels is not None else None
+    unknown_labels = 0
     batches = range(0, len(records), batch_size)
     for offset in tqdm(batches, desc="eval", disable=not progress, unit="batch"):
         batch = records[offset : offset + batch_size]
@@ -130,6 +134,8 @@ def evaluate(
             )
             counts.add(scored)
             objects = scored.parse.objects
+            if vocabulary is not None:
+                unknown_labels += sum(obj.label not in vocabulary for obj in objects)
             scored_preds.append([(obj, 1.0 - i / (len(objects) + 1)) for i, obj in enumerate(objects)])
             gts_all.append(list(scored.gt_objects))
             line = prediction_line(record, enc, encoder.coord_frame, objects, rollout.text, scored.parse)
@@ -159,6 +165,7 @@ def evaluate(
         **maps,
         truncated_frac=counts.parsing.truncated_frac,
         invalid=dict(counts.parsing.invalid),
+        unknown_labels=unknown_labels if vocabulary is not None else None,
         objects_per_image=counts.parsing.valid / images,
         fp_per_image=detection.fp / images,
         ignored_predictions=detection.ignored,
@@ -221,8 +228,17 @@ def command_config(command: str, args: argparse.Namespace, extra: Sequence[str] 
     this machine's engine settings, printed), then ``--model``, ``--backend``, ``extra`` and the
     command line's overrides."""
     from rollmatch.config.load import load_config
+    from rollmatch.config.run_file import RUN_FILE, describe, read_run_file, run_layer
     from rollmatch.rollout.build import machine_overrides
 
+    saved = read_run_file(args.model)
+    under = [] if saved is None else [(f"{args.model}/{RUN_FILE}", run_layer(saved))]
+    if saved is not None:
+        print(
+            f"rollmatch {command}: run settings from {args.model}/{RUN_FILE} ({describe(saved)})"
+            + ("; --config and overrides override them" if args.config or args.overrides else ""),
+            file=sys.stderr,
+        )
     picked = [] if args.config else machine_overrides()
     if picked:
         print(
@@ -232,7 +248,7 @@ def command_config(command: str, args: argparse.Namespace, extra: Sequence[str] 
     overrides = [*picked, f"model.path={args.model}"]
     if args.backend:
         overrides.append(f"{ROLLOUT_KEY}.rollout_backend={args.backend}")
-    return load_config(args.config, [*overrides, *extra, *args.overrides])
+    return load_config(args.config, [*overrides, *extra, *args.overrides], under=under)
 
 
 @dataclass
@@ -250,6 +266,7 @@ def load_for_eval(cfg: RollmatchConfig) -> EvalSetup:
     this one process."""
     from rollmatch.collectives import LocalCollectives
     from rollmatch.config.resolved import resolve_run_on_this_machine
+    from rollmatch.data.labels import prompt_labels
     from rollmatch.data.prompts import load_processor
     from rollmatch.detection.object_formats import build_codec
     from rollmatch.models.pretrained import load_pretrained
@@ -257,8 +274,12 @@ def load_for_eval(cfg: RollmatchConfig) -> EvalSetup:
 
     run = resolve_run_on_this_machine(cfg)
     encoder = PromptEncoder(
-        load_processor(run.model_dir, *run.pixel_bounds), cfg.data.prompt, run.coord_frame
+        load_processor(run.model_dir, *run.pixel_bounds),
+        cfg.data.prompt,
+        run.coord_frame,
+        prompt_labels(cfg.data, cfg.training.seed),
     )
+    check_object_format(cfg, encoder.tokenizer)
     model = load_pretrained(cfg)  # an evaluated model dir has adapters merged already
     codec = build_codec(cfg.custom.object_format, encoder.tokenizer, [encoder.eos_token_id])
     backend = build_backend(
@@ -271,6 +292,32 @@ def load_for_eval(cfg: RollmatchConfig) -> EvalSetup:
         pad_token_id=encoder.pad_token_id,
     )
     return EvalSetup(run=run, encoder=encoder, codec=codec, backend=backend)
+
+
+def check_object_format(cfg: RollmatchConfig, tokenizer: Any) -> None:
+    """Refuse to read a coordinate-token model's answers as digits: a tokenizer with ``<|coord_k|>``
+    and ``custom.object_format: qwen_json`` is an error unless the model's own ``rollmatch_run.json``
+    says it was trained on digits."""
+    from rollmatch.config.run_file import RUN_FILE, read_run_file
+    from rollmatch.detection.coord_tokens import supported_object_formats
+
+    if cfg.custom.object_format != "qwen_json" or "coord_tokens" not in supported_object_formats(tokenizer):
+        return
+    saved = read_run_file(cfg.model.path)
+    if saved is not None and saved["settings"].get("custom.object_format") == "qwen_json":
+        return
+    raise ConfigError(
+        [
+            ConfigProblem(
+                "custom.object_format",
+                "qwen_json",
+                f"{cfg.model.path} has coordinate tokens (<|coord_0|>..<|coord_999|>) and no {RUN_FILE} saying "
+                "it answers with digits; its answers would be read as digits and score 0. Set "
+                "custom.object_format=coord_tokens (or evaluate the run's final/ or checkpoint-N/, which "
+                f"hold {RUN_FILE})",
+            )
+        ]
+    )
 
 
 def eval_command(args: argparse.Namespace) -> int:

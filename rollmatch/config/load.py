@@ -48,15 +48,18 @@ Layer = tuple[str, dict[str, Any]]  # (source name for messages, raw mapping)
 
 
 # ------------------------------------------------------------------------------------ public entry
-def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> RollmatchConfig:
+def load_config(
+    path: str | Path | None, overrides: Sequence[str] = (), *, under: Sequence[Layer] = ()
+) -> RollmatchConfig:
     """Load a YAML config (following ``extends:``), apply ``key=value`` overrides and validate.
 
-    ``path=None`` starts from the schema defaults. Raises one :class:`ConfigError` listing every
-    problem: unreadable files and ``extends`` cycles, bad overrides, legacy keys, pydantic field
-    errors and static rule violations.
+    ``path=None`` starts from the schema defaults. ``under``: layers below the file, e.g. a model's
+    saved run settings (``config.run_file``), which the file's keys override. Raises one
+    :class:`ConfigError` listing every problem: unreadable files and ``extends`` cycles, bad
+    overrides, legacy keys, pydantic field errors and static rule violations.
     """
     layers = read_config_layers(Path(path)) if path is not None else []
-    return _load_layers(layers, overrides)
+    return _load_layers([*under, *layers], overrides)
 
 
 def load_config_dict(

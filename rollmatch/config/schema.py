@@ -70,6 +70,15 @@ class DataConfig(Section):
         '{"bbox_2d": [x1, y1, x2, y2], "label": "..."}.',
         description="User prompt placed after the image.",
     )
+    labels: list[str] | str | None = Field(
+        None,
+        description='The dataset\'s class names that `{labels}` in `data.prompt` lists: the names inline, or a file (a JSON list, or one name per line; relative to the working directory) such as the `<out>.labels.json` `rollmatch data convert` writes beside its JSONL. null: with `{labels}` in the prompt, `<data.train_jsonl without .jsonl>.labels.json`. A run saves the list in its checkpoints (`rollmatch_run.json`), so eval and rewards use the same list; a predicted label outside it is counted as `unknown_label` (docs/data.md, "Labels in the prompt").',
+    )
+    prompt_max_labels: int | None = Field(
+        None,
+        gt=0,
+        description="Most names `{labels}` lists per record (null: every name). With more names than this (LVIS: 1,203), a record lists its own labels plus negatives drawn from the rest up to this many, shuffled; deterministic per record id and `training.seed` (Rex-Omni's prompts). The record's own labels always appear.",
+    )
     max_samples: int | None = Field(None, gt=0, description="Use only the first N training records.")
     min_pixels: int | None = Field(None, gt=0, description="Override the processor's min_pixels.")
     max_pixels: int | None = Field(None, gt=0, description="Override the processor's max_pixels.")
@@ -602,6 +611,22 @@ class TrainingConfig(Section):
 DEFAULT_COUNT_BUCKETS: tuple[int, ...] = (1, 4, 8, 13, 20, 26, 31)
 
 
+class PreflightConfig(Section):
+    """The check before rollout training (`rollmatch preflight`, docs/runbook.md "Preflight")."""
+
+    records: int = Field(
+        16,
+        ge=0,
+        description="Training records rank 0 rolls out with the start model before a rollout-training run (any variant but `sft`) trains; 0 skips the check. 16 greedy rollouts take seconds on a GPU and tell a model that answers in the format from one that does not.",
+    )
+    min_valid_fraction: float = Field(
+        0.5,
+        ge=0.0,
+        le=1.0,
+        description="The run stops, with the report, when fewer of those rollouts than this are valid (a closed list, every element valid with a known label, not truncated, the record fits the length budget). 0.5: below half, Channel-B's targets are mostly the GT appended to a bare `[` and GRPO's rewards mostly the floor, so rollout training spends its compute on what stage-1 SFT does cheaper; a stage-1 model answers nearly all in the format. Lower it (0 disables the stop) to train anyway.",
+    )
+
+
 class EvalConfig(Section):
     """Evaluation rollouts (`rollmatch eval` and end-of-training evaluation)."""
 
@@ -809,6 +834,7 @@ class RollmatchConfig(Section):
     stage2_ab: Stage2ABConfig = Field(default_factory=Stage2ABConfig)
     training: TrainingConfig = Field(default_factory=TrainingConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    preflight: PreflightConfig = Field(default_factory=PreflightConfig)
     launch: LaunchSettings = Field(default_factory=LaunchSettings)
 
     @property

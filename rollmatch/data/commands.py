@@ -9,14 +9,16 @@ rule about records and formats.
 from __future__ import annotations
 
 import argparse
+import json
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
 from rollmatch.data.convert import from_coco, from_voc, from_yolo, read_yolo_names
-from rollmatch.data.convert_lvis import from_lvis
+from rollmatch.data.convert_lvis import from_lvis, lvis_label
 from rollmatch.data.convert_refexp import from_refexp
+from rollmatch.data.labels import labels_file_for, write_label_file
 from rollmatch.data.records import Record, validate_records, write_records
 from rollmatch.data.shapes import SHAPES_PRESETS, STATS_FILE, ShapesDifficulty, SplitStats, generate_shapes
 from rollmatch.errors import DataError
@@ -94,11 +96,33 @@ def _convert(args: argparse.Namespace) -> int:
     # Converted records keep absolute image paths: the images stay where the source dataset is.
     path = write_records(args.out, records)
     print(f"wrote {path}: {describe_records(records)}")
+    names = class_names(args, records)
+    if names is not None:
+        labels = write_label_file(labels_file_for(args.out), names)
+        print(
+            f"wrote {labels}: {len(names)} class names ({{labels}} in data.prompt lists them; docs/data.md)"
+        )
     for note in dropped:
         print(note)
     if dropped:
         print(f"dropped {len(dropped)} zero-area box(es) listed above (they cannot be learned or serialized)")
     return 0
+
+
+def class_names(args: argparse.Namespace, records: Sequence[Record]) -> list[str] | None:
+    """The dataset's class names: COCO / LVIS (ODinW is COCO-shaped) ``categories`` in id order, whether
+    or not this file has boxes of them; YOLO ``data.yaml``'s; VOC the labels its records use, sorted.
+    None for referring expressions (each record's own prompt names its object)."""
+    if args.format in ("coco", "lvis"):
+        data = json.loads(Path(args.src).read_text(encoding="utf-8"))
+        categories = sorted(data["categories"], key=lambda c: c["id"])
+        rename = lvis_label if args.format == "lvis" else str.strip
+        return list(dict.fromkeys(rename(str(c["name"])) for c in categories))
+    if args.format == "yolo":
+        return read_yolo_names(args.names)
+    if args.format == "voc":
+        return sorted({obj.label for record in records for obj in record.objects})
+    return None
 
 
 def _convert_lvis(args: argparse.Namespace, dropped: list[str]) -> list[Record]:

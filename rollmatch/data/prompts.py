@@ -25,6 +25,7 @@ import torch
 from PIL import Image
 
 from rollmatch.config.frames import resolve_coord_frame
+from rollmatch.data.labels import LABELS_PLACEHOLDER, PromptLabels, prompt_labels
 from rollmatch.data.records import load_image
 from rollmatch.data.requests import RolloutRequest
 from rollmatch.detection.objects import CoordFrame, DetObject, canonical_order, to_frame
@@ -92,7 +93,9 @@ class EncodedPrompt:
 class PromptEncoder:
     """Encodes records into prompts with one processor, prompt text and coordinate frame."""
 
-    def __init__(self, processor: Any, prompt: str, coord_frame: CoordFrame):
+    def __init__(
+        self, processor: Any, prompt: str, coord_frame: CoordFrame, labels: PromptLabels | None = None
+    ):
         if coord_frame not in ("norm1000", "pixels"):
             raise ConfigError(
                 [
@@ -104,8 +107,19 @@ class PromptEncoder:
                     )
                 ]
             )
+        if LABELS_PLACEHOLDER in prompt and labels is None:
+            raise ConfigError(
+                [
+                    ConfigProblem(
+                        "data.labels",
+                        None,
+                        f"data.prompt lists {LABELS_PLACEHOLDER}: give the class names (data.labels)",
+                    )
+                ]
+            )
         self.processor = processor
         self.prompt = prompt
+        self.labels = labels  # the run's class names ({labels}); None: the prompt names none
         self.coord_frame: CoordFrame = coord_frame
         self.patch_size = int(processor.image_processor.patch_size)
         self.merge_size = int(processor.image_processor.merge_size)
@@ -113,7 +127,12 @@ class PromptEncoder:
 
     @classmethod
     def from_pretrained(
-        cls, model_dir: str | Path, data_cfg: DataConfig, *, object_format: str = "qwen_json"
+        cls,
+        model_dir: str | Path,
+        data_cfg: DataConfig,
+        *,
+        object_format: str = "qwen_json",
+        seed: int = 0,
     ) -> PromptEncoder:
         """Load the model directory's processor; ``data.min_pixels``/``max_pixels`` override its sizes.
 
@@ -123,7 +142,10 @@ class PromptEncoder:
         """
         frame = resolve_coord_frame(data_cfg.coord_frame, model_dir, object_format=object_format)
         return cls(
-            load_processor(model_dir, data_cfg.min_pixels, data_cfg.max_pixels), data_cfg.prompt, frame
+            load_processor(model_dir, data_cfg.min_pixels, data_cfg.max_pixels),
+            data_cfg.prompt,
+            frame,
+            prompt_labels(data_cfg, seed),
         )
 
     @property
@@ -147,9 +169,12 @@ class PromptEncoder:
 
     def messages(self, record: Record) -> list[dict[str, Any]]:
         """The chat form of the prompt: the record's images (by path), then the prompt text (the
-        record's own ``prompt`` when it has one, else ``data.prompt``)."""
+        record's own ``prompt`` when it has one, else ``data.prompt``; ``{labels}`` filled in)."""
         content: list[dict[str, Any]] = [{"type": "image", "image": str(path)} for path in record.images]
-        content.append({"type": "text", "text": record.prompt if record.prompt is not None else self.prompt})
+        text = record.prompt if record.prompt is not None else self.prompt
+        if self.labels is not None:
+            text = self.labels.fill(text, record.id, [obj.label for obj in record.objects])
+        content.append({"type": "text", "text": text})
         return [{"role": "user", "content": content}]
 
     def encode(self, record: Record) -> EncodedPrompt:

@@ -25,6 +25,7 @@ import torch
 import uvicorn
 
 from rollmatch.config.frames import resolve_coord_frame
+from rollmatch.config.run_file import RUN_FILE, read_run_file
 from rollmatch.errors import ConfigError
 from rollmatch.protocol import API_KEY_ENV
 from rollmatch.server.app import build_app
@@ -48,6 +49,7 @@ def serve_command(args: argparse.Namespace) -> int:
     sync_key = server_sync_key(
         getattr(args, "sync_key", None), getattr(args, "sync_key_file", None), os.environ, api_key
     )
+    apply_saved_run_settings(args)
     limits = server_limits(args)
     media_root = getattr(args, "allowed_local_media_path", None)
     media = MediaPolicy(
@@ -123,6 +125,25 @@ def server_access(args: argparse.Namespace) -> str | None:
     api_key = server_api_key(getattr(args, "api_key", None), getattr(args, "api_key_file", None), os.environ)
     check_exposure(args.host, api_key, insecure_no_auth=bool(getattr(args, "insecure_no_auth", False)))
     return api_key
+
+
+def apply_saved_run_settings(args: argparse.Namespace) -> None:
+    """``--model``'s ``rollmatch_run.json`` (a run's checkpoint, ``final/`` or export) sets the pixel
+    bounds and coordinate frame the flags leave at their defaults; a flag given overrides it."""
+    saved = read_run_file(args.model)
+    if saved is None:
+        return
+    settings = saved["settings"]
+    taken = []
+    for flag, key in (("min_pixels", "data.min_pixels"), ("max_pixels", "data.max_pixels")):
+        if getattr(args, flag, None) is None and settings.get(key) is not None:
+            setattr(args, flag, settings[key])
+            taken.append(f"{flag} {settings[key]}")
+    if getattr(args, "coord_frame", "auto") == "auto":
+        args.coord_frame = settings["data.coord_frame"]
+        taken.append(f"coord_frame {args.coord_frame}")
+    if taken:
+        log.info("from %s/%s: %s", args.model, RUN_FILE, ", ".join(taken))
 
 
 def served_coord_frame(args: argparse.Namespace) -> str | None:

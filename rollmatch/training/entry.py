@@ -27,11 +27,14 @@ from rollmatch.collectives import (
 from rollmatch.config.hf_args import eval_strategy, training_arguments_kwargs
 from rollmatch.config.input_files import input_file_problems
 from rollmatch.config.load import load_config
-from rollmatch.config.resolved import resolve_run
+from rollmatch.config.resolved import ResolvedRun, resolve_run
+from rollmatch.config.run_file import RUN_FILE, changed_settings, read_run_file, run_settings, write_run_file
 from rollmatch.config.schema import RollmatchConfig
+from rollmatch.data.labels import prompt_labels
 from rollmatch.data.prompts import PromptEncoder, load_processor
 from rollmatch.data.record_lengths import fitting_records
 from rollmatch.data.records import load_records
+from rollmatch.detection.coord_tokens import coord_token_ids, supported_object_formats
 from rollmatch.detection.object_formats import build_codec
 from rollmatch.errors import ConfigError
 from rollmatch.models.pretrained import load_pretrained
@@ -136,10 +139,17 @@ def run_training(cfg: RollmatchConfig) -> TrainResult:
     collectives = build_collectives(cfg.training.collective_timeout_s)
 
     encoder = PromptEncoder(
-        load_processor(run.model_dir, *run.pixel_bounds), cfg.data.prompt, run.coord_frame
+        load_processor(run.model_dir, *run.pixel_bounds),
+        cfg.data.prompt,
+        run.coord_frame,
+        prompt_labels(cfg.data, cfg.training.seed),
     )
     log.info("coordinate frame: %s (data.coord_frame: %s)", run.coord_frame, cfg.data.coord_frame)
     codec = build_codec(cfg.custom.object_format, encoder.tokenizer, [encoder.eos_token_id])
+    settings = saved_run_settings(run, encoder, codec)
+    if resume is not None:
+        check_resume_settings(resume, settings)
+    warn_start_model_settings(cfg.model.path, settings)
     # Every record's length against a row, before the model loads (data.over_length: error | drop).
     records = fitting_records(
         cfg, load_records(cfg.data.train_jsonl, max_samples=cfg.data.max_samples), encoder, codec
@@ -183,6 +193,8 @@ def run_training(cfg: RollmatchConfig) -> TrainResult:
             coord_loss=coord_loss_for(cfg, codec),
             grpo=grpo_settings(cfg) if cfg.loss.objective == "grpo" else None,
             lr_multipliers=cfg.training.lr_multipliers,
+            run_settings=settings,
+            processing_class=encoder.processor,  # HF saves it into every checkpoint-N
             callbacks=[
                 JsonlMetricsCallback(os.path.join(cfg.training.output_dir, "metrics.jsonl")),
                 warning,
@@ -190,6 +202,10 @@ def run_training(cfg: RollmatchConfig) -> TrainResult:
             ],
         )
         holder["trainer"] = trainer
+        if cfg.custom.trainer_variant != "sft" and cfg.preflight.records > 0 and resume is None:
+            from rollmatch.training.preflight import preflight_before_training
+
+            preflight_before_training(ctx, records)  # after the Trainer placed the model on its device
         if rollout_log is not None:  # its pictures go through HF's TensorBoard writer
             rollout_log.writers = lambda: trainer.callback_handler.callbacks
         if resume is not None:
@@ -207,7 +223,7 @@ def run_training(cfg: RollmatchConfig) -> TrainResult:
         trainer.train(resume_from_checkpoint=resume)
         warning.uninstall()
         stopped = warning.stopped_at_step is not None
-        final_dir = None if stopped else save_final_model(trainer, encoder, cfg)
+        final_dir = None if stopped else save_final_model(trainer, encoder, cfg, settings)
     finally:
         warning.uninstall()
         parts.close()  # async actors stop before the weight-sync groups close
@@ -284,8 +300,47 @@ def load_model(cfg: RollmatchConfig) -> torch.nn.Module:
     )
 
 
-def save_final_model(trainer: RollmatchTrainer, encoder: PromptEncoder, cfg: RollmatchConfig) -> str:
-    """Save a loadable model dir (LoRA merged) with its processor under ``<output_dir>/final``."""
+def saved_run_settings(run: ResolvedRun, encoder: PromptEncoder, codec: Any) -> dict[str, Any]:
+    """The ``rollmatch_run.json`` of this run's checkpoints and ``final/`` (``config.run_file``)."""
+    formats = supported_object_formats(encoder.tokenizer)
+    return run_settings(
+        run,
+        labels=list(encoder.labels.names) if encoder.labels is not None else None,
+        pixel_bounds=encoder.pixel_bounds,
+        coord_token_ids=coord_token_ids(encoder.tokenizer) if "coord_tokens" in formats else None,
+    )
+
+
+def check_resume_settings(checkpoint: str, settings: dict[str, Any]) -> None:
+    """Refuse to resume ``checkpoint`` with other answer settings than it was trained with."""
+    saved = read_run_file(checkpoint)
+    if saved is None:
+        log.warning("resuming %s, which holds no %s: its settings cannot be checked", checkpoint, RUN_FILE)
+        return
+    if problems := changed_settings(saved, settings):
+        raise ConfigError(problems)
+
+
+def warn_start_model_settings(model_dir: str, settings: dict[str, Any]) -> None:
+    """A start model trained by rollmatch (stage-1's ``final/``) with other answer settings than this run
+    (another prompt, class list, frame, format) is usually a config mistake: say which, once each."""
+    saved = read_run_file(model_dir)
+    for problem in changed_settings(saved, settings) if saved is not None else []:
+        log.warning(
+            "%s = %r here, but the start model %s was trained with %r (its %s)",
+            problem.key,
+            problem.value,
+            model_dir,
+            saved["settings"].get(problem.key),
+            RUN_FILE,
+        )
+
+
+def save_final_model(
+    trainer: RollmatchTrainer, encoder: PromptEncoder, cfg: RollmatchConfig, settings: dict[str, Any]
+) -> str:
+    """Save a loadable model dir (LoRA merged) with its processor and run settings under
+    ``<output_dir>/final``."""
     final_dir = os.path.join(cfg.training.output_dir, "final")
     model = trainer.accelerator.unwrap_model(trainer.model)
     if trainer.args.should_save:
@@ -295,5 +350,6 @@ def save_final_model(trainer: RollmatchTrainer, encoder: PromptEncoder, cfg: Rol
             model = copy.deepcopy(model).merge_and_unload()
         model.save_pretrained(final_dir)
         encoder.processor.save_pretrained(final_dir)
+        write_run_file(final_dir, settings)
     trainer.accelerator.wait_for_everyone()
     return final_dir

@@ -35,6 +35,7 @@ from torch.utils.data import Dataset
 from transformers import Trainer
 
 from rollmatch.collectives import Collectives
+from rollmatch.config.run_file import write_run_file
 from rollmatch.packing.collate import model_inputs
 from rollmatch.training import checkpoints
 from rollmatch.training.console import use_console_line
@@ -85,10 +86,13 @@ class RollmatchTrainer(Trainer):
         coord_loss: CoordLoss | None = None,
         grpo: GrpoSettings | None = None,
         lr_multipliers: Mapping[str, float] | None = None,
+        run_settings: Mapping[str, Any] | None = None,
         **kwargs: Any,
     ):
         super().__init__(*args, **kwargs)
         use_console_line(self)  # one short line per log; every metric still goes to metrics.jsonl
+        # rollmatch_run.json of every checkpoint (config.run_file): the settings travel with the weights
+        self.run_settings = dict(run_settings) if run_settings is not None else None
         self.lr_multipliers = dict(lr_multipliers or {})  # training.lr_multipliers, per module group
         self.planner = planner
         self.coord_loss = coord_loss  # coordinate positions' loss (object_format: coord_tokens)
@@ -352,6 +356,8 @@ class RollmatchTrainer(Trainer):
         checkpoints.save_rank_state(folder, self.collectives.rank, state)
         self.collectives.barrier(f"checkpoint {self.state.global_step}: every rank saved its state")
         if self.args.should_save:
+            if self.run_settings is not None:
+                write_run_file(folder, self.run_settings)
             checkpoints.write_complete_marker(folder, self.state.global_step, self.collectives.world_size)
             checkpoints.rotate_checkpoints(
                 run_dir, self.args.save_total_limit, keep=(folder, self.state.best_model_checkpoint)

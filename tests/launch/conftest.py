@@ -86,6 +86,7 @@ def write_config(path: Path, *, model: str, train_jsonl: str, output_dir: Path, 
             },
         },
         "stage2_ab": {"schedule": {"b_ratio": 0.5}, "channel_b": {"mode": "micro"}},
+        "preflight": {"records": 0},  # rollout training from an untrained model: no format check
         "training": {
             "output_dir": str(output_dir),
             "per_device_train_batch_size": 1,

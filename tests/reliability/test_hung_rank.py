@@ -46,6 +46,7 @@ def run_two_ranks(
     config = {
         "model": {"path": str(model_dir)},
         "data": {"train_jsonl": str(data["train"]), "val_jsonl": None},
+        "preflight": {"records": 0},  # rollout training from an untrained model: no format check
         "training": {
             "output_dir": str(tmp_path / "out"),
             "per_device_train_batch_size": 1,

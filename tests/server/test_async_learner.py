@@ -79,6 +79,7 @@ def async_config(
                 },
             },
         },
+        "preflight": {"records": 0},  # rollout training from an untrained model: no format check
         "training": {
             "output_dir": str(out),
             "per_device_train_batch_size": 1,

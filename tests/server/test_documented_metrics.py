@@ -90,6 +90,7 @@ def base_config(tiny_model_dir: Path, data: dict[str, Path], out: Path) -> dict[
         "data": {"train_jsonl": str(data["train"]), "val_jsonl": str(data["val"]), "max_samples": 4},
         "custom": {"extra": {"rollout_matching": {"rollout_backend": "hf", "max_new_tokens": 8}}},
         "eval": {"max_samples": 2, "max_new_tokens": 8},
+        "preflight": {"records": 0},  # rollout training from an untrained model: no format check
         "training": {
             "output_dir": str(out),
             "per_device_train_batch_size": 2,

@@ -48,6 +48,7 @@ def test_two_rank_learner_pushes_once_per_sync_and_finishes(
                 }
             },
         },
+        "preflight": {"records": 0},  # rollout training from an untrained model: no format check
         "training": {
             "output_dir": str(tmp_path / "out"),
             "per_device_train_batch_size": 1,

@@ -36,6 +36,7 @@ def make_config(
                 "trainer_variant": "rollout_matching_sft",
                 "extra": {"rollout_matching": {"rollout_backend": "hf", "max_new_tokens": 24}},
             },
+            "preflight": {"records": 0},  # rollout training from an untrained model: no format check
             "training": {
                 "output_dir": str(tmp_path / "out"),
                 "per_device_train_batch_size": 2,

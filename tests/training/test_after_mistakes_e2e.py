@@ -38,6 +38,7 @@ def base(model: Path, train: Path, out: Path, extra: dict[str, Any]) -> dict[str
         "model": {"path": str(model)},
         "data": {"train_jsonl": str(train), "val_jsonl": None, "coord_frame": "norm1000"},
         "custom": {"extra": {"rollout_matching": {"rollout_backend": "hf", "max_new_tokens": 64}}},
+        "preflight": {"records": 0},  # rollout training from an untrained model: no format check
         "training": {
             "output_dir": str(out),
             "per_device_train_batch_size": 2,

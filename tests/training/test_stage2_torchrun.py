@@ -73,6 +73,7 @@ def test_every_rank_runs_rank_zeros_kind_for_the_whole_window(make_config, tmp_p
                 "extra": {"rollout_matching": {"max_new_tokens": 8}},
             },
             "stage2_ab": {"schedule": {"b_ratio": 0.5}},  # rank 0: A, B
+            "preflight": {"records": 0},  # rollout training from an untrained model: no format check
             "training": {
                 "per_device_train_batch_size": 1,
                 "gradient_accumulation_steps": 2,
