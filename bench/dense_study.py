@@ -1,7 +1,12 @@
-"""Does training on its own rollouts beat more SFT on crowded scenes? Pre-registered and powered.
+"""Does training on its own rollouts beat more SFT on dense scenes? Pre-registered and powered.
 
-The protocol, fixed before any arm runs (docs/runbook.md, "Crowded scenes: the pre-registered study";
-the numbers live in ``bench/study_stats.py``):
+``--preset`` picks the study (``bench/study_protocols.py``): ``crowd`` (the default, below; it stopped
+at its gate) or the medium study's rungs ``medium`` / ``medium_dense`` / ``medium_sparse`` (docs/runbook.md,
+"Medium scenes: the pre-registered study": 4-12 objects of 32-56 px, a stage-1 pool, an arm pool
+stage-1 never sees, dev and report, 8,000 stage-1 trunk steps in chunks of 2,000, a gate with a GRPO
+clause, arms against ``sft_equal_compute``; ``--follow-ladder`` goes on to the next rung when the gate
+says so). The crowd protocol, fixed before any arm ran (docs/runbook.md, "Crowded scenes: the
+pre-registered study"; the numbers live in ``bench/study_stats.py``):
 
 - **Data**: ``rollmatch data shapes --preset crowd`` (8-30 objects of 16-32 px, a third of the images
   with a tied row); train 4,000, dev 300, report 600 images, each split its own generator stream
@@ -53,6 +58,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import math
 import shutil
@@ -63,8 +69,10 @@ from pathlib import Path
 from typing import Any
 
 import dense_summary
+import grpo_signal  # imported now, not at the first gate: the process runs the code it started with
 import learning_signal as ls
 import study_stats
+from study_protocols import CROWD_LOCKED, PROTOCOLS, StudyProtocol, next_rung
 
 import rollmatch  # noqa: F401  (environment workarounds before transformers loads)
 from rollmatch.config.load import load_config_dict
@@ -105,25 +113,20 @@ ARMS: dict[str, dict[str, Any]] = {
         "needs": "loss.objective: grpo, loss.grpo.reward: f1 and "
         "custom.extra.rollout_matching.rollouts_per_record",
     },
+    # The medium study's noise-object SFT control (Pix2Seq sequence augmentation): the SFT target padded
+    # with noise objects labelled "noise" whose coordinate tokens are unsupervised; dropped before scoring.
+    "sft_noise_objects": {
+        "variant": "sft",
+        "loss": {"noise_objects": {"pad_to": "max_objects", "label": "noise", "coordinates": "unsupervised"}},
+        "needs": "loss.noise_objects (noise objects after the real ones in the SFT target, their coordinate "
+        "tokens unsupervised) and evaluation dropping the `noise` label",
+    },
 }
 TARGET_ARMS = ("prefix_fn_supervised", "keep_all_supervised")  # the gate's rollout targets
 PILOT = {"steps": 500, "eval_at": [250, 500], "seeds": [0], "arms": ["sft", *TARGET_ARMS]}
-# Settings a study folder is locked to (data, stage-1, arms' schedule); arms and seeds may grow.
-LOCKED = (
-    "train_size",
-    "dev_size",
-    "report_size",
-    "object_format",
-    "max_new_tokens",
-    "stage1_lr",
-    "stage1_chunk",
-    "stage1_max_steps",
-    "stage1_seed",
-    "lr",
-    "steps",
-    "eval_at",
-    "gate_targets",
-)
+# Settings a crowd study folder is locked to (data, stage-1, arms' schedule); arms and seeds may grow.
+# Each preset's protocol names its own (study_protocols.StudyProtocol.locked).
+LOCKED = CROWD_LOCKED
 # Smallest setting (tests/test_benches.py runs it; docs/runbook.md "Benchmarks"): a few images and
 # steps, one seed, the sft arm only; a 2-step stage-1 fails the gate, hence --ignore-gate.
 SMOKE_ARGS = (
@@ -138,31 +141,60 @@ def main() -> None:
     args = parse_args()
     with contextlib.redirect_stdout(sys.stderr):  # the trainer prints its logs; stdout is the JSON alone
         result = run_study(args)
+        while args.follow_ladder and not args.summarize and (rung := result["gate"].get("next_rung")):
+            print(f"the gate moved the ladder to {rung['preset']}: {rung['out']}", file=sys.stderr)
+            args = parse_args(ladder_argv(args.argv, rung["preset"], rung["out"]))
+            result = run_study(args)
     print(json.dumps(result))
+
+
+def ladder_argv(argv: list[str], preset: str, out: str) -> list[str]:
+    """The same command on the next rung: ``--preset`` and ``--out`` replaced, every other flag kept."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in ("--preset", "--out"):
+            skip = True
+        elif not arg.startswith(("--preset=", "--out=")):
+            kept.append(arg)
+    return ["--out", out, "--preset", preset, *kept]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="the study folder (its units, JSON and PNG)")
-    parser.add_argument("--train-size", type=int, default=4000)
-    parser.add_argument("--dev-size", type=int, default=300)
-    parser.add_argument("--report-size", type=int, default=600)
+    parser.add_argument(
+        "--preset",
+        choices=list(PROTOCOLS),
+        default="crowd",
+        help="the shapes preset, and with it the study's protocol (bench/study_protocols.py): its data "
+        "sizes, stage-1 budget, buckets, gate and arms are the defaults below",
+    )
+    parser.add_argument("--train-size", type=int, help="the stage-1 pool (crowd: 4,000; medium: 16,000)")
+    parser.add_argument(
+        "--arm-pool-size",
+        type=int,
+        help="images the arms train on, a pool stage-1 never sees (0: the stage-1 pool; medium: 4,800)",
+    )
+    parser.add_argument("--dev-size", type=int)
+    parser.add_argument("--report-size", type=int, help="crowd: 600; medium: 1,000")
     parser.add_argument("--object-format", choices=["coord_tokens", "qwen_json"], default="coord_tokens")
-    parser.add_argument("--max-new-tokens", type=int, default=1024, help="a 30-object list is 752 tokens")
+    parser.add_argument(
+        "--max-new-tokens", type=int, help="crowd: 1,024 (a 30-object list is 752 tokens); medium: 512"
+    )
     parser.add_argument("--stage1-lr", type=float, default=2e-3)
-    parser.add_argument("--stage1-chunk", type=int, default=3000, help="stage-1 trunk steps per extension")
-    parser.add_argument("--stage1-max-steps", type=int, default=18000, help="trunk steps at most")
+    parser.add_argument("--stage1-chunk", type=int, help="stage-1 trunk steps per extension")
+    parser.add_argument("--stage1-max-steps", type=int, help="trunk steps at most")
     parser.add_argument(
         "--stage1-seed", type=int, default=0, help="stage-1 init and data order (replication)"
     )
-    parser.add_argument("--lr", type=float, default=2e-4, help="every arm's (HF constant schedule)")
-    parser.add_argument("--steps", type=int, default=1000, help="optimizer steps per arm and seed")
-    parser.add_argument(
-        "--eval-at", type=int, nargs="+", default=[500, 1000], help="dev evals; report at the last"
-    )
+    parser.add_argument("--lr", type=float, help="every arm's (HF constant schedule)")
+    parser.add_argument("--steps", type=int, help="optimizer steps per arm and seed")
+    parser.add_argument("--eval-at", type=int, nargs="+", help="dev evals; report at the last")
     parser.add_argument("--seeds", type=int, nargs="+", default=list(range(study_stats.SEEDS)))
-    parser.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS))
-    parser.add_argument("--gate-targets", nargs="+", choices=TARGET_ARMS, default=list(TARGET_ARMS))
+    parser.add_argument("--arms", nargs="+", choices=list(ARMS), help="default: the preset's protocol's")
+    parser.add_argument("--gate-targets", nargs="+", choices=TARGET_ARMS, help="default: the protocol's")
     parser.add_argument("--equal-compute-grain", type=int, default=50, help="SFT steps between checkpoints")
     parser.add_argument("--backend", choices=["hf", "vllm"], default=ls._default_backend())
     parser.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples")
@@ -180,8 +212,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--replication", help="the same study with another --stage1-seed (its --out)")
     parser.add_argument("--docs", action="store_true", help="copy the JSON and PNG into docs/")
+    parser.add_argument(
+        "--follow-ladder",
+        action="store_true",
+        help="when the gate's decision moves the ladder (study_protocols.next_rung), go on with the same "
+        "mode on the next rung, in the folder beside --out named after its preset",
+    )
     args = parser.parse_args(argv)
     args.argv = sys.argv[1:] if argv is None else argv
+    protocol = PROTOCOLS[args.preset]
+    defaults = {
+        **protocol.defaults,
+        "arms": list(protocol.arms),
+        "gate_targets": list(protocol.gate_targets),
+    }
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     if max(args.eval_at) != args.steps:
         parser.error("--eval-at must end at --steps (the report evaluation)")
     return args
@@ -190,18 +237,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def run_study(args: argparse.Namespace) -> dict[str, Any]:
     """Every unit the mode asks for that is not done yet, then the summary of every unit done."""
     started = time.perf_counter()
+    code_commit()  # the commit every unit of this process records
     out = Path(args.out).absolute()
     out.mkdir(parents=True, exist_ok=True)
-    settings = lock_settings(out, args)
+    settings = lock_settings(out, args, protocol_of(args).locked)
     splits = prepare_data(out, args)
     if not args.summarize:
         arms = [] if args.only_gate or args.diagnose else PILOT["arms"] if args.pilot else args.arms
-        require_arms([*args.gate_targets, *arms])  # before hours of stage-1
+        grpo_arm = ["grpo_f1_k4"] if protocol_of(args).grpo_gate else []  # the gate's GRPO clause
+        require_arms([*args.gate_targets, *grpo_arm, *arms])  # before hours of stage-1
         gate = stage1_and_gate(out, splits, args)
         if not (gate["passed"] or args.ignore_gate or args.only_gate):
+            readings = study_stats.stop_readings(protocol_of(args))
             print(
                 f"the gate decided {gate['decision']} at {gate['trunk_steps']} trunk steps (dev F1 "
-                f"{gate['f1']}): {study_stats.STOP_READINGS[gate['decision']]}. The study stops there; "
+                f"{gate['f1']}): {readings[gate['decision']]}. The study stops there; "
                 "--ignore-gate runs the arms anyway (outside the protocol)",
                 file=sys.stderr,
             )
@@ -225,10 +275,11 @@ def run_study(args: argparse.Namespace) -> dict[str, Any]:
     if result["arms"] or dense_summary.gate_points(result["gate"]):
         dense_summary.plot(result, out / "dense_study.png")
     if args.docs:
+        docs_name = protocol_of(args).docs_name
         for suffix in (".json", ".png"):
             if (out / f"dense_study{suffix}").exists():
                 shutil.copy(
-                    out / f"dense_study{suffix}", Path(__file__).parents[1] / "docs" / f"dense_study{suffix}"
+                    out / f"dense_study{suffix}", Path(__file__).parents[1] / "docs" / f"{docs_name}{suffix}"
                 )
     return result
 
@@ -249,9 +300,27 @@ def lock_settings(
 
 
 def prepare_data(out: Path, args: argparse.Namespace) -> dict[str, Path]:
-    """train / dev / report from generator seeds 0 / 1 / 2 of ``--preset crowd``."""
+    """train (stage-1's pool) / dev / report / arms (the arms' pool, when ``--arm-pool-size``) from
+    generator seeds 0 / 1 / 2 / 3 of ``--preset``: each split its own stream."""
     sizes = {"train": args.train_size, "dev": args.dev_size, "report": args.report_size}
-    return ls.generate_splits(out, sizes, SHAPES_PRESETS["crowd"])
+    if args.arm_pool_size:
+        sizes["arms"] = args.arm_pool_size
+    return ls.generate_splits(out, sizes, SHAPES_PRESETS[args.preset])
+
+
+def protocol_of(args: argparse.Namespace) -> StudyProtocol:
+    return PROTOCOLS[getattr(args, "preset", "crowd")]
+
+
+def study_config(
+    folder: Path, model: Path, splits: dict[str, Path], args: argparse.Namespace, *, seed: int
+) -> dict[str, Any]:
+    """``learning_signal.base_config`` with the protocol's GT-count buckets in every evaluation."""
+    config = ls.base_config(folder, str(model), splits, args, seed=seed)
+    edges = protocol_of(args).count_buckets
+    if edges is not None:
+        config["eval"]["count_buckets"] = list(edges)
+    return config
 
 
 # ---------------------------------------------------------------------------------------- configs
@@ -268,7 +337,8 @@ def arm_config(
     """One arm: the same records (seed) and learning rate; only the variant, loss and rollouts differ.
     A checkpoint every ``save_steps`` (default: the first of ``--eval-at``)."""
     spec = ARMS[arm]
-    config = ls.base_config(folder, str(model), splits, args, seed=seed)
+    arm_splits = {**splits, "train": splits["arms"]} if "arms" in splits else splits  # stage-1 never saw it
+    config = study_config(folder, model, arm_splits, args, seed=seed)
     config["custom"]["trainer_variant"] = spec["variant"]
     config["custom"]["extra"]["rollout_matching"].update(spec.get("rollout", {}))
     config["loss"] = spec["loss"]
@@ -300,7 +370,7 @@ _CHECK = argparse.Namespace(
 
 
 def sft_config(folder: Path, model: Path, splits: dict[str, Path], args: argparse.Namespace, **training: Any):
-    config = ls.base_config(folder, str(model), splits, args, seed=args.stage1_seed)
+    config = study_config(folder, model, splits, args, seed=args.stage1_seed)
     config["training"].update(training)
     if any(folder.glob("checkpoint-*/rollmatch_complete.json")):
         config["training"]["resume_from_checkpoint"] = "latest"
@@ -322,7 +392,15 @@ def stage1_and_gate(out: Path, splits: dict[str, Path], args: argparse.Namespace
         if decision != "extend":
             break
         trunk += args.stage1_chunk
-    return ls.cached(out / "gate.json", lambda: {**gate, "decision": decision, "history": history})
+
+    def decided() -> dict[str, Any]:
+        final = {**gate, "decision": decision, "history": history}
+        rung = next_rung(protocol_of(args), final)
+        if rung is not None:
+            final["next_rung"] = {"preset": rung, "out": str(out.parent / rung)}
+        return final
+
+    return ls.cached(out / "gate.json", decided)
 
 
 def gate_at(out: Path, splits: dict[str, Path], args: argparse.Namespace, trunk: int) -> dict[str, Any]:
@@ -384,7 +462,15 @@ def gate_at(out: Path, splits: dict[str, Path], args: argparse.Namespace, trunk:
     predictions = out / "stage1" / f"gate-{trunk}.predictions.jsonl"
     evaluation = ls.evaluate(cfg, str(stage1), dev, predictions)
     reading = targets_reading(stage1, splits, args, dev, predictions)
-    verdict = study_stats.gate_verdict(evaluation, {name: r["differs"] for name, r in reading.items()})
+    protocol = protocol_of(args)
+    grpo = None
+    if protocol.grpo_gate is not None:
+        grpo = ls.cached(
+            out / "stage1" / f"gate-{trunk}.grpo_sampling.json",
+            lambda: grpo_sampling(out / "gate", stage1, splits, args, dev),
+        )
+    differs = {name: r["differs"] for name, r in reading.items()}
+    verdict = study_stats.gate_verdict(evaluation, differs, protocol, grpo)
     return {
         **verdict,
         "targets_keeping_own_elements": {name: r["keeps_own"] for name, r in reading.items()},
@@ -392,7 +478,7 @@ def gate_at(out: Path, splits: dict[str, Path], args: argparse.Namespace, trunk:
         "cooldown_steps": cooldown,
         "checkpoint": str(stage1),
         "dev": evaluation,
-        **provenance(cfg),
+        **provenance(cfg, args.preset),
     }
 
 
@@ -409,6 +495,29 @@ def targets_reading(
     return ls.target_reading(cfg, stage1, dev, predictions, losses)
 
 
+def grpo_sampling(
+    folder: Path, stage1: Path, splits: dict[str, Path], args: argparse.Namespace, dev: list[Record]
+) -> dict[str, Any]:
+    """The GRPO clause's reading: K rollouts per dev record at the GRPO arm's temperature, scored by
+    the GRPO objective's own reward (``grpo_signal.sampled_rewards``): the share of groups with zero
+    reward spread and of malformed rollouts."""
+    gate = protocol_of(args).grpo_gate
+    assert gate is not None
+    cfg = arm_config(folder, "grpo_f1_k4", 0, stage1, splits, args, args.steps)
+    rollout = cfg.custom.extra.rollout_matching
+    if (
+        rollout.rollouts_per_record != gate.rollouts_per_record
+        or rollout.decoding.temperature != gate.temperature
+    ):
+        raise SystemExit(
+            f"the GRPO arm samples K = {rollout.rollouts_per_record} at temperature "
+            f"{rollout.decoding.temperature}, the gate's clause K = {gate.rollouts_per_record} at "
+            f"{gate.temperature}: make ARMS['grpo_f1_k4'] and study_protocols.GrpoGate agree"
+        )
+    reading = grpo_signal.sampled_rewards(cfg, dev, gate.rollouts_per_record, seed=0)
+    return {**{k: v for k, v in reading.items() if k != "per_image"}, **provenance(cfg, args.preset)}
+
+
 def diagnose(out: Path, stage1: Path, splits: dict[str, Path], args: argparse.Namespace) -> dict[str, Any]:
     """``rollmatch diagnose`` on dev: token-id differences of every target to SFT's, prefix sensitivity."""
     try:
@@ -420,7 +529,7 @@ def diagnose(out: Path, stage1: Path, splits: dict[str, Path], args: argparse.Na
         ) from error
     cfg = sft_config(out / "diagnostics", stage1, splits, args)
     cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": str(stage1)})})
-    return {**run_diagnose(cfg, load_records(splits["dev"]), [1, 2, 4]), **provenance(cfg)}
+    return {**run_diagnose(cfg, load_records(splits["dev"]), [1, 2, 4]), **provenance(cfg, args.preset)}
 
 
 # ------------------------------------------------------------------------------------------- arms
@@ -446,7 +555,7 @@ def run_arm(
             checkpoint = folder / "final" if step == steps else folder / f"checkpoint-{step}"
             splits_here = ["dev", "report"] if step in report_at else ["dev"]
             evals[str(step)] = {
-                split: evaluation(cfg, checkpoint, stage1, splits, split, folder, step)
+                split: evaluation(cfg, checkpoint, stage1, splits, split, folder, step, args.preset)
                 for split in splits_here
             }
         return {
@@ -454,7 +563,7 @@ def run_arm(
             "train_seconds": round(seconds, 1),
             "train_cpu_seconds": None if cpu_seconds is None else round(cpu_seconds, 1),
             "evals": evals,
-            **provenance(cfg),
+            **provenance(cfg, args.preset),
         }
 
     return ls.cached(root / "arms" / arm / f"seed{seed}.json", train_and_evaluate)
@@ -468,6 +577,7 @@ def evaluation(
     split: str,
     folder: Path,
     step: int,
+    preset: str = "crowd",
 ) -> dict[str, Any]:
     """One cached evaluation unit: greedy (``eval.decoding``), study matching, per-image counts."""
     ls._copy_processor(stage1, checkpoint)
@@ -477,7 +587,7 @@ def evaluation(
             cfg, str(checkpoint), load_records(splits[split]), folder / f"preds-{step}-{split}.jsonl"
         )
         result["count_oracle"] = study_stats.count_oracle_headroom(result["per_image"])
-        return {**result, **provenance(cfg)}
+        return {**result, **provenance(cfg, preset)}
 
     return ls.cached(folder / f"eval-{step}-{split}.json", compute)
 
@@ -516,21 +626,24 @@ def run_equal_compute(out: Path, stage1: Path, splits: dict[str, Path], args: ar
                 cfg = cfg.model_copy(update={"training": cfg.training.model_copy(update=training)})
                 run_training(cfg)
                 shutil.copytree(run_dir / "final", at, dirs_exist_ok=True)
-            evaluation(cfg, at, stage1, splits, "report", run_dir, target)
+            evaluation(cfg, at, stage1, splits, "report", run_dir, target, args.preset)
 
 
 # ------------------------------------------------------------------------------------------ helpers
-def provenance(cfg: RollmatchConfig) -> dict[str, Any]:
-    """What every unit file records: the code commit, the config and the evaluation decoding."""
+def provenance(cfg: RollmatchConfig, preset: str) -> dict[str, Any]:
+    """What every unit file records: the code commit, the config, the evaluation decoding, the preset."""
     return {
         "commit": code_commit(),
         "config": cfg.model_dump(mode="json"),
         "eval_decoding": cfg.eval.decoding.model_dump(),
+        "preset": preset,
     }
 
 
+@functools.cache
 def code_commit() -> str:
-    """``git rev-parse --short HEAD``, with ``+dirty`` when tracked files differ from it."""
+    """``git rev-parse --short HEAD``, with ``+dirty`` when tracked files differ from it, read once: the
+    commit this process started from (a study runs for hours while the checkout may move on)."""
     try:
         git = {"capture_output": True, "text": True, "timeout": 10, "cwd": Path(__file__).parents[1]}
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], check=True, **git)

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import study_stats as st
 from learning_signal import arm_runs, paired_bootstrap
+from study_protocols import PROTOCOLS, StudyProtocol, failed_clauses
 
 # Kept in the summary of an evaluation (the unit files hold everything, per-image counts included).
 METRICS = (
@@ -67,6 +68,7 @@ def summarize(
 ) -> dict[str, Any]:
     """The study's JSON from the unit files under ``out`` (``arms``: every arm the study knows)."""
     final = str(args.steps)
+    protocol = PROTOCOLS[getattr(args, "preset", "crowd")]
     runs = {arm: arm_runs(out, arm) for arm in arms}
     result: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M"),
@@ -88,7 +90,11 @@ def summarize(
         entry = {
             "seeds": seeds,
             "equal_steps": contrast(
-                arm_reports, [runs["sft"][s]["evals"][final]["report"] for s in seeds], args.bootstrap, rng
+                arm_reports,
+                [runs["sft"][s]["evals"][final]["report"] for s in seeds],
+                args.bootstrap,
+                rng,
+                protocol,
             ),
         }
         compute = equal_compute_reports(out, arm, seeds)
@@ -98,14 +104,15 @@ def summarize(
             entry["equal_compute"] = {
                 "sft_steps": steps,
                 "seeds": sorted(reports),
-                **contrast(paired, list(reports.values()), args.bootstrap, rng),
+                **contrast(paired, list(reports.values()), args.bootstrap, rng, protocol),
             }
         result["comparisons"][arm] = entry
     result["answer"] = st.study_answer(
         result["gate"].get("decision"),
-        {arm: c["equal_steps"]["verdict"]["gain"] for arm, c in result["comparisons"].items()},
+        primary_verdicts(result["comparisons"], protocol),
         len(result["missing"]),
         arms_run=bool(result["arms"]),
+        readings=st.stop_readings(protocol),
     )
     result["default_target_on_dev"] = default_target(runs, final, args.bootstrap, rng)
     if args.replication:
@@ -113,14 +120,26 @@ def summarize(
     return result
 
 
+def primary_verdicts(comparisons: dict[str, Any], protocol: StudyProtocol) -> dict[str, bool | None]:
+    """Each arm's gain by the protocol's primary rule: against ``sft`` at equal steps (crowd), against
+    ``sft_equal_compute`` (medium; None while that comparison is not in)."""
+    if protocol.primary_baseline == "sft":
+        return {arm: c["equal_steps"]["verdict"]["gain"] for arm, c in comparisons.items()}
+    return {arm: c.get("equal_compute", {}).get("verdict", {}).get("gain") for arm, c in comparisons.items()}
+
+
 def contrast(
-    arm: list[dict[str, Any]], base: list[dict[str, Any]], resamples: int, rng: np.random.Generator
+    arm: list[dict[str, Any]],
+    base: list[dict[str, Any]],
+    resamples: int,
+    rng: np.random.Generator,
+    protocol: StudyProtocol = PROTOCOLS["crowd"],
 ) -> dict[str, Any]:
     """Arm minus base on the same report images, seed by seed: the primary test, the buckets, the rule."""
     arm_images, base_images = [r["per_image"] for r in arm], [r["per_image"] for r in base]
     overall = paired_bootstrap(arm_images, base_images, resamples, rng)
     overall["t_test"] = st.paired_t(overall["per_seed"])
-    buckets = {b: st.bucket_bootstrap(arm_images, base_images, b, resamples, rng) for b in st.CROWD_BUCKETS}
+    buckets = {b: st.bucket_bootstrap(arm_images, base_images, b, resamples, rng) for b in protocol.buckets}
     secondary = {
         m: round(float(np.mean([a[m] - b[m] for a, b in zip(arm, base, strict=True)])), 4) for m in SECONDARY
     }
@@ -136,19 +155,24 @@ def contrast(
         4,
     )
     recall = {}
-    for bucket in st.CROWD_BUCKETS:
+    for bucket in protocol.buckets:
         pairs = [
             (a["gt_count_buckets"].get(bucket), b["gt_count_buckets"].get(bucket))
             for a, b in zip(arm, base, strict=True)
         ]
         if all(a and b for a, b in pairs):
             recall[bucket] = round(float(np.mean([a["recall"] - b["recall"] for a, b in pairs])), 4)
+    if protocol is PROTOCOLS["crowd"]:
+        verdict = st.gain_verdict(overall, buckets, len(arm))
+    else:
+        delta_map = float(np.mean([a["map"] - b["map"] for a, b in zip(arm, base, strict=True)]))
+        verdict = st.medium_verdict(overall, delta_map, secondary["truncated_frac"], len(arm))
     return {
         "overall": overall,
         "by_bucket": buckets,
         "delta_recall_by_bucket": recall,
         "delta_secondary": secondary,
-        "verdict": st.gain_verdict(overall, buckets, len(arm)),
+        "verdict": verdict,
     }
 
 
@@ -241,6 +265,8 @@ def gate_summary(out: Path) -> dict[str, Any]:
     return {
         **_gate_line(gate),
         "decision": gate["decision"],
+        **({"failed_clauses": failed_clauses(gate)} if "grpo_sampling" in gate else {}),
+        **({"next_rung": gate["next_rung"]} if "next_rung" in gate else {}),
         "history": gate["history"],
         "dev": _slim(gate["dev"]),
         "commit": gate["commit"],
@@ -312,7 +338,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    buckets = list(st.CROWD_BUCKETS)
+    protocol = PROTOCOLS[result["settings"].get("preset", "crowd")]
+    buckets = list(protocol.buckets)
     x = np.arange(len(buckets))
     fig, grid = plt.subplots(2, 2, figsize=(13, 9.6))
     axes = grid.flat
@@ -331,8 +358,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
         what = "F1@0.5 (labels required)" if key == "f1" else "recall"
         ax.set(title=f"{what}, report split", xlabel="GT objects per image", ylabel=key, ylim=(0, 1))
     diff = axes[2]
+    primary = "equal_steps" if protocol.primary_baseline == "sft" else "equal_compute"
     for offset, (arm, entry) in enumerate(result["comparisons"].items()):
-        by_bucket = entry["equal_steps"]["by_bucket"]
+        by_bucket = entry.get(primary, {}).get("by_bucket", {})
         shown = [b for b in buckets if by_bucket.get(b)]
         centre = np.array([by_bucket[b]["delta_f1"] for b in shown])
         low = centre - np.array([by_bucket[b]["ci95"][0] for b in shown])
@@ -351,11 +379,15 @@ def plot(result: dict[str, Any], path: Path) -> None:
         diff.text(0.5, 0.75, empty, ha="center", va="center", transform=diff.transAxes)
         diff.set_ylim(-0.1, 0.1)
     diff.axhline(0.0, color="k", lw=0.8)
-    diff.axhline(st.CROWDED_GAIN, color="k", ls=":", lw=0.8, label=f"+{st.CROWDED_GAIN} (26-30 clause)")
-    diff.set(title="F1 minus sft's, equal steps, 95% interval", xlabel="GT objects per image")
+    if protocol.preset == "crowd":
+        diff.axhline(st.CROWDED_GAIN, color="k", ls=":", lw=0.8, label=f"+{st.CROWDED_GAIN} (26-30 clause)")
+    else:
+        diff.axhline(st.OVERALL_GAIN, color="k", ls=":", lw=0.8, label=f"+{st.OVERALL_GAIN} (gain threshold)")
+    against = "sft's, equal steps" if primary == "equal_steps" else "sft_equal_compute's"
+    diff.set(title=f"F1 minus {against}, 95% interval", xlabel="GT objects per image")
     for ax in grid.flat[:3]:
         ax.set_xticks(x, buckets)
-    _plot_stage1(grid.flat[3], result["gate"], result["settings"])
+    _plot_stage1(grid.flat[3], result["gate"], result["settings"], protocol.f1_gate)
     for ax in grid.flat:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
@@ -365,7 +397,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
         progress = f"; stopped at the gate: {answer['decision']}{anyway}"
     elif result.get("missing"):
         progress = f"; in progress, missing {len(result['missing'])} arm-seeds"
-    fig.suptitle(f"crowded scenes, mean over seeds ({result['date']}, {result.get('commit', '')}{progress})")
+    fig.suptitle(
+        f"{protocol.title}, mean over seeds ({result['date']}, {result.get('commit', '')}{progress})"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -376,12 +410,14 @@ def gate_points(gate: dict[str, Any]) -> list[dict[str, Any]]:
     return gate.get("history") or gate.get("in_progress") or []
 
 
-def _plot_stage1(ax: Any, gate: dict[str, Any], settings: dict[str, Any]) -> None:
+def _plot_stage1(
+    ax: Any, gate: dict[str, Any], settings: dict[str, Any], f1_gate: tuple[float, float]
+) -> None:
     """Dev F1 of each stage-1 gate (its cool-down branch) against trunk steps, with the gate's F1 range
     and the step budget: how far stage-1 is from the range, and how fast it moves."""
     points = gate_points(gate)
     budget = settings["stage1_max_steps"]
-    ax.axhspan(*st.F1_GATE, color="g", alpha=0.12, label=f"gate F1 range {list(st.F1_GATE)}")
+    ax.axhspan(*f1_gate, color="g", alpha=0.12, label=f"gate F1 range {list(f1_gate)}")
     ax.axvline(budget, color="r", ls=":", label=f"stage-1 budget ({budget} trunk steps)")
     ax.plot(
         [p["trunk_steps"] for p in points],
@@ -422,6 +458,7 @@ def _gate_line(gate: dict[str, Any]) -> dict[str, Any]:
         "room_for_the_mechanism",
         "targets_differing_from_sft",
         "targets_keeping_own_elements",
+        "grpo_sampling",
         "rule",
     )
     return {k: gate[k] for k in keys if k in gate}
