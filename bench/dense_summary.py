@@ -113,6 +113,7 @@ def summarize(
         len(result["missing"]),
         arms_run=bool(result["arms"]),
         readings=st.stop_readings(protocol),
+        baseline=protocol.primary_baseline,
     )
     result["default_target_on_dev"] = default_target(runs, final, args.bootstrap, rng)
     if args.replication:

@@ -197,6 +197,7 @@ def study_answer(
     missing: int,
     arms_run: bool,
     readings: Mapping[str, str] = STOP_READINGS,
+    baseline: str = "sft",
 ) -> dict[str, Any]:
     """The study's answer so far: stage-1 in progress, stopped at the gate (:data:`STOP_READINGS`; with
     ``arms_run``, arms trained anyway under ``--ignore-gate``, outside the protocol), arms running, or
@@ -217,9 +218,9 @@ def study_answer(
         return {"state": "done", "gains": None, "reading": f"no verdict: fewer than {MIN_SEEDS} seeds"}
     gains = sorted(arm for arm, gain in verdicts.items() if gain)
     reading = (
-        f"a gain over sft by the decision rule: {', '.join(gains)}"
+        f"a gain over {baseline} by the decision rule: {', '.join(gains)}"
         if gains
-        else "no arm gains over sft by the decision rule"
+        else f"no arm gains over {baseline} by the decision rule"
     )
     return {"state": "done", "gains": gains, "reading": reading}
 
