@@ -72,7 +72,7 @@ import dense_summary
 import grpo_signal  # imported now, not at the first gate: the process runs the code it started with
 import learning_signal as ls
 import study_stats
-from study_protocols import CROWD_LOCKED, PROTOCOLS, StudyProtocol, next_rung
+from study_protocols import ARMS, CROWD_LOCKED, PROTOCOLS, TARGET_ARMS, StudyProtocol, next_rung
 
 import rollmatch  # noqa: F401  (environment workarounds before transformers loads)
 from rollmatch.config.load import load_config_dict
@@ -81,48 +81,7 @@ from rollmatch.data.records import Record, load_records
 from rollmatch.data.shapes import SHAPES_PRESETS
 from rollmatch.errors import ConfigError
 
-_RM = "rollout_matching_sft"
-_KEEP_ALL = {"target": "prefix_fn", "keep_prefix": "all", "matched_prefix": "supervise"}
-_NEEDS_TARGETS = "loss.keep_prefix: all with loss.matched_prefix: supervise (training after own mistakes)"
-_SAMPLED_K4 = {"decoding": {"temperature": 0.7}, "rollouts_per_record": 4}
-FP_UNLIKELIHOOD_WEIGHT = 0.5
 TRUNK_SAVE_STEPS = 100
-# name -> trainer variant, loss.*, custom.extra.rollout_matching.*, and what the code must support
-ARMS: dict[str, dict[str, Any]] = {
-    "sft": {"variant": "sft", "loss": {}},
-    "prefix_fn_supervised": {
-        "variant": _RM,
-        "loss": {"target": "prefix_fn", "keep_prefix": "matched", "matched_prefix": "supervise"},
-    },
-    "keep_all_supervised": {"variant": _RM, "loss": _KEEP_ALL, "needs": _NEEDS_TARGETS},
-    "keep_all_supervised_fp_unlikelihood": {
-        "variant": _RM,
-        "loss": {**_KEEP_ALL, "fp_unlikelihood_weight": FP_UNLIKELIHOOD_WEIGHT},
-        "needs": f"{_NEEDS_TARGETS} and loss.fp_unlikelihood_weight",
-    },
-    "keep_all_supervised_sampled_k4": {
-        "variant": _RM,
-        "loss": _KEEP_ALL,
-        "rollout": _SAMPLED_K4,
-        "needs": f"{_NEEDS_TARGETS} and custom.extra.rollout_matching.rollouts_per_record",
-    },
-    "grpo_f1_k4": {
-        "variant": _RM,
-        "loss": {"objective": "grpo", "grpo": {"reward": "f1"}},
-        "rollout": _SAMPLED_K4,
-        "needs": "loss.objective: grpo, loss.grpo.reward: f1 and "
-        "custom.extra.rollout_matching.rollouts_per_record",
-    },
-    # The medium study's noise-object SFT control (Pix2Seq sequence augmentation): the SFT target padded
-    # with noise objects labelled "noise" whose coordinate tokens are unsupervised; dropped before scoring.
-    "sft_noise_objects": {
-        "variant": "sft",
-        "loss": {"noise_objects": {"pad_to": "max_objects", "label": "noise", "coordinates": "unsupervised"}},
-        "needs": "loss.noise_objects (noise objects after the real ones in the SFT target, their coordinate "
-        "tokens unsupervised) and evaluation dropping the `noise` label",
-    },
-}
-TARGET_ARMS = ("prefix_fn_supervised", "keep_all_supervised")  # the gate's rollout targets
 PILOT = {"steps": 500, "eval_at": [250, 500], "seeds": [0], "arms": ["sft", *TARGET_ARMS]}
 # Settings a crowd study folder is locked to (data, stage-1, arms' schedule); arms and seeds may grow.
 # Each preset's protocol names its own (study_protocols.StudyProtocol.locked).
@@ -243,7 +202,8 @@ def run_study(args: argparse.Namespace) -> dict[str, Any]:
     settings = lock_settings(out, args, protocol_of(args).locked)
     splits = prepare_data(out, args)
     if not args.summarize:
-        arms = [] if args.only_gate or args.diagnose else PILOT["arms"] if args.pilot else args.arms
+        crowd_pilot = args.pilot and not protocol_of(args).lr_pair
+        arms = [] if args.only_gate or args.diagnose else PILOT["arms"] if crowd_pilot else args.arms
         grpo_arm = ["grpo_f1_k4"] if protocol_of(args).grpo_gate else []  # the gate's GRPO clause
         require_arms([*args.gate_targets, *grpo_arm, *arms])  # before hours of stage-1
         gate = stage1_and_gate(out, splits, args)
@@ -259,15 +219,28 @@ def run_study(args: argparse.Namespace) -> dict[str, Any]:
             stage1 = Path(gate["checkpoint"])
             if args.diagnose:
                 ls.cached(out / "diagnostics.json", lambda: diagnose(out, stage1, splits, args))
+            elif args.pilot and protocol_of(args).lr_pair:
+                run_lr_pilot(out, stage1, splits, args)
             elif args.pilot:
                 for arm in PILOT["arms"]:
                     run_arm(out / "pilot", arm, 0, stage1, splits, args, PILOT["steps"], PILOT["eval_at"], [])
             elif not args.only_gate:
+                arm_args = learning_rates(out, args)
                 for seed in args.seeds:
                     for arm in args.arms:
-                        run_arm(out, arm, seed, stage1, splits, args, args.steps, args.eval_at, [args.steps])
+                        run_arm(
+                            out,
+                            arm,
+                            seed,
+                            stage1,
+                            splits,
+                            arm_args[arm],
+                            args.steps,
+                            args.eval_at,
+                            [args.steps],
+                        )
                 if "sft" in args.arms and len(args.arms) > 1:
-                    run_equal_compute(out, stage1, splits, args)
+                    run_equal_compute(out, stage1, splits, arm_args["sft"])
     result = dense_summary.summarize(out, args, settings, ls.data_summary(splits), list(ARMS), PILOT)
     result.update(command="python bench/dense_study.py " + " ".join(args.argv), commit=code_commit())
     result["seconds_this_invocation"] = round(time.perf_counter() - started, 1)
@@ -303,9 +276,9 @@ def prepare_data(out: Path, args: argparse.Namespace) -> dict[str, Path]:
     """train (stage-1's pool) / dev / report / arms (the arms' pool, when ``--arm-pool-size``) from
     generator seeds 0 / 1 / 2 / 3 of ``--preset``: each split its own stream."""
     sizes = {"train": args.train_size, "dev": args.dev_size, "report": args.report_size}
-    if args.arm_pool_size:
+    if getattr(args, "arm_pool_size", 0):  # a crowd study's settings.json has no arm pool (and no preset)
         sizes["arms"] = args.arm_pool_size
-    return ls.generate_splits(out, sizes, SHAPES_PRESETS[args.preset])
+    return ls.generate_splits(out, sizes, SHAPES_PRESETS[protocol_of(args).preset])
 
 
 def protocol_of(args: argparse.Namespace) -> StudyProtocol:
@@ -592,12 +565,61 @@ def evaluation(
     return ls.cached(folder / f"eval-{step}-{split}.json", compute)
 
 
-def run_equal_compute(out: Path, stage1: Path, splits: dict[str, Path], args: argparse.Namespace) -> None:
+def run_lr_pilot(out: Path, stage1: Path, splits: dict[str, Path], args: argparse.Namespace) -> None:
+    """The pilot of a protocol with a learning-rate pair (the medium study): every arm at each rate of the
+    pair, seed 0, ``pilot_steps`` steps, dev only (``pilot/lr<rate>/arms/<arm>/seed0.json``); each arm
+    keeps the rate with the higher dev F1 (``pilot/lr_chosen.json``); then SFT at the chosen rate to
+    each rollout arm's equal compute, on dev: the spread of the paired difference the seeds follow."""
+    protocol = protocol_of(args)
+    steps = protocol.pilot_steps
+    runs: dict[str, dict[float, Any]] = {}
+    for lr in protocol.lr_pair:
+        lr_args = argparse.Namespace(**{**vars(args), "lr": lr, "steps": steps, "eval_at": [steps]})
+        for arm in args.arms:
+            folder = out / "pilot" / f"lr{lr:g}"
+            runs.setdefault(arm, {})[lr] = run_arm(
+                folder, arm, 0, stage1, splits, lr_args, steps, [steps], []
+            )
+    dev_f1 = {
+        arm: {lr: run["evals"][str(steps)]["dev"]["f1"] for lr, run in by_lr.items()}
+        for arm, by_lr in runs.items()
+    }
+    chosen = ls.cached(out / "pilot" / "lr_chosen.json", lambda: study_stats.choose_learning_rates(dev_f1))
+    if "sft" in args.arms and len(args.arms) > 1:
+        best = {arm: {0: runs[arm][chosen[arm]]} for arm in args.arms}
+        sft_args = argparse.Namespace(**{**vars(args), "lr": chosen["sft"], "steps": steps, "seeds": [0]})
+        run_equal_compute(out / "pilot", stage1, splits, sft_args, best, "dev")
+
+
+def learning_rates(out: Path, args: argparse.Namespace) -> dict[str, argparse.Namespace]:
+    """Each arm's arguments with its learning rate: ``--lr`` (crowd), or the pilot's choice (medium)."""
+    if not protocol_of(args).lr_pair:
+        return dict.fromkeys([*args.arms, "sft"], args)
+    path = out / "pilot" / "lr_chosen.json"
+    chosen = json.loads(path.read_text()) if path.exists() else {}
+    missing = sorted({*args.arms, "sft"} - set(chosen))
+    if missing:
+        raise SystemExit(
+            f"{missing}: no learning rate chosen by the pilot ({path}); run the same command with --pilot "
+            "first (it picks each arm's rate from the protocol's pair on dev)"
+        )
+    return {arm: argparse.Namespace(**{**vars(args), "lr": chosen[arm]}) for arm in {*args.arms, "sft"}}
+
+
+def run_equal_compute(
+    out: Path,
+    stage1: Path,
+    splits: dict[str, Path],
+    args: argparse.Namespace,
+    runs: dict[str, dict[int, Any]] | None = None,
+    split: str = "report",
+) -> None:
     """One SFT run per seed, continued through every arm's equal-compute step count (each arm's own cost
-    per step, from its cheapest seed), evaluated on report at each."""
+    per step, from its cheapest seed, in ``runs``; default the arms under ``out``), evaluated on
+    ``split`` at each."""
     from rollmatch.training.entry import run_training
 
-    runs = {arm: ls.arm_runs(out, arm) for arm in args.arms}
+    runs = runs or {arm: ls.arm_runs(out, arm) for arm in args.arms}
     costs = dense_summary.cost_per_step(runs)
     basis = costs.pop("basis")
     rollout_arms = [arm for arm in args.arms if arm != "sft"]
@@ -626,7 +648,7 @@ def run_equal_compute(out: Path, stage1: Path, splits: dict[str, Path], args: ar
                 cfg = cfg.model_copy(update={"training": cfg.training.model_copy(update=training)})
                 run_training(cfg)
                 shutil.copytree(run_dir / "final", at, dirs_exist_ok=True)
-            evaluation(cfg, at, stage1, splits, "report", run_dir, target, args.preset)
+            evaluation(cfg, at, stage1, splits, split, run_dir, target, args.preset)
 
 
 # ------------------------------------------------------------------------------------------ helpers

@@ -76,7 +76,9 @@ def summarize(
         "data": data,
         "gate": gate_summary(out),
         "diagnostics": _without(_read(out / "diagnostics.json"), "config"),
-        "pilot": pilot_summary(out, args, pilot),
+        "pilot": lr_pilot_summary(out, args, protocol)
+        if protocol.lr_pair
+        else pilot_summary(out, args, pilot),
         "missing": [f"{arm}/seed{s}" for arm in args.arms for s in args.seeds if s not in runs[arm]],
         "arms": {arm: arm_summary(by_seed, final) for arm, by_seed in runs.items() if by_seed},
         "comparisons": {},
@@ -297,6 +299,43 @@ def pilot_summary(out: Path, args: argparse.Namespace, pilot: dict[str, Any]) ->
             spread = st.bootstrap_spread(a["per_image"], b["per_image"], args.bootstrap, rng) * scale
             summary["spread_at_report_size"][f"{arm}/seed{seed}"] = round(float(spread), 4)
     summary["seeds_needed"] = st.seeds_needed(list(summary["spread_at_report_size"].values()))
+    return summary
+
+
+def lr_pilot_summary(out: Path, args: argparse.Namespace, protocol: StudyProtocol) -> dict[str, Any] | None:
+    """The learning-rate pilot (``dense_study.run_lr_pilot``): each arm's dev F1 and cost per step at each
+    rate, the rate chosen, and each rollout arm's spread of the paired difference to SFT at its equal
+    compute (bootstrap over dev images, scaled to the report split's size); the seeds that calls for."""
+    steps, pilot = str(protocol.pilot_steps), out / "pilot"
+    runs = {lr: {arm: arm_runs(pilot / f"lr{lr:g}", arm) for arm in args.arms} for lr in protocol.lr_pair}
+    if not any(by_seed for by_arm in runs.values() for by_seed in by_arm.values()):
+        return None
+    chosen = _read(pilot / "lr_chosen.json")
+    summary: dict[str, Any] = {"steps": protocol.pilot_steps, "lr_pair": list(protocol.lr_pair), "arms": {}}
+    for lr, by_arm in runs.items():
+        for arm, by_seed in by_arm.items():
+            for seed, run in by_seed.items():
+                summary["arms"][f"{arm}/lr{lr:g}/seed{seed}"] = {
+                    "cpu_seconds_per_step": run["train_cpu_seconds"]
+                    and round(run["train_cpu_seconds"] / run["steps"], 2),
+                    "seconds_per_step": round(run["train_seconds"] / run["steps"], 2),
+                    "dev_f1": run["evals"][steps]["dev"]["f1"],
+                }
+    summary["lr_chosen"] = chosen
+    spreads: dict[str, float] = {}
+    rng, scale = np.random.default_rng(0), np.sqrt(args.dev_size / args.report_size)
+    for arm in [a for a in args.arms if a != "sft"] if chosen else []:
+        equal = _read(pilot / "arms" / "sft_equal_compute" / f"steps-{arm}.json")
+        base = equal and _read(
+            pilot / "arms" / "sft_equal_compute" / "seed0" / f"eval-{equal['steps']}-dev.json"
+        )
+        if base is None:
+            continue
+        mine = runs[chosen[arm]][arm][0]["evals"][steps]["dev"]
+        spread = st.bootstrap_spread(mine["per_image"], base["per_image"], args.bootstrap, rng) * scale
+        spreads[f"{arm}/seed0"] = round(float(spread), 4)
+    summary["spread_at_report_size"] = spreads
+    summary["seeds_needed"] = st.seeds_needed(list(spreads.values())) if spreads else None
     return summary
 
 

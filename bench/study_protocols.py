@@ -1,7 +1,8 @@
 """The pre-registered protocols of the dense-scene studies, one per shapes preset (rung), fixed before
 any unit runs (docs/runbook.md, "Crowded scenes" and "Medium scenes").
 
-Owns: :class:`StudyProtocol` (what a study on one preset decides with: the data sizes and streams, the
+Owns: :data:`ARMS` (each arm's trainer variant, loss, rollouts and what the code must support),
+:class:`StudyProtocol` (what a study on one preset decides with: the data sizes and streams, the
 stage-1 budget, the GT-count buckets, the gate's thresholds and clauses, the arms and their learning
 rates, the seeds) and :data:`PROTOCOLS` (``crowd``, the study that stopped at its gate, and the medium
 study's three rungs ``medium``, ``medium_dense``, ``medium_sparse``), with the ladder between rungs
@@ -15,6 +16,50 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+_RM = "rollout_matching_sft"
+_KEEP_ALL = {"target": "prefix_fn", "keep_prefix": "all", "matched_prefix": "supervise"}
+_NEEDS_TARGETS = "loss.keep_prefix: all with loss.matched_prefix: supervise (training after own mistakes)"
+_SAMPLED_K4 = {"decoding": {"temperature": 0.7}, "rollouts_per_record": 4}
+FP_UNLIKELIHOOD_WEIGHT = 0.5
+# The arms every study draws from: name -> trainer variant, loss.*, custom.extra.rollout_matching.*, and what the code must support
+ARMS: dict[str, dict[str, Any]] = {
+    "sft": {"variant": "sft", "loss": {}},
+    "prefix_fn_supervised": {
+        "variant": _RM,
+        "loss": {"target": "prefix_fn", "keep_prefix": "matched", "matched_prefix": "supervise"},
+    },
+    "keep_all_supervised": {"variant": _RM, "loss": _KEEP_ALL, "needs": _NEEDS_TARGETS},
+    "keep_all_supervised_fp_unlikelihood": {
+        "variant": _RM,
+        "loss": {**_KEEP_ALL, "fp_unlikelihood_weight": FP_UNLIKELIHOOD_WEIGHT},
+        "needs": f"{_NEEDS_TARGETS} and loss.fp_unlikelihood_weight",
+    },
+    "keep_all_supervised_sampled_k4": {
+        "variant": _RM,
+        "loss": _KEEP_ALL,
+        "rollout": _SAMPLED_K4,
+        "needs": f"{_NEEDS_TARGETS} and custom.extra.rollout_matching.rollouts_per_record",
+    },
+    # On-policy: the colocated trainer samples a step's K rollouts per record with that step's weights and
+    # takes one optimizer step on them (no gradient accumulation in these studies).
+    "grpo_f1_k4": {
+        "variant": _RM,
+        "loss": {"objective": "grpo", "grpo": {"reward": "f1"}},
+        "rollout": _SAMPLED_K4,
+        "needs": "loss.objective: grpo, loss.grpo.reward: f1 and "
+        "custom.extra.rollout_matching.rollouts_per_record",
+    },
+    # The medium study's noise-object SFT control (Pix2Seq sequence augmentation): the SFT target padded
+    # with noise objects labelled "noise" whose coordinate tokens are unsupervised; dropped before scoring.
+    "sft_noise_objects": {
+        "variant": "sft",
+        "loss": {"noise_objects": {"pad_to": "max_objects", "label": "noise", "coordinates": "unsupervised"}},
+        "needs": "loss.noise_objects (noise objects after the real ones in the SFT target, their coordinate "
+        "tokens unsupervised) and evaluation dropping the `noise` label",
+    },
+}
+TARGET_ARMS = ("prefix_fn_supervised", "keep_all_supervised")  # the gate's rollout targets
 
 # The settings a crowd study folder is locked to (its settings.json has these keys, and only these).
 CROWD_LOCKED = (
@@ -68,6 +113,7 @@ class StudyProtocol:
     primary_baseline: str  # what the primary rule compares each arm with
     docs_name: str  # --docs copies the study's JSON and PNG to docs/<docs_name>.json / .png
     lr_pair: tuple[float, ...] = ()  # the pilot picks each arm's learning rate from these (empty: --lr)
+    pilot_steps: int = 0  # the learning-rate pilot's steps per arm and rate (dev, seed 0)
     ladder: dict[str, str] = field(default_factory=dict)  # gate decision -> next rung's preset
 
     @property
@@ -152,6 +198,7 @@ def _medium(
         primary_baseline="sft_equal_compute",
         docs_name="medium_study",  # every rung: the ladder is one study
         lr_pair=(1e-4, 3e-4),
+        pilot_steps=300,
         ladder=dict(ladder),
     )
 

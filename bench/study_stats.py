@@ -349,6 +349,11 @@ def equal_compute_steps_by_arm(
     return out
 
 
+def choose_learning_rates(dev_f1: Mapping[str, Mapping[float, float]]) -> dict[str, float]:
+    """Per arm, the learning rate of the pilot with the higher dev F1 (the lower rate on a tie)."""
+    return {arm: max(sorted(by_lr), key=lambda lr: (by_lr[lr], -lr)) for arm, by_lr in dev_f1.items()}
+
+
 def seeds_needed(spreads: Sequence[float]) -> int:
     """SEEDS, or MORE_SEEDS when any pilot arm's spread of the paired difference exceeds SPREAD_LIMIT."""
     return MORE_SEEDS if any(s > SPREAD_LIMIT for s in spreads) else SEEDS

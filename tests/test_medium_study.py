@@ -258,7 +258,10 @@ def _report(gts: np.ndarray, found: np.ndarray) -> dict[str, Any]:
             "recall": recall,
             "f1": 2 * recall / (1 + recall),
         }
-    metrics = dict.fromkeys(dense_summary.METRICS, 0.5)
+    metrics = {
+        **dict.fromkeys(dense_summary.METRICS, 0.5),
+        "f1": ls.f1_of(*(np.array(per_image[k]) for k in ("tp", "fp", "fn"))),
+    }
     return {
         **metrics,
         "per_image": per_image,
@@ -355,3 +358,49 @@ def test_a_medium_gate_at_its_smallest_setting_records_every_clause_and_walks_th
     assert set(gate["dev"]["gt_count_buckets"]) <= {"0-3", *MEDIUM.buckets}
     assert json.loads((tmp_path / "medium_sparse" / "gate.json").read_text()).get("next_rung") is None
     assert ls.cached(out / "gate.json", lambda: pytest.fail("a decided gate is not run again")) == gate
+
+
+# ----------------------------------------------------------------------------------------- pilot
+def _run(report: dict[str, Any], steps: int, cpu_seconds: float) -> dict[str, Any]:
+    return {
+        "steps": steps,
+        "train_seconds": cpu_seconds * 1.1,
+        "train_cpu_seconds": cpu_seconds,
+        "evals": {str(steps): {"dev": report}},
+    }
+
+
+def test_the_pilot_picks_each_arms_learning_rate_on_dev_and_measures_the_spread(tmp_path: Path) -> None:
+    gts = np.random.default_rng(1).integers(4, 13, size=60)
+    args = _args(tmp_path, arms=["sft", "keep_all_supervised"], bootstrap=200)
+    steps = MEDIUM.pilot_steps
+    # sft is better at the low rate, keep_all_supervised at the high one (twice sft's cost per step)
+    found = {("sft", 1e-4): gts - 2, ("sft", 3e-4): gts - 3, ("keep_all_supervised", 1e-4): gts - 3}
+    found[("keep_all_supervised", 3e-4)] = np.where(np.arange(len(gts)) % 2 == 0, gts - 1, gts - 2)
+    for (arm, lr), hits in found.items():
+        folder = tmp_path / "pilot" / f"lr{lr:g}" / "arms" / arm
+        folder.mkdir(parents=True, exist_ok=True)
+        cost = 100.0 * (2 if arm != "sft" else 1) * steps / 100
+        (folder / "seed0.json").write_text(json.dumps(_run(_report(gts, hits), steps, cost)))
+    # SFT at equal compute (twice the steps), done before: nothing trains in this test
+    equal = tmp_path / "pilot" / "arms" / "sft_equal_compute"
+    (equal / "seed0" / f"at-{2 * steps}").mkdir(parents=True)
+    (equal / "seed0" / f"at-{2 * steps}" / "config.json").write_text("{}")
+    (equal / "steps-keep_all_supervised.json").write_text(json.dumps({"steps": 2 * steps}))
+    base = _report(gts, gts - 2)
+    (equal / "seed0" / f"eval-{2 * steps}-dev.json").write_text(json.dumps(base))
+    with pytest.raises(SystemExit, match=r"no learning rate chosen by the pilot.*--pilot"):
+        dense_study.learning_rates(tmp_path, args)
+    dense_study.run_lr_pilot(tmp_path, tmp_path / "no-stage1", {"train": Path("x")}, args)
+    assert json.loads((tmp_path / "pilot" / "lr_chosen.json").read_text()) == {
+        "sft": 1e-4,
+        "keep_all_supervised": 3e-4,
+    }
+    rates = dense_study.learning_rates(tmp_path, args)
+    assert rates["sft"].lr == 1e-4 and rates["keep_all_supervised"].lr == 3e-4 and args.lr == 1e-4
+    summary = dense_summary.lr_pilot_summary(tmp_path, args, MEDIUM)
+    assert summary["lr_chosen"] == {"sft": 1e-4, "keep_all_supervised": 3e-4}
+    assert summary["arms"]["keep_all_supervised/lr0.0003/seed0"]["cpu_seconds_per_step"] == 2.0
+    spread = summary["spread_at_report_size"]["keep_all_supervised/seed0"]
+    assert 0 < spread < 0.05 and summary["seeds_needed"] in (st.SEEDS, st.MORE_SEEDS)
+    assert st.choose_learning_rates({"a": {1e-4: 0.5, 3e-4: 0.5}}) == {"a": 1e-4}  # a tie keeps the lower
