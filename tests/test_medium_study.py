@@ -358,6 +358,13 @@ def test_a_medium_gate_at_its_smallest_setting_records_every_clause_and_walks_th
     assert set(gate["dev"]["gt_count_buckets"]) <= {"0-3", *MEDIUM.buckets}
     assert json.loads((tmp_path / "medium_sparse" / "gate.json").read_text()).get("next_rung") is None
     assert ls.cached(out / "gate.json", lambda: pytest.fail("a decided gate is not run again")) == gate
+    # the same command again (how the study resumes) runs no unit: every unit file stays as it was
+    units = sorted(tmp_path.rglob("*.json"))
+    stamps = {p: p.stat().st_mtime_ns for p in units if p.name not in ("dense_study.json", "settings.json")}
+    again = subprocess.run(command, capture_output=True, text=True, timeout=1200, env=os.environ)
+    assert again.returncode == 0, again.stderr[-4000:]
+    assert {p: p.stat().st_mtime_ns for p in stamps} == stamps
+    assert (out / "stage1" / "gate-2.grpo_sampling.json") in stamps
 
 
 # ----------------------------------------------------------------------------------------- pilot
