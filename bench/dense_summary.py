@@ -118,6 +118,8 @@ def summarize(
         baseline=protocol.primary_baseline,
     )
     result["default_target_on_dev"] = default_target(runs, final, args.bootstrap, rng)
+    if protocol.primary_baseline == "sft_equal_compute":  # the baseline's own levels, per bucket
+        result["sft_equal_compute"] = equal_compute_levels(out, [a for a in runs if a != "sft" and runs[a]])
     if args.replication:
         result["replication"] = replication(result, Path(args.replication))
     return result
@@ -246,6 +248,33 @@ def cost_per_step(runs: dict[str, dict[int, Any]]) -> dict[str, Any]:
         "equal compute needs every arm trained first; no cost yet for "
         f"{[arm for arm, by_seed in runs.items() if not by_seed]}"
     )
+
+
+def equal_compute_levels(out: Path, arms: list[str]) -> dict[str, Any]:
+    """Per rollout arm: SFT at that arm's equal compute, its steps and report F1 / recall per bucket
+    (mean over the seeds evaluated)."""
+    levels = {}
+    for arm in arms:
+        found = equal_compute_reports(out, arm, list(range(st.MORE_SEEDS)))
+        if not found:
+            continue
+        steps, reports = found
+        first = next(iter(reports.values()))["gt_count_buckets"]
+        levels[arm] = {
+            "sft_steps": steps,
+            "seeds": sorted(reports),
+            "report_by_bucket": {
+                bucket: {
+                    key: round(
+                        float(np.mean([r["gt_count_buckets"][bucket][key] for r in reports.values()])), 4
+                    )
+                    for key in ("f1", "recall")
+                }
+                for bucket in first
+                if all(bucket in r["gt_count_buckets"] for r in reports.values())
+            },
+        }
+    return levels
 
 
 def equal_compute_reports(out: Path, arm: str, seeds: list[int]) -> tuple[int, dict[int, Any]] | None:
@@ -390,6 +419,10 @@ def plot(result: dict[str, Any], path: Path) -> None:
             seeds = len(summary["seeds"])
             label = f"{arm} ({seeds} seed{'s' * (seeds > 1)})"
             ax.plot(x, [values.get(b, {}).get(key, np.nan) for b in buckets], marker="o", label=label)
+        for arm, level in result.get("sft_equal_compute", {}).items():
+            values = level["report_by_bucket"]
+            label = f"sft_equal_compute at {arm}'s cost ({level['sft_steps']} steps)"
+            ax.plot(x, [values.get(b, {}).get(key, np.nan) for b in buckets], ls=":", marker="s", label=label)
         if stage1_dev:
             steps, dev = stage1_dev
             stage1_buckets = dev.get("gt_count_buckets") or {}

@@ -317,6 +317,12 @@ def test_the_medium_summary_judges_each_arm_against_sft_at_equal_compute(tmp_pat
     assert set(compared["by_bucket"]) == set(MEDIUM.buckets)
     assert compared["by_bucket"]["4-6"]["delta_f1"] == 0.0 and compared["by_bucket"]["10-12"]["delta_f1"] > 0
     assert compared["verdict"]["positive_seeds"] == "5 of 5" and compared["verdict"]["gain"] is True
+    level = result["sft_equal_compute"]["keep_all_supervised"]  # the baseline's own curve, for the plot
+    assert level["sft_steps"] == 4 and level["seeds"] == [0, 1, 2, 3, 4]
+    assert (
+        level["report_by_bucket"]["10-12"]["recall"]
+        < result["arms"]["keep_all_supervised"]["report_by_bucket"]["10-12"]["recall"]
+    )
     assert result["answer"] == {
         "state": "done",
         "gains": ["keep_all_supervised"],
