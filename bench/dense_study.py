@@ -1,7 +1,12 @@
-"""Does training on its own rollouts beat more SFT on crowded scenes? Pre-registered and powered.
+"""Does training on its own rollouts beat more SFT on dense scenes? Pre-registered and powered.
 
-The protocol, fixed before any arm runs (docs/runbook.md, "Crowded scenes: the pre-registered study";
-the numbers live in ``bench/study_stats.py``):
+``--preset`` picks the study (``bench/study_protocols.py``): ``crowd`` (the default, below; it stopped
+at its gate) or the medium study's rungs ``medium`` / ``medium_dense`` / ``medium_sparse`` (docs/runbook.md,
+"Medium scenes: the pre-registered study": 4-12 objects of 32-56 px, a stage-1 pool, an arm pool
+stage-1 never sees, dev and report, 8,000 stage-1 trunk steps in chunks of 2,000, a gate with a GRPO
+clause, arms against ``sft_equal_compute``; ``--follow-ladder`` goes on to the next rung when the gate
+says so). The crowd protocol, fixed before any arm ran (docs/runbook.md, "Crowded scenes: the
+pre-registered study"; the numbers live in ``bench/study_stats.py``):
 
 - **Data**: ``rollmatch data shapes --preset crowd`` (8-30 objects of 16-32 px, a third of the images
   with a tied row); train 4,000, dev 300, report 600 images, each split its own generator stream
@@ -53,6 +58,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import math
 import shutil
@@ -63,8 +69,10 @@ from pathlib import Path
 from typing import Any
 
 import dense_summary
+import grpo_signal  # imported now, not at the first gate: the process runs the code it started with
 import learning_signal as ls
 import study_stats
+from study_protocols import ARMS, CROWD_LOCKED, PROTOCOLS, TARGET_ARMS, StudyProtocol, next_rung
 
 import rollmatch  # noqa: F401  (environment workarounds before transformers loads)
 from rollmatch.config.load import load_config_dict
@@ -73,57 +81,11 @@ from rollmatch.data.records import Record, load_records
 from rollmatch.data.shapes import SHAPES_PRESETS
 from rollmatch.errors import ConfigError
 
-_RM = "rollout_matching_sft"
-_KEEP_ALL = {"target": "prefix_fn", "keep_prefix": "all", "matched_prefix": "supervise"}
-_NEEDS_TARGETS = "loss.keep_prefix: all with loss.matched_prefix: supervise (training after own mistakes)"
-_SAMPLED_K4 = {"decoding": {"temperature": 0.7}, "rollouts_per_record": 4}
-FP_UNLIKELIHOOD_WEIGHT = 0.5
 TRUNK_SAVE_STEPS = 100
-# name -> trainer variant, loss.*, custom.extra.rollout_matching.*, and what the code must support
-ARMS: dict[str, dict[str, Any]] = {
-    "sft": {"variant": "sft", "loss": {}},
-    "prefix_fn_supervised": {
-        "variant": _RM,
-        "loss": {"target": "prefix_fn", "keep_prefix": "matched", "matched_prefix": "supervise"},
-    },
-    "keep_all_supervised": {"variant": _RM, "loss": _KEEP_ALL, "needs": _NEEDS_TARGETS},
-    "keep_all_supervised_fp_unlikelihood": {
-        "variant": _RM,
-        "loss": {**_KEEP_ALL, "fp_unlikelihood_weight": FP_UNLIKELIHOOD_WEIGHT},
-        "needs": f"{_NEEDS_TARGETS} and loss.fp_unlikelihood_weight",
-    },
-    "keep_all_supervised_sampled_k4": {
-        "variant": _RM,
-        "loss": _KEEP_ALL,
-        "rollout": _SAMPLED_K4,
-        "needs": f"{_NEEDS_TARGETS} and custom.extra.rollout_matching.rollouts_per_record",
-    },
-    "grpo_f1_k4": {
-        "variant": _RM,
-        "loss": {"objective": "grpo", "grpo": {"reward": "f1"}},
-        "rollout": _SAMPLED_K4,
-        "needs": "loss.objective: grpo, loss.grpo.reward: f1 and "
-        "custom.extra.rollout_matching.rollouts_per_record",
-    },
-}
-TARGET_ARMS = ("prefix_fn_supervised", "keep_all_supervised")  # the gate's rollout targets
 PILOT = {"steps": 500, "eval_at": [250, 500], "seeds": [0], "arms": ["sft", *TARGET_ARMS]}
-# Settings a study folder is locked to (data, stage-1, arms' schedule); arms and seeds may grow.
-LOCKED = (
-    "train_size",
-    "dev_size",
-    "report_size",
-    "object_format",
-    "max_new_tokens",
-    "stage1_lr",
-    "stage1_chunk",
-    "stage1_max_steps",
-    "stage1_seed",
-    "lr",
-    "steps",
-    "eval_at",
-    "gate_targets",
-)
+# Settings a crowd study folder is locked to (data, stage-1, arms' schedule); arms and seeds may grow.
+# Each preset's protocol names its own (study_protocols.StudyProtocol.locked).
+LOCKED = CROWD_LOCKED
 # Smallest setting (tests/test_benches.py runs it; docs/runbook.md "Benchmarks"): a few images and
 # steps, one seed, the sft arm only; a 2-step stage-1 fails the gate, hence --ignore-gate.
 SMOKE_ARGS = (
@@ -138,31 +100,60 @@ def main() -> None:
     args = parse_args()
     with contextlib.redirect_stdout(sys.stderr):  # the trainer prints its logs; stdout is the JSON alone
         result = run_study(args)
+        while args.follow_ladder and not args.summarize and (rung := result["gate"].get("next_rung")):
+            print(f"the gate moved the ladder to {rung['preset']}: {rung['out']}", file=sys.stderr)
+            args = parse_args(ladder_argv(args.argv, rung["preset"], rung["out"]))
+            result = run_study(args)
     print(json.dumps(result))
+
+
+def ladder_argv(argv: list[str], preset: str, out: str) -> list[str]:
+    """The same command on the next rung: ``--preset`` and ``--out`` replaced, every other flag kept."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in ("--preset", "--out"):
+            skip = True
+        elif not arg.startswith(("--preset=", "--out=")):
+            kept.append(arg)
+    return ["--out", out, "--preset", preset, *kept]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="the study folder (its units, JSON and PNG)")
-    parser.add_argument("--train-size", type=int, default=4000)
-    parser.add_argument("--dev-size", type=int, default=300)
-    parser.add_argument("--report-size", type=int, default=600)
+    parser.add_argument(
+        "--preset",
+        choices=list(PROTOCOLS),
+        default="crowd",
+        help="the shapes preset, and with it the study's protocol (bench/study_protocols.py): its data "
+        "sizes, stage-1 budget, buckets, gate and arms are the defaults below",
+    )
+    parser.add_argument("--train-size", type=int, help="the stage-1 pool (crowd: 4,000; medium: 16,000)")
+    parser.add_argument(
+        "--arm-pool-size",
+        type=int,
+        help="images the arms train on, a pool stage-1 never sees (0: the stage-1 pool; medium: 4,800)",
+    )
+    parser.add_argument("--dev-size", type=int)
+    parser.add_argument("--report-size", type=int, help="crowd: 600; medium: 1,000")
     parser.add_argument("--object-format", choices=["coord_tokens", "qwen_json"], default="coord_tokens")
-    parser.add_argument("--max-new-tokens", type=int, default=1024, help="a 30-object list is 752 tokens")
+    parser.add_argument(
+        "--max-new-tokens", type=int, help="crowd: 1,024 (a 30-object list is 752 tokens); medium: 512"
+    )
     parser.add_argument("--stage1-lr", type=float, default=2e-3)
-    parser.add_argument("--stage1-chunk", type=int, default=3000, help="stage-1 trunk steps per extension")
-    parser.add_argument("--stage1-max-steps", type=int, default=18000, help="trunk steps at most")
+    parser.add_argument("--stage1-chunk", type=int, help="stage-1 trunk steps per extension")
+    parser.add_argument("--stage1-max-steps", type=int, help="trunk steps at most")
     parser.add_argument(
         "--stage1-seed", type=int, default=0, help="stage-1 init and data order (replication)"
     )
-    parser.add_argument("--lr", type=float, default=2e-4, help="every arm's (HF constant schedule)")
-    parser.add_argument("--steps", type=int, default=1000, help="optimizer steps per arm and seed")
-    parser.add_argument(
-        "--eval-at", type=int, nargs="+", default=[500, 1000], help="dev evals; report at the last"
-    )
+    parser.add_argument("--lr", type=float, help="every arm's (HF constant schedule)")
+    parser.add_argument("--steps", type=int, help="optimizer steps per arm and seed")
+    parser.add_argument("--eval-at", type=int, nargs="+", help="dev evals; report at the last")
     parser.add_argument("--seeds", type=int, nargs="+", default=list(range(study_stats.SEEDS)))
-    parser.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS))
-    parser.add_argument("--gate-targets", nargs="+", choices=TARGET_ARMS, default=list(TARGET_ARMS))
+    parser.add_argument("--arms", nargs="+", choices=list(ARMS), help="default: the preset's protocol's")
+    parser.add_argument("--gate-targets", nargs="+", choices=TARGET_ARMS, help="default: the protocol's")
     parser.add_argument("--equal-compute-grain", type=int, default=50, help="SFT steps between checkpoints")
     parser.add_argument("--backend", choices=["hf", "vllm"], default=ls._default_backend())
     parser.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples")
@@ -180,8 +171,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--replication", help="the same study with another --stage1-seed (its --out)")
     parser.add_argument("--docs", action="store_true", help="copy the JSON and PNG into docs/")
+    parser.add_argument(
+        "--follow-ladder",
+        action="store_true",
+        help="when the gate's decision moves the ladder (study_protocols.next_rung), go on with the same "
+        "mode on the next rung, in the folder beside --out named after its preset",
+    )
     args = parser.parse_args(argv)
     args.argv = sys.argv[1:] if argv is None else argv
+    protocol = PROTOCOLS[args.preset]
+    defaults = {
+        **protocol.defaults,
+        "arms": list(protocol.arms),
+        "gate_targets": list(protocol.gate_targets),
+    }
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     if max(args.eval_at) != args.steps:
         parser.error("--eval-at must end at --steps (the report evaluation)")
     return args
@@ -190,18 +196,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def run_study(args: argparse.Namespace) -> dict[str, Any]:
     """Every unit the mode asks for that is not done yet, then the summary of every unit done."""
     started = time.perf_counter()
+    code_commit()  # the commit every unit of this process records
     out = Path(args.out).absolute()
     out.mkdir(parents=True, exist_ok=True)
-    settings = lock_settings(out, args)
+    settings = lock_settings(out, args, protocol_of(args).locked)
     splits = prepare_data(out, args)
     if not args.summarize:
-        arms = [] if args.only_gate or args.diagnose else PILOT["arms"] if args.pilot else args.arms
-        require_arms([*args.gate_targets, *arms])  # before hours of stage-1
+        crowd_pilot = args.pilot and not protocol_of(args).lr_pair
+        arms = [] if args.only_gate or args.diagnose else PILOT["arms"] if crowd_pilot else args.arms
+        grpo_arm = ["grpo_f1_k4"] if protocol_of(args).grpo_gate else []  # the gate's GRPO clause
+        require_arms([*args.gate_targets, *grpo_arm, *arms])  # before hours of stage-1
         gate = stage1_and_gate(out, splits, args)
         if not (gate["passed"] or args.ignore_gate or args.only_gate):
+            readings = study_stats.stop_readings(protocol_of(args))
             print(
                 f"the gate decided {gate['decision']} at {gate['trunk_steps']} trunk steps (dev F1 "
-                f"{gate['f1']}): {study_stats.STOP_READINGS[gate['decision']]}. The study stops there; "
+                f"{gate['f1']}): {readings[gate['decision']]}. The study stops there; "
                 "--ignore-gate runs the arms anyway (outside the protocol)",
                 file=sys.stderr,
             )
@@ -209,15 +219,28 @@ def run_study(args: argparse.Namespace) -> dict[str, Any]:
             stage1 = Path(gate["checkpoint"])
             if args.diagnose:
                 ls.cached(out / "diagnostics.json", lambda: diagnose(out, stage1, splits, args))
+            elif args.pilot and protocol_of(args).lr_pair:
+                run_lr_pilot(out, stage1, splits, args)
             elif args.pilot:
                 for arm in PILOT["arms"]:
                     run_arm(out / "pilot", arm, 0, stage1, splits, args, PILOT["steps"], PILOT["eval_at"], [])
             elif not args.only_gate:
+                arm_args = learning_rates(out, args)
                 for seed in args.seeds:
                     for arm in args.arms:
-                        run_arm(out, arm, seed, stage1, splits, args, args.steps, args.eval_at, [args.steps])
+                        run_arm(
+                            out,
+                            arm,
+                            seed,
+                            stage1,
+                            splits,
+                            arm_args[arm],
+                            args.steps,
+                            args.eval_at,
+                            [args.steps],
+                        )
                 if "sft" in args.arms and len(args.arms) > 1:
-                    run_equal_compute(out, stage1, splits, args)
+                    run_equal_compute(out, stage1, splits, arm_args["sft"])
     result = dense_summary.summarize(out, args, settings, ls.data_summary(splits), list(ARMS), PILOT)
     result.update(command="python bench/dense_study.py " + " ".join(args.argv), commit=code_commit())
     result["seconds_this_invocation"] = round(time.perf_counter() - started, 1)
@@ -225,10 +248,11 @@ def run_study(args: argparse.Namespace) -> dict[str, Any]:
     if result["arms"] or dense_summary.gate_points(result["gate"]):
         dense_summary.plot(result, out / "dense_study.png")
     if args.docs:
+        docs_name = protocol_of(args).docs_name
         for suffix in (".json", ".png"):
             if (out / f"dense_study{suffix}").exists():
                 shutil.copy(
-                    out / f"dense_study{suffix}", Path(__file__).parents[1] / "docs" / f"dense_study{suffix}"
+                    out / f"dense_study{suffix}", Path(__file__).parents[1] / "docs" / f"{docs_name}{suffix}"
                 )
     return result
 
@@ -249,9 +273,27 @@ def lock_settings(
 
 
 def prepare_data(out: Path, args: argparse.Namespace) -> dict[str, Path]:
-    """train / dev / report from generator seeds 0 / 1 / 2 of ``--preset crowd``."""
+    """train (stage-1's pool) / dev / report / arms (the arms' pool, when ``--arm-pool-size``) from
+    generator seeds 0 / 1 / 2 / 3 of ``--preset``: each split its own stream."""
     sizes = {"train": args.train_size, "dev": args.dev_size, "report": args.report_size}
-    return ls.generate_splits(out, sizes, SHAPES_PRESETS["crowd"])
+    if getattr(args, "arm_pool_size", 0):  # a crowd study's settings.json has no arm pool (and no preset)
+        sizes["arms"] = args.arm_pool_size
+    return ls.generate_splits(out, sizes, SHAPES_PRESETS[protocol_of(args).preset])
+
+
+def protocol_of(args: argparse.Namespace) -> StudyProtocol:
+    return PROTOCOLS[getattr(args, "preset", "crowd")]
+
+
+def study_config(
+    folder: Path, model: Path, splits: dict[str, Path], args: argparse.Namespace, *, seed: int
+) -> dict[str, Any]:
+    """``learning_signal.base_config`` with the protocol's GT-count buckets in every evaluation."""
+    config = ls.base_config(folder, str(model), splits, args, seed=seed)
+    edges = protocol_of(args).count_buckets
+    if edges is not None:
+        config["eval"]["count_buckets"] = list(edges)
+    return config
 
 
 # ---------------------------------------------------------------------------------------- configs
@@ -268,7 +310,8 @@ def arm_config(
     """One arm: the same records (seed) and learning rate; only the variant, loss and rollouts differ.
     A checkpoint every ``save_steps`` (default: the first of ``--eval-at``)."""
     spec = ARMS[arm]
-    config = ls.base_config(folder, str(model), splits, args, seed=seed)
+    arm_splits = {**splits, "train": splits["arms"]} if "arms" in splits else splits  # stage-1 never saw it
+    config = study_config(folder, model, arm_splits, args, seed=seed)
     config["custom"]["trainer_variant"] = spec["variant"]
     config["preflight"] = {"records": 0}  # every arm starts from the one gated stage-1 model
     config["custom"]["extra"]["rollout_matching"].update(spec.get("rollout", {}))
@@ -301,7 +344,7 @@ _CHECK = argparse.Namespace(
 
 
 def sft_config(folder: Path, model: Path, splits: dict[str, Path], args: argparse.Namespace, **training: Any):
-    config = ls.base_config(folder, str(model), splits, args, seed=args.stage1_seed)
+    config = study_config(folder, model, splits, args, seed=args.stage1_seed)
     config["training"].update(training)
     if any(folder.glob("checkpoint-*/rollmatch_complete.json")):
         config["training"]["resume_from_checkpoint"] = "latest"
@@ -323,7 +366,15 @@ def stage1_and_gate(out: Path, splits: dict[str, Path], args: argparse.Namespace
         if decision != "extend":
             break
         trunk += args.stage1_chunk
-    return ls.cached(out / "gate.json", lambda: {**gate, "decision": decision, "history": history})
+
+    def decided() -> dict[str, Any]:
+        final = {**gate, "decision": decision, "history": history}
+        rung = next_rung(protocol_of(args), final)
+        if rung is not None:
+            final["next_rung"] = {"preset": rung, "out": str(out.parent / rung)}
+        return final
+
+    return ls.cached(out / "gate.json", decided)
 
 
 def gate_at(out: Path, splits: dict[str, Path], args: argparse.Namespace, trunk: int) -> dict[str, Any]:
@@ -385,7 +436,15 @@ def gate_at(out: Path, splits: dict[str, Path], args: argparse.Namespace, trunk:
     predictions = out / "stage1" / f"gate-{trunk}.predictions.jsonl"
     evaluation = ls.evaluate(cfg, str(stage1), dev, predictions)
     reading = targets_reading(stage1, splits, args, dev, predictions)
-    verdict = study_stats.gate_verdict(evaluation, {name: r["differs"] for name, r in reading.items()})
+    protocol = protocol_of(args)
+    grpo = None
+    if protocol.grpo_gate is not None:
+        grpo = ls.cached(
+            out / "stage1" / f"gate-{trunk}.grpo_sampling.json",
+            lambda: grpo_sampling(out / "gate", stage1, splits, args, dev),
+        )
+    differs = {name: r["differs"] for name, r in reading.items()}
+    verdict = study_stats.gate_verdict(evaluation, differs, protocol, grpo)
     return {
         **verdict,
         "targets_keeping_own_elements": {name: r["keeps_own"] for name, r in reading.items()},
@@ -393,7 +452,7 @@ def gate_at(out: Path, splits: dict[str, Path], args: argparse.Namespace, trunk:
         "cooldown_steps": cooldown,
         "checkpoint": str(stage1),
         "dev": evaluation,
-        **provenance(cfg),
+        **provenance(cfg, args.preset),
     }
 
 
@@ -410,6 +469,29 @@ def targets_reading(
     return ls.target_reading(cfg, stage1, dev, predictions, losses)
 
 
+def grpo_sampling(
+    folder: Path, stage1: Path, splits: dict[str, Path], args: argparse.Namespace, dev: list[Record]
+) -> dict[str, Any]:
+    """The GRPO clause's reading: K rollouts per dev record at the GRPO arm's temperature, scored by
+    the GRPO objective's own reward (``grpo_signal.sampled_rewards``): the share of groups with zero
+    reward spread and of malformed rollouts."""
+    gate = protocol_of(args).grpo_gate
+    assert gate is not None
+    cfg = arm_config(folder, "grpo_f1_k4", 0, stage1, splits, args, args.steps)
+    rollout = cfg.custom.extra.rollout_matching
+    if (
+        rollout.rollouts_per_record != gate.rollouts_per_record
+        or rollout.decoding.temperature != gate.temperature
+    ):
+        raise SystemExit(
+            f"the GRPO arm samples K = {rollout.rollouts_per_record} at temperature "
+            f"{rollout.decoding.temperature}, the gate's clause K = {gate.rollouts_per_record} at "
+            f"{gate.temperature}: make ARMS['grpo_f1_k4'] and study_protocols.GrpoGate agree"
+        )
+    reading = grpo_signal.sampled_rewards(cfg, dev, gate.rollouts_per_record, seed=0)
+    return {**{k: v for k, v in reading.items() if k != "per_image"}, **provenance(cfg, args.preset)}
+
+
 def diagnose(out: Path, stage1: Path, splits: dict[str, Path], args: argparse.Namespace) -> dict[str, Any]:
     """``rollmatch diagnose`` on dev: token-id differences of every target to SFT's, prefix sensitivity."""
     try:
@@ -421,7 +503,7 @@ def diagnose(out: Path, stage1: Path, splits: dict[str, Path], args: argparse.Na
         ) from error
     cfg = sft_config(out / "diagnostics", stage1, splits, args)
     cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": str(stage1)})})
-    return {**run_diagnose(cfg, load_records(splits["dev"]), [1, 2, 4]), **provenance(cfg)}
+    return {**run_diagnose(cfg, load_records(splits["dev"]), [1, 2, 4]), **provenance(cfg, args.preset)}
 
 
 # ------------------------------------------------------------------------------------------- arms
@@ -447,7 +529,7 @@ def run_arm(
             checkpoint = folder / "final" if step == steps else folder / f"checkpoint-{step}"
             splits_here = ["dev", "report"] if step in report_at else ["dev"]
             evals[str(step)] = {
-                split: evaluation(cfg, checkpoint, stage1, splits, split, folder, step)
+                split: evaluation(cfg, checkpoint, stage1, splits, split, folder, step, args.preset)
                 for split in splits_here
             }
         return {
@@ -455,7 +537,7 @@ def run_arm(
             "train_seconds": round(seconds, 1),
             "train_cpu_seconds": None if cpu_seconds is None else round(cpu_seconds, 1),
             "evals": evals,
-            **provenance(cfg),
+            **provenance(cfg, args.preset),
         }
 
     return ls.cached(root / "arms" / arm / f"seed{seed}.json", train_and_evaluate)
@@ -469,6 +551,7 @@ def evaluation(
     split: str,
     folder: Path,
     step: int,
+    preset: str = "crowd",
 ) -> dict[str, Any]:
     """One cached evaluation unit: greedy (``eval.decoding``), study matching, per-image counts."""
     ls._copy_processor(stage1, checkpoint)
@@ -478,17 +561,66 @@ def evaluation(
             cfg, str(checkpoint), load_records(splits[split]), folder / f"preds-{step}-{split}.jsonl"
         )
         result["count_oracle"] = study_stats.count_oracle_headroom(result["per_image"])
-        return {**result, **provenance(cfg)}
+        return {**result, **provenance(cfg, preset)}
 
     return ls.cached(folder / f"eval-{step}-{split}.json", compute)
 
 
-def run_equal_compute(out: Path, stage1: Path, splits: dict[str, Path], args: argparse.Namespace) -> None:
+def run_lr_pilot(out: Path, stage1: Path, splits: dict[str, Path], args: argparse.Namespace) -> None:
+    """The pilot of a protocol with a learning-rate pair (the medium study): every arm at each rate of the
+    pair, seed 0, ``pilot_steps`` steps, dev only (``pilot/lr<rate>/arms/<arm>/seed0.json``); each arm
+    keeps the rate with the higher dev F1 (``pilot/lr_chosen.json``); then SFT at the chosen rate to
+    each rollout arm's equal compute, on dev: the spread of the paired difference the seeds follow."""
+    protocol = protocol_of(args)
+    steps = protocol.pilot_steps
+    runs: dict[str, dict[float, Any]] = {}
+    for lr in protocol.lr_pair:
+        lr_args = argparse.Namespace(**{**vars(args), "lr": lr, "steps": steps, "eval_at": [steps]})
+        for arm in args.arms:
+            folder = out / "pilot" / f"lr{lr:g}"
+            runs.setdefault(arm, {})[lr] = run_arm(
+                folder, arm, 0, stage1, splits, lr_args, steps, [steps], []
+            )
+    dev_f1 = {
+        arm: {lr: run["evals"][str(steps)]["dev"]["f1"] for lr, run in by_lr.items()}
+        for arm, by_lr in runs.items()
+    }
+    chosen = ls.cached(out / "pilot" / "lr_chosen.json", lambda: study_stats.choose_learning_rates(dev_f1))
+    if "sft" in args.arms and len(args.arms) > 1:
+        best = {arm: {0: runs[arm][chosen[arm]]} for arm in args.arms}
+        sft_args = argparse.Namespace(**{**vars(args), "lr": chosen["sft"], "steps": steps, "seeds": [0]})
+        run_equal_compute(out / "pilot", stage1, splits, sft_args, best, "dev")
+
+
+def learning_rates(out: Path, args: argparse.Namespace) -> dict[str, argparse.Namespace]:
+    """Each arm's arguments with its learning rate: ``--lr`` (crowd), or the pilot's choice (medium)."""
+    if not protocol_of(args).lr_pair:
+        return dict.fromkeys([*args.arms, "sft"], args)
+    path = out / "pilot" / "lr_chosen.json"
+    chosen = json.loads(path.read_text()) if path.exists() else {}
+    missing = sorted({*args.arms, "sft"} - set(chosen))
+    if missing:
+        raise SystemExit(
+            f"{missing}: no learning rate chosen by the pilot ({path}); run the same command with --pilot "
+            "first (it picks each arm's rate from the protocol's pair on dev)"
+        )
+    return {arm: argparse.Namespace(**{**vars(args), "lr": chosen[arm]}) for arm in {*args.arms, "sft"}}
+
+
+def run_equal_compute(
+    out: Path,
+    stage1: Path,
+    splits: dict[str, Path],
+    args: argparse.Namespace,
+    runs: dict[str, dict[int, Any]] | None = None,
+    split: str = "report",
+) -> None:
     """One SFT run per seed, continued through every arm's equal-compute step count (each arm's own cost
-    per step, from its cheapest seed), evaluated on report at each."""
+    per step, from its cheapest seed, in ``runs``; default the arms under ``out``), evaluated on
+    ``split`` at each."""
     from rollmatch.training.entry import run_training
 
-    runs = {arm: ls.arm_runs(out, arm) for arm in args.arms}
+    runs = runs or {arm: ls.arm_runs(out, arm) for arm in args.arms}
     costs = dense_summary.cost_per_step(runs)
     basis = costs.pop("basis")
     rollout_arms = [arm for arm in args.arms if arm != "sft"]
@@ -517,21 +649,24 @@ def run_equal_compute(out: Path, stage1: Path, splits: dict[str, Path], args: ar
                 cfg = cfg.model_copy(update={"training": cfg.training.model_copy(update=training)})
                 run_training(cfg)
                 shutil.copytree(run_dir / "final", at, dirs_exist_ok=True)
-            evaluation(cfg, at, stage1, splits, "report", run_dir, target)
+            evaluation(cfg, at, stage1, splits, split, run_dir, target, args.preset)
 
 
 # ------------------------------------------------------------------------------------------ helpers
-def provenance(cfg: RollmatchConfig) -> dict[str, Any]:
-    """What every unit file records: the code commit, the config and the evaluation decoding."""
+def provenance(cfg: RollmatchConfig, preset: str) -> dict[str, Any]:
+    """What every unit file records: the code commit, the config, the evaluation decoding, the preset."""
     return {
         "commit": code_commit(),
         "config": cfg.model_dump(mode="json"),
         "eval_decoding": cfg.eval.decoding.model_dump(),
+        "preset": preset,
     }
 
 
+@functools.cache
 def code_commit() -> str:
-    """``git rev-parse --short HEAD``, with ``+dirty`` when tracked files differ from it."""
+    """``git rev-parse --short HEAD``, with ``+dirty`` when tracked files differ from it, read once: the
+    commit this process started from (a study runs for hours while the checkout may move on)."""
     try:
         git = {"capture_output": True, "text": True, "timeout": 10, "cwd": Path(__file__).parents[1]}
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], check=True, **git)

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import study_stats as st
 from learning_signal import arm_runs, paired_bootstrap
+from study_protocols import PROTOCOLS, StudyProtocol, failed_clauses
 
 # Kept in the summary of an evaluation (the unit files hold everything, per-image counts included).
 METRICS = (
@@ -67,6 +68,7 @@ def summarize(
 ) -> dict[str, Any]:
     """The study's JSON from the unit files under ``out`` (``arms``: every arm the study knows)."""
     final = str(args.steps)
+    protocol = PROTOCOLS[getattr(args, "preset", "crowd")]
     runs = {arm: arm_runs(out, arm) for arm in arms}
     result: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M"),
@@ -74,7 +76,9 @@ def summarize(
         "data": data,
         "gate": gate_summary(out),
         "diagnostics": _without(_read(out / "diagnostics.json"), "config"),
-        "pilot": pilot_summary(out, args, pilot),
+        "pilot": lr_pilot_summary(out, args, protocol)
+        if protocol.lr_pair
+        else pilot_summary(out, args, pilot),
         "missing": [f"{arm}/seed{s}" for arm in args.arms for s in args.seeds if s not in runs[arm]],
         "arms": {arm: arm_summary(by_seed, final) for arm, by_seed in runs.items() if by_seed},
         "comparisons": {},
@@ -88,7 +92,11 @@ def summarize(
         entry = {
             "seeds": seeds,
             "equal_steps": contrast(
-                arm_reports, [runs["sft"][s]["evals"][final]["report"] for s in seeds], args.bootstrap, rng
+                arm_reports,
+                [runs["sft"][s]["evals"][final]["report"] for s in seeds],
+                args.bootstrap,
+                rng,
+                protocol,
             ),
         }
         compute = equal_compute_reports(out, arm, seeds)
@@ -98,29 +106,45 @@ def summarize(
             entry["equal_compute"] = {
                 "sft_steps": steps,
                 "seeds": sorted(reports),
-                **contrast(paired, list(reports.values()), args.bootstrap, rng),
+                **contrast(paired, list(reports.values()), args.bootstrap, rng, protocol),
             }
         result["comparisons"][arm] = entry
     result["answer"] = st.study_answer(
         result["gate"].get("decision"),
-        {arm: c["equal_steps"]["verdict"]["gain"] for arm, c in result["comparisons"].items()},
+        primary_verdicts(result["comparisons"], protocol),
         len(result["missing"]),
         arms_run=bool(result["arms"]),
+        readings=st.stop_readings(protocol),
+        baseline=protocol.primary_baseline,
     )
     result["default_target_on_dev"] = default_target(runs, final, args.bootstrap, rng)
+    if protocol.primary_baseline == "sft_equal_compute":  # the baseline's own levels, per bucket
+        result["sft_equal_compute"] = equal_compute_levels(out, [a for a in runs if a != "sft" and runs[a]])
     if args.replication:
         result["replication"] = replication(result, Path(args.replication))
     return result
 
 
+def primary_verdicts(comparisons: dict[str, Any], protocol: StudyProtocol) -> dict[str, bool | None]:
+    """Each arm's gain by the protocol's primary rule: against ``sft`` at equal steps (crowd), against
+    ``sft_equal_compute`` (medium; None while that comparison is not in)."""
+    if protocol.primary_baseline == "sft":
+        return {arm: c["equal_steps"]["verdict"]["gain"] for arm, c in comparisons.items()}
+    return {arm: c.get("equal_compute", {}).get("verdict", {}).get("gain") for arm, c in comparisons.items()}
+
+
 def contrast(
-    arm: list[dict[str, Any]], base: list[dict[str, Any]], resamples: int, rng: np.random.Generator
+    arm: list[dict[str, Any]],
+    base: list[dict[str, Any]],
+    resamples: int,
+    rng: np.random.Generator,
+    protocol: StudyProtocol = PROTOCOLS["crowd"],
 ) -> dict[str, Any]:
     """Arm minus base on the same report images, seed by seed: the primary test, the buckets, the rule."""
     arm_images, base_images = [r["per_image"] for r in arm], [r["per_image"] for r in base]
     overall = paired_bootstrap(arm_images, base_images, resamples, rng)
     overall["t_test"] = st.paired_t(overall["per_seed"])
-    buckets = {b: st.bucket_bootstrap(arm_images, base_images, b, resamples, rng) for b in st.CROWD_BUCKETS}
+    buckets = {b: st.bucket_bootstrap(arm_images, base_images, b, resamples, rng) for b in protocol.buckets}
     secondary = {
         m: round(float(np.mean([a[m] - b[m] for a, b in zip(arm, base, strict=True)])), 4) for m in SECONDARY
     }
@@ -136,19 +160,24 @@ def contrast(
         4,
     )
     recall = {}
-    for bucket in st.CROWD_BUCKETS:
+    for bucket in protocol.buckets:
         pairs = [
             (a["gt_count_buckets"].get(bucket), b["gt_count_buckets"].get(bucket))
             for a, b in zip(arm, base, strict=True)
         ]
         if all(a and b for a, b in pairs):
             recall[bucket] = round(float(np.mean([a["recall"] - b["recall"] for a, b in pairs])), 4)
+    if protocol is PROTOCOLS["crowd"]:
+        verdict = st.gain_verdict(overall, buckets, len(arm))
+    else:
+        delta_map = float(np.mean([a["map"] - b["map"] for a, b in zip(arm, base, strict=True)]))
+        verdict = st.medium_verdict(overall, delta_map, secondary["truncated_frac"], len(arm))
     return {
         "overall": overall,
         "by_bucket": buckets,
         "delta_recall_by_bucket": recall,
         "delta_secondary": secondary,
-        "verdict": st.gain_verdict(overall, buckets, len(arm)),
+        "verdict": verdict,
     }
 
 
@@ -221,6 +250,33 @@ def cost_per_step(runs: dict[str, dict[int, Any]]) -> dict[str, Any]:
     )
 
 
+def equal_compute_levels(out: Path, arms: list[str]) -> dict[str, Any]:
+    """Per rollout arm: SFT at that arm's equal compute, its steps and report F1 / recall per bucket
+    (mean over the seeds evaluated)."""
+    levels = {}
+    for arm in arms:
+        found = equal_compute_reports(out, arm, list(range(st.MORE_SEEDS)))
+        if not found:
+            continue
+        steps, reports = found
+        first = next(iter(reports.values()))["gt_count_buckets"]
+        levels[arm] = {
+            "sft_steps": steps,
+            "seeds": sorted(reports),
+            "report_by_bucket": {
+                bucket: {
+                    key: round(
+                        float(np.mean([r["gt_count_buckets"][bucket][key] for r in reports.values()])), 4
+                    )
+                    for key in ("f1", "recall")
+                }
+                for bucket in first
+                if all(bucket in r["gt_count_buckets"] for r in reports.values())
+            },
+        }
+    return levels
+
+
 def equal_compute_reports(out: Path, arm: str, seeds: list[int]) -> tuple[int, dict[int, Any]] | None:
     steps_file = _read(out / "arms" / "sft_equal_compute" / f"steps-{arm}.json")
     if steps_file is None:
@@ -241,6 +297,8 @@ def gate_summary(out: Path) -> dict[str, Any]:
     return {
         **_gate_line(gate),
         "decision": gate["decision"],
+        **({"failed_clauses": failed_clauses(gate)} if "grpo_sampling" in gate else {}),
+        **({"next_rung": gate["next_rung"]} if "next_rung" in gate else {}),
         "history": gate["history"],
         "dev": _slim(gate["dev"]),
         "commit": gate["commit"],
@@ -270,6 +328,43 @@ def pilot_summary(out: Path, args: argparse.Namespace, pilot: dict[str, Any]) ->
             spread = st.bootstrap_spread(a["per_image"], b["per_image"], args.bootstrap, rng) * scale
             summary["spread_at_report_size"][f"{arm}/seed{seed}"] = round(float(spread), 4)
     summary["seeds_needed"] = st.seeds_needed(list(summary["spread_at_report_size"].values()))
+    return summary
+
+
+def lr_pilot_summary(out: Path, args: argparse.Namespace, protocol: StudyProtocol) -> dict[str, Any] | None:
+    """The learning-rate pilot (``dense_study.run_lr_pilot``): each arm's dev F1 and cost per step at each
+    rate, the rate chosen, and each rollout arm's spread of the paired difference to SFT at its equal
+    compute (bootstrap over dev images, scaled to the report split's size); the seeds that calls for."""
+    steps, pilot = str(protocol.pilot_steps), out / "pilot"
+    runs = {lr: {arm: arm_runs(pilot / f"lr{lr:g}", arm) for arm in args.arms} for lr in protocol.lr_pair}
+    if not any(by_seed for by_arm in runs.values() for by_seed in by_arm.values()):
+        return None
+    chosen = _read(pilot / "lr_chosen.json")
+    summary: dict[str, Any] = {"steps": protocol.pilot_steps, "lr_pair": list(protocol.lr_pair), "arms": {}}
+    for lr, by_arm in runs.items():
+        for arm, by_seed in by_arm.items():
+            for seed, run in by_seed.items():
+                summary["arms"][f"{arm}/lr{lr:g}/seed{seed}"] = {
+                    "cpu_seconds_per_step": run["train_cpu_seconds"]
+                    and round(run["train_cpu_seconds"] / run["steps"], 2),
+                    "seconds_per_step": round(run["train_seconds"] / run["steps"], 2),
+                    "dev_f1": run["evals"][steps]["dev"]["f1"],
+                }
+    summary["lr_chosen"] = chosen
+    spreads: dict[str, float] = {}
+    rng, scale = np.random.default_rng(0), np.sqrt(args.dev_size / args.report_size)
+    for arm in [a for a in args.arms if a != "sft"] if chosen else []:
+        equal = _read(pilot / "arms" / "sft_equal_compute" / f"steps-{arm}.json")
+        base = equal and _read(
+            pilot / "arms" / "sft_equal_compute" / "seed0" / f"eval-{equal['steps']}-dev.json"
+        )
+        if base is None:
+            continue
+        mine = runs[chosen[arm]][arm][0]["evals"][steps]["dev"]
+        spread = st.bootstrap_spread(mine["per_image"], base["per_image"], args.bootstrap, rng) * scale
+        spreads[f"{arm}/seed0"] = round(float(spread), 4)
+    summary["spread_at_report_size"] = spreads
+    summary["seeds_needed"] = st.seeds_needed(list(spreads.values())) if spreads else None
     return summary
 
 
@@ -312,7 +407,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    buckets = list(st.CROWD_BUCKETS)
+    protocol = PROTOCOLS[result["settings"].get("preset", "crowd")]
+    buckets = list(protocol.buckets)
     x = np.arange(len(buckets))
     fig, grid = plt.subplots(2, 2, figsize=(13, 9.6))
     axes = grid.flat
@@ -323,6 +419,10 @@ def plot(result: dict[str, Any], path: Path) -> None:
             seeds = len(summary["seeds"])
             label = f"{arm} ({seeds} seed{'s' * (seeds > 1)})"
             ax.plot(x, [values.get(b, {}).get(key, np.nan) for b in buckets], marker="o", label=label)
+        for arm, level in result.get("sft_equal_compute", {}).items():
+            values = level["report_by_bucket"]
+            label = f"sft_equal_compute at {arm}'s cost ({level['sft_steps']} steps)"
+            ax.plot(x, [values.get(b, {}).get(key, np.nan) for b in buckets], ls=":", marker="s", label=label)
         if stage1_dev:
             steps, dev = stage1_dev
             stage1_buckets = dev.get("gt_count_buckets") or {}
@@ -331,8 +431,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
         what = "F1@0.5 (labels required)" if key == "f1" else "recall"
         ax.set(title=f"{what}, report split", xlabel="GT objects per image", ylabel=key, ylim=(0, 1))
     diff = axes[2]
+    primary = "equal_steps" if protocol.primary_baseline == "sft" else "equal_compute"
     for offset, (arm, entry) in enumerate(result["comparisons"].items()):
-        by_bucket = entry["equal_steps"]["by_bucket"]
+        by_bucket = entry.get(primary, {}).get("by_bucket", {})
         shown = [b for b in buckets if by_bucket.get(b)]
         centre = np.array([by_bucket[b]["delta_f1"] for b in shown])
         low = centre - np.array([by_bucket[b]["ci95"][0] for b in shown])
@@ -351,11 +452,15 @@ def plot(result: dict[str, Any], path: Path) -> None:
         diff.text(0.5, 0.75, empty, ha="center", va="center", transform=diff.transAxes)
         diff.set_ylim(-0.1, 0.1)
     diff.axhline(0.0, color="k", lw=0.8)
-    diff.axhline(st.CROWDED_GAIN, color="k", ls=":", lw=0.8, label=f"+{st.CROWDED_GAIN} (26-30 clause)")
-    diff.set(title="F1 minus sft's, equal steps, 95% interval", xlabel="GT objects per image")
+    if protocol.preset == "crowd":
+        diff.axhline(st.CROWDED_GAIN, color="k", ls=":", lw=0.8, label=f"+{st.CROWDED_GAIN} (26-30 clause)")
+    else:
+        diff.axhline(st.OVERALL_GAIN, color="k", ls=":", lw=0.8, label=f"+{st.OVERALL_GAIN} (gain threshold)")
+    against = "sft's, equal steps" if primary == "equal_steps" else "sft_equal_compute's"
+    diff.set(title=f"F1 minus {against}, 95% interval", xlabel="GT objects per image")
     for ax in grid.flat[:3]:
         ax.set_xticks(x, buckets)
-    _plot_stage1(grid.flat[3], result["gate"], result["settings"])
+    _plot_stage1(grid.flat[3], result["gate"], result["settings"], protocol.f1_gate)
     for ax in grid.flat:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
@@ -365,7 +470,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
         progress = f"; stopped at the gate: {answer['decision']}{anyway}"
     elif result.get("missing"):
         progress = f"; in progress, missing {len(result['missing'])} arm-seeds"
-    fig.suptitle(f"crowded scenes, mean over seeds ({result['date']}, {result.get('commit', '')}{progress})")
+    fig.suptitle(
+        f"{protocol.title}, mean over seeds ({result['date']}, {result.get('commit', '')}{progress})"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -376,12 +483,14 @@ def gate_points(gate: dict[str, Any]) -> list[dict[str, Any]]:
     return gate.get("history") or gate.get("in_progress") or []
 
 
-def _plot_stage1(ax: Any, gate: dict[str, Any], settings: dict[str, Any]) -> None:
+def _plot_stage1(
+    ax: Any, gate: dict[str, Any], settings: dict[str, Any], f1_gate: tuple[float, float]
+) -> None:
     """Dev F1 of each stage-1 gate (its cool-down branch) against trunk steps, with the gate's F1 range
     and the step budget: how far stage-1 is from the range, and how fast it moves."""
     points = gate_points(gate)
     budget = settings["stage1_max_steps"]
-    ax.axhspan(*st.F1_GATE, color="g", alpha=0.12, label=f"gate F1 range {list(st.F1_GATE)}")
+    ax.axhspan(*f1_gate, color="g", alpha=0.12, label=f"gate F1 range {list(f1_gate)}")
     ax.axvline(budget, color="r", ls=":", label=f"stage-1 budget ({budget} trunk steps)")
     ax.plot(
         [p["trunk_steps"] for p in points],
@@ -422,6 +531,7 @@ def _gate_line(gate: dict[str, Any]) -> dict[str, Any]:
         "room_for_the_mechanism",
         "targets_differing_from_sft",
         "targets_keeping_own_elements",
+        "grpo_sampling",
         "rule",
     )
     return {k: gate[k] for k in keys if k in gate}

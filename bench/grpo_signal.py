@@ -255,7 +255,8 @@ def train_grpo(cfg: RollmatchConfig) -> dict[str, Any]:
 # ----------------------------------------------------------------------------------------- reward
 def sampled_rewards(cfg: RollmatchConfig, records: Sequence[Record], k: int, seed: int) -> dict[str, Any]:
     """Each record's mean GRPO reward over ``k`` samples of ``cfg.model.path`` (``cfg``'s rollout decoding;
-    request ``j`` of the call of records ``[start, ...)`` samples with ``seed + start * k + j``)."""
+    request ``j`` of the call of records ``[start, ...)`` samples with ``seed + start * k + j``), and the
+    share of records whose ``k`` rewards are all equal (``zero_std_group_frac``)."""
     from rollmatch.collectives import LocalCollectives
     from rollmatch.config.resolved import resolve_run_on_this_machine
     from rollmatch.data.prompts import PromptEncoder, load_processor
@@ -282,7 +283,7 @@ def sampled_rewards(cfg: RollmatchConfig, records: Sequence[Record], k: int, see
     )
     groups = GrpoGroups(encoder, codec, cfg)
     decoding = run.decoding
-    per_image, malformed, truncated = [], 0, 0
+    per_image, malformed, truncated, zero_std = [], 0, 0, 0
     chunk = max(cfg.eval.batch_size // k, 1)
     try:
         for start in range(0, len(records), chunk):
@@ -295,7 +296,9 @@ def sampled_rewards(cfg: RollmatchConfig, records: Sequence[Record], k: int, see
                 for rollout in group:
                     check_prompt_alignment(rollout, enc.input_ids, encoder.tokenizer)
                 sums = [s for _, s, _ in groups.targets(record, enc, group)]
-                per_image.append(float(np.mean([s["grpo/reward_sum"] for s in sums])))
+                rewards = [s["grpo/reward_sum"] for s in sums]
+                per_image.append(float(np.mean(rewards)))
+                zero_std += int(max(rewards) == min(rewards))  # no advantage in this group: no gradient
                 malformed += sum(s["grpo/malformed"] for s in sums)
                 truncated += sum(r.hit_max_tokens for r in group)
     finally:
@@ -307,6 +310,7 @@ def sampled_rewards(cfg: RollmatchConfig, records: Sequence[Record], k: int, see
         "samples": samples,
         "temperature": decoding.temperature,
         "malformed_frac": round(malformed / samples, 4),
+        "zero_std_group_frac": round(zero_std / len(records), 4),
         "truncated_frac": round(truncated / samples, 4),
         "seconds": round(time.perf_counter() - start_time, 1),
     }

@@ -1,16 +1,18 @@
-"""The crowded-scenes study's statistics and rules (pure: per-image counts and eval JSONs in, numbers out).
+"""The dense-scene studies' statistics and rules (pure: per-image counts and eval JSONs in, numbers out).
 
 Owns what ``bench/dense_study.py`` decides with, fixed before any arm runs (docs/runbook.md,
-"Crowded scenes: the pre-registered study"):
+"Crowded scenes" and "Medium scenes"; each preset's thresholds are its ``study_protocols.StudyProtocol``):
 
 - :func:`count_oracle_f1` / :func:`count_oracle_headroom`: the F1 if every image's count error were
   fixed, and how far above the real F1 that is;
-- :func:`gate_verdict` (F1 range, room for the mechanism, targets differing from SFT's) and
+- :func:`gate_verdict` (F1 range, room for the mechanism, targets differing from SFT's, and for the
+  medium study the GRPO clause, :func:`grpo_clause`) and
   :func:`stage1_next` (pass, extend stage-1, or stop) with what a stop means (:data:`STOP_READINGS`,
   :func:`study_answer`);
 - :func:`paired_t` (per-seed paired t-test), :func:`bucket_bootstrap` (the paired bootstrap of
   ``learning_signal.paired_bootstrap`` on the images of one GT-count bucket) and :func:`gain_verdict`
-  (the decision rule, with its monotone-bucket clause);
+  (the crowd decision rule, with its monotone-bucket clause), :func:`medium_verdict` (the medium rule:
+  gain, harm, or the largest effect the data allow);
 - :func:`equal_compute_steps_by_arm` (SFT steps matching each arm's own cost) and
   :func:`seeds_needed` (5 or 8 seeds from the pilot's spread).
 
@@ -26,18 +28,21 @@ from typing import Any
 import numpy as np
 from learning_signal import f1_of, paired_bootstrap  # bench scripts share the studies' statistics
 from scipy import stats
+from study_protocols import CROWD, GrpoGate, StudyProtocol
 
 # ----------------------------------------------------------------------- fixed before any arm runs
-F1_GATE = (0.45, 0.85)  # label-aware dev F1@0.5 of the stage-1 checkpoint
-HEADROOM_GATE = 0.04  # count-oracle headroom on dev
-DUPLICATE_GATE = 0.02  # dev duplicate rate
-RECALL_DROP_GATE = 0.10  # recall at 8-12 minus recall at 26-30 on dev
-DIFFERS_GATE = 0.25  # each rollout target differs from SFT's in token ids on this share of dev records
-SPARSE_BUCKET, CROWDED_BUCKET = "8-12", "26-30"
-CROWD_BUCKETS = ("8-12", "13-19", "20-25", "26-30")  # eval.count_buckets' default edges, 8-30 objects
+# the crowd study's gate (bench/study_protocols.py holds every study's: CROWD, the medium rungs)
+F1_GATE = CROWD.f1_gate  # label-aware dev F1@0.5 of the stage-1 checkpoint
+HEADROOM_GATE = CROWD.headroom_gate  # count-oracle headroom on dev
+DUPLICATE_GATE = CROWD.duplicate_gate  # dev duplicate rate
+RECALL_DROP_GATE = CROWD.recall_drop_gate  # recall at 8-12 minus recall at 26-30 on dev
+DIFFERS_GATE = CROWD.differs_gate  # each rollout target differs from SFT's in token ids on this share
+SPARSE_BUCKET, CROWDED_BUCKET = CROWD.sparse_bucket, CROWD.crowded_bucket
+CROWD_BUCKETS = CROWD.buckets  # eval.count_buckets' default edges, 8-30 objects
 OVERALL_GAIN = 0.02  # overall F1@0.5 gain over sft, with the 95% interval above 0
 CROWDED_GAIN = 0.04  # or this in the 26-30 bucket, interval above 0, rising monotonely across buckets
 MIN_SEEDS = 5  # no verdict on fewer
+POSITIVE_SEEDS_SHARE, MAP_SLACK = 0.8, 0.01  # the medium rule: 4 of 5 seeds positive, mAP at most 0.01 lower
 SEEDS, MORE_SEEDS, SPREAD_LIMIT = 5, 8, 0.012  # 8 seeds if the pilot's spread exceeds the limit
 MAX_COMPUTE_RATIO = 20  # SFT at equal compute trains at most this many times the arms' steps
 
@@ -73,38 +78,73 @@ def count_oracle_headroom(per_image: Mapping[str, Sequence[int]]) -> dict[str, f
 
 
 # ------------------------------------------------------------------------------------------- gate
-def gate_verdict(evaluation: Mapping[str, Any], differs: Mapping[str, float]) -> dict[str, Any]:
+def gate_verdict(
+    evaluation: Mapping[str, Any],
+    differs: Mapping[str, float],
+    protocol: StudyProtocol = CROWD,
+    grpo: Mapping[str, float] | None = None,
+) -> dict[str, Any]:
     """The gate on one stage-1 checkpoint's dev evaluation (``learning_signal.evaluate``'s dict) and the
-    share of dev records whose target differs from SFT's in token ids, per rollout target."""
+    share of dev records whose target differs from SFT's in token ids, per rollout target, by the
+    thresholds of ``protocol``. A protocol with a GRPO clause also needs ``grpo``: the dev reading of K
+    sampled rollouts per record (``zero_std_group_frac``, ``malformed_frac``); without it that clause
+    fails, naming what is missing."""
     f1 = float(evaluation["f1"])
+    sparse_name, crowded_name = protocol.sparse_bucket, protocol.crowded_bucket
     buckets = evaluation.get("gt_count_buckets", {})
-    sparse, crowded = buckets.get(SPARSE_BUCKET), buckets.get(CROWDED_BUCKET)
+    sparse, crowded = buckets.get(sparse_name), buckets.get(crowded_name)
     drop = None if not (sparse and crowded) else round(sparse["recall"] - crowded["recall"], 4)
     headroom = count_oracle_headroom(evaluation["per_image"])["headroom"]
+    drop_key = f"recall_drop_{sparse_name}_to_{crowded_name}".replace("-", "_")
     room = {
-        "count_oracle_headroom": {"value": headroom, "passed": headroom >= HEADROOM_GATE},
+        "count_oracle_headroom": {"value": headroom, "passed": headroom >= protocol.headroom_gate},
         "duplicate_rate": {
             "value": round(float(evaluation["duplicate_rate"]), 4),
-            "passed": float(evaluation["duplicate_rate"]) >= DUPLICATE_GATE,
+            "passed": float(evaluation["duplicate_rate"]) >= protocol.duplicate_gate,
         },
-        "recall_drop_8_12_to_26_30": {"value": drop, "passed": drop is not None and drop >= RECALL_DROP_GATE},
+        drop_key: {"value": drop, "passed": drop is not None and drop >= protocol.recall_drop_gate},
     }
-    f1_in_range = F1_GATE[0] <= f1 <= F1_GATE[1]
+    low, high = protocol.f1_gate
+    f1_in_range = low <= f1 <= high
     room_passed = any(clause["passed"] for clause in room.values())
-    differs_passed = bool(differs) and all(share >= DIFFERS_GATE for share in differs.values())
-    return {
+    differs_passed = bool(differs) and all(share >= protocol.differs_gate for share in differs.values())
+    result = {
         "passed": bool(f1_in_range and room_passed and differs_passed),
         "f1": round(f1, 4),
         "f1_in_range": f1_in_range,
-        "f1_side": "low" if f1 < F1_GATE[0] else "high" if f1 > F1_GATE[1] else "in range",
+        "f1_side": "low" if f1 < low else "high" if f1 > high else "in range",
         "room_for_the_mechanism": {"passed": room_passed, **room},
         "targets_differing_from_sft": {"passed": differs_passed, **dict(differs)},
         "rule": (
-            f"dev label-aware F1@0.5 in {list(F1_GATE)}; room for the mechanism (count-oracle headroom >= "
-            f"{HEADROOM_GATE}, or duplicate rate >= {DUPLICATE_GATE}, or recall at {CROWDED_BUCKET} at least "
-            f"{RECALL_DROP_GATE} below recall at {SPARSE_BUCKET}); every rollout target differs from SFT's "
-            f"in token ids on >= {DIFFERS_GATE} of dev records"
+            f"dev label-aware F1@0.5 in {list(protocol.f1_gate)}; room for the mechanism (count-oracle "
+            f"headroom >= {protocol.headroom_gate}, or duplicate rate >= {protocol.duplicate_gate}, or recall "
+            f"at {crowded_name} at least {protocol.recall_drop_gate} below recall at {sparse_name}); every "
+            f"rollout target differs from SFT's in token ids on >= {protocol.differs_gate} of dev records"
         ),
+    }
+    if protocol.grpo_gate is not None:
+        result["grpo_sampling"] = grpo_clause(grpo, protocol.grpo_gate)
+        result["passed"] = bool(result["passed"] and result["grpo_sampling"]["passed"])
+        gate = protocol.grpo_gate
+        result["rule"] += (
+            f"; GRPO at K = {gate.rollouts_per_record}, temperature {gate.temperature}: <= "
+            f"{gate.max_zero_std_groups} of dev groups with zero reward spread and <= {gate.max_malformed} "
+            "of rollouts malformed"
+        )
+    return result
+
+
+def grpo_clause(reading: Mapping[str, float] | None, gate: GrpoGate) -> dict[str, Any]:
+    """The GRPO clause on a dev reading of sampled groups (None: not measured, so not passed)."""
+    if reading is None:
+        return {"passed": False, "why": "not measured (the gate needs the dev reading of sampled groups)"}
+    zero_std, malformed = float(reading["zero_std_group_frac"]), float(reading["malformed_frac"])
+    return {
+        "passed": zero_std <= gate.max_zero_std_groups and malformed <= gate.max_malformed,
+        "zero_std_group_frac": round(zero_std, 4),
+        "malformed_frac": round(malformed, 4),
+        "rollouts_per_record": gate.rollouts_per_record,
+        "temperature": gate.temperature,
     }
 
 
@@ -136,20 +176,40 @@ STOP_READINGS = {
 }
 
 
+# The medium study's readings of a stop (docs/runbook.md, "Medium scenes"): they say which clause
+# failed and what that measures, and the ladder (study_protocols.next_rung) may go on to another rung.
+MEDIUM_STOP_READINGS = {
+    "fail_budget": (
+        "no stage-1 reached the gate's F1 range within the step budget: detector quality, not a "
+        "measurement of the mechanism (the question cannot be asked of this stage-1 on this rung)"
+    ),
+    "fail_room": (
+        "stage-1 reached the F1 range but a clause other than F1 failed (failed_clauses): on this rung "
+        "the arms would have too little of their own mistakes to train on, or GRPO too little signal"
+    ),
+    "fail_high": "stage-1 overshot the F1 range: too few errors left on this rung for any arm to fix",
+}
+
+
 def study_answer(
-    decision: str | None, verdicts: Mapping[str, bool | None], missing: int, arms_run: bool
+    decision: str | None,
+    verdicts: Mapping[str, bool | None],
+    missing: int,
+    arms_run: bool,
+    readings: Mapping[str, str] = STOP_READINGS,
+    baseline: str = "sft",
 ) -> dict[str, Any]:
     """The study's answer so far: stage-1 in progress, stopped at the gate (:data:`STOP_READINGS`; with
     ``arms_run``, arms trained anyway under ``--ignore-gate``, outside the protocol), arms running, or
     each arm's :func:`gain_verdict` once every arm-seed is in (``missing == 0``)."""
     if decision is None or decision == "extend":
         return {"state": "stage-1 in progress", "reading": "no answer yet: the gate has not decided"}
-    if decision in STOP_READINGS:
+    if decision in readings:
         after = "arms were run anyway (--ignore-gate), outside the protocol" if arms_run else "no arm was run"
         return {
             "state": "stopped at the gate",
             "decision": decision,
-            "reading": f"{STOP_READINGS[decision]}; {after}",
+            "reading": f"{readings[decision]}; {after}",
             "arms_outside_protocol": arms_run,
         }
     if missing or not verdicts:
@@ -158,9 +218,9 @@ def study_answer(
         return {"state": "done", "gains": None, "reading": f"no verdict: fewer than {MIN_SEEDS} seeds"}
     gains = sorted(arm for arm, gain in verdicts.items() if gain)
     reading = (
-        f"a gain over sft by the decision rule: {', '.join(gains)}"
+        f"a gain over {baseline} by the decision rule: {', '.join(gains)}"
         if gains
-        else "no arm gains over sft by the decision rule"
+        else f"no arm gains over {baseline} by the decision rule"
     )
     return {"state": "done", "gains": gains, "reading": reading}
 
@@ -242,6 +302,37 @@ def gain_verdict(
     }
 
 
+def medium_verdict(
+    overall: Mapping[str, Any], delta_map: float, delta_truncated: float, seeds: int
+) -> dict[str, Any]:
+    """The medium study's rule on an arm minus ``sft_equal_compute`` (report F1@0.5, paired bootstrap over
+    seeds x images with its ``per_seed`` differences): **gain** = +``OVERALL_GAIN`` or more with the 95%
+    interval above 0, at least ``POSITIVE_SEEDS_SHARE`` of the seeds positive (4 of 5), mAP not lower by
+    more than ``MAP_SLACK`` and truncation not higher; **harm** = the interval below 0; otherwise the
+    interval's upper bound is the largest effect the data allow. ``gain`` is None on fewer than
+    MIN_SEEDS seeds."""
+    per_seed = list(overall["per_seed"])
+    positive = sum(d > 0 for d in per_seed)
+    low, high = overall["ci95"]
+    gain = bool(
+        overall["delta_f1"] >= OVERALL_GAIN
+        and low > 0
+        and positive >= POSITIVE_SEEDS_SHARE * len(per_seed)
+        and delta_map >= -MAP_SLACK
+        and delta_truncated <= 0
+    )
+    harm = bool(high < 0)
+    enough = seeds >= MIN_SEEDS
+    return {
+        "gain": gain if enough else None,
+        "harm": harm if enough else None,
+        "positive_seeds": f"{positive} of {len(per_seed)}",
+        "delta_map": round(delta_map, 4),
+        "delta_truncated": round(delta_truncated, 4),
+        "largest_effect_allowed": None if gain or harm else round(float(high), 4),
+    }
+
+
 def equal_compute_steps_by_arm(
     cost_per_step: Mapping[str, float], sft_cost_per_step: float, steps: int, grain: int
 ) -> dict[str, int]:
@@ -256,6 +347,11 @@ def equal_compute_steps_by_arm(
         rounded = max(grain, round(raw / grain) * grain)
         out[arm] = int(min(max(steps, rounded), MAX_COMPUTE_RATIO * steps))
     return out
+
+
+def choose_learning_rates(dev_f1: Mapping[str, Mapping[float, float]]) -> dict[str, float]:
+    """Per arm, the learning rate of the pilot with the higher dev F1 (the lower rate on a tie)."""
+    return {arm: max(sorted(by_lr), key=lambda lr: (by_lr[lr], -lr)) for arm, by_lr in dev_f1.items()}
 
 
 def seeds_needed(spreads: Sequence[float]) -> int:
@@ -275,3 +371,8 @@ def bootstrap_spread(
         idx = rng.integers(0, images, images)
         deltas.append(f1_of(*(a[k][idx] for k in a)) - f1_of(*(b[k][idx] for k in b)))
     return float(np.std(deltas, ddof=1))
+
+
+def stop_readings(protocol: StudyProtocol) -> Mapping[str, str]:
+    """What a stop at the gate means in ``protocol``'s study (the crowd study's readings were fixed with it)."""
+    return STOP_READINGS if protocol is CROWD else MEDIUM_STOP_READINGS

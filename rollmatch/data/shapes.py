@@ -56,8 +56,19 @@ _SPLIT_STREAM = {"train": 0, "val": 1}
 
 # Named difficulty settings (sides at 224 px). crowd: dense scenes where an autoregressive detector
 # stops early, repeats and reorders: 8-30 objects of 16-32 px, a third of images with a tied row.
+# medium: objects of at least one 32 px visual token of the tiny models at 224 px, few enough that a
+# tiny detector can localise them, many enough for list errors (4-12 of 32-56 px); medium_dense and
+# medium_sparse are the rungs above and below it of the medium study's pre-registered ladder
+# (docs/runbook.md, "Medium scenes").
 SHAPES_PRESETS: dict[str, ShapesDifficulty] = {
     "crowd": ShapesDifficulty(min_objects=8, max_objects=30, min_side=16, max_side=32, tied_row_frac=1 / 3),
+    "medium": ShapesDifficulty(min_objects=4, max_objects=12, min_side=32, max_side=56, tied_row_frac=1 / 3),
+    "medium_dense": ShapesDifficulty(
+        min_objects=7, max_objects=18, min_side=32, max_side=48, tied_row_frac=1 / 3
+    ),
+    "medium_sparse": ShapesDifficulty(
+        min_objects=3, max_objects=8, min_side=40, max_side=64, tied_row_frac=1 / 3
+    ),
 }
 
 
