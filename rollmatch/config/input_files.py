@@ -25,8 +25,11 @@ INPUT_PATH_KEYS: tuple[tuple[str, str], ...] = (
     ("model", "path"),
     ("data", "train_jsonl"),
     ("data", "val_jsonl"),
+    ("data", "labels"),  # only where it names a file (an inline list of names stays as written)
     ("training", "deepspeed"),
 )
+LABELS_PLACEHOLDER = "{labels}"  # in data.prompt: the run's class names
+LABELS_SUFFIX = ".labels.json"
 # `owner/name` as the Hugging Face hub spells a repository (no leading `.`, `/` or `~`).
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -71,15 +74,47 @@ def absolute_input_paths(cfg: RollmatchConfig, base_dir: Path) -> None:
             setattr(node, key, str((base_dir / Path(value).expanduser()).resolve()))
 
 
+def labels_file_for(jsonl: str | Path) -> Path:
+    """Where ``data convert`` puts the class names of ``jsonl``: ``train.jsonl`` -> ``train.labels.json``."""
+    path = Path(jsonl)
+    stem = path.name.removesuffix(".jsonl") if path.name.endswith(".jsonl") else path.stem
+    return path.with_name(stem + LABELS_SUFFIX)
+
+
 def input_file_problems(cfg: RollmatchConfig) -> list[ConfigProblem]:
-    """One problem per input that is not there: the model directory and the records."""
+    """One problem per input that is not there: the model directory, the records, the class names."""
     problems = _model_problems(cfg.model.path)
     problems.extend(_file_problem("data.train_jsonl", cfg.data.train_jsonl, _RECORDS_FIX))
     if cfg.data.val_jsonl is not None and _reads_val(cfg):
         problems.extend(_file_problem("data.val_jsonl", cfg.data.val_jsonl, _RECORDS_FIX))
+    problems.extend(_labels_problems(cfg))
     return problems  # training.deepspeed: read by the static rules already (config.sharding)
 
 
+def _labels_problems(cfg: RollmatchConfig) -> list[ConfigProblem]:
+    """A ``data.labels`` file that is not there, or ``{labels}`` in the prompt with no list beside the records."""
+    if isinstance(cfg.data.labels, str):
+        return _file_problem("data.labels", cfg.data.labels, _LABELS_FIX)
+    if cfg.data.labels is not None or LABELS_PLACEHOLDER not in cfg.data.prompt:
+        return []
+    if not Path(cfg.data.train_jsonl).is_file():
+        return []  # the records' own problem says it
+    beside = labels_file_for(cfg.data.train_jsonl)
+    if beside.is_file():
+        return []
+    return [
+        ConfigProblem(
+            "data.labels",
+            None,
+            f"data.prompt lists {LABELS_PLACEHOLDER} but there is no {beside} (written by `rollmatch data "
+            "convert`); set data.labels to the class names or to a file of them",
+        )
+    ]
+
+
+_LABELS_FIX = (
+    "a JSON list of class names or one name per line (`rollmatch data convert` writes `<out>.labels.json`)"
+)
 _RECORDS_FIX = "make the records with `rollmatch data convert` (docs/data.md) or fix the path"
 _WHERE = "relative paths in a config file resolve against that file's directory, on the command line against the working directory"
 

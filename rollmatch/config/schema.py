@@ -72,7 +72,7 @@ class DataConfig(Section):
     )
     labels: list[str] | str | None = Field(
         None,
-        description='The dataset\'s class names that `{labels}` in `data.prompt` lists: the names inline, or a file (a JSON list, or one name per line; relative to the working directory) such as the `<out>.labels.json` `rollmatch data convert` writes beside its JSONL. null: with `{labels}` in the prompt, `<data.train_jsonl without .jsonl>.labels.json`. A run saves the list in its checkpoints (`rollmatch_run.json`), so eval and rewards use the same list; a predicted label outside it is counted as `unknown_label` (docs/data.md, "Labels in the prompt").',
+        description='The dataset\'s class names that `{labels}` in `data.prompt` lists: the names inline, or a file (a JSON list, or one name per line; relative to the directory of the config file that sets it, like `extends:`) such as the `<out>.labels.json` `rollmatch data convert` writes beside its JSONL. null: with `{labels}` in the prompt, `<data.train_jsonl without .jsonl>.labels.json`. A run saves the list in its checkpoints (`rollmatch_run.json`), so eval and rewards use the same list; a predicted label outside it is counted as `unknown_label` (docs/data.md, "Labels in the prompt").',
     )
     prompt_max_labels: int | None = Field(
         None,

@@ -20,21 +20,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+# The naming rule lives with the input checks (check-config finds a missing list before anything loads).
+from rollmatch.config.input_files import LABELS_PLACEHOLDER, LABELS_SUFFIX, labels_file_for  # noqa: F401
 from rollmatch.errors import ConfigError, ConfigProblem
 
 if TYPE_CHECKING:
     from rollmatch.config.schema import DataConfig
 
-LABELS_PLACEHOLDER = "{labels}"
-LABELS_SUFFIX = ".labels.json"
 LABEL_SEPARATOR = ", "
-
-
-def labels_file_for(jsonl: str | Path) -> Path:
-    """Where ``data convert`` puts the class names of ``jsonl``: ``train.jsonl`` -> ``train.labels.json``."""
-    path = Path(jsonl)
-    stem = path.name.removesuffix(".jsonl") if path.name.endswith(".jsonl") else path.stem
-    return path.with_name(stem + LABELS_SUFFIX)
 
 
 def write_label_file(path: str | Path, names: Iterable[str]) -> Path:

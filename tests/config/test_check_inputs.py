@@ -210,3 +210,17 @@ def test_launch_refuses_missing_inputs_before_any_server_starts(write_yaml, tmp_
     assert _problem_lines(err) == checked and "launch refused before starting anything" in err
     assert not list((tmp_path / "out" / "launch").glob("server-*.log"))  # nothing started
     assert not (tmp_path / "out" / "launch" / "pids.json").exists()  # and no claim left behind
+
+
+def test_a_missing_class_list_is_named_before_anything_loads(
+    write_yaml, shapes: dict[str, Path], capsys
+) -> None:
+    model = Path(write_yaml("model/config.json", {})).parent  # a directory with a config.json
+    cfg = _config(model, shapes["train"])
+    cfg["data"]["prompt"] = "Detect these classes: {labels}."  # no <train>.labels.json beside the records
+    assert main(["check-config", str(write_yaml("c.yaml", cfg))]) == 2
+    err = capsys.readouterr().err
+    assert "data.labels" in err and "train.labels.json" in err
+    cfg["data"]["labels"] = "names.json"  # a file, relative to the config file's folder
+    assert main(["check-config", str(write_yaml("d.yaml", cfg))]) == 2
+    assert "file not found" in capsys.readouterr().err
