@@ -72,11 +72,12 @@ def raise_on_input_problems(cfg: RollmatchConfig) -> None:
 
 def input_encoder(cfg: RollmatchConfig) -> PromptEncoder:
     """The prompt encoder of the run: the model directory's processor, pixel bounds and frame."""
+    from rollmatch.data.labels import prompt_labels
     from rollmatch.data.prompts import PromptEncoder, load_processor
 
     frame = resolve_coord_frame(cfg.data.coord_frame, cfg.model.path, object_format=cfg.custom.object_format)
     processor = load_processor(cfg.model.path, cfg.data.min_pixels, cfg.data.max_pixels)
-    return PromptEncoder(processor, cfg.data.prompt, frame)
+    return PromptEncoder(processor, cfg.data.prompt, frame, prompt_labels(cfg.data, cfg.training.seed))
 
 
 def _report_inputs(cfg: RollmatchConfig) -> list[ConfigProblem]:

@@ -68,9 +68,15 @@ def test_stage2_starts_from_the_stage1_output(model: str, data: str) -> None:
 @pytest.fixture(scope="module")
 def records(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Stand-ins for the recipes' converted records (the input checks read them)."""
+    from rollmatch.data.labels import labels_file_for, write_label_file
+    from rollmatch.data.records import load_records
     from rollmatch.data.shapes import generate_shapes
 
-    return generate_shapes(tmp_path_factory.mktemp("recipe_records"), n_train=4, n_val=2, size=112, seed=0)
+    paths = generate_shapes(tmp_path_factory.mktemp("recipe_records"), n_train=4, n_val=2, size=112, seed=0)
+    # `data convert` writes the class names beside its JSONL; the recipes' {labels} prompt reads them
+    names = sorted({obj.label for record in load_records(paths["train"]) for obj in record.objects})
+    write_label_file(labels_file_for(paths["train"]), names)
+    return paths
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)

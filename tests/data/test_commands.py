@@ -64,7 +64,12 @@ def test_convert_voc_writes_absolute_paths(
         )
         == 0
     )
-    assert capsys.readouterr().out.strip() == f"wrote {out}: 200 images, 217 boxes; raccoon 217"
+    labels = tmp_path / "raccoon.labels.json"
+    assert capsys.readouterr().out.splitlines() == [
+        f"wrote {out}: 200 images, 217 boxes; raccoon 217",
+        f"wrote {labels}: 1 class names ({{labels}} in data.prompt lists them; docs/data.md)",
+    ]
+    assert json.loads(labels.read_text()) == ["raccoon"]
     first = json.loads(out.read_text().splitlines()[0])
     assert first["images"] == [str(real_data_dir / "raccoon" / "images" / "raccoon-1.jpg")]
     assert len(load_records(out)) == 200
@@ -81,7 +86,8 @@ def test_convert_yolo_reports_dropped_boxes(
     assert main([*argv, "--names", str(root / "data.yaml")]) == 0
     printed = capsys.readouterr().out.splitlines()
     assert printed[0].startswith(f"wrote {out}: 63 images, 582 boxes; fish 249,")
-    assert "IMG_2423_jpeg_jpg.rf.1c0901882e71d5ebd26f036f4e22da65.txt:17: dropped zero-area box" in printed[1]
+    assert printed[1].startswith(f"wrote {tmp_path / 'aquarium_test.labels.json'}: 7 class names")
+    assert "IMG_2423_jpeg_jpg.rf.1c0901882e71d5ebd26f036f4e22da65.txt:17: dropped zero-area box" in printed[2]
     assert printed[-1].startswith("dropped 2 zero-area box(es)")
 
 
