@@ -18,6 +18,8 @@ stayed under ``--bound-rss-mib``; the script exits 1 otherwise.
 Cases (``--cases``; the registry :data:`CASES` takes more, e.g. the engine's own):
 - ``redos``: unterminated ``\\"`` escape strings, with and without a megabyte of ``[``;
 - ``tiny_values``: 8 MB of tiny requests and 8 MB of prompt ids;
+- ``invalid_values``: a million prompt ids of ``-1``, 300k unknown keys, a million numbers as images
+  (one validation error per value before fail-fast validation);
 - ``big_sync``: 8 MiB ``peft_config`` bodies with and without the sync lease;
 - ``padded_images``: a 1x1 PNG padded with 40 MiB (53 MiB of base64, within ``--max-body-bytes``);
 - ``reset_storm``: ``/reset_prefix_cache/`` from every worker at once, with a good call in flight;
@@ -107,6 +109,14 @@ def _tiny_values(target: Target) -> list[int]:
     ]
 
 
+def _invalid_values(target: Target) -> list[int]:
+    return [
+        target.post("/infer/", _body("invalid_prompt_ids", int(1_048_000 * target.scale))),
+        target.post("/infer/", _body("unknown_keys", int(300_000 * target.scale))),
+        target.post("/infer/", _body("non_string_images", int(1_000_000 * target.scale))),
+    ]
+
+
 def _big_sync(target: Target) -> list[int]:
     body = _body("big_peft_config", int((8 << 20) * target.scale))
     return [
@@ -146,6 +156,7 @@ def _disconnecting_clients(target: Target) -> list[int]:
 CASES: dict[str, Case] = {
     "redos": _redos,
     "tiny_values": _tiny_values,
+    "invalid_values": _invalid_values,
     "big_sync": _big_sync,
     "padded_images": _padded_images,
     "reset_storm": _reset_storm,

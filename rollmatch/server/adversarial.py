@@ -43,6 +43,23 @@ def many_prompt_ids(size_bytes: int = 8 << 20) -> bytes:
     return b'{"infer_requests":[{"prompt_token_ids":[' + b",".join([b"12345"] * count) + b"]}]}"
 
 
+def invalid_prompt_ids(count: int = 1_048_000) -> bytes:
+    """``count`` prompt ids of ``-1`` (3.1 MB at the default): within every cap, but one validation
+    error per id, each rendered (10 s of CPU, +1.5 GB, a 4.7 s stall of the event loop)."""
+    return b'{"infer_requests":[{"prompt_token_ids":[' + b",".join([b"-1"] * count) + b"]}]}"
+
+
+def unknown_keys(count: int = 300_000) -> bytes:
+    """One request with ``count`` unknown keys: one error per key (2 s, +307 MB)."""
+    keys = b",".join(b'"k%d":0' % i for i in range(count))
+    return b'{"infer_requests":[{"prompt_token_ids":[1],' + keys + b"}]}"
+
+
+def non_string_images(count: int = 1_000_000) -> bytes:
+    """``count`` numbers where image strings go: one error per item before the list's length bound."""
+    return b'{"infer_requests":[{"prompt_token_ids":[1],"images":[' + b",".join([b"0"] * count) + b"]}]}"
+
+
 def padded_png(padding_bytes: int = 48 << 20) -> bytes:
     """An ``/infer/`` body whose one image is a 1x1 PNG followed by ``padding_bytes`` of trailing
     bytes: one pixel of the pixel budget for megabytes of body."""
@@ -80,6 +97,9 @@ def adversarial_bodies(scale: float = 1.0) -> dict[str, tuple[str, bytes, bool]]
         "many_tiny_requests": ("/infer/", many_tiny_requests(size(8 << 20)), False),
         "many_prompt_ids": ("/infer/", many_prompt_ids(size(8 << 20)), False),
         "padded_png": ("/infer/", padded_png(size(48 << 20)), False),
+        "invalid_prompt_ids": ("/infer/", invalid_prompt_ids(size(1_048_000)), False),
+        "unknown_keys": ("/infer/", unknown_keys(size(300_000)), False),
+        "non_string_images": ("/infer/", non_string_images(size(1_000_000)), False),
         "big_peft_config_no_lease": (
             "/update_adapter_flattened_param/",
             big_peft_config(size(8 << 20)),

@@ -70,6 +70,7 @@ from rollmatch.server.timing import PhaseTimes
 
 log = logging.getLogger(__name__)
 _MAX_ERRORS_SHOWN = 8
+_MAX_ERRORS_KEPT = 64  # errors of one body kept at all (wire lists are fail-fast: a few)
 ModelT = TypeVar("ModelT", bound=BaseModel)
 
 
@@ -257,12 +258,18 @@ def parse_json_body(model: type[ModelT], raw: bytes, content_type: str | None) -
                 }
             ]
         )
-    try:
-        with _collector_paused():
+    with (
+        _collector_paused()
+    ):  # the errors too: their count is bounded (fail-fast lists, one for unknown keys)
+        try:
             return model.model_validate_json(raw)  # one pass in pydantic's parser: no Python dict first
-    except ValidationError as exc:
-        errors = exc.errors(include_input=False, include_url=False)
-        raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in errors]) from None
+        except ValidationError as exc:
+            errors = exc.errors(include_input=False, include_url=False)[:_MAX_ERRORS_KEPT]
+            more = exc.error_count() - len(errors)
+    shown = [{**e, "loc": ("body", *e["loc"])} for e in errors]
+    if more > 0:
+        shown.append({"type": "more_errors", "loc": ("body",), "msg": f"{more} more errors not shown"})
+    raise RequestValidationError(shown)
 
 
 @contextmanager

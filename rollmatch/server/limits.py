@@ -53,6 +53,10 @@ class ServerLimits:
       costs 10-50x its size in memory (8 MiB of ``{}`` took 184-390 MiB and up to 3 s, 14 MiB of
       short strings 139-205 MiB, 8 MiB of prompt ids +84 MiB); the default, 2^20, leaves 4,096 for
       each of 256 requests (a detection request holds about 35 plus its prompt ids);
+    - ``max_json_keys`` (``--max-json-keys``): object keys of one such body, bounded before it is
+      parsed by its colons (413): every key is followed by one; colons inside strings (a data URL
+      holds one) only raise the bound. A key costs several values' worth to build (300k unknown keys
+      took 0.4-0.8 s holding the GIL); the default, 2^16, leaves 256 for each of 256 requests;
     - ``max_inflight_body_bytes`` (``--max-inflight-body-bytes``): the raw bytes of every ``/infer/``
       body being received, parsed or prepared at once, reserved from ``Content-Length`` (or chunk by
       chunk) before the body is read and given back once the call is prepared (429 with
@@ -99,6 +103,10 @@ class ServerLimits:
         "JSON values (objects, arrays, strings, list items) of one /infer/ or weight-sync body, counted "
         "before parsing (413)",
     )
+    max_json_keys: int = _cap(
+        1 << 16,
+        "object keys of one /infer/ or weight-sync body, bounded by its colons before parsing (413)",
+    )
     max_inflight_body_bytes: int = _cap(
         256 << 20, "raw /infer/ body bytes held at once, until each call is prepared (429 beyond)"
     )
@@ -135,6 +143,7 @@ class ServerLimits:
         positive = (
             "max_body_bytes",
             "max_json_values",
+            "max_json_keys",
             "max_inflight_body_bytes",
             "max_sync_body_bytes",
             "max_image_pixels",
@@ -182,6 +191,14 @@ class ServerLimits:
         """Refuse (413) a body that may hold more JSON values than ``max_json_values``, before the
         parser builds them, from :func:`json_value_bound` alone (C speed, a few ms for 64 MiB; no
         scan of the text holds the GIL or runs per value)."""
+        keys = _count(raw, b":")
+        if keys > self.max_json_keys:
+            raise RequestTooLarge(
+                "--max-json-keys",
+                f"request body may hold {keys} object keys (counted from its colons), over this server's "
+                f"limit of {self.max_json_keys} (rollmatch serve --max-json-keys); send fewer keys per object "
+                "or fewer requests per call",
+            )
         limit = self.max_json_values
         bound = json_value_bound(raw)
         if bound > limit:
