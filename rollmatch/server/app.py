@@ -13,7 +13,8 @@ Endpoints: ``GET /health/`` (503 when a weight load failed half-way or the engin
 ``/init_communicator/`` (returns the sync lease), ``/update_flattened_params/``,
 ``/update_adapter_flattened_param/``, ``/finish_weight_update/``, ``/close_communicator/`` (these
 need the lease in ``X-Rollmatch-Sync-Lease``; ``/init_communicator/`` needs the sync key in
-``X-Rollmatch-Sync-Key`` when the server has one: 403 without), ``/reset_prefix_cache/``.
+``X-Rollmatch-Sync-Key`` when the server has one: 403 without), ``/reset_prefix_cache/`` (the
+lease, or the sync key when the server has one; a no-op on an engine without a prefix cache).
 ``/health/``, ``/info/`` and ``/stats/`` are ``async`` routes that read lock-free state on the event
 loop: they never wait for the engine or for a worker thread (``/health/`` gives the reason behind a
 503 only to a caller with the key). ``/infer/`` reads its body itself under the in-flight body
@@ -228,7 +229,13 @@ def build_app(server: RolloutServer, *, api_key: str | None = None) -> FastAPI:
         return await run_in_threadpool(call, server.finish_update, body, lease)
 
     @app.post("/reset_prefix_cache/")
-    async def reset_prefix_cache() -> dict[str, str]:  # waits on the loop: no worker thread held
+    async def reset_prefix_cache(  # waits on the loop: no worker thread held
+        lease: str | None = Header(None, alias=LEASE_HEADER),
+        sync_key: str | None = Header(None, alias=SYNC_KEY_HEADER),
+    ) -> dict[str, str]:
+        # A reset drains (or, past the drain timeout, aborts) every call: weight-sync rights, not
+        # the API key alone (the lease of the current sync group, or the sync key when one is set).
+        call(server.sync.check_lease if lease is not None else server.sync.check_sync_key, lease or sync_key)
         try:
             await server.reset_prefix_cache()
         except (ValueError, RollmatchError) as exc:
