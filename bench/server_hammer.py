@@ -20,6 +20,8 @@ Cases (``--cases``; the registry :data:`CASES` takes more, e.g. the engine's own
 - ``tiny_values``: 8 MB of tiny requests and 8 MB of prompt ids;
 - ``invalid_values``: a million prompt ids of ``-1``, 300k unknown keys, a million numbers as images
   (one validation error per value before fail-fast validation);
+- ``image_containers``: a TIFF with a 3M-entry strip table, a JPEG with 1M empty APP0 segments and
+  a progressive JPEG of 2,000 scans (container bombs that pass every pixel check);
 - ``big_sync``: 8 MiB ``peft_config`` bodies with and without the sync lease;
 - ``padded_images``: a 1x1 PNG padded with 40 MiB (53 MiB of base64, within ``--max-body-bytes``);
 - ``reset_storm``: ``/reset_prefix_cache/`` from every worker at once, with a good call in flight;
@@ -117,6 +119,14 @@ def _invalid_values(target: Target) -> list[int]:
     ]
 
 
+def _image_containers(target: Target) -> list[int]:
+    return [
+        target.post("/infer/", _body("tiff_strip_table", int(3_000_000 * target.scale))),
+        target.post("/infer/", _body("jpeg_many_segments", int(1_000_000 * target.scale))),
+        target.post("/infer/", _body("jpeg_many_scans", 2_000)),
+    ]
+
+
 def _big_sync(target: Target) -> list[int]:
     body = _body("big_peft_config", int((8 << 20) * target.scale))
     return [
@@ -157,6 +167,7 @@ CASES: dict[str, Case] = {
     "redos": _redos,
     "tiny_values": _tiny_values,
     "invalid_values": _invalid_values,
+    "image_containers": _image_containers,
     "big_sync": _big_sync,
     "padded_images": _padded_images,
     "reset_storm": _reset_storm,

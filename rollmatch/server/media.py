@@ -18,8 +18,10 @@ Safety rules, each a 4xx naming the image (never a 500, never a file probe):
   unreadable, a name too long, a loop) gets the answer of a value that is not a path, so the
   answer never tells whether a path exists outside the root; a file over ``max_file_bytes`` is a
   413 (``--max-body-bytes``: a local file may be as large as a request body);
-- the pixel count is read from the header and checked before any pixel is decoded (a 0.5 MB PNG
-  can decode to gigabytes), and only common still-image formats are opened;
+- only PNG, JPEG and WEBP are opened, after a bounded walk of their container
+  (``server.image_containers``: segments, scans, chunks and metadata bytes); the pixel count is
+  read from the header and checked before any pixel is decoded (a 0.5 MB PNG can decode to
+  gigabytes);
 - an image's encoded size must fit its pixel count: at most :data:`MAX_ENCODED_BYTES_PER_PIXEL`
   bytes per pixel plus :data:`ENCODED_SLACK_BYTES` (413 beyond). The largest honest still image is
   16-bit RGBA stored without compression, 8 bytes per pixel; twice that covers container overhead
@@ -48,12 +50,12 @@ from typing import TYPE_CHECKING, BinaryIO
 
 from rollmatch.errors import ServerBusy
 from rollmatch.protocol import from_base64
+from rollmatch.server.image_containers import IMAGE_FORMATS, check_container
 from rollmatch.server.limits import RequestTooLarge
 
 if TYPE_CHECKING:
     from PIL.Image import Image
 
-IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "BMP", "GIF", "TIFF")
 DEFAULT_MAX_IMAGE_PIXELS = 4096 * 4096
 DEFAULT_MAX_FILE_BYTES = 64 << 20  # ServerLimits.max_body_bytes' default
 MAX_ENCODED_BYTES_PER_PIXEL = 16
@@ -314,6 +316,7 @@ def _header(stream: BinaryIO, max_pixels: int, where: str) -> Iterator[Image]:
 
     encoded_bytes = stream.seek(0, io.SEEK_END)
     stream.seek(0)
+    check_container(stream, where)  # the container's structure, bounded, before any parser reads it
     try:
         with PILImage.open(stream, formats=IMAGE_FORMATS) as image:
             width, height = image.size
