@@ -73,6 +73,13 @@ class ServerLimits:
     - ``max_inflight_pixels`` (``--max-inflight-pixels``): the decoded pixels of every call in
       flight together, held from the header check until the call ends (429 with ``Retry-After``
       while other calls hold them); the default is eight full calls, 3 GiB as RGB;
+    - ``max_call_tensor_bytes`` / ``max_inflight_tensor_bytes`` (``--max-call-tensor-bytes``,
+      ``--max-inflight-tensor-bytes``): what the image processor makes of a call's images (their
+      ``smart_resize``d patches as float32, computed from the headers before any is decoded; 413 /
+      429). Source pixels undercount it: a 1x1 image becomes 74 KiB at ``min_pixels`` 3,136, a
+      448x448 one 4.6 MiB, a 1-megapixel photograph 24 MiB. The defaults, 4 GiB and 16 GiB (four
+      full calls), take what ``--max-call-pixels`` takes: 128 prompts of a 1-megapixel image, 256
+      of a COCO-sized one;
     - ``max_requests_per_call`` (``--max-requests-per-call``): ``infer_requests`` of one call (413),
       at most ``rollmatch.protocol.MAX_INFER_REQUESTS`` (the wire refuses more while parsing);
     - ``max_images_per_request`` (``--max-images-per-request``): images of one prompt (413), at most
@@ -124,6 +131,15 @@ class ServerLimits:
         "decoded pixels of all calls in flight together (429 while others hold them; 64 images of "
         "4096x4096, 3 GiB as RGB)",
     )
+    max_call_tensor_bytes: int = _cap(
+        4 << 30,
+        "bytes of the image processor's output (resized patches, float32) for one call, from the headers "
+        "before any image is decoded (413)",
+    )
+    max_inflight_tensor_bytes: int = _cap(
+        16 << 30,
+        "bytes of prepared image tensors of all calls in flight together (429 while others hold them)",
+    )
     max_requests_per_call: int = _cap(256, "infer_requests per call (413)")
     max_images_per_request: int = _cap(8, "images per prompt (413)")
     max_tokens: int = _cap(4096, "new tokens per response (422 above)")
@@ -149,6 +165,8 @@ class ServerLimits:
             "max_image_pixels",
             "max_call_pixels",
             "max_inflight_pixels",
+            "max_call_tensor_bytes",
+            "max_inflight_tensor_bytes",
             "max_requests_per_call",
             "max_images_per_request",
             "max_tokens",
@@ -172,6 +190,7 @@ class ServerLimits:
         self._check_order("max_image_pixels", "max_call_pixels", "a single image at the per-image cap")
         self._check_order("max_body_bytes", "max_inflight_body_bytes", "a body at the body cap")
         self._check_order("max_call_pixels", "max_inflight_pixels", "a full call")
+        self._check_order("max_call_tensor_bytes", "max_inflight_tensor_bytes", "a full call")
         for name, wire_max in (
             ("max_requests_per_call", MAX_INFER_REQUESTS),
             ("max_images_per_request", MAX_IMAGES_PER_REQUEST),

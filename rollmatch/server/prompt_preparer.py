@@ -123,6 +123,28 @@ class PromptPreparer:
         self.check_token_ids(f"{where}.messages", ids, len(images))
         return PreparedPrompt(sample_id, ids, images)
 
+    def tensor_bytes(self, width: int, height: int) -> int:
+        """Bytes of what the image processor makes of a ``width`` x ``height`` image: its
+        ``smart_resize``d size in patches x (channels x temporal patch x patch^2) float32 values. An
+        aspect ratio the processor refuses is a ``ValueError`` here, before decoding."""
+        from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
+
+        image_processor = getattr(self.processor, "image_processor", None)
+        patch = getattr(image_processor, "patch_size", None)
+        if image_processor is None or patch is None:
+            return width * height * 3 * 4  # no patch processor: the image as float32 RGB
+        size = image_processor.size
+        factor = int(patch) * int(image_processor.merge_size)
+        resized_h, resized_w = smart_resize(
+            height,
+            width,
+            factor=factor,
+            min_pixels=int(size["shortest_edge"]),
+            max_pixels=int(size["longest_edge"]),
+        )
+        patches = (resized_h // int(patch)) * (resized_w // int(patch))
+        return patches * 3 * int(image_processor.temporal_patch_size) * int(patch) ** 2 * 4
+
     def check_token_ids(self, where: str, ids: Sequence[int], num_images: int) -> None:
         """Ids inside the vocabulary; one ``<|vision_start|><|image_pad|>...`` block per image, no video."""
         bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)

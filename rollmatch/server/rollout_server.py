@@ -53,7 +53,7 @@ from rollmatch.server.bodies import BodyBudget
 from rollmatch.server.engine_watch import WEIGHT_LOAD, EngineWatch
 from rollmatch.server.engines import EngineOutput, ServerEngine, check_weight_coverage
 from rollmatch.server.limits import RequestTooLarge, ServerLimits
-from rollmatch.server.media import PixelBudget, PixelLease
+from rollmatch.server.media import PixelBudget, PixelLease, TensorBudget
 from rollmatch.server.prompt_preparer import PreparedPrompt, chat_messages, trim_at_stop_strings
 from rollmatch.server.scheduler import CallTicket, EngineScheduler
 from rollmatch.server.sync_session import SyncSession
@@ -95,6 +95,7 @@ class RolloutServer:
         self._probe = ImageProbe(size=PROBE_IMAGE_SIZE, resized=resized, image_tokens=tokens)
         self.limits = limits or ServerLimits()
         self.pixels = PixelBudget(self.limits.max_call_pixels, self.limits.max_inflight_pixels)
+        self.tensors = TensorBudget(self.limits.max_call_tensor_bytes, self.limits.max_inflight_tensor_bytes)
         self.bodies = BodyBudget(self.limits.max_inflight_body_bytes)
         self._preparing_prompts = 0  # prompts of calls between their parse and their submission
         self.watch = EngineWatch(self.limits.engine_stall_timeout_s)
@@ -279,8 +280,11 @@ class RolloutServer:
         preparer = self.engine.preparer
         images = _image_sources(body.infer_requests, preparer.max_images)
         encoded: dict[str, bytes] = {}  # base64 decoded once: for the header check, then for decoding
-        pixels = self.pixels.reserve_call(images, preparer.media, encoded)
+        sizes: list[tuple[int, int]] = []
+        pixels = self.pixels.reserve_call(images, preparer.media, encoded, sizes)
         try:
+            # What the processor makes of them, before any is decoded (released with the pixels).
+            pixels.linked.append(self.tensors.reserve(sum(preparer.tensor_bytes(w, h) for w, h in sizes)))
             prompts = [preparer.prepare(r, i, times, encoded) for i, r in enumerate(body.infer_requests)]
             pixels.cover(sum(image.width * image.height for p in prompts for image in p.images))
             if self.preprocess_in_prepare:

@@ -97,3 +97,27 @@ def test_the_bombs_are_what_they_claim() -> None:
     for body in (adversarial.tiff_strip_table(100), adversarial.jpeg_many_segments(10)):
         image = base64.b64decode(json.loads(body)["infer_requests"][0]["images"][0])
         assert Image.open(io.BytesIO(image)).size[0] >= 1
+
+
+def test_the_budget_charges_what_the_processor_makes_not_source_pixels(
+    hf_engine: Any, app_client: Callable[..., Any]
+) -> None:
+    """A 1x1 image was charged 1 pixel but becomes 74 KiB of float32 patches; a solid 448x448 PNG
+    of 1 KB becomes 1.2 MiB here (4.6 MiB at max_pixels 200,704)."""
+    client, server = app_client(hf_engine, max_tokens=2, max_call_tensor_bytes=8 << 20)
+
+    def body(side: int, count: int) -> dict[str, Any]:
+        buffer = io.BytesIO()
+        Image.new("RGB", (side, side), (9, 9, 9)).save(buffer, format="PNG")
+        image = base64.b64encode(buffer.getvalue()).decode()
+        request = {
+            "messages": [{"role": "user", "content": "<image>" * count + "find"}],
+            "images": [image] * count,
+        }
+        return {"infer_requests": [request], "request_config": {"max_tokens": 1}}
+
+    assert server.engine.preparer.tensor_bytes(1, 1) == 75264  # min_pixels 3,136: 16 patches of 4,704 bytes
+    reply = client.post("/infer/", json=body(448, 8))  # 1.6 M source pixels, 9.6 MB of patches
+    assert reply.status_code == 413 and "--max-call-tensor-bytes" in reply.text, reply.text[:300]
+    assert client.post("/infer/", json=body(448, 4)).status_code == 200
+    assert server.tensors.held == 0 and server.pixels.held == 0
