@@ -31,8 +31,10 @@ weight-sync routes check the lease from the head, then read the body under
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import logging
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
@@ -71,6 +73,7 @@ from rollmatch.server.timing import PhaseTimes
 
 log = logging.getLogger(__name__)
 _MAX_ERRORS_SHOWN = 8
+_DISCONNECT_POLL_S = 0.25
 _MAX_ERRORS_KEPT = 64  # errors of one body kept at all (wire lists are fail-fast: a few)
 ModelT = TypeVar("ModelT", bound=BaseModel)
 
@@ -147,7 +150,7 @@ def build_app(server: RolloutServer, *, api_key: str | None = None) -> FastAPI:
                     body = parse_json_body(InferBody, raw, content_type)
                     del raw
                 with times.phase("prepare"):
-                    return call(server.prepare, body, times)
+                    return call(server.prepare, body, times, gone.is_set)
             finally:
                 held[0] = b""
                 body_lease.release()
@@ -158,9 +161,14 @@ def build_app(server: RolloutServer, *, api_key: str | None = None) -> FastAPI:
             with times.phase("respond"):
                 return INFER_REPLY.dump_json(outputs)
 
-        with server.scheduler.arrival():  # a batching engine waits for calls being prepared
-            prepared = await run_in_threadpool(prepare)
-            ticket = call(server.submit, prepared)
+        gone = threading.Event()  # the client left while its call was prepared: stop between images
+        watcher = asyncio.create_task(_watch_disconnect(request, gone))
+        try:
+            with server.scheduler.arrival():  # a batching engine waits for calls being prepared
+                prepared = await run_in_threadpool(prepare)
+                ticket = call(server.submit, prepared)
+        finally:
+            watcher.cancel()
         with times.phase("engine"):
             if ticket is not None:
                 try:
@@ -277,6 +285,13 @@ def parse_json_body(model: type[ModelT], raw: bytes, content_type: str | None) -
     if more > 0:
         shown.append({"type": "more_errors", "loc": ("body",), "msg": f"{more} more errors not shown"})
     raise RequestValidationError(shown)
+
+
+async def _watch_disconnect(request: Request, gone: threading.Event) -> None:
+    """Set ``gone`` once the client disconnects (polled every quarter second until cancelled)."""
+    while not await request.is_disconnected():
+        await asyncio.sleep(_DISCONNECT_POLL_S)
+    gone.set()
 
 
 @contextmanager

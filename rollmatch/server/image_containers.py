@@ -59,7 +59,7 @@ def check_container(stream: BinaryIO, where: str) -> str:
     kind = image_format(data[:12])
     if kind is None:
         raise ValueError(
-            f"{where}: not a {'/'.join(IMAGE_FORMATS)} image (other formats are not taken: convert it to PNG or JPEG)"
+            f"{where}: not a decodable {'/'.join(IMAGE_FORMATS)} image (other formats are not taken: convert it to PNG or JPEG)"
         )
     {"PNG": _walk_png, "JPEG": _walk_jpeg, "WEBP": _walk_webp, "BMP": _check_bmp}[kind](data, where)
     return kind

@@ -37,7 +37,12 @@ def image_server(start_server: Callable[..., Any], tiny_model_dir: Path) -> Any:
 @pytest.mark.parametrize(
     ("name", "body", "status", "says"),
     [
-        ("tiff_strip_table", adversarial.tiff_strip_table(3_000_000), 400, "not a PNG/JPEG/WEBP/BMP image"),
+        (
+            "tiff_strip_table",
+            adversarial.tiff_strip_table(3_000_000),
+            400,
+            "not a decodable PNG/JPEG/WEBP/BMP image",
+        ),
         ("jpeg_many_segments", adversarial.jpeg_many_segments(1_000_000), 413, "JPEG segments"),
         ("jpeg_many_scans", adversarial.jpeg_many_scans(2_000), 413, "JPEG scans"),
     ],
@@ -78,7 +83,7 @@ def test_the_formats_the_trainer_and_data_sets_use_pass_the_walk(fmt: str, optio
 
 @pytest.mark.parametrize("fmt", ["GIF", "TIFF", "ICO", "PPM"])
 def test_other_formats_are_refused(fmt: str) -> None:
-    with pytest.raises(ValueError, match="not a PNG/JPEG/WEBP/BMP image"):
+    with pytest.raises(ValueError, match="not a decodable PNG/JPEG/WEBP/BMP image"):
         check_container(_encoded(Image.new("RGB", (16, 16)), fmt), "image")
 
 
