@@ -18,6 +18,11 @@ stayed under ``--bound-rss-mib``; the script exits 1 otherwise.
 Cases (``--cases``; the registry :data:`CASES` takes more, e.g. the engine's own):
 - ``redos``: unterminated ``\\"`` escape strings, with and without a megabyte of ``[``;
 - ``tiny_values``: 8 MB of tiny requests and 8 MB of prompt ids;
+- ``invalid_values``: a million prompt ids of ``-1``, 300k unknown keys, a million numbers as images
+  (one validation error per value before fail-fast validation);
+- ``image_containers``: a TIFF with a 3M-entry strip table, a JPEG with 1M empty APP0 segments and
+  a progressive JPEG of 2,000 scans (container bombs that pass every pixel check);
+- ``chunked_uploads``: a 1-byte-chunked upload for 2 s (refused with 411 and closed at once);
 - ``big_sync``: 8 MiB ``peft_config`` bodies with and without the sync lease;
 - ``padded_images``: a 1x1 PNG padded with 40 MiB (53 MiB of base64, within ``--max-body-bytes``);
 - ``reset_storm``: ``/reset_prefix_cache/`` from every worker at once, with a good call in flight;
@@ -107,6 +112,48 @@ def _tiny_values(target: Target) -> list[int]:
     ]
 
 
+def _invalid_values(target: Target) -> list[int]:
+    return [
+        target.post("/infer/", _body("invalid_prompt_ids", int(1_048_000 * target.scale))),
+        target.post("/infer/", _body("unknown_keys", int(300_000 * target.scale))),
+        target.post("/infer/", _body("non_string_images", int(1_000_000 * target.scale))),
+    ]
+
+
+def _image_containers(target: Target) -> list[int]:
+    return [
+        target.post("/infer/", _body("tiff_strip_table", int(3_000_000 * target.scale))),
+        target.post("/infer/", _body("jpeg_many_segments", int(1_000_000 * target.scale))),
+        target.post("/infer/", _body("jpeg_many_scans", 2_000)),
+    ]
+
+
+def _chunked_uploads(target: Target) -> list[int]:
+    """1-byte chunks (one 64 KiB send of framing after another, 2 s at most), without and with the
+    key's absence mattering: the answer must come at once and the server must close the socket."""
+    host, port = target.url.removeprefix("http://").split(":")
+    head = (
+        f"POST /infer/ HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        "Transfer-Encoding: chunked\r\n\r\n"
+    ).encode()
+    piece = b"1\r\nx\r\n" * 10_000
+    statuses = []
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(head)
+        started = time.monotonic()
+        try:
+            while time.monotonic() - started < 2.0:
+                sock.sendall(piece)
+        except OSError:
+            pass  # closed by the server: what it should do
+        try:
+            answer = sock.recv(64)
+            statuses.append(int(answer.split(b" ")[1]) if answer.startswith(b"HTTP/1.1 ") else 0)
+        except OSError:
+            statuses.append(0)
+    return statuses
+
+
 def _big_sync(target: Target) -> list[int]:
     body = _body("big_peft_config", int((8 << 20) * target.scale))
     return [
@@ -146,6 +193,9 @@ def _disconnecting_clients(target: Target) -> list[int]:
 CASES: dict[str, Case] = {
     "redos": _redos,
     "tiny_values": _tiny_values,
+    "invalid_values": _invalid_values,
+    "image_containers": _image_containers,
+    "chunked_uploads": _chunked_uploads,
     "big_sync": _big_sync,
     "padded_images": _padded_images,
     "reset_storm": _reset_storm,

@@ -479,13 +479,15 @@ def main() -> None:
     )
     parser.add_argument("--threads", type=int, default=None, help="torch threads here and in the server")
     parser.add_argument("--skip-transaction", action="store_true", help="leave out part 1")
+    parser.add_argument("--transaction-only", action="store_true", help="part 1 alone (no server)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     result: dict[str, Any] = {"torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count()}
     if not args.skip_transaction:
         result |= bench_transaction(args.payload_mb, args.bucket_mb, args.repeats)
-    result |= bench_server(args)
+    if not args.transaction_only:
+        result |= bench_server(args)
     print(json.dumps(result))
 
 

@@ -70,7 +70,7 @@ class RequestConfig(WireModel):
     repetition_penalty: float | None = Field(None, ge=PENALTY_MIN, le=PENALTY_MAX)
     num_beams: int = 1
     stop: list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]] | None = Field(
-        default_factory=list, max_length=MAX_STOP_STRINGS
+        default_factory=list, max_length=MAX_STOP_STRINGS, fail_fast=True
     )
     seed: int | None = Field(None, ge=0, le=SEED_MAX)
     stream: bool = False
@@ -138,7 +138,7 @@ class ChatTurn(WireModel):
     """One chat message: string content (with ``<image>`` tags) or a list of text / image parts."""
 
     role: str
-    content: str | Annotated[list[ContentPart], Field(max_length=MAX_CONTENT_PARTS)]
+    content: str | Annotated[list[ContentPart], Field(max_length=MAX_CONTENT_PARTS, fail_fast=True)]
 
     @field_validator("role")
     @classmethod
@@ -158,13 +158,15 @@ class InferRequest(WireModel):
     must be the ones whose placeholders the ids contain.
     """
 
-    messages: list[ChatTurn] = Field(default_factory=list, max_length=MAX_MESSAGES_PER_REQUEST)
-    images: list[str] = Field(default_factory=list, max_length=MAX_IMAGES_PER_REQUEST)
-    prompt_token_ids: list[Annotated[int, Field(ge=0, le=TOKEN_ID_MAX)]] | None = None
+    messages: list[ChatTurn] = Field(
+        default_factory=list, max_length=MAX_MESSAGES_PER_REQUEST, fail_fast=True
+    )
+    images: list[str] = Field(default_factory=list, max_length=MAX_IMAGES_PER_REQUEST, fail_fast=True)
+    prompt_token_ids: list[Annotated[int, Field(ge=0, le=TOKEN_ID_MAX)]] | None = Field(None, fail_fast=True)
     sample_id: str | None = Field(None, max_length=MAX_SAMPLE_ID_CHARS)
     # swift fields with no meaning for detection rollouts: accepted when empty.
-    audios: list[str] = Field(default_factory=list)
-    videos: list[str] = Field(default_factory=list)
+    audios: list[str] = Field(default_factory=list, fail_fast=True)
+    videos: list[str] = Field(default_factory=list, fail_fast=True)
     tools: list[Any] | None = None
     objects: dict[str, Any] = Field(default_factory=dict)
     data_dict: dict[str, Any] = Field(default_factory=dict)
@@ -209,7 +211,7 @@ class InferRequest(WireModel):
 class InferBody(WireModel):
     """Body of ``POST /infer/``; ``metrics``/``template``/``use_tqdm``/``adapter_request`` are swift's."""
 
-    infer_requests: list[InferRequest] = Field(max_length=MAX_INFER_REQUESTS)
+    infer_requests: list[InferRequest] = Field(max_length=MAX_INFER_REQUESTS, fail_fast=True)
     request_config: RequestConfig | None = None
     metrics: Any = None
     template: Any = None

@@ -59,7 +59,7 @@ class FlattenedTensorMeta(WireModel):
     """swift's ``FlattenedTensorMetadata``; ``start_idx``/``end_idx`` are byte offsets in the bucket."""
 
     name: str = Field(min_length=1, max_length=_NAME_CHARS)
-    shape: list[Annotated[int, Field(ge=0, le=MAX_BUCKET_BYTES)]] = Field(max_length=16)
+    shape: list[Annotated[int, Field(ge=0, le=MAX_BUCKET_BYTES)]] = Field(max_length=16, fail_fast=True)
     dtype: str = Field(max_length=64)
     start_idx: int = Field(ge=0, le=MAX_BUCKET_BYTES)
     end_idx: int = Field(ge=0, le=MAX_BUCKET_BYTES)
@@ -89,14 +89,14 @@ class TransactionHeader(WireModel):
 
 
 class UpdateFlattenedParamsBody(WireModel):
-    metadatas: list[FlattenedTensorMeta] = Field(max_length=1 << 20)
+    metadatas: list[FlattenedTensorMeta] = Field(max_length=1 << 20, fail_fast=True)
     transaction: TransactionHeader | None = None
 
 
 class UpdateAdapterBody(WireModel):
     lora_int_id: int = Field(ge=1, le=2**31 - 1)
     peft_config: dict[str, Any]
-    metadatas: list[FlattenedTensorMeta] = Field(max_length=1 << 20)
+    metadatas: list[FlattenedTensorMeta] = Field(max_length=1 << 20, fail_fast=True)
     transaction: TransactionHeader | None = None
 
 
@@ -105,7 +105,7 @@ class FinishUpdateBody(WireModel):
 
     version: int = Field(ge=0, le=MAX_WEIGHT_VERSION)
     mode: Literal["full", "adapter"]
-    bucket_checksums: list[Annotated[str, Field(max_length=64)]] = Field(max_length=1 << 20)
+    bucket_checksums: list[Annotated[str, Field(max_length=64)]] = Field(max_length=1 << 20, fail_fast=True)
     checksum: str = Field(max_length=64)
 
 

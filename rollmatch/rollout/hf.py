@@ -21,12 +21,14 @@ cumulative-probability boundary. Greedy rollouts do not sample.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from transformers import (
     LogitsProcessor,
     LogitsProcessorList,
+    StoppingCriteria,
+    StoppingCriteriaList,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
@@ -72,10 +74,15 @@ class HFBackend:
         return self.generate_seeded(requests, decoding, [seed + i for i in range(len(requests))])
 
     def generate_seeded(
-        self, requests: Sequence[RolloutRequest], decoding: Decoding, seeds: Sequence[int]
+        self,
+        requests: Sequence[RolloutRequest],
+        decoding: Decoding,
+        seeds: Sequence[int],
+        should_stop: Callable[[int], bool] | None = None,
     ) -> list[Rollout]:
         """:meth:`generate` with request ``i`` sampling from ``seeds[i]`` (the rollout server batches
-        requests of several calls, each call with its own seeds)."""
+        requests of several calls, each call with its own seeds). ``should_stop(i)``, asked once per
+        decoding step, ends request ``i`` there (the rollout server's abort; its rollout is cut short)."""
         model = strip_parallel_wrappers(self.model)
         was_training = model.training
         model.eval()
@@ -86,7 +93,8 @@ class HFBackend:
                 for offset in range(0, len(requests), self.batch_size):
                     chunk = requests[offset : offset + self.batch_size]
                     chunk_seeds = seeds[offset : offset + self.batch_size]
-                    rollouts.extend(self._generate_batch(model, chunk, decoding, chunk_seeds))
+                    stop = None if should_stop is None else _RowsStopped(should_stop, offset, len(chunk))
+                    rollouts.extend(self._generate_batch(model, chunk, decoding, chunk_seeds, stop))
         finally:
             model.train(was_training)
         return rollouts
@@ -97,6 +105,7 @@ class HFBackend:
         requests: Sequence[RolloutRequest],
         decoding: Decoding,
         seeds: Sequence[int],
+        stop: StoppingCriteria | None = None,
     ) -> list[Rollout]:
         device = next(model.parameters()).device
         inputs = left_padded_inputs(requests, self.pad_token_id, device)
@@ -110,6 +119,7 @@ class HFBackend:
             **inputs,
             do_sample=False,
             logits_processor=processors,
+            stopping_criteria=StoppingCriteriaList([stop] if stop is not None else []),
             max_new_tokens=decoding.max_new_tokens,
             repetition_penalty=decoding.repetition_penalty,
             eos_token_id=self.eos_token_id,
@@ -231,3 +241,17 @@ def left_padded_inputs(
             [r.image_grid_thw for r in requests if r.image_grid_thw is not None]
         )
     return {k: v.to(device) for k, v in inputs.items()}
+
+
+class _RowsStopped(StoppingCriteria):
+    """Ends the rows of one batch whose request ``should_stop(offset + row)`` says so, checked after
+    every decoding step (``generate`` keeps going for the other rows)."""
+
+    def __init__(self, should_stop: Callable[[int], bool], offset: int, rows: int):
+        self.should_stop, self.offset, self.rows = should_stop, offset, rows
+
+    def __call__(
+        self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs: object
+    ) -> torch.BoolTensor:
+        stopped = [self.should_stop(self.offset + row) for row in range(self.rows)]
+        return torch.tensor(stopped, dtype=torch.bool, device=input_ids.device)  # type: ignore[return-value]

@@ -13,7 +13,8 @@ Endpoints: ``GET /health/`` (503 when a weight load failed half-way or the engin
 ``/init_communicator/`` (returns the sync lease), ``/update_flattened_params/``,
 ``/update_adapter_flattened_param/``, ``/finish_weight_update/``, ``/close_communicator/`` (these
 need the lease in ``X-Rollmatch-Sync-Lease``; ``/init_communicator/`` needs the sync key in
-``X-Rollmatch-Sync-Key`` when the server has one: 403 without), ``/reset_prefix_cache/``.
+``X-Rollmatch-Sync-Key`` when the server has one: 403 without), ``/reset_prefix_cache/`` (the
+lease, or the sync key when the server has one; a no-op on an engine without a prefix cache).
 ``/health/``, ``/info/`` and ``/stats/`` are ``async`` routes that read lock-free state on the event
 loop: they never wait for the engine or for a worker thread (``/health/`` gives the reason behind a
 503 only to a caller with the key). ``/infer/`` reads its body itself under the in-flight body
@@ -30,8 +31,10 @@ weight-sync routes check the lease from the head, then read the body under
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import logging
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
@@ -70,6 +73,8 @@ from rollmatch.server.timing import PhaseTimes
 
 log = logging.getLogger(__name__)
 _MAX_ERRORS_SHOWN = 8
+_DISCONNECT_POLL_S = 0.25
+_MAX_ERRORS_KEPT = 64  # errors of one body kept at all (wire lists are fail-fast: a few)
 ModelT = TypeVar("ModelT", bound=BaseModel)
 
 
@@ -145,7 +150,7 @@ def build_app(server: RolloutServer, *, api_key: str | None = None) -> FastAPI:
                     body = parse_json_body(InferBody, raw, content_type)
                     del raw
                 with times.phase("prepare"):
-                    return call(server.prepare, body, times)
+                    return call(server.prepare, body, times, gone.is_set)
             finally:
                 held[0] = b""
                 body_lease.release()
@@ -156,9 +161,14 @@ def build_app(server: RolloutServer, *, api_key: str | None = None) -> FastAPI:
             with times.phase("respond"):
                 return INFER_REPLY.dump_json(outputs)
 
-        with server.scheduler.arrival():  # a batching engine waits for calls being prepared
-            prepared = await run_in_threadpool(prepare)
-            ticket = call(server.submit, prepared)
+        gone = threading.Event()  # the client left while its call was prepared: stop between images
+        watcher = asyncio.create_task(_watch_disconnect(request, gone))
+        try:
+            with server.scheduler.arrival():  # a batching engine waits for calls being prepared
+                prepared = await run_in_threadpool(prepare)
+                ticket = call(server.submit, prepared)
+        finally:
+            watcher.cancel()
         with times.phase("engine"):
             if ticket is not None:
                 try:
@@ -227,7 +237,13 @@ def build_app(server: RolloutServer, *, api_key: str | None = None) -> FastAPI:
         return await run_in_threadpool(call, server.finish_update, body, lease)
 
     @app.post("/reset_prefix_cache/")
-    async def reset_prefix_cache() -> dict[str, str]:  # waits on the loop: no worker thread held
+    async def reset_prefix_cache(  # waits on the loop: no worker thread held
+        lease: str | None = Header(None, alias=LEASE_HEADER),
+        sync_key: str | None = Header(None, alias=SYNC_KEY_HEADER),
+    ) -> dict[str, str]:
+        # A reset drains (or, past the drain timeout, aborts) every call: weight-sync rights, not
+        # the API key alone (the lease of the current sync group, or the sync key when one is set).
+        call(server.sync.check_lease if lease is not None else server.sync.check_sync_key, lease or sync_key)
         try:
             await server.reset_prefix_cache()
         except (ValueError, RollmatchError) as exc:
@@ -257,12 +273,25 @@ def parse_json_body(model: type[ModelT], raw: bytes, content_type: str | None) -
                 }
             ]
         )
-    try:
-        with _collector_paused():
+    with (
+        _collector_paused()
+    ):  # the errors too: their count is bounded (fail-fast lists, one for unknown keys)
+        try:
             return model.model_validate_json(raw)  # one pass in pydantic's parser: no Python dict first
-    except ValidationError as exc:
-        errors = exc.errors(include_input=False, include_url=False)
-        raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in errors]) from None
+        except ValidationError as exc:
+            errors = exc.errors(include_input=False, include_url=False)[:_MAX_ERRORS_KEPT]
+            more = exc.error_count() - len(errors)
+    shown = [{**e, "loc": ("body", *e["loc"])} for e in errors]
+    if more > 0:
+        shown.append({"type": "more_errors", "loc": ("body",), "msg": f"{more} more errors not shown"})
+    raise RequestValidationError(shown)
+
+
+async def _watch_disconnect(request: Request, gone: threading.Event) -> None:
+    """Set ``gone`` once the client disconnects (polled every quarter second until cancelled)."""
+    while not await request.is_disconnected():
+        await asyncio.sleep(_DISCONNECT_POLL_S)
+    gone.set()
 
 
 @contextmanager

@@ -2,9 +2,13 @@
 
 Owns: :func:`guarded_h11_protocol`, uvicorn's h11 protocol with two additions uvicorn lacks:
 - a **read deadline**: a request's head and body must arrive within ``read_timeout_s`` of its first
-  byte (or of the connection's start), else the connection is closed. Slow clients (a header byte
+  byte (or of the connection's start, or, for a request pipelined behind another, of the moment
+  the one before it was answered), else the connection is closed. Slow clients (a header byte
   every few seconds), stalled bodies and connections that never send a request cannot pin memory
   or file descriptors. (uvicorn only times out idle kept-alive connections between requests.)
+- a **bound on pipelined bytes**: while a whole request is being answered (its call may wait for
+  the engine for minutes), the connection may send at most :data:`MAX_PIPELINED_BYTES` more
+  (a next request's head); past that it is closed (uvicorn buffered them without bound).
 - a **connection cap**: over ``max_connections`` open connections, the oldest one with no request
   head in progress (one that never completed a head: new or half-sent; else an idle kept-alive
   one) is closed to admit the new one. A connection whose request head arrived (an upload that
@@ -28,6 +32,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 log = logging.getLogger(__name__)
 HEALTH_RESERVE = 16  # connections past the cap, for /health/ only
+MAX_PIPELINED_BYTES = 64 << 10  # bytes a connection may send while its request is being answered
 _HEALTH_PATHS = frozenset({"/health/", "/health"})
 
 
@@ -40,6 +45,8 @@ def guarded_h11_protocol(read_timeout_s: float, max_connections: int) -> type[H1
         def __init__(self, *args: Any, **kwargs: Any):
             super().__init__(*args, **kwargs)
             self._read_deadline: asyncio.TimerHandle | None = None
+            self._counted_cycle: object = None
+            self._pipelined = 0
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -68,9 +75,46 @@ def guarded_h11_protocol(read_timeout_s: float, max_connections: int) -> type[H1
         def data_received(self, data: bytes) -> None:
             if self._read_deadline is None and self.between_requests:
                 self._arm_read_deadline()  # the first byte of the next request on a kept-alive connection
+            if self.request_in and self._pipelined_too_much(len(data)):
+                return
             super().data_received(data)
             if self.cycle is not None and not self.cycle.more_body:
                 self._disarm_read_deadline()  # the whole request is in
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            # A pipelined request that was waiting behind this one starts now, without a byte
+            # arriving: its head or body may be incomplete, so it gets a read deadline of its own.
+            if not self.transport.is_closing() and (self._body_incomplete or self.conn.trailing_data[0]):
+                self._arm_read_deadline()
+
+        @property
+        def request_in(self) -> bool:
+            """The current request arrived whole and is being answered (its call may wait long)."""
+            return self.cycle is not None and not self.cycle.more_body and not self.cycle.response_complete
+
+        @property
+        def _body_incomplete(self) -> bool:
+            return self.cycle is not None and not self.cycle.response_complete and self.cycle.more_body
+
+        def _pipelined_too_much(self, size: int) -> bool:
+            """Count bytes that arrive while a whole request is being answered (they belong to a next,
+            pipelined request, buffered until this answer is sent; the disconnect check keeps reading
+            them); past one request head's limit the connection is closed. ``True``: closed."""
+            if self._counted_cycle is not self.cycle:
+                self._counted_cycle, self._pipelined = self.cycle, 0
+            self._pipelined += size
+            if self._pipelined <= MAX_PIPELINED_BYTES:
+                return False
+            log.warning(
+                "closing connection from %s: %d bytes sent while its request was being answered, over the "
+                "%d a pipelined request head may take",
+                self.client,
+                self._pipelined,
+                MAX_PIPELINED_BYTES,
+            )
+            self.transport.close()
+            return True
 
         @property
         def between_requests(self) -> bool:

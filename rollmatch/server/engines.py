@@ -63,6 +63,7 @@ class ServerEngine(Protocol):
     fingerprint: dict[str, str]
     preparer: PromptPreparer
     join_window_s: float  # from idle, the most the engine thread waits for calls still being prepared
+    has_prefix_cache: bool  # False: a cache reset has nothing to forget (answered at once)
     required_weights: set[str]  # what a full update must carry (``check_weight_coverage``)
 
     def preprocess(self, prompt: PreparedPrompt) -> None:
@@ -90,6 +91,12 @@ class ServerEngine(Protocol):
 
     def abort(self, request_ids: Sequence[str]) -> None:
         """Drop queued or running requests (unknown ids are ignored)."""
+        ...
+
+    def interrupt(self, request_ids: Sequence[str]) -> None:
+        """From any thread: end these requests at the running step's next decoding step; the step
+        does not report them, and the engine thread's :meth:`abort` drops them (or the next step
+        runs them again). A no-op for an engine whose step is one decoding step."""
         ...
 
     def observe_progress(self, callback: Callable[[], None]) -> None:
@@ -132,6 +139,7 @@ class HFServerEngine:
     world_size = 1
     sync_modes = ["full"]  # noqa: RUF012  (read-only class constant)
     join_window_s = 0.25  # the most an idle engine waits for calls still being prepared
+    has_prefix_cache = False  # generate keeps no cache across calls
 
     def __init__(
         self,
@@ -171,6 +179,7 @@ class HFServerEngine:
         self._progress_hook: torch.utils.hooks.RemovableHandle | None = None
         self._on_tensor: Callable[[], None] = lambda: None
         self._queued: dict[str, tuple[RolloutRequest, Decoding, int]] = {}
+        self._interrupted: set[str] = set()  # written by any thread (set.add is atomic), read per step
         self.max_step_prompts = 4 * int(batch_size)
 
     def preprocess(self, prompt: PreparedPrompt) -> None:
@@ -196,7 +205,14 @@ class HFServerEngine:
         finished: list[tuple[str, EngineOutput]] = []
         for decoding, ids in groups.items():
             requests = [queued[i][0] for i in ids]
-            rollouts = self._backend.generate_seeded(requests, decoding, [queued[i][2] for i in ids])
+            seeds = [queued[i][2] for i in ids]
+            rollouts = self._backend.generate_seeded(
+                requests, decoding, seeds, lambda row, ids=ids: ids[row] in self._interrupted
+            )
+            stopped = {i for i in ids if i in self._interrupted}
+            for request_id in stopped:  # cut short: not an answer; queued again until aborted
+                self._queued[request_id] = queued[request_id]
+                self._interrupted.discard(request_id)
             finished.extend(
                 (
                     i,
@@ -211,12 +227,17 @@ class HFServerEngine:
                     ),
                 )
                 for i, r in zip(ids, rollouts, strict=True)
+                if i not in stopped
             )
         return finished
 
     def abort(self, request_ids: Sequence[str]) -> None:
         for request_id in request_ids:
             self._queued.pop(request_id, None)
+            self._interrupted.discard(request_id)
+
+    def interrupt(self, request_ids: Sequence[str]) -> None:
+        self._interrupted.update(request_ids)
 
     def observe_progress(self, callback: Callable[[], None]) -> None:
         if self._progress_hook is not None:  # one observer: a newer server replaces an older one
@@ -226,6 +247,7 @@ class HFServerEngine:
 
     def recover(self) -> None:
         self._queued.clear()  # HF generate keeps no other state across steps
+        self._interrupted.clear()
 
     @torch.no_grad()
     def load_weights(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
@@ -290,6 +312,7 @@ class VllmServerEngine:
     name = "vllm"
     world_size = 1  # the server process receives weights and hands them to its engine
     join_window_s = 0.0  # a request added mid-generation joins at the next engine step
+    has_prefix_cache = True
 
     def __init__(
         self,
@@ -381,6 +404,9 @@ class VllmServerEngine:
 
     def abort(self, request_ids: Sequence[str]) -> None:
         self._engine.abort(request_ids)
+
+    def interrupt(self, request_ids: Sequence[str]) -> None:
+        return None  # a step is one decoding step: the engine thread's abort follows it
 
     def observe_progress(self, callback: Callable[[], None]) -> None:
         self._engine.observe_forward(callback)

@@ -12,8 +12,11 @@ the routes). A missing or wrong token is a 401 before the body is read, so nothi
 ``GET``/``HEAD /health/`` stays open: liveness probes (the launcher, a load balancer, an
 orchestrator) hold no key, and it answers only engine state, queue depths and the weight version;
 the reason behind a 503 (exception text) only to a caller with the key (:data:`AUTHENTICATED`
-in the request scope tells the route). Bodies over ``--max-body-bytes`` are a 413, whether or not
-they declare a ``Content-Length``. Websocket connections (no route takes one) are refused before
+in the request scope tells the route). A body must come with a ``Content-Length``: a chunked one
+is a 411 and one with both length headers a 400; a body over ``--max-body-bytes`` is a 413 (from
+its declared length, else as it arrives). Every answer sent before the body was read to its end
+carries ``Connection: close``: the server closes the connection instead of parsing the rest of an
+unwanted upload. Websocket connections (no route takes one) are refused before
 any route sees them; ``lifespan`` events pass.
 Leaves out: the routes (``server.app``) and the flags (``rollmatch.cli``).
 """
@@ -145,6 +148,8 @@ class RequestGate:
             await self.app(scope, receive, send)
             return
         headers = dict(scope.get("headers") or [])
+        body_state = _BodyState(headers)
+        send = body_state.closing(send)
         given = headers.get(b"authorization", b"")
         scope[AUTHENTICATED] = self._expected is None or hmac.compare_digest(given, self._expected)
         if not scope[AUTHENTICATED] and not _open_route(scope):
@@ -157,11 +162,24 @@ class RequestGate:
                 [(b"www-authenticate", b"Bearer")],
             )
             return
+        if b"transfer-encoding" in headers:
+            # Chunked framing is parsed chunk by chunk on the event loop (1-byte chunks at 2 MB/s held
+            # /health/ for 8.5 s); every rollmatch and ms-swift client sends a Content-Length.
+            both = b"content-length" in headers
+            await _reply(
+                send,
+                400 if both else 411,
+                "a request may not carry both Content-Length and Transfer-Encoding (request smuggling); "
+                "send Content-Length only"
+                if both
+                else "chunked request bodies are not accepted: send the body with a Content-Length",
+            )
+            return
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
             await _reply(send, 413, self._too_large(int(declared)))
             return
-        await self.app(scope, self._counting(receive), send)
+        await self.app(scope, body_state.watching(self._counting(receive)), send)
 
     def _counting(self, receive: Receive) -> Receive:
         received = 0
@@ -172,7 +190,8 @@ class RequestGate:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_body_bytes:
-                    # Raised inside the route's body read: FastAPI answers it as it is.
+                    # Raised inside the route's body read: FastAPI answers it (the send wrapper adds
+                    # `Connection: close`, the rest of the body is never parsed).
                     raise HTTPException(status_code=413, detail=self._too_large(received))
             return message
 
@@ -219,6 +238,37 @@ def _loopback_address(address: ipaddress.IPv4Address | ipaddress.IPv6Address) ->
     if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
         return address.ipv4_mapped.is_loopback
     return address.is_loopback
+
+
+class _BodyState:
+    """Whether a request's body has been read to its end; a response that starts before then carries
+    ``Connection: close``, so the server closes the connection once it is sent instead of parsing and
+    discarding the rest of the body (a 401 or 413 without it kept uvicorn reading an unwanted upload
+    for up to the read deadline)."""
+
+    def __init__(self, headers: dict[bytes, bytes]):
+        self.complete = (
+            headers.get(b"content-length", b"0").strip() == b"0" and b"transfer-encoding" not in headers
+        )
+
+    def watching(self, receive: Receive) -> Receive:
+        async def watched() -> Message:
+            message = await receive()
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                self.complete = True
+            return message
+
+        return watched
+
+    def closing(self, send: Send) -> Send:
+        async def sent(message: Message) -> None:
+            if message["type"] == "http.response.start" and not self.complete:
+                headers = list(message.get("headers") or [])
+                if not any(name.lower() == b"connection" for name, _ in headers):
+                    message = {**message, "headers": [*headers, (b"connection", b"close")]}
+            await send(message)
+
+        return sent
 
 
 async def _reply(

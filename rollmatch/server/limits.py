@@ -53,6 +53,10 @@ class ServerLimits:
       costs 10-50x its size in memory (8 MiB of ``{}`` took 184-390 MiB and up to 3 s, 14 MiB of
       short strings 139-205 MiB, 8 MiB of prompt ids +84 MiB); the default, 2^20, leaves 4,096 for
       each of 256 requests (a detection request holds about 35 plus its prompt ids);
+    - ``max_json_keys`` (``--max-json-keys``): object keys of one such body, bounded before it is
+      parsed by its colons (413): every key is followed by one; colons inside strings (a data URL
+      holds one) only raise the bound. A key costs several values' worth to build (300k unknown keys
+      took 0.4-0.8 s holding the GIL); the default, 2^16, leaves 256 for each of 256 requests;
     - ``max_inflight_body_bytes`` (``--max-inflight-body-bytes``): the raw bytes of every ``/infer/``
       body being received, parsed or prepared at once, reserved from ``Content-Length`` (or chunk by
       chunk) before the body is read and given back once the call is prepared (429 with
@@ -69,6 +73,13 @@ class ServerLimits:
     - ``max_inflight_pixels`` (``--max-inflight-pixels``): the decoded pixels of every call in
       flight together, held from the header check until the call ends (429 with ``Retry-After``
       while other calls hold them); the default is eight full calls, 3 GiB as RGB;
+    - ``max_call_tensor_bytes`` / ``max_inflight_tensor_bytes`` (``--max-call-tensor-bytes``,
+      ``--max-inflight-tensor-bytes``): what the image processor makes of a call's images (their
+      ``smart_resize``d patches as float32, computed from the headers before any is decoded; 413 /
+      429). Source pixels undercount it: a 1x1 image becomes 74 KiB at ``min_pixels`` 3,136, a
+      448x448 one 4.6 MiB, a 1-megapixel photograph 24 MiB. The defaults, 4 GiB and 16 GiB (four
+      full calls), take what ``--max-call-pixels`` takes: 128 prompts of a 1-megapixel image, 256
+      of a COCO-sized one;
     - ``max_requests_per_call`` (``--max-requests-per-call``): ``infer_requests`` of one call (413),
       at most ``rollmatch.protocol.MAX_INFER_REQUESTS`` (the wire refuses more while parsing);
     - ``max_images_per_request`` (``--max-images-per-request``): images of one prompt (413), at most
@@ -99,6 +110,10 @@ class ServerLimits:
         "JSON values (objects, arrays, strings, list items) of one /infer/ or weight-sync body, counted "
         "before parsing (413)",
     )
+    max_json_keys: int = _cap(
+        1 << 16,
+        "object keys of one /infer/ or weight-sync body, bounded by its colons before parsing (413)",
+    )
     max_inflight_body_bytes: int = _cap(
         256 << 20, "raw /infer/ body bytes held at once, until each call is prepared (429 beyond)"
     )
@@ -115,6 +130,15 @@ class ServerLimits:
         64 * 4096 * 4096,
         "decoded pixels of all calls in flight together (429 while others hold them; 64 images of "
         "4096x4096, 3 GiB as RGB)",
+    )
+    max_call_tensor_bytes: int = _cap(
+        4 << 30,
+        "bytes of the image processor's output (resized patches, float32) for one call, from the headers "
+        "before any image is decoded (413)",
+    )
+    max_inflight_tensor_bytes: int = _cap(
+        16 << 30,
+        "bytes of prepared image tensors of all calls in flight together (429 while others hold them)",
     )
     max_requests_per_call: int = _cap(256, "infer_requests per call (413)")
     max_images_per_request: int = _cap(8, "images per prompt (413)")
@@ -135,11 +159,14 @@ class ServerLimits:
         positive = (
             "max_body_bytes",
             "max_json_values",
+            "max_json_keys",
             "max_inflight_body_bytes",
             "max_sync_body_bytes",
             "max_image_pixels",
             "max_call_pixels",
             "max_inflight_pixels",
+            "max_call_tensor_bytes",
+            "max_inflight_tensor_bytes",
             "max_requests_per_call",
             "max_images_per_request",
             "max_tokens",
@@ -163,6 +190,7 @@ class ServerLimits:
         self._check_order("max_image_pixels", "max_call_pixels", "a single image at the per-image cap")
         self._check_order("max_body_bytes", "max_inflight_body_bytes", "a body at the body cap")
         self._check_order("max_call_pixels", "max_inflight_pixels", "a full call")
+        self._check_order("max_call_tensor_bytes", "max_inflight_tensor_bytes", "a full call")
         for name, wire_max in (
             ("max_requests_per_call", MAX_INFER_REQUESTS),
             ("max_images_per_request", MAX_IMAGES_PER_REQUEST),
@@ -182,6 +210,14 @@ class ServerLimits:
         """Refuse (413) a body that may hold more JSON values than ``max_json_values``, before the
         parser builds them, from :func:`json_value_bound` alone (C speed, a few ms for 64 MiB; no
         scan of the text holds the GIL or runs per value)."""
+        keys = _count(raw, b":")
+        if keys > self.max_json_keys:
+            raise RequestTooLarge(
+                "--max-json-keys",
+                f"request body may hold {keys} object keys (counted from its colons), over this server's "
+                f"limit of {self.max_json_keys} (rollmatch serve --max-json-keys); send fewer keys per object "
+                "or fewer requests per call",
+            )
         limit = self.max_json_values
         bound = json_value_bound(raw)
         if bound > limit:

@@ -18,8 +18,10 @@ Safety rules, each a 4xx naming the image (never a 500, never a file probe):
   unreadable, a name too long, a loop) gets the answer of a value that is not a path, so the
   answer never tells whether a path exists outside the root; a file over ``max_file_bytes`` is a
   413 (``--max-body-bytes``: a local file may be as large as a request body);
-- the pixel count is read from the header and checked before any pixel is decoded (a 0.5 MB PNG
-  can decode to gigabytes), and only common still-image formats are opened;
+- only PNG, JPEG and WEBP are opened, after a bounded walk of their container
+  (``server.image_containers``: segments, scans, chunks and metadata bytes); the pixel count is
+  read from the header and checked before any pixel is decoded (a 0.5 MB PNG can decode to
+  gigabytes);
 - an image's encoded size must fit its pixel count: at most :data:`MAX_ENCODED_BYTES_PER_PIXEL`
   bytes per pixel plus :data:`ENCODED_SLACK_BYTES` (413 beyond). The largest honest still image is
   16-bit RGBA stored without compression, 8 bytes per pixel; twice that covers container overhead
@@ -48,12 +50,12 @@ from typing import TYPE_CHECKING, BinaryIO
 
 from rollmatch.errors import ServerBusy
 from rollmatch.protocol import from_base64
+from rollmatch.server.image_containers import IMAGE_FORMATS, check_container
 from rollmatch.server.limits import RequestTooLarge
 
 if TYPE_CHECKING:
     from PIL.Image import Image
 
-IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "BMP", "GIF", "TIFF")
 DEFAULT_MAX_IMAGE_PIXELS = 4096 * 4096
 DEFAULT_MAX_FILE_BYTES = 64 << 20  # ServerLimits.max_body_bytes' default
 MAX_ENCODED_BYTES_PER_PIXEL = 16
@@ -137,13 +139,17 @@ class PixelBudget:
         images: Iterable[tuple[str, str]],
         policy: MediaPolicy,
         encoded: dict[str, bytes] | None = None,
+        sizes: list[tuple[int, int]] | None = None,
     ) -> PixelLease:
         """Check every ``(field name, value)`` image of one call from its header (nothing decoded;
         the first error wins), then reserve their pixels; stops at the first image over the cap.
-        ``encoded`` keeps the base64 images' bytes for decoding (see :func:`image_size`)."""
+        ``encoded`` keeps the base64 images' bytes for decoding (see :func:`image_size`); ``sizes``
+        gets every image's ``(width, height)``."""
         total = 0
         for where, value in images:
             width, height = image_size(value, policy, where, encoded)
+            if sizes is not None:
+                sizes.append((width, height))
             total += width * height
             if total > self.max_call_pixels:
                 raise self._over_call(total, f"; {where} alone is {width}x{height}", at_least=True)
@@ -181,6 +187,32 @@ class PixelBudget:
         )
 
 
+class TensorBudget(PixelBudget):
+    """The bytes of the image processor's output (the patches an engine gets: ``smart_resize``d
+    pixels x float32, ``PromptPreparer.tensor_bytes``) calls may hold: one call at most
+    ``--max-call-tensor-bytes`` (413), all calls in flight ``--max-inflight-tensor-bytes`` (429).
+    Source pixels undercount it: a 1x1 image becomes 74 KiB of patches at ``min_pixels`` 3,136."""
+
+    def _take(self, pixels: int) -> None:
+        with self._lock:
+            if pixels and self._held + pixels > self.max_inflight_pixels:
+                raise ServerBusy(
+                    f"the server holds {self._held} bytes of prepared image tensors for calls in flight; this "
+                    f"call's {pixels} would pass its limit of {self.max_inflight_pixels} (rollmatch serve "
+                    "--max-inflight-tensor-bytes); retry later or add servers",
+                    retry_after_s=1.0,
+                )
+            self._held += pixels
+
+    def _over_call(self, pixels: int, detail: str = "", at_least: bool = False) -> RequestTooLarge:
+        return RequestTooLarge(
+            "infer_requests",
+            f"infer_requests: the images of this call become {pixels} bytes of image tensors once processed "
+            f"(the processor's resized patches, float32), over this server's limit of {self.max_call_pixels} "
+            "per call (rollmatch serve --max-call-tensor-bytes); send fewer images per call",
+        )
+
+
 class PixelLease:
     """The pixels one call holds until :meth:`release` (idempotent): when the engine is done with
     the call, or when it is refused. A lease dropped without release (a call abandoned between its
@@ -190,6 +222,7 @@ class PixelLease:
         self.budget = budget
         self._pixels = [pixels]  # shared with the finalizer, which must not hold the lease
         self._finalizer = weakref.finalize(self, _give_back, budget, self._pixels)
+        self.linked: list[PixelLease] = []  # released with this one (the call's tensor bytes)
 
     @property
     def pixels(self) -> int:
@@ -208,6 +241,8 @@ class PixelLease:
 
     def release(self) -> None:
         self._finalizer()
+        for lease in self.linked:
+            lease.release()
 
 
 def _give_back(budget: PixelBudget, pixels: list[int]) -> None:
@@ -314,6 +349,7 @@ def _header(stream: BinaryIO, max_pixels: int, where: str) -> Iterator[Image]:
 
     encoded_bytes = stream.seek(0, io.SEEK_END)
     stream.seek(0)
+    check_container(stream, where)  # the container's structure, bounded, before any parser reads it
     try:
         with PILImage.open(stream, formats=IMAGE_FORMATS) as image:
             width, height = image.size

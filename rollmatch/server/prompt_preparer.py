@@ -15,7 +15,7 @@ number of steps).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -79,11 +79,13 @@ class PromptPreparer:
         index: int,
         times: PhaseTimes | None = None,
         encoded: dict[str, bytes] | None = None,
+        cancelled: Callable[[], bool] | None = None,
     ) -> PreparedPrompt:
         """Decode the images; take the trainer's ids (checked), or encode the chat messages.
 
         ``times`` (optional) gets the image decoding as its ``decode`` phase; ``encoded`` holds the
-        images' bytes already decoded from base64 (``server.media.image_size``), by field name.
+        images' bytes already decoded from base64 (``server.media.image_size``), by field name;
+        ``cancelled`` (the client left?) is asked before every image.
         """
         times = times if times is not None else PhaseTimes()
         where = f"infer_requests[{index}]"
@@ -98,7 +100,7 @@ class PromptPreparer:
             self.check_token_ids(f"{where}.prompt_token_ids", request.prompt_token_ids, len(request.images))
             with times.phase("decode"):
                 images = [
-                    self._image(value, f"{where}.images[{i}]", encoded)
+                    self._image(value, f"{where}.images[{i}]", encoded, cancelled)
                     for i, value in enumerate(request.images)
                 ]
             return PreparedPrompt(sample_id, list(request.prompt_token_ids), images)
@@ -117,11 +119,60 @@ class PromptPreparer:
         flags = {key: value for key, value in request.chat_template_kwargs.items() if value is not None}
         text = self.template.render(messages, flags, where=f"{where}.messages")  # before decoding: cheaper
         with times.phase("decode"):
-            images = [self._image(value, name, encoded) for name, value in sources]
+            images = [self._image(value, name, encoded, cancelled) for name, value in sources]
         batch = self.processor(text=[text], images=images or None, return_tensors="pt")
         ids = batch["input_ids"][0].tolist()
         self.check_token_ids(f"{where}.messages", ids, len(images))
         return PreparedPrompt(sample_id, ids, images)
+
+    def tensor_bytes(self, width: int, height: int) -> int:
+        """Bytes of what the image processor makes of a ``width`` x ``height`` image: its
+        ``smart_resize``d size in patches x (channels x temporal patch x patch^2) float32 values. An
+        aspect ratio the processor refuses is a ``ValueError`` here, before decoding."""
+        image_processor = getattr(self.processor, "image_processor", None)
+        patch = getattr(image_processor, "patch_size", None)
+        if image_processor is None or patch is None:
+            return width * height * 3 * 4  # no patch processor: the image as float32 RGB
+        return (
+            self._patches(width, height) * 3 * int(image_processor.temporal_patch_size) * int(patch) ** 2 * 4
+        )
+
+    def image_tokens(self, width: int, height: int) -> int:
+        """The ``<|image_pad|>`` tokens the processor makes of a ``width`` x ``height`` image."""
+        merge = int(self.processor.image_processor.merge_size)
+        return self._patches(width, height) // (merge * merge)
+
+    def _patches(self, width: int, height: int) -> int:
+        from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
+
+        image_processor = self.processor.image_processor
+        patch, size = int(image_processor.patch_size), image_processor.size
+        resized_h, resized_w = smart_resize(
+            height,
+            width,
+            factor=patch * int(image_processor.merge_size),
+            min_pixels=int(size["shortest_edge"]),
+            max_pixels=int(size["longest_edge"]),
+        )
+        return (resized_h // patch) * (resized_w // patch)
+
+    def chat_length(self, request: InferRequest, index: int, sizes: dict[str, tuple[int, int]]) -> int:
+        """The prompt tokens a chat request will have, from its rendered text and its images' header
+        sizes (``field name -> (width, height)``): nothing decoded. 0 when :meth:`prepare` will
+        refuse the request anyway (no template, too many images)."""
+        where = f"infer_requests[{index}]"
+        self._check_text_size(request, where)
+        messages, sources = chat_messages(request.messages, request.images, where)
+        if (
+            self.template is None
+            or len(sources) > self.max_images
+            or any(name not in sizes for name, _ in sources)
+        ):
+            return 0
+        flags = {key: value for key, value in request.chat_template_kwargs.items() if value is not None}
+        text = self.template.render(messages, flags, where=f"{where}.messages")
+        text_tokens = len(self.tokenizer(text)["input_ids"])
+        return text_tokens + sum(self.image_tokens(*sizes[name]) - 1 for name, _ in sources)
 
     def check_token_ids(self, where: str, ids: Sequence[int], num_images: int) -> None:
         """Ids inside the vocabulary; one ``<|vision_start|><|image_pad|>...`` block per image, no video."""
@@ -151,7 +202,17 @@ class PromptPreparer:
                 f"{MAX_TEXT_CHARS} per prompt",
             )
 
-    def _image(self, value: str, where: str, encoded: dict[str, bytes] | None = None) -> Image:
+    def _image(
+        self,
+        value: str,
+        where: str,
+        encoded: dict[str, bytes] | None = None,
+        cancelled: Callable[[], bool] | None = None,
+    ) -> Image:
+        if cancelled is not None and cancelled():
+            raise ValueError(
+                f"{where}: the client disconnected; the call was dropped before decoding this image"
+            )
         return decode_image(value, self.media, where, encoded)
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -53,7 +53,7 @@ from rollmatch.server.bodies import BodyBudget
 from rollmatch.server.engine_watch import WEIGHT_LOAD, EngineWatch
 from rollmatch.server.engines import EngineOutput, ServerEngine, check_weight_coverage
 from rollmatch.server.limits import RequestTooLarge, ServerLimits
-from rollmatch.server.media import PixelBudget, PixelLease
+from rollmatch.server.media import PixelBudget, PixelLease, TensorBudget
 from rollmatch.server.prompt_preparer import PreparedPrompt, chat_messages, trim_at_stop_strings
 from rollmatch.server.scheduler import CallTicket, EngineScheduler
 from rollmatch.server.sync_session import SyncSession
@@ -95,6 +95,7 @@ class RolloutServer:
         self._probe = ImageProbe(size=PROBE_IMAGE_SIZE, resized=resized, image_tokens=tokens)
         self.limits = limits or ServerLimits()
         self.pixels = PixelBudget(self.limits.max_call_pixels, self.limits.max_inflight_pixels)
+        self.tensors = TensorBudget(self.limits.max_call_tensor_bytes, self.limits.max_inflight_tensor_bytes)
         self.bodies = BodyBudget(self.limits.max_inflight_body_bytes)
         self._preparing_prompts = 0  # prompts of calls between their parse and their submission
         self.watch = EngineWatch(self.limits.engine_stall_timeout_s)
@@ -152,14 +153,19 @@ class RolloutServer:
             self._count(rejected=1)
             raise
 
-    def prepare(self, body: InferBody, times: PhaseTimes | None = None) -> PreparedCall:
+    def prepare(
+        self, body: InferBody, times: PhaseTimes | None = None, cancelled: Callable[[], bool] | None = None
+    ) -> PreparedCall:
         """Caps, cross-field checks and the prepared prompts (images decoded): a ``ValueError`` (4xx)
-        names what is wrong; nothing reaches the engine."""
+        names what is wrong; nothing reaches the engine. ``cancelled`` (the client left?) is asked
+        before every image is decoded and every prompt preprocessed."""
         self.scheduler.refuse_if_broken()  # before decoding any image
         pixels: PixelLease | None = None
         try:
             with self._admission(len(body.infer_requests)):
-                config, prompts, pixels = self._checked(body, times if times is not None else PhaseTimes())
+                config, prompts, pixels = self._checked(
+                    body, times if times is not None else PhaseTimes(), cancelled
+                )
             if not prompts:
                 return PreparedCall(config, prompts, None, pixels)
             longest = max(len(p.prompt_token_ids) for p in prompts)
@@ -244,7 +250,7 @@ class RolloutServer:
         ]
 
     def _checked(
-        self, body: InferBody, times: PhaseTimes
+        self, body: InferBody, times: PhaseTimes, cancelled: Callable[[], bool] | None = None
     ) -> tuple[RequestConfig, list[PreparedPrompt], PixelLease]:
         """Caps and cross-field checks the wire models cannot know; then the call's images checked from
         their headers and their pixels reserved before any is decoded (``server.media``); then the
@@ -277,11 +283,19 @@ class RolloutServer:
             )
         self._check_prompt_ids_fit(body.infer_requests)
         preparer = self.engine.preparer
-        images = _image_sources(body.infer_requests, preparer.max_images)
+        images = list(_image_sources(body.infer_requests, preparer.max_images))
         encoded: dict[str, bytes] = {}  # base64 decoded once: for the header check, then for decoding
-        pixels = self.pixels.reserve_call(images, preparer.media, encoded)
+        sizes: list[tuple[int, int]] = []
+        pixels = self.pixels.reserve_call(images, preparer.media, encoded, sizes)
         try:
-            prompts = [preparer.prepare(r, i, times, encoded) for i, r in enumerate(body.infer_requests)]
+            # What the processor makes of them, before any is decoded (released with the pixels).
+            pixels.linked.append(self.tensors.reserve(sum(preparer.tensor_bytes(w, h) for w, h in sizes)))
+            self._check_chat_lengths(
+                body.infer_requests, dict(zip((n for n, _ in images), sizes, strict=False))
+            )
+            prompts = [
+                preparer.prepare(r, i, times, encoded, cancelled) for i, r in enumerate(body.infer_requests)
+            ]
             pixels.cover(sum(image.width * image.height for p in prompts for image in p.images))
             if self.preprocess_in_prepare:
                 with times.phase("preprocess"):
@@ -301,6 +315,20 @@ class RolloutServer:
                 raise
             except Exception as exc:
                 raise _engine_failure(exc) from exc
+
+    def _check_chat_lengths(self, requests: list[InferRequest], sizes: dict[str, tuple[int, int]]) -> None:
+        """Refuse a call whose chat prompt leaves no room within ``max_model_len``, each prompt
+        tokenised in turn (its images counted from their header sizes) before any image is decoded."""
+        for index, request in enumerate(requests):
+            if request.prompt_token_ids:
+                continue
+            length = self.engine.preparer.chat_length(request, index, sizes)
+            if length >= self.engine.max_model_len:
+                raise ValueError(
+                    f"prompt too long: infer_requests[{index}].messages make a prompt of {length} tokens, which "
+                    f"leaves no room for new tokens within the server's max_model_len of "
+                    f"{self.engine.max_model_len}; shorten it or serve with a larger --max-model-len"
+                )
 
     def _check_prompt_ids_fit(self, requests: list[InferRequest]) -> None:
         """Refuse a call whose given prompt ids leave no room within ``max_model_len`` before any of

@@ -176,6 +176,8 @@ class EngineScheduler:
                 self._cond.notify_all()
         if queued:
             self._done(ticket, error)
+        else:  # a running HF generate stops the call's rows at its next decoding step
+            self._interrupt([ticket])
 
     async def wait_async(
         self, ticket: CallTicket, gone: Callable[[], Awaitable[bool]] | None = None
@@ -231,15 +233,34 @@ class EngineScheduler:
             self._refuse_if_stopped()
             self._operations.append(operation)
             self._cond.notify_all()
+        self._interrupt_if_aborting(operation)
         while not operation.done.wait(_POLL_S):
             self._fail_if_stalled()
+            self._interrupt_if_aborting(operation)  # the drain timeout passed while a step runs
         if operation.error is not None:
             raise operation.error
+
+    def _interrupt(self, calls: list[CallTicket]) -> None:
+        """Ask the engine to end these calls' requests at the running step's next decoding step (the
+        engine thread aborts them after it): an HF step generates whole responses otherwise."""
+        self.engine.interrupt([t.request_id(i) for t in calls for i in range(len(t.prompts))])
+
+    def _interrupt_if_aborting(self, operation: EngineOperation) -> None:
+        """From a waiting thread: when ``operation`` would abort the running calls now (abort mode, the
+        drain timeout), interrupt them so the engine thread gets to it within a decoding step."""
+        try:
+            calls = list(self._running_calls.values())
+            if calls and self._with_calls_in_flight(operation)[1] is not None:
+                self._interrupt(calls)
+        except RuntimeError:  # the engine thread changed the running calls meanwhile: next poll
+            return
 
     async def reset_caches(self) -> None:
         """Reset the engine's caches once in-flight calls finished, waiting on the event loop (no
         thread held). Joins a reset already pending; returns at once when nothing was generated or
         loaded since the last reset."""
+        if not self.engine.has_prefix_cache:
+            return  # nothing to forget (HF generate): never a drain
         with self._cond:
             self._refuse_if_stopped()
             operation = next((op for op in self._operations if op.what == CACHE_RESET), None)
@@ -395,8 +416,8 @@ class EngineScheduler:
         the caller aborts.) ``(False, None)``: it waits while they drain."""
         if operation.is_load and self.update_mode == "keep":
             return True, None
-        if operation.is_load and any(t.attempts >= self.max_reruns for t in self._running_calls.values()):
-            return False, None  # a call re-run max_reruns times already: this update waits for it to finish
+        if any(t.attempts >= self.max_reruns for t in list(self._running_calls.values())):
+            return False, None  # a call re-run max_reruns times already: this operation waits for it
         if operation.is_load and self.update_mode == "abort":
             return True, "the abort update mode"
         if time.monotonic() - operation.queued_at < self.drain_timeout_s:  # counted from the request

@@ -11,7 +11,9 @@ A bucket's checksum is a two-level HMAC tree: every ``LEAF_BYTES`` slice of the 
 thread pool (hashlib releases the GIL, so leaves run on as many cores as the pool has), and the
 bucket's checksum is ``HMAC(key, "bucket" | layout | byte count | leaf tags)``, the layout being
 every tensor's name, dtype, shape and offset. The update's checksum is ``HMAC(key, "update" | version
-| mode | bucket checksums)``. Tags are 128 bits (32 hex digits). SHA-256 runs at ~1.7 GB/s per core
+| mode | bucket checksums)``. Tags are 128 bits (32 hex digits). A bucket travels leaf by leaf (one
+broadcast per leaf), so the receiver hashes every leaf as it lands while the next is in transfer
+(:func:`leaf_tag_async`): only the last leaf's hash is left when the last byte arrives. SHA-256 runs at ~1.7 GB/s per core
 on CPUs with SHA extensions (measured here: 1.7 GB/s vs 0.9 GB/s for keyed BLAKE2b); a CUDA buffer
 is copied to host memory first.
 """
@@ -24,7 +26,7 @@ import os
 import secrets
 import struct
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -59,12 +61,28 @@ def bucket_checksum(key: bytes, metas: Sequence[TensorMeta], flat: torch.Tensor)
     """The keyed checksum of one bucket: its layout and every byte of its flat ``uint8`` buffer."""
     host = flat.detach().to("cpu").contiguous()
     data = memoryview(host.numpy()).cast("B")
-    starts = range(0, len(data), LEAF_BYTES)
-    leaves = list(_POOL.map(lambda start: _leaf(key, start, data[start : start + LEAF_BYTES]), starts))
+    leaves = list(_POOL.map(lambda span: _leaf(key, span[0], data[span[0] : span[1]]), leaf_spans(len(data))))
+    return bucket_tag(key, metas, len(data), leaves)
+
+
+def leaf_spans(num_bytes: int) -> list[tuple[int, int]]:
+    """The ``[start, end)`` byte ranges of a bucket's leaves, in order."""
+    return [(start, min(start + LEAF_BYTES, num_bytes)) for start in range(0, num_bytes, LEAF_BYTES)]
+
+
+def leaf_tag_async(key: bytes, start: int, chunk: torch.Tensor) -> Future[bytes]:
+    """One leaf's tag (``chunk`` = the bucket's bytes ``[start, start + len)``), hashed in the pool:
+    a receiver hashes each leaf as it lands, while the next one is still in transfer."""
+    host = chunk.detach().to("cpu").contiguous()
+    return _POOL.submit(lambda: _leaf(key, start, memoryview(host.numpy()).cast("B")))
+
+
+def bucket_tag(key: bytes, metas: Sequence[TensorMeta], num_bytes: int, leaves: Sequence[bytes]) -> str:
+    """The bucket's checksum from its leaves' tags (what :func:`bucket_checksum` returns)."""
     mac = hmac.new(key, b"bucket", hashlib.sha256)
     for meta in metas:
         mac.update(f"{meta.name}|{meta.dtype}|{tuple(meta.shape)}|{meta.offset};".encode())
-    mac.update(struct.pack(">Q", len(data)))
+    mac.update(struct.pack(">Q", num_bytes))
     for leaf in leaves:
         mac.update(leaf)
     return mac.hexdigest()[:TAG_HEX]

@@ -37,7 +37,7 @@ from rollmatch.protocol import (
     UpdateFlattenedParamsBody,
     WireModel,
 )
-from rollmatch.sync.digest import bucket_checksum, combine_checksums
+from rollmatch.sync.digest import bucket_checksum, bucket_tag, combine_checksums, leaf_spans, leaf_tag_async
 from rollmatch.sync.transport import PendingTransfer, WeightTransport
 from rollmatch.sync.weights import Bucket, TensorMeta, flatten_buckets, unflatten_bucket
 
@@ -150,7 +150,23 @@ def _send_bucket(
             transaction=header,
         )
         channel.post("/update_adapter_flattened_param/", body, phase)
-    return transport.broadcast_async(bucket.flat, src=transport.rank)
+    return _LeafTransfers(
+        [
+            transport.broadcast_async(bucket.flat[a:b], src=transport.rank)
+            for a, b in leaf_spans(bucket.num_bytes)
+        ]
+    )
+
+
+class _LeafTransfers:
+    """A bucket's broadcasts, one per digest leaf (``sync.digest.leaf_spans``), waited for in order."""
+
+    def __init__(self, transfers: list[PendingTransfer]):
+        self.transfers = transfers
+
+    def wait(self, phase: str) -> None:
+        for transfer in self.transfers:
+            transfer.wait(phase)
 
 
 def _finish(channel: ControlChannel, body: FinishUpdateBody) -> FinishUpdateReply:
@@ -269,13 +285,16 @@ class UpdateReceiver:
             raise SyncError(
                 f"bucket {header.bucket_index}: cannot stage {header.num_bytes} bytes ({exc})"
             ) from exc
-        transfer = self.transport.broadcast_async(flat, self.source_rank)
+        leaves = [
+            (a, b, self.transport.broadcast_async(flat[a:b], self.source_rank))
+            for a, b in leaf_spans(header.num_bytes)
+        ]
         phase = f"receive bucket {header.bucket_index} of version {header.version}"
         self._buckets.append(
             _StagedBucket(
                 plan,
                 flat,
-                self._digester.submit(_landed_checksum, self._digest_key, transfer, phase, plan, flat),
+                self._digester.submit(_landed_checksum, self._digest_key, leaves, phase, plan, flat),
             )
         )
 
@@ -328,10 +347,18 @@ class UpdateReceiver:
 
 
 def _landed_checksum(
-    key: bytes, transfer: PendingTransfer, phase: str, metas: list[TensorMeta], flat: torch.Tensor
+    key: bytes,
+    leaves: list[tuple[int, int, PendingTransfer]],
+    phase: str,
+    metas: list[TensorMeta],
+    flat: torch.Tensor,
 ) -> str:
-    transfer.wait(phase)
-    return bucket_checksum(key, metas, flat)
+    """The bucket's checksum, each leaf hashed as soon as it landed (while later leaves transfer)."""
+    tags = []
+    for start, end, transfer in leaves:
+        transfer.wait(phase)
+        tags.append(leaf_tag_async(key, start, flat[start:end]))
+    return bucket_tag(key, metas, int(flat.numel()), [tag.result() for tag in tags])
 
 
 def _verify(body: FinishUpdateBody, reply: FinishUpdateReply, buckets: list[_StagedBucket]) -> None:

@@ -18,6 +18,8 @@ from typing import Any
 from hypothesis import strategies as st
 from PIL import Image
 
+from rollmatch.server import adversarial
+
 
 def _png(size: tuple[int, int], mode: str = "RGB") -> str:
     buffer = io.BytesIO()
@@ -25,7 +27,13 @@ def _png(size: tuple[int, int], mode: str = "RGB") -> str:
     return base64.b64encode(buffer.getvalue()).decode()
 
 
+def _image_of(body: bytes) -> str:
+    return str(json.loads(body)["infer_requests"][0]["images"][0])
+
+
 SMALL_PNG = _png((28, 28))
+TIFF_BOMB = _image_of(adversarial.tiff_strip_table(2_000, side=64))  # small container bombs: cheap to send
+JPEG_SEGMENTS = _image_of(adversarial.jpeg_many_segments(1_000))
 WIDE_PNG = _png((60, 20))
 BOMB_PNG = _png((6000, 6000), mode="1")  # 36 M pixels in a few KB
 IMAGES = st.sampled_from(
@@ -45,6 +53,8 @@ IMAGES = st.sampled_from(
         "/dev/zero",
         "/proc/self/fd/0",
         base64.b64encode(b"GIF89a").decode(),
+        TIFF_BOMB,
+        JPEG_SEGMENTS,
     ]
 )
 

@@ -113,6 +113,7 @@ def test_concurrent_resets_coalesce_hold_no_worker_thread_and_skip_when_nothing_
     client, server = app_client(hf_engine)
     resets: list[float] = []
     real_reset = hf_engine.reset_caches
+    monkeypatch.setattr(hf_engine, "has_prefix_cache", True)  # as vLLM: resets drain (HF's are no-ops)
     monkeypatch.setattr(hf_engine, "reset_caches", lambda: resets.append(time.monotonic()) or real_reset())
     release = threading.Event()
     wedge = threading.Thread(  # an engine operation in progress: resets must wait behind it

@@ -80,7 +80,9 @@ def test_the_request_count_is_bounded_before_the_body_is_parsed(
 ) -> None:
     """163k tiny requests in 8 MB: the parser built them all (2.2 s, +273 MB) before a 422 from the
     wire's 4,096 bound; now the server's own cap answers 413 from a scan of the raw body."""
-    client, _ = app_client(hf_engine, max_tokens=2, max_json_values=1 << 23)  # this cap alone
+    client, _ = app_client(
+        hf_engine, max_tokens=2, max_json_values=1 << 23, max_json_keys=1 << 23
+    )  # this cap alone
     body = adversarial.many_tiny_requests(8 << 20)
     started = time.monotonic()
     reply = client.post("/infer/", content=body, headers=JSON)
