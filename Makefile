@@ -47,7 +47,7 @@ trl-venv: $(TRL_STAMP)
 
 $(TRL_STAMP):
 	test -x $(TRL_VENV)/bin/python || $(PY) -m venv $(TRL_VENV)
-	$(TRL_VENV)/bin/pip install -q torch==2.13.0
+	$(TRL_VENV)/bin/pip install -q $(TORCH_PIP_INDEX) torch==2.13.0
 	$(TRL_VENV)/bin/pip install -q trl==$(TRL_VERSION)
 	$(TRL_VENV)/bin/pip install -q --no-deps verl==$(VERL_VERSION)
 	$(TRL_VENV)/bin/pip install -q ray tensordict omegaconf hydra-core codetiming orjson
