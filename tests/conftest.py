@@ -9,7 +9,7 @@
 - ``free_port``: a function returning a currently free TCP port on 127.0.0.1.
 
 Tiers (``make test`` runs both): a test is marked ``integration`` when it starts several processes or
-a vLLM engine (see :func:`pytest_collection_modifyitems`); those run one at a time. Every other test
+a vLLM engine (see :func:`pytest_collection_modifyitems`; modules whose helpers do set ``pytestmark``); those run one at a time. Every other test
 is the unit tier, run under pytest-xdist (``-n 2``): each worker has its own session, so session
 fixtures (tiny models, in-process engines) are built per worker, ports come from ``free_port`` and
 files go under ``tmp_path``.
@@ -102,8 +102,9 @@ def loaded_tiny(tiny_model_dir: Path) -> tuple[Any, Any]:
 INTEGRATION_FIXTURES = frozenset(
     {"hf_server", "hf_sync_server", "start_server", "shared_vllm_engine", "start_launch", "launch_config"}
 )
-# What in a test module's source means its tests start several processes (torchrun ranks, launcher
-# supervision, stand-in servers) or a vLLM engine; a lone CLI subprocess does not count.
+# What in a test function's own source means it starts several processes (torchrun ranks, forked
+# ranks, launcher supervision, stand-in servers) or a vLLM engine (colocated, or in a CLI subprocess);
+# a lone CLI subprocess does not count. Modules whose helpers start them set ``pytestmark`` themselves.
 INTEGRATION_SOURCE = (
     "torchrun",
     "start_launch",
@@ -114,11 +115,10 @@ INTEGRATION_SOURCE = (
     "run_forked_ranks(",
     "VllmEngine",
     "vllm_engine",
+    'find_spec("vllm")',
+    'importorskip("vllm")',
+    '"rollout_backend": "vllm"',
 )
-
-
-# What in a test function's own source means it runs a vLLM engine (colocated, or in a CLI subprocess).
-INTEGRATION_TEST_SOURCE = ('find_spec("vllm")', 'importorskip("vllm")', '"rollout_backend": "vllm"')
 
 
 def _function_source(item: pytest.Item) -> str:
@@ -130,20 +130,13 @@ def _function_source(item: pytest.Item) -> str:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark the integration tier (``-m integration``): tests that use a server/engine fixture, whose
-    module starts several processes or a vLLM engine, or which run one themselves. They run serially
-    (two at once would share two cores between four or more processes, and their time bounds assume
-    a test has the machine to itself); the rest run under pytest-xdist."""
-    sources: dict[Path, bool] = {}
+    """Mark the integration tier (``-m integration``): tests that use a server/engine fixture or whose
+    own source starts several processes or a vLLM engine (see above). They run serially (two at once
+    would share two cores between four or more processes, and their time bounds assume a test has
+    the machine to itself); the rest run under pytest-xdist."""
     for item in items:
-        path = Path(item.path)
-        if path not in sources:
-            text = path.read_text() if path.suffix == ".py" else ""
-            sources[path] = any(token in text for token in INTEGRATION_SOURCE)
-        if (
-            sources[path]
-            or INTEGRATION_FIXTURES.intersection(getattr(item, "fixturenames", ()))
-            or any(token in _function_source(item) for token in INTEGRATION_TEST_SOURCE)
+        if INTEGRATION_FIXTURES.intersection(getattr(item, "fixturenames", ())) or any(
+            token in _function_source(item) for token in INTEGRATION_SOURCE
         ):
             item.add_marker(pytest.mark.integration)
 

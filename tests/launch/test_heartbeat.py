@@ -21,6 +21,9 @@ from rollmatch.launch.layout import Layout
 from rollmatch.launch.plan import LaunchPlan, free_ports
 from rollmatch.launch.supervisor import run_plan
 
+# Heartbeats timed against their 1 s timeout: the integration tier, one test at a time (tests/conftest.py).
+pytestmark = pytest.mark.integration
+
 TIMEOUT_S = 1.0
 # How long a detection may take: a silent node is named ~1.2 s after it stopped (the timeout plus one
 # beat), bounded at 10x that. A detector that ignored heartbeat_timeout_s would name it only after the

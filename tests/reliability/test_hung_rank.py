@@ -21,7 +21,7 @@ import yaml
 from rollmatch.collectives import FATAL_EXIT_GRACE_S
 from rollmatch.launch.plan import torchrun_command
 
-pytestmark = pytest.mark.heavy
+pytestmark = [pytest.mark.heavy, pytest.mark.integration]  # torchrun jobs, from helpers
 REPO = Path(__file__).resolve().parents[2]
 COLLECTIVE_TIMEOUT_S = 10
 START_UP_S = 120  # two ranks loading torch, transformers and the model on a loaded 2-core machine
