@@ -20,7 +20,7 @@ TRL_STAMP := $(TRL_VENV)/.installed
 TRL_VERSION := 1.16.0
 VERL_VERSION := 0.9.1
 
-.PHONY: venv swift-venv trl-venv demo test bench-smoke lint format bench
+.PHONY: venv swift-venv trl-venv demo test test-unit test-integration test-stress bench-smoke lint format bench
 
 venv: $(STAMP)
 
@@ -58,8 +58,20 @@ demo: $(STAMP)
 	$(VENV)/bin/rollmatch demo
 
 # The suite; the benchmark scripts' smoke runs (marker `bench`) are `make bench-smoke`, which CI runs after it.
-test: $(STAMP) $(SWIFT_STAMP) $(TRL_STAMP)
-	$(VENV)/bin/python -m pytest -q -m "not bench" --durations=20  # the slowest tests, to keep the suite fast
+# Two tiers: the unit tier on two pytest-xdist workers, then the integration tier (several processes or a
+# vLLM engine per test, marked by tests/conftest.py) one test at a time. Both report their slowest tests.
+test: test-unit test-integration
+
+test-unit: $(STAMP) $(SWIFT_STAMP) $(TRL_STAMP)
+	$(VENV)/bin/python -m pytest -q -m "not bench and not integration" -n 2 --durations=20
+
+test-integration: $(STAMP) $(SWIFT_STAMP) $(TRL_STAMP)
+	$(VENV)/bin/python -m pytest -q -m "not bench and integration" --durations=20
+
+# `make test` idle, with every core busy with another job, and pinned to one core; durations and
+# results in runs/test-stress/results.tsv (tools/test_stress.sh --help). Takes about an hour.
+test-stress: $(STAMP) $(SWIFT_STAMP) $(TRL_STAMP)
+	tools/test_stress.sh
 
 bench-smoke: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -m bench

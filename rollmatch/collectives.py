@@ -38,6 +38,7 @@ _FATAL_MARKERS = (
     "gloo",
     "nccl",
     "timed out",
+    "application timeout caused pair closure",  # gloo's wording of the same timeout, seen under CPU load
     "connection closed by peer",
     "connection reset",
     "processgroup",

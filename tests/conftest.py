@@ -7,10 +7,17 @@
 - ``loaded_tiny``: ``(model, processor)`` of ``tiny_model_dir``; float32, sdpa, eval mode. Shared by
   the session: a test that changes weights or modes must restore them (or load its own copy).
 - ``free_port``: a function returning a currently free TCP port on 127.0.0.1.
+
+Tiers (``make test`` runs both): a test is marked ``integration`` when it starts several processes or
+a vLLM engine (see :func:`pytest_collection_modifyitems`; modules whose helpers do set ``pytestmark``); those run one at a time. Every other test
+is the unit tier, run under pytest-xdist (``-n 2``): each worker has its own session, so session
+fixtures (tiny models, in-process engines) are built per worker, ports come from ``free_port`` and
+files go under ``tmp_path``.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
 
 # One OpenMP thread per test process unless the caller sets it: the tiny models gain nothing from a
@@ -89,6 +96,49 @@ def loaded_tiny(tiny_model_dir: Path) -> tuple[Any, Any]:
         tiny_model_dir, dtype=torch.float32, attn_implementation="sdpa"
     )
     return model.eval(), AutoProcessor.from_pretrained(tiny_model_dir)
+
+
+# Fixtures that start real server processes or engines: their tests are the integration tier.
+INTEGRATION_FIXTURES = frozenset(
+    {"hf_server", "hf_sync_server", "start_server", "shared_vllm_engine", "start_launch", "launch_config"}
+)
+# What in a test function's own source means it starts several processes (torchrun ranks, forked
+# ranks, launcher supervision, stand-in servers) or a vLLM engine (colocated, or in a CLI subprocess);
+# a lone CLI subprocess does not count. Modules whose helpers start them set ``pytestmark`` themselves.
+INTEGRATION_SOURCE = (
+    "torchrun",
+    "start_launch",
+    "run_plan(",
+    "start_child(",
+    "launch_server(",
+    "subprocess.Popen(",
+    "run_forked_ranks(",
+    "VllmEngine",
+    "vllm_engine",
+    'find_spec("vllm")',
+    'importorskip("vllm")',
+    '"rollout_backend": "vllm"',
+)
+
+
+def _function_source(item: pytest.Item) -> str:
+    function = getattr(item, "function", None)
+    try:
+        return inspect.getsource(function) if function is not None else ""
+    except (OSError, TypeError):
+        return ""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark the integration tier (``-m integration``): tests that use a server/engine fixture or whose
+    own source starts several processes or a vLLM engine (see above). They run serially (two at once
+    would share two cores between four or more processes, and their time bounds assume a test has
+    the machine to itself); the rest run under pytest-xdist."""
+    for item in items:
+        if INTEGRATION_FIXTURES.intersection(getattr(item, "fixturenames", ())) or any(
+            token in _function_source(item) for token in INTEGRATION_SOURCE
+        ):
+            item.add_marker(pytest.mark.integration)
 
 
 @pytest.fixture

@@ -143,6 +143,7 @@ def test_machine_overrides_give_a_config_this_machine_runs() -> None:
 
 
 @pytest.mark.heavy
+@pytest.mark.integration  # the CLI in a subprocess with the default backend: a vLLM engine where installed
 def test_eval_command_without_config_runs_as_the_readme_says(
     tiny_model_dir: Path, shapes: dict[str, Path], tmp_path: Path
 ) -> None:

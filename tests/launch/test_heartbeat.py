@@ -21,7 +21,14 @@ from rollmatch.launch.layout import Layout
 from rollmatch.launch.plan import LaunchPlan, free_ports
 from rollmatch.launch.supervisor import run_plan
 
+# Heartbeats timed against their 1 s timeout: the integration tier, one test at a time (tests/conftest.py).
+pytestmark = pytest.mark.integration
+
 TIMEOUT_S = 1.0
+# How long a detection may take: a silent node is named ~1.2 s after it stopped (the timeout plus one
+# beat), bounded at 10x that. A detector that ignored heartbeat_timeout_s would name it only after the
+# join timeout (30 s here) or never, so the bound still fails on that bug.
+DETECT_S = 12 * TIMEOUT_S
 HOSTS = ["127.0.0.1", "127.0.0.1"]
 
 
@@ -76,8 +83,8 @@ def test_a_node_that_stops_beating_is_named_lost_within_the_timeout(beat) -> Non
     time.sleep(TIMEOUT_S * 1.5)
     assert host.problem() is None and other.problem() is None  # both alive: nobody is lost
     silence(other)
-    problem, took = wait_problem(host, TIMEOUT_S * 4)
-    assert problem.startswith("node 1 (127.0.0.1) lost: no heartbeat for") and took < TIMEOUT_S * 3
+    problem, took = wait_problem(host, DETECT_S)
+    assert problem.startswith("node 1 (127.0.0.1) lost: no heartbeat for") and took < DETECT_S
     assert "launch.nodes.heartbeat_timeout_s=1" in problem
 
 
@@ -89,11 +96,8 @@ def test_the_hub_vanishing_makes_the_other_nodes_name_node_0(beat) -> None:
     host._hub.shutdown()
     host._hub.server_close()
     host._hub = None
-    problem, took = wait_problem(other, TIMEOUT_S * 5)
-    assert (
-        problem.startswith("node 0 (127.0.0.1) lost: its heartbeat hub at 127.0.0.1:")
-        and took < TIMEOUT_S * 4
-    )
+    problem, took = wait_problem(other, DETECT_S)
+    assert problem.startswith("node 0 (127.0.0.1) lost: its heartbeat hub at 127.0.0.1:") and took < DETECT_S
 
 
 def test_a_node_that_never_reports_is_named_after_the_join_timeout(beat) -> None:
@@ -119,14 +123,14 @@ def test_a_node_whose_launcher_failed_is_named_with_its_code(beat) -> None:
     host, other = beat(0), beat(1)
     time.sleep(TIMEOUT_S * 0.5)
     other.finish(3)
-    problem, _ = wait_problem(host, TIMEOUT_S * 2)
+    problem, _ = wait_problem(host, DETECT_S)
     assert problem == "node 1 (127.0.0.1) failed: its launcher exited with code 3"
     assert host.learners_done([1]) == {1: 3}
 
 
 def test_a_report_without_the_launch_key_is_refused(beat) -> None:
     host, stranger = beat(0, key="secret"), beat(1, key="guess")
-    problem, _ = wait_problem(stranger, TIMEOUT_S * 5)
+    problem, _ = wait_problem(stranger, DETECT_S)
     assert "refused this node's report: report not signed with the launch key" in problem
     assert host._hub is not None and host._hub.reports.keys() == {0}  # the stranger was never recorded
 
@@ -235,4 +239,4 @@ def test_a_servers_only_node_ends_with_the_learner_nodes(
     started = time.monotonic()
     assert run_plan(servers_only_plan(tmp_path), grace_s=1, heartbeat=host) == launch_code
     assert running_before_the_learner_ended == [True]  # the learner node still ran: so did the servers
-    assert time.monotonic() - started < TIMEOUT_S * 5
+    assert time.monotonic() - started < TIMEOUT_S + DETECT_S  # not after the join timeout (30 s)

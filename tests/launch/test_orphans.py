@@ -27,6 +27,9 @@ from rollmatch.launch.command import claim_launch_dir
 from rollmatch.launch.processes import previous_launch, process_alive
 from rollmatch.launch.watchdog import stop_trees
 
+# Launches, process trees and their watchdogs: the integration tier (tests/conftest.py).
+pytestmark = pytest.mark.integration
+
 REPO = Path(__file__).resolve().parents[2]
 GONE_WITHIN_S = 10.0
 

@@ -2,8 +2,10 @@
 same command and port, logs each restart, and gives up naming a server that keeps failing.
 
 Real processes: a stand-in server (a small HTTP server answering ``/health/`` on its port, which exits
-or freezes itself with SIGSTOP on cue) and a stand-in learner (sleeps, then exits 0). The full chaos run
-with real servers and a real learner is tests/launch/test_server_restart.py.
+or freezes itself with SIGSTOP once it answered its first health check, so the supervisor saw it up)
+and a stand-in learner that exits 0 once the server was started a second time (a gate on the restart
+itself, not a sleep that must outlast it) or, in the give-up case, runs until the supervisor stops it.
+The full chaos run with real servers and a real learner is tests/launch/test_server_restart.py.
 """
 
 from __future__ import annotations
@@ -30,16 +32,20 @@ SERVER = textwrap.dedent(
     first_run = not os.path.exists(marker)
     open(marker, "a").write("started\\n")
 
+    answered = threading.Event()
+
     class Health(BaseHTTPRequestHandler):
         def do_GET(self):
             self.send_response(200)
             self.end_headers()
+            answered.set()
 
         def log_message(self, *args):
             pass
 
     def fault_later():
-        time.sleep(1.5)
+        answered.wait()  # the supervisor has seen this server healthy
+        time.sleep(0.2)  # the answer reached it before the fault
         print(f"stand-in server: {fault}", flush=True)
         if fault == "exit-once" and first_run:
             os._exit(1)
@@ -56,7 +62,22 @@ SERVER = textwrap.dedent(
 )
 
 
-def _plan(tmp_path: Path, fault: str, learner_s: float) -> LaunchPlan:
+# Exits 0 once the server was started twice (the restart happened), 1 if that never comes.
+LEARNER_UNTIL_RESTARTED = textwrap.dedent(
+    """
+    import pathlib, sys, time
+
+    starts, deadline = pathlib.Path(sys.argv[1]), time.monotonic() + 100
+    while not (starts.exists() and starts.read_text().count("started") >= 2):
+        if time.monotonic() > deadline:
+            sys.exit("stand-in learner: the server was never restarted")
+        time.sleep(0.05)
+    """
+)
+LEARNER_FOREVER = "import time; time.sleep(600)"  # until the supervisor stops it
+
+
+def _plan(tmp_path: Path, fault: str, learner: str) -> LaunchPlan:
     script = tmp_path / "stand_in_server.py"
     script.write_text(SERVER)
     port = free_tcp_port()
@@ -71,7 +92,7 @@ def _plan(tmp_path: Path, fault: str, learner_s: float) -> LaunchPlan:
     learner = ProcessSpec(
         role="learner",
         index=0,
-        command=(sys.executable, "-c", f"import time; time.sleep({learner_s})"),
+        command=(sys.executable, "-c", learner, str(tmp_path / "starts.txt")),
         env={},
         log_path=tmp_path / "learner-0.log",
     )
@@ -95,7 +116,7 @@ def _plan(tmp_path: Path, fault: str, learner_s: float) -> LaunchPlan:
 def test_a_server_that_exits_is_restarted_on_its_port_and_the_run_finishes(
     tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    assert run_plan(_plan(tmp_path, "exit-once", learner_s=8.0), grace_s=1.0) == 0
+    assert run_plan(_plan(tmp_path, "exit-once", LEARNER_UNTIL_RESTARTED), grace_s=1.0) == 0
     output = capfd.readouterr().out
     assert "rollout server server-0 (http://127.0.0.1:" in output
     assert "exited with code 1: restarting it in 1s on the same devices and port (restart 1 of 1)" in output
@@ -108,7 +129,7 @@ def test_a_server_that_exits_is_restarted_on_its_port_and_the_run_finishes(
 def test_a_frozen_server_is_restarted_then_given_up_naming_it(
     tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    assert run_plan(_plan(tmp_path, "freeze", learner_s=120.0), grace_s=1.0) == EXIT_SERVER_FAILED
+    assert run_plan(_plan(tmp_path, "freeze", LEARNER_FOREVER), grace_s=1.0) == EXIT_SERVER_FAILED
     output = capfd.readouterr().out
     assert "did not answer /health/ for" in output and "restart 1 of 1" in output
     last = output[output.index("after 1 restart(s)") - 200 :]

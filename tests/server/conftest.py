@@ -2,7 +2,8 @@
 
 - ``start_server``: start a server subprocess, wait (bounded) for ``/health/``; stopped at teardown.
 - ``hf_server``: a session-wide HF-engine server on the tiny model that tests must NOT push weights
-  to (its outputs are compared with the pristine model).
+  to (its outputs are compared with the pristine model); ``hf_server.step_gate``: a file that, while
+  it exists, holds its engine steps (``gated_server.py``).
 - ``hf_sync_server``: a second session-wide HF-engine server that weight-sync tests may change.
 - ``raccoon_requests``: three trainer-encoded rollout requests on real photos (one grayscale).
 - ``server_config``: ``server_config(**server_keys)`` -> a server-mode config on the tiny model.
@@ -35,9 +36,11 @@ def _server_pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Serv
 def start_server(
     _server_pool: list[ServerProcess], tmp_path_factory: pytest.TempPathFactory
 ) -> Callable[..., ServerProcess]:
-    def start(model_dir: Path, *extra: str) -> ServerProcess:
+    def start(model_dir: Path, *extra: str, gated: bool = False) -> ServerProcess:
         port = free_tcp_port()
-        server = launch_server(model_dir, port, tmp_path_factory.mktemp("server") / "server.log", *extra)
+        folder = tmp_path_factory.mktemp("server")
+        gate = folder / "step-gate" if gated else None
+        server = launch_server(model_dir, port, folder / "server.log", *extra, step_gate=gate)
         _server_pool.append(server)
         return server
 
@@ -46,7 +49,7 @@ def start_server(
 
 @pytest.fixture(scope="session")
 def hf_server(start_server: Callable[..., ServerProcess], tiny_model_dir: Path) -> ServerProcess:
-    return start_server(tiny_model_dir, "--engine", "hf")
+    return start_server(tiny_model_dir, "--engine", "hf", gated=True)
 
 
 @pytest.fixture(scope="session")

@@ -144,7 +144,7 @@ def pushes_under_load(
 
 def check_load_result(result: LoadResult, engine: str, *, pushes: int = 4) -> None:
     """Every answer is a 200 whose output is the reference of the weights its version names; every
-    push took at most twice one generation call (plus 0.5 s for the transfer itself). Prints the figures."""
+    push took at most ten idle generation calls (plus 0.5 s for the transfer itself). Prints the figures."""
     print(
         f"{engine}: {len(result.answers)} answers, pushes {[round(s, 2) for s in result.push_seconds]} s, "
         f"one idle call {result.idle_call_seconds:.2f} s"
@@ -158,5 +158,8 @@ def check_load_result(result: LoadResult, engine: str, *, pushes: int = 4) -> No
         versions_seen.add(version)
     assert len(result.push_seconds) == pushes
     assert len(versions_seen) >= 2, versions_seen  # answers came from several versions
-    bound = 2 * result.idle_call_seconds + 0.5
+    # Idle, a push waits for the calls in flight (about one call) and loads; 10x that is the bound. An
+    # unfair update (new calls admitted while it waits) waits until the drain timeout (60 s by default)
+    # aborts them: with a 24-token call (well under 1 s here), the bound still fails on that bug.
+    bound = 10 * result.idle_call_seconds + 0.5
     assert max(result.push_seconds) <= bound, (result.push_seconds, result.idle_call_seconds)

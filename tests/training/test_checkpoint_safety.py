@@ -8,16 +8,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
+from fork_ranks import run_forked_ranks
 
-from rollmatch.config.load import config_to_yaml
 from rollmatch.errors import ConfigError
-from rollmatch.launch.plan import torchrun_command
 from rollmatch.training import checkpoints
 from rollmatch.training.checkpoints import (
     COMPLETE_MARKER,
@@ -112,22 +109,15 @@ def test_a_resumed_run_saves_at_its_own_interval(make_config, tmp_path):
 
 
 @pytest.mark.heavy
-def test_two_ranks_refuse_a_checkpoint_saved_by_one(make_config, tmp_path, free_port):
+def test_two_ranks_refuse_a_checkpoint_saved_by_one(make_config, tmp_path, capfd):
+    # Two real gloo ranks forked from this process (tests/fork_ranks.py): the check is ours, not torchrun's.
     out = tmp_path / "out"
     make_checkpoint(out, 2, complete=True, world_size=1)
     cfg = sft_config(make_config, out, max_steps=4, resume_from_checkpoint="latest")
-    cfg_path = tmp_path / "cfg.yaml"
-    cfg_path.write_text(config_to_yaml(cfg))
-    probe = tmp_path / "probe.py"
-    probe.write_text(
-        "import sys\nfrom rollmatch.config.load import load_config\n"
-        "from rollmatch.training.entry import run_training\nrun_training(load_config(sys.argv[1]))\n"
-    )
-    command = torchrun_command(2, free_port(), str(probe), str(cfg_path))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode != 0
-    assert "was saved by 1 learner process(es), this run has 2" in done.stderr, done.stderr[-4000:]
+    codes = run_forked_ranks(lambda rank: run_training(cfg), timeout_s=120, check=False)
+    stderr = capfd.readouterr().err
+    assert codes == {0: 1, 1: 1}, (codes, stderr[-4000:])
+    assert "was saved by 1 learner process(es), this run has 2" in stderr, stderr[-4000:]
     assert not (out / "metrics.jsonl").exists()  # refused before training started
 
 

@@ -1,20 +1,18 @@
 """Detection evaluation during training: ``eval/*`` metrics every N steps in the same sinks as training
-metrics, the best checkpoint (``metric_for_best_model``) kept and reloaded at the end; under torchrun
+metrics, the best checkpoint (``metric_for_best_model``) kept and reloaded at the end; with two gloo ranks
 rank 0 evaluates while the other rank waits, and both agree."""
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
+from fork_ranks import run_forked_ranks
 from transformers import AutoModelForImageTextToText
 
-from rollmatch.config.load import config_to_yaml
-from rollmatch.launch.plan import torchrun_command
 from rollmatch.training.entry import run_training
 
 EVAL_METRICS = ("eval/f1", "eval/precision", "eval/recall", "eval/map", "eval/truncated_frac", "eval/samples")
@@ -62,16 +60,9 @@ def test_eval_every_n_steps_keeps_and_reloads_the_best_checkpoint(make_config):
         assert torch.equal(a, b), f"final model is not the best checkpoint ({name})"
 
 
-PROBE = """
-import sys
-from rollmatch.config.load import load_config
-from rollmatch.training.entry import run_training
-run_training(load_config(sys.argv[1]))
-"""
-
-
 @pytest.mark.heavy
-def test_two_ranks_evaluate_consistently(make_config, tmp_path: Path, free_port) -> None:
+def test_two_ranks_evaluate_consistently(make_config, tmp_path: Path) -> None:
+    # Two real gloo ranks forked from this process (tests/fork_ranks.py): the eval logic is ours, not torchrun's.
     cfg = make_config(
         {
             "data": {"max_samples": 4},
@@ -85,14 +76,7 @@ def test_two_ranks_evaluate_consistently(make_config, tmp_path: Path, free_port)
             },
         }
     )
-    cfg_path = tmp_path / "cfg.yaml"
-    cfg_path.write_text(config_to_yaml(cfg))
-    probe = tmp_path / "probe.py"
-    probe.write_text(PROBE)
-    command = torchrun_command(2, free_port(), str(probe), str(cfg_path))
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    done = subprocess.run(command, capture_output=True, text=True, timeout=400, env=env)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run_forked_ranks(lambda rank: run_training(cfg), timeout_s=400)
     evals = _eval_lines(cfg.training.output_dir)
     assert [line["step"] for line in evals] == [1, 2]
     assert all(line["eval/samples"] == 2 for line in evals)

@@ -1,5 +1,7 @@
-"""Two real gloo ranks under torchrun: every rank runs the kind rank 0 decided, on every micro-step,
-with exactly one forward/backward per micro-step (DDP lock-step).
+"""Two real gloo ranks (forked from the test process, tests/fork_ranks.py: this is about our
+lock-step logic, not torchrun; the launcher's and the learner's tests run real torchrun): every rank
+runs the kind rank 0 decided, on every micro-step, with exactly one forward/backward per micro-step
+(DDP lock-step).
 
 Fault injection: rank 1 is given a different ``b_ratio`` than rank 0, so a rank that decided its
 own kind would run B where rank 0 runs A. Each rank logs the kind it executed per micro-step, and a
@@ -9,45 +11,49 @@ forward hook logs every training forward (grad enabled: rollouts run without gra
 from __future__ import annotations
 
 import json
-import os
+import logging
 import re
-import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
+from fork_ranks import run_forked_ranks
 
 from rollmatch.config.load import config_to_yaml
-from rollmatch.launch.plan import torchrun_command
 
-PROBE = """
-import logging, os, sys
-import torch, transformers
-from rollmatch.config.load import load_config
-from rollmatch.training.entry import run_training
 
-cfg_path, log_dir = sys.argv[1], sys.argv[2]
-rank = int(os.environ["RANK"])
-cfg = load_config(cfg_path)
-if rank == 1:
-    cfg.stage2_ab.schedule.b_ratio = 1.0  # disagrees with rank 0; rank 0's broadcast must win
-handler = logging.FileHandler(os.path.join(log_dir, f"kinds-rank{rank}.log"))
-stage2_log = logging.getLogger("rollmatch.training.trainer")
-stage2_log.setLevel(logging.DEBUG)
-stage2_log.addHandler(handler)
-auto = transformers.AutoModelForImageTextToText
-load_model = auto.from_pretrained
+def rank_probe(cfg_path: Path, log_dir: Path, rank: int) -> None:
+    """One rank's training run, with the fault injected and every training forward logged."""
+    import torch
+    import transformers
 
-def counting_forwards(*args, **kwargs):
-    model = load_model(*args, **kwargs)
-    def count(module, inputs):
-        if torch.is_grad_enabled():
-            stage2_log.debug("training forward on rank %d", rank)
-    model.register_forward_pre_hook(count)
-    return model
+    from rollmatch.config.load import load_config
+    from rollmatch.training.entry import run_training
 
-auto.from_pretrained = counting_forwards
-run_training(cfg)
-"""
+    cfg = load_config(cfg_path)
+    if rank == 1:
+        cfg.stage2_ab.schedule.b_ratio = 1.0  # disagrees with rank 0; rank 0's broadcast must win
+    handler = logging.FileHandler(log_dir / f"kinds-rank{rank}.log")
+    stage2_log = logging.getLogger("rollmatch.training.trainer")
+    stage2_log.setLevel(logging.DEBUG)
+    stage2_log.addHandler(handler)
+    auto = transformers.AutoModelForImageTextToText
+    load_model = auto.from_pretrained
+
+    def counting_forwards(*args: Any, **kwargs: Any) -> Any:
+        model = load_model(*args, **kwargs)
+
+        def count(module: Any, inputs: Any) -> None:
+            if torch.is_grad_enabled():
+                stage2_log.debug("training forward on rank %d", rank)
+
+        model.register_forward_pre_hook(count)
+        return model
+
+    auto.from_pretrained = counting_forwards  # this rank's own copy of the process: not the test's
+    run_training(cfg)
+
+
 EXECUTED = re.compile(r"stage2_ab step (\d+) micro-step (\d+)/(\d+) ran Channel-([AB]) on rank (\d+)")
 FORWARD = "training forward on rank"
 
@@ -65,7 +71,7 @@ def forwards_per_micro_step(lines: str) -> list[int]:
 
 
 @pytest.mark.heavy
-def test_every_rank_runs_rank_zeros_kind_for_the_whole_window(make_config, tmp_path, free_port):
+def test_every_rank_runs_rank_zeros_kind_for_the_whole_window(make_config, tmp_path):
     cfg = make_config(
         {
             "custom": {
@@ -84,12 +90,7 @@ def test_every_rank_runs_rank_zeros_kind_for_the_whole_window(make_config, tmp_p
     )
     cfg_path = tmp_path / "cfg.yaml"
     cfg_path.write_text(config_to_yaml(cfg))
-    probe = tmp_path / "probe.py"
-    probe.write_text(PROBE)
-    command = torchrun_command(2, free_port(), str(probe), str(cfg_path), str(tmp_path))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=280)
-    assert done.returncode == 0, done.stderr[-4000:]
+    run_forked_ranks(lambda rank: rank_probe(cfg_path, tmp_path, rank), timeout_s=280)
 
     expected = [(0, 1, 2, "A"), (0, 2, 2, "A"), (1, 1, 2, "B"), (1, 2, 2, "B")]
     for rank in (0, 1):
