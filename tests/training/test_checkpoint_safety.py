@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from fork_ranks import run_forked_ranks
 
+from rollmatch.config.load import config_to_yaml
 from rollmatch.errors import ConfigError
 from rollmatch.training import checkpoints
 from rollmatch.training.checkpoints import (
