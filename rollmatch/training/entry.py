@@ -113,9 +113,10 @@ def run_training(cfg: RollmatchConfig) -> TrainResult:
     install_warning_handler()  # API callers too (a no-op off the main thread)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    if missing := input_file_problems(cfg):  # what check-config refuses, refused here with its message
-        raise ConfigError(missing)
-    resume, resume_problems = None, []
+    # What check-config refuses, refused here with its message, every problem at once: missing inputs,
+    # an unusable checkpoint and the config's rules (resolve_run raises with all of them).
+    problems = input_file_problems(cfg)
+    resume = None
     try:  # before anything heavy: an incomplete checkpoint or another world size is refused at once
         resume = resolve_resume(
             cfg.training.resume_from_checkpoint,
@@ -124,13 +125,13 @@ def run_training(cfg: RollmatchConfig) -> TrainResult:
             overwrite=cfg.training.overwrite_output_dir,
         )
     except ConfigError as error:
-        resume_problems = error.problems
+        problems.extend(error.problems)
     run = resolve_run(
         cfg,
         world_size=world_size,
         device_count=torch.cuda.device_count(),
         device_type=device_type,
-        problems=resume_problems,
+        problems=problems,
     )
     gas = run.gradient_accumulation_steps
     init_default_group(cfg.training.collective_timeout_s)  # before HF, which would ignore the timeout

@@ -40,6 +40,7 @@ def demo_phases(inputs: Path, run: Path) -> dict[str, Any]:
         [
             *SMALL,
             "training.max_steps=2",
+            "preflight.records=0",  # a 3-step stage-1 writes no list yet; the test is about determinism
             f"training.output_dir={run}/rollout",
             f"model.path={first.final_model_dir}",
         ],
