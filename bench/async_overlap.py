@@ -117,6 +117,7 @@ def train(
                 "per_device_train_batch_size": args.batch,
                 "gradient_accumulation_steps": args.gas,
                 "max_steps": args.steps,
+                "logging_steps": 1,  # every step's step/seconds is read back
                 "packing": True,
                 "global_max_length": args.row_tokens,
                 "report_to": [],

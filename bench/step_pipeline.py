@@ -84,6 +84,7 @@ def train(
                 "output_dir": str(root / f"train_pipeline_{pipeline}"),
                 "per_device_train_batch_size": 1,
                 "max_steps": args.steps,
+                "logging_steps": 1,  # every step's metrics are read back
                 "packing": True,
                 "global_max_length": 384,
                 "report_to": [],
