@@ -75,6 +75,18 @@ LEARNER_UNTIL_RESTARTED = textwrap.dedent(
     """
 )
 LEARNER_FOREVER = "import time; time.sleep(600)"  # until the supervisor stops it
+# Exits 0 once the file named by its second argument exists (the test's gate), 1 if it never comes.
+LEARNER_UNTIL_GATE = textwrap.dedent(
+    """
+    import pathlib, sys, time
+
+    gate, deadline = pathlib.Path(sys.argv[2]), time.monotonic() + 100
+    while not gate.exists():
+        if time.monotonic() > deadline:
+            sys.exit("stand-in learner: the gate was never opened")
+        time.sleep(0.05)
+    """
+)
 
 
 def _plan(tmp_path: Path, fault: str, learner: str) -> LaunchPlan:
@@ -143,14 +155,27 @@ def test_a_frozen_server_is_restarted_then_given_up_naming_it(
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("restarts", [0, 1])
 def test_a_server_out_of_restarts_is_left_down_while_the_others_meet_min_healthy(
-    tmp_path: Path, capfd: pytest.CaptureFixture[str], restarts: int
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, restarts: int
 ) -> None:
     """Two servers, ``min_healthy: 1``: the one that keeps exiting is restarted ``restarts`` times, then
     left down, and the launch goes on until the learner finishes (it trains on the other server); with
     ``min_healthy`` null the same exit ends the launch, as before."""
     from rollmatch.config.schema import ServerEndpoint
+    from rollmatch.launch.console import ConsoleMerge
 
-    base = _plan(tmp_path, "exit-always", learner_s=20.0)
+    # The gate: the learner finishes once the supervisor said it left the server down (not a sleep that
+    # must outlast the restarts); without min_healthy the launch ends before, and the learner is stopped.
+    gate = tmp_path / "left_down"
+    say = ConsoleMerge.say
+
+    def say_and_open_the_gate(console: ConsoleMerge, message: str) -> None:
+        say(console, message)
+        if "left down" in message:
+            gate.touch()
+
+    monkeypatch.setattr(ConsoleMerge, "say", say_and_open_the_gate)
+    base = _plan(tmp_path, "exit-always", LEARNER_UNTIL_GATE)
+    base = replace(base, learner=replace(base.learner, command=(*base.learner.command, str(gate))))
     script = tmp_path / "stand_in_server.py"
     port = free_tcp_port()
     healthy = ProcessSpec(
@@ -176,4 +201,6 @@ def test_a_server_out_of_restarts_is_left_down_while_the_others_meet_min_healthy
 
     every = replace(plan, learner_config=RollmatchConfig(), launch_dir=tmp_path)  # min_healthy null
     (tmp_path / "starts.txt").unlink()
+    gate.unlink()  # closed again: only the server's exit can end this launch
     assert run_plan(every, grace_s=1.0) == EXIT_SERVER_FAILED
+    assert not gate.exists()
