@@ -470,6 +470,11 @@ class ChannelBConfig(Section):
     enable_pipeline: bool = Field(
         False, description="step mode: overlap rollouts and learning (server mode only)."
     )
+    max_carry_age_steps: int = Field(
+        4,
+        ge=0,
+        description="micro mode with `training.packing`: rollout segments that wait in the carry buffer for a later B step (with several ranks every micro-step trains one row and the rest waits) are dropped, not trained, once they are more than this many optimizer steps older than the step (their rollouts came from weights that old); counted in `stage2_ab/micro/carry_dropped_stale`. 0: a B step trains only its own rollouts. The default keeps a segment carried once from one B step to the next down to `schedule.b_ratio` 0.25 (B every 4 steps).",
+    )
     async_: AsyncConfig = Field(default_factory=AsyncConfig, alias="async")
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)

@@ -130,6 +130,14 @@ class CarryBuffer:
         self._waiting = left
         return [candidates[i] for i in picked]
 
+    def drop_older_than(self, step: int, max_age_steps: int) -> list[Segment]:
+        """Remove and return the waiting segments made more than ``max_age_steps`` optimizer steps before
+        ``step`` (``step - created_step > max_age_steps``): rollouts of weights too old to train on."""
+        kept = [s for s in self._waiting if step - s.created_step <= max_age_steps]
+        dropped = [s for s in self._waiting if step - s.created_step > max_age_steps]
+        self._waiting = kept
+        return dropped
+
     def drain(self) -> list[Segment]:
         """Remove and return every waiting segment (oldest first)."""
         waiting, self._waiting = self._waiting, []

@@ -334,7 +334,12 @@ class ServerBackend:
         so a push that failed on some servers is re-sent to the rest as a second attempt every rank
         joins (the outcome of the first says so), like a full-weight push's failover."""
         coll = self.collectives
-        coll.barrier(f"weight sync v{version}: before push")
+        # the push's start barrier also brings rank 0 the servers each rank's actor found down
+        found_down = coll.all_gather_object(
+            self.pool.newly_down_in(self.followers), f"weight sync v{version}: before push"
+        )
+        if coll.is_main:
+            self.pool.take_in_found_down(found_down)
         outcome: SyncReport | str | None = None
         failure: Exception | None = None
         rest: list[ServerConnection] | None = None

@@ -17,7 +17,10 @@ on a fresh connection reached the new process): :meth:`check_served` marks it do
 pusher brings it there: it pushes full weights on fresh groups to every down server that answers
 ``/health/`` again (``rollout.client``), then :meth:`admit` marks it up at once. Every push outcome
 also reaches the async actors' pools (:meth:`learner_pushed`): a server the push left out is down for
-them too, and the learner's version caps the versions that raise the re-admission floor. A server whose
+them too, and the learner's version caps the versions that raise the re-admission floor. The other way
+round, before each push the pusher takes in what every rank's actor found (:meth:`down_servers`): a server
+an actor's call found down is down for the pusher too, so it is not pushed to (no failed attempt, no
+second push) unless it answers ``/health/`` again, and then it is re-synced like any down server. A server whose
 pushes keep failing is re-tried with back-off (:meth:`push_failed`, :meth:`resync_due`). Leaves out: HTTP
 (``rollout.connection``), chunking and the weight push itself (``rollout.client``).
 """
@@ -70,6 +73,10 @@ class ServerPool:
     def is_down(self, conn: ServerConnection) -> bool:
         return conn.url in self._down
 
+    def down_servers(self) -> dict[str, str]:
+        """``{url: why}`` of the servers down now (a copy: another thread's client may mark one)."""
+        return self._down.copy()
+
     @property
     def healthy(self) -> list[ServerConnection]:
         """The servers in use now (no probing)."""
@@ -120,6 +127,27 @@ class ServerPool:
                 self.admit(conn, version)
             else:
                 self.mark_down(conn, why, count=count)
+
+    def newly_down_in(self, others: Sequence[ServerPool]) -> dict[str, str]:
+        """``{url: why}`` of the servers some of ``others`` (the async actors' pools) found down while this
+        pool counts them as up: what they learned since the last push."""
+        found: dict[str, str] = {}
+        for pool in others:
+            for url, why in pool.down_servers().items():
+                if url not in self._down:
+                    found.setdefault(url, why)
+        return found
+
+    def take_in_found_down(self, found_by_rank: Sequence[dict[str, str]]) -> None:
+        """The pusher's pool: a server some rank's actor found down (:meth:`newly_down_in`, gathered from
+        every rank) is down here too (the actor counted the failover), so the push leaves it out until it
+        answers ``/health/`` again and is re-synced."""
+        for rank, found in enumerate(found_by_rank):
+            for conn in self.connections:
+                if conn.url in found:
+                    self.mark_down(
+                        conn, f"found down by rank {rank}'s rollout actor: {found[conn.url]}", count=False
+                    )
 
     def push_failed(self, conn: ServerConnection) -> None:
         """A push to ``conn`` failed: skip it in the next 1, 2, 4 ... (at most 32) pushes' re-syncs, so a

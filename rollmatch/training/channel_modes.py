@@ -19,6 +19,9 @@ from rollmatch.training.rows import RowPlanner
 from rollmatch.training.segment_producers import ChannelOutput
 from rollmatch.training.step import ChannelBatch, ChannelStatus, GaugeKind, Windows
 
+CARRY_DROPPED_STALE = "stage2_ab/micro/carry_dropped_stale"
+CARRY_AGE_MAX = "stage2_ab/micro/carry_age_max"
+
 # records of the whole window, optimizer step -> segments (in record order) + metric sums
 Producer = Callable[[Sequence[Record], int], ChannelOutput]
 
@@ -48,9 +51,15 @@ class WindowRows:
             size = len(window) * self.per_record
             micro_batches.append(produced.segments[start : start + size])
             start += size
-        rows = self.rows.rows(micro_batches, drain=final)
+        rows = self.rows.rows(micro_batches, drain=final, step=global_step)
         self.rows.count(rows, produced.sums)
-        return ChannelBatch(rows=rows, batch=self.rows.batch, sums=produced.sums)
+        gauges: dict[str, tuple[GaugeKind, float]] = {}
+        if self.rows.max_carry_age_steps is not None and self.rows.carry is not None:
+            # rollouts carried to a later step (several ranks: one row per micro-step, the rest waits)
+            produced.sums[CARRY_DROPPED_STALE] += self.rows.dropped_stale
+            ages = [global_step - s.created_step for row in rows for s in row]
+            gauges[CARRY_AGE_MAX] = ("max", float(max(ages, default=0)))
+        return ChannelBatch(rows=rows, batch=self.rows.batch, sums=produced.sums, gauges=gauges)
 
     def finish_step(self, global_step: int) -> tuple[Counter[str], dict[str, tuple[GaugeKind, float]]]:
         return Counter(), {}

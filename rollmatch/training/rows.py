@@ -40,6 +40,7 @@ class RowPlanner:
         carry_limit: int,
         pad_token_id: int,
         one_row_per_micro_step: bool = False,
+        max_carry_age_steps: int | None = None,
     ):
         self.packing = packing
         self.packing_length = packing_length
@@ -49,9 +50,17 @@ class RowPlanner:
         self.carry = (
             CarryBuffer(capacity_tokens=packing_length, max_segments=carry_limit) if packing else None
         )
+        # Rollout channels: carried segments older than this many steps are dropped, not trained (their
+        # rollouts came from weights that old); None: no bound (GT targets do not age).
+        self.max_carry_age_steps = max_carry_age_steps
+        self.dropped_stale = 0  # segments the last ``rows`` call dropped for their age
 
-    def rows(self, micro_batches: Sequence[Sequence[Segment]], *, drain: bool = False) -> list[Row]:
+    def rows(
+        self, micro_batches: Sequence[Sequence[Segment]], *, drain: bool = False, step: int | None = None
+    ) -> list[Row]:
         """This step's rows for the segments its micro-batches brought (``drain``: empty the carry too).
+        With ``max_carry_age_steps`` and the optimizer ``step``, carried segments made more than that many
+        steps before ``step`` are dropped first (counted in :attr:`dropped_stale`).
 
         Packed: the step's segments are packed ahead, across its micro-batches — at least one row, more
         while a reserve of rows would wait (``packing.carry``); with ``one_row_per_micro_step`` at most one
@@ -60,6 +69,9 @@ class RowPlanner:
         """
         if self.carry is None:
             return [list(batch) for batch in micro_batches]
+        self.dropped_stale = 0
+        if self.max_carry_age_steps is not None and step is not None:
+            self.dropped_stale = len(self.carry.drop_older_than(step, self.max_carry_age_steps))
         new = [s for batch in micro_batches for s in batch]
         max_rows = len(micro_batches) if self.one_row_per_micro_step else None
         rows = self.carry.take_rows(new, min_rows=1, drain=drain, max_rows=max_rows)

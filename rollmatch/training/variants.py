@@ -158,7 +158,7 @@ def build_stage2(ctx: BuildContext) -> VariantParts:
 
 
 # ----------------------------------------------------------------------------------------- parts
-def row_planner(ctx: BuildContext) -> RowPlanner:
+def row_planner(ctx: BuildContext, max_carry_age_steps: int | None = None) -> RowPlanner:
     t = ctx.cfg.training
     return RowPlanner(
         packing=t.packing,
@@ -166,6 +166,7 @@ def row_planner(ctx: BuildContext) -> RowPlanner:
         carry_limit=t.carry_buffer_size,
         pad_token_id=ctx.encoder.pad_token_id,
         one_row_per_micro_step=ctx.collectives.world_size > 1,  # DDP lock-step: one pass per micro-step
+        max_carry_age_steps=max_carry_age_steps,
     )
 
 
@@ -211,7 +212,8 @@ def segment_producer(
 
 def micro_rollouts(ctx: BuildContext, backend: RolloutBackend) -> WindowRows:
     channel = rollout_channel(ctx, backend)
-    return WindowRows(channel.produce, row_planner(ctx), per_record=channel.rollouts_per_record)
+    rows = row_planner(ctx, ctx.cfg.stage2_ab.channel_b.max_carry_age_steps)
+    return WindowRows(channel.produce, rows, per_record=channel.rollouts_per_record)
 
 
 def step_rollouts(ctx: BuildContext, backend: RolloutBackend) -> StepRollouts:

@@ -214,3 +214,22 @@ def test_two_calls_on_one_server_ending_out_of_order_do_not_mark_it_down() -> No
     assert not pool.is_down(conn) and pool.served_version(conn) == 5
     with pytest.raises(ServerDown, match="answered at weight version 0 after serving 5"):
         pool.check_served(conn, [0], since=pool.served_version(conn))
+
+
+def test_what_an_actor_found_down_reaches_the_pusher_once_and_not_what_the_push_left_out() -> None:
+    """The pusher's pool takes in the servers each rank's actor pool found down since the last push
+    (named by rank, not counted again), and nothing the last push itself left out."""
+    urls = [f"http://127.0.0.1:{free_tcp_port()}" for _ in range(3)]
+    pusher = ServerPool([_conn(u) for u in urls], min_healthy=1)
+    actor = ServerPool([_conn(u) for u in urls], min_healthy=1)
+    for pool in (pusher, actor):  # the last push reached the first two servers only
+        pool.learner_pushed(2, urls[:2], "left out of the push", count=False)
+    assert pusher.newly_down_in([actor]) == {}  # the push's own verdict is no news
+    actor.mark_down(actor.connections[1], "no connection")  # the actor's call failed on server 1
+    found = pusher.newly_down_in([actor])
+    assert found == {urls[1]: "no connection"}
+    pusher.take_in_found_down([{}, found])  # gathered from two ranks: rank 1's actor found it
+    assert pusher.is_down(pusher.connections[1]) and not pusher.is_down(pusher.connections[0])
+    assert "rank 1's rollout actor: no connection" in pusher.down_servers()[urls[1]]
+    assert pusher.take_sums().get("servers/failovers", 0) == 0  # the actor's pool counted it
+    assert actor.take_sums()["servers/failovers"] == 1

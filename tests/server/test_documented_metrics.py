@@ -32,6 +32,7 @@ CONDITIONS: dict[str, set[str] | None] = {
     "grpo": {"grpo"},
     "stage2_ab": {"micro", "step", "async"},
     "step mode": {"step"},
+    "micro mode": {"micro"},
     "async": {"async"},
     "rollout servers": {"async"},
     "evaluation": {"sft"},

@@ -195,3 +195,68 @@ def test_a_server_that_cannot_form_its_group_is_dropped_for_every_client_and_rea
     finally:
         actor.close()
         backend.close()
+
+
+def test_a_server_an_actor_found_down_is_left_out_of_the_next_push_and_readmitted_when_back(
+    start_server: Callable[..., Any],
+    server_config: Callable[..., Any],
+    tiny_model_dir: Path,
+    raccoon_requests: list[Any],
+    prompt_encoder: Any,
+    free_port: Callable[[], int],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The second server is SIGKILLed; an async actor's client finds it down on a rollout call. The
+    learner's next push knows it from the actor (not from a failed push): it goes to the first server
+    alone in one attempt, and the failover is counted once (by the actor). Restarted on its port, the server
+    answers ``/health/`` again: the push after that re-syncs it and every client uses it again."""
+    from rollmatch.training.variants import ActorRolloutClient
+
+    first, second = (
+        start_server(tiny_model_dir, "--engine", "hf"),
+        start_server(tiny_model_dir, "--engine", "hf"),
+    )
+    model = AutoModelForImageTextToText.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    cfg = server_config(
+        servers=[{"base_url": s.url, "group_port": free_port()} for s in (first, second)],
+        timeout_s=20.0,
+        min_healthy=1,
+    )
+    backend = connect_backend(cfg, prompt_encoder, model)
+    actor = ActorRolloutClient(backend)  # built as the async variant builds each rank's actor client
+    attempts: list[list[str]] = []
+    push_to = backend._push_to
+
+    def recorded_push_to(model: Any, version: int, targets: list[Any]) -> Any:
+        attempts.append([c.url for c in targets])
+        return push_to(model, version, targets)
+
+    monkeypatch.setattr(backend, "_push_to", recorded_push_to)
+    requests = raccoon_requests[:3]
+    try:
+        assert backend.sync_weights(model, 1).servers == (first.url, second.url)
+        second.process.send_signal(signal.SIGKILL)
+        second.process.wait(timeout=30)
+        assert _servers_of(actor.generate(requests, DECODING, seed=0)) == [first.url] * 3  # re-sent
+        assert actor.take_server_sums()["servers/failovers"] == 1
+        assert not backend.pool.is_down(backend.connections[1])  # the learner's own calls never failed
+
+        attempts.clear()
+        assert backend.sync_weights(model, 2).servers == (first.url,)
+        assert attempts == [[first.url]]  # not pushed to: no failed attempt, no second push
+        assert backend.pool.is_down(backend.connections[1])
+        assert backend.take_server_sums()["servers/failovers"] == 0  # one death, counted once (the actor)
+
+        restarted = launch_server(tiny_model_dir, second.port, tmp_path / "restarted.log", "--engine", "hf")
+        try:
+            assert backend.sync_weights(model, 3).servers == (first.url, second.url)  # answers: re-synced
+            assert restarted.get("/info/")["weight_version"] == 3
+            rollouts = actor.generate(requests, DECODING, seed=0)
+            assert _servers_of(rollouts) == [first.url] * 2 + [second.url]  # chunk i to server i again
+            assert {r.weight_version for r in rollouts} == {3}
+        finally:
+            restarted.stop()
+    finally:
+        actor.close()
+        backend.close()

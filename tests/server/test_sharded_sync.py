@@ -26,11 +26,13 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 from local_ports import free_tcp_port
+from server_processes import launch_server
 
 from rollmatch.launch.plan import torchrun_command
 
@@ -123,7 +125,21 @@ def export_and_push(rank, world, mode):
         result["bytes"] = report.num_bytes
         result["servers"] = list(report.servers)
         result["down"] = [c.url for c in connections if backend.pool.is_down(c)]
+        result["served"] = connection.get("/info/", "version check")["weight_version"] if rank == 0 else None
         backend.close()
+        if len(sys.argv) > 8:  # a server that dies after bucket 0 of a push (dying_sync_server.py)
+            connections = [
+                ServerConnection(server_url, int(sys.argv[10]), timeout_s=30, infer_timeout_s=None),
+                ServerConnection(sys.argv[8], int(sys.argv[9]), timeout_s=30, infer_timeout_s=None),
+            ]
+            backend = ServerBackend(
+                connections, collectives=collectives, tokenizer=None, min_healthy=1, bucket_bytes=256 << 10
+            )
+            mid_push = backend.sync_weights(model, 8)  # fails mid-transfer on the second, goes on without it
+            result["mid_push_servers"] = list(mid_push.servers)
+            result["mid_push_down"] = [c.url for c in connections if backend.pool.is_down(c)]
+            result["next_push_servers"] = list(backend.sync_weights(model, 9).servers)  # at min_healthy
+            backend.close()
     return result
 
 
@@ -173,15 +189,37 @@ def probe_results(
     """The two ranks' results of the module's one 2-rank run: ZeRO-3 export, then FSDP2 export and push."""
     folder = tmp_path_factory.mktemp("sharded_sync")
     killed = f"http://127.0.0.1:{free_tcp_port()}"  # a server that died: its port refuses connections
-    return run_probe(
-        folder,
+    dying = launch_server(
         tiny_model_dir,
-        "zero3,fsdp2",
-        hf_sync_server.url,
-        str(free_tcp_port()),
-        killed,
-        str(free_tcp_port()),
+        free_tcp_port(),
+        folder / "dying.log",
+        "--engine",
+        "hf",
+        command=[sys.executable, str(Path(__file__).with_name("dying_sync_server.py"))],
     )
+    try:
+        results = run_probe(
+            folder,
+            tiny_model_dir,
+            "zero3,fsdp2",
+            hf_sync_server.url,
+            str(free_tcp_port()),
+            killed,
+            str(free_tcp_port()),
+            dying.url,
+            str(free_tcp_port()),
+            str(free_tcp_port()),
+        )
+        dying.process.wait(timeout=60)
+    finally:
+        dying.stop()
+    for rank in results:
+        rank["dying_url"], rank["dying_exit"], rank["dying_log"] = (
+            dying.url,
+            dying.process.returncode,
+            dying.log_tail(),
+        )
+    return results
 
 
 def test_zero3_export_gathers_sharded_parameters_on_every_rank(probe_results: list[dict[str, Any]]) -> None:
@@ -196,8 +234,24 @@ def test_fsdp2_export_gathers_on_every_rank_and_pushes_gathered_weights_to_a_ser
     assert_export_gathers_on_every_rank(rank0, rank1)
     assert rank0["version"] == rank1["version"] == 7  # both ranks learn the outcome
     assert rank0["bytes"] > 0
-    assert hf_sync_server.get("/info/")["weight_version"] == 7  # the server verified and serves it
+    assert rank0["served"] == 7  # the server verified and serves it
     # The second server was dead (min_healthy 1): its group could not form, every rank gathered again and
     # the push went to the live one; both ranks drop the dead server.
     assert rank0["servers"] == rank1["servers"] == [hf_sync_server.url]
     assert len(rank0["down"]) == len(rank1["down"]) == 1 and rank0["down"] == rank1["down"]
+
+
+def test_a_server_dying_mid_way_through_a_sharded_push_leaves_the_pushes_going_at_min_healthy(
+    probe_results: list[dict[str, Any]], hf_sync_server: Any
+) -> None:
+    """FSDP2 on 2 gloo ranks, two servers (``min_healthy: 1``, 256 KiB buckets): the second takes bucket 0
+    of version 8 and dies when bucket 1 arrives (``dying_sync_server.py``). Both ranks learn that the push
+    went to the live server alone (every rank gathered again for the re-sent push), both drop the dead one,
+    and the next push (version 9) goes to the live server in one attempt: the pushes go on at min_healthy."""
+    rank0, rank1 = (rank["fsdp2"] for rank in probe_results)
+    dying = probe_results[0]
+    assert dying["dying_exit"] == 9 and "dying mid-push: bucket 1 arrived" in dying["dying_log"], dying
+    assert rank0["mid_push_servers"] == rank1["mid_push_servers"] == [hf_sync_server.url]
+    assert rank0["mid_push_down"] == rank1["mid_push_down"] == [dying["dying_url"]]
+    assert rank0["next_push_servers"] == rank1["next_push_servers"] == [hf_sync_server.url]
+    assert hf_sync_server.get("/info/")["weight_version"] == 9  # verified and served

@@ -31,7 +31,12 @@ def tiny(stage2_tiny: SimpleNamespace) -> SimpleNamespace:
 
 
 def micro_planner(
-    tiny: SimpleNamespace, collectives: ThreadRanks, *, row_tokens: int, carry: int
+    tiny: SimpleNamespace,
+    collectives: ThreadRanks,
+    *,
+    row_tokens: int,
+    carry: int,
+    max_carry_age_steps: int | None = None,
 ) -> StepPlanner:
     rows = RowPlanner(
         packing=True,
@@ -39,6 +44,7 @@ def micro_planner(
         carry_limit=carry,
         pad_token_id=tiny.encoder.pad_token_id,
         one_row_per_micro_step=collectives.world_size > 1,  # as the trainer builds it
+        max_carry_age_steps=max_carry_age_steps,
     )
     return StepPlanner(
         schedule=ABSchedule(1.0),
@@ -87,3 +93,29 @@ def test_more_rows_than_micro_steps_train_one_per_micro_step_and_carry_the_rest(
         assert "training.carry_buffer_size" in error and "one per micro-step with several ranks" in error, (
             error
         )
+
+
+def test_carried_rollouts_older_than_max_carry_age_steps_are_dropped_and_counted(tiny) -> None:
+    """Two ranks, one micro-step of three records whose rollouts do not share a row: each step trains one
+    row and carries the rest, oldest first. With ``max_carry_age_steps: 1`` a segment carried into a second
+    later step is dropped (per rank: step 0's last one at step 2, step 1's two left at step 3), counted in ``stage2_ab/micro/carry_dropped_stale``, and no
+    trained segment is older than one step (``stage2_ab/micro/carry_age_max``)."""
+    lengths = [s.length for s in tiny.rollouts.produce(tiny.records[:6], 0).segments]
+    row_tokens = max(lengths)  # no two rollouts share a row
+
+    def plan(collectives: ThreadRanks) -> list[tuple[float, float]]:
+        records = tiny.records[collectives.rank :: 2]
+        steps = micro_planner(tiny, collectives, row_tokens=row_tokens, carry=16, max_carry_age_steps=1)
+        seen = []
+        for step in range(4):
+            planned = steps.plan([records[0:3]], step)
+            seen.append(
+                (
+                    planned.sums["stage2_ab/micro/carry_dropped_stale"],
+                    planned.gauges["stage2_ab/micro/carry_age_max"],
+                )
+            )
+        return seen
+
+    for seen in on_ranks(2, plan):  # sums over both ranks, the gauge's max over them
+        assert seen == [(0, 0.0), (0, 1.0), (2, 1.0), (4, 1.0)], seen
