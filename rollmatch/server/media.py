@@ -165,13 +165,15 @@ class PixelBudget:
     def _take(self, pixels: int) -> None:
         with self._lock:
             if pixels and self._held + pixels > self.max_inflight_pixels:
-                raise ServerBusy(
-                    f"the server holds {self._held} decoded image pixels for calls in flight; this call's "
-                    f"{pixels} would pass its limit of {self.max_inflight_pixels} (rollmatch serve "
-                    "--max-inflight-pixels); retry later or add servers",
-                    retry_after_s=1.0,
-                )
+                raise ServerBusy(self._busy_message(pixels), retry_after_s=1.0)
             self._held += pixels
+
+    def _busy_message(self, pixels: int) -> str:
+        return (
+            f"the server holds {self._held} decoded image pixels for calls in flight; this call's "
+            f"{pixels} would pass its limit of {self.max_inflight_pixels} (rollmatch serve "
+            "--max-inflight-pixels); retry later or add servers"
+        )
 
     def _give(self, pixels: int) -> None:
         with self._lock:
@@ -193,16 +195,12 @@ class TensorBudget(PixelBudget):
     ``--max-call-tensor-bytes`` (413), all calls in flight ``--max-inflight-tensor-bytes`` (429).
     Source pixels undercount it: a 1x1 image becomes 74 KiB of patches at ``min_pixels`` 3,136."""
 
-    def _take(self, pixels: int) -> None:
-        with self._lock:
-            if pixels and self._held + pixels > self.max_inflight_pixels:
-                raise ServerBusy(
-                    f"the server holds {self._held} bytes of prepared image tensors for calls in flight; this "
-                    f"call's {pixels} would pass its limit of {self.max_inflight_pixels} (rollmatch serve "
-                    "--max-inflight-tensor-bytes); retry later or add servers",
-                    retry_after_s=1.0,
-                )
-            self._held += pixels
+    def _busy_message(self, pixels: int) -> str:
+        return (
+            f"the server holds {self._held} bytes of prepared image tensors for calls in flight; this "
+            f"call's {pixels} would pass its limit of {self.max_inflight_pixels} (rollmatch serve "
+            "--max-inflight-tensor-bytes); retry later or add servers"
+        )
 
     def _over_call(self, pixels: int, detail: str = "", at_least: bool = False) -> RequestTooLarge:
         return RequestTooLarge(
