@@ -138,7 +138,7 @@ def run_study(args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "commit": _git_commit(),
-        "command": "python bench/learning_signal.py " + " ".join(args.argv),
+        "command": "python -m studies.learning_signal " + " ".join(args.argv),
         "machine": {"cpus": os.cpu_count(), "load_avg": list(os.getloadavg())},
         "settings": settings,
         "data": data_summary(splits),

@@ -1,4 +1,4 @@
-"""The crowded-scenes study (bench/dense_study.py, bench/dense_summary.py, bench/study_stats.py): its
+"""The crowded-scenes study (studies/dense_study.py, studies/dense_summary.py, studies/study_stats.py): its
 rules on hand-built counts, its resumability, and (heavy) one end-to-end run at absurdly small sizes."""
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 from scipy import stats
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
-import dense_study  # bench scripts are not a package: imported from their folder
-import dense_summary
-import learning_signal as ls
-import study_stats as st
+from studies import dense_study, dense_summary
+from studies import learning_signal as ls
+from studies import study_stats as st
+
+REPO = Path(__file__).resolve().parents[2]
 
 # ------------------------------------------------------------------------------ count-oracle F1
 
@@ -399,10 +399,11 @@ def test_the_driver_runs_end_to_end_at_its_smallest_setting_and_resumes(tmp_path
     nothing, and --summarize."""
     command = [
         sys.executable,
-        str(Path(dense_study.__file__)),
+        "-m",
+        "studies.dense_study",
         *shlex.split(dense_study.SMOKE_ARGS.format(tmp=tmp_path)),
     ]
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
 
     def run(*extra: str) -> dict[str, Any]:
         done = subprocess.run(

@@ -1,4 +1,4 @@
-"""The medium-scenes study (bench/study_protocols.py and the preset-driven bench/dense_study.py): its
+"""The medium-scenes study (studies/study_protocols.py and the preset-driven studies/dense_study.py): its
 preset and rungs, its gate clauses (GRPO sampling included), the ladder, its decision rule against
 ``sft_equal_compute``, the noise-object control's refusal, its pools, and (heavy) one end-to-end gate
 at absurdly small sizes that walks the ladder."""
@@ -17,16 +17,15 @@ from typing import Any
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
-import dense_study  # bench scripts are not a package: imported from their folder
-import dense_summary
-import learning_signal as ls
-import study_stats as st
-from study_protocols import PROTOCOLS, failed_clauses, next_rung
-
 from rollmatch.data.records import load_records
 from rollmatch.data.shapes import SHAPES_PRESETS, shape_sample
 from rollmatch.detection.count_metrics import count_bucket_label
+from studies import dense_study, dense_summary
+from studies import learning_signal as ls
+from studies import study_stats as st
+from studies.study_protocols import PROTOCOLS, failed_clauses, next_rung
+
+REPO = Path(__file__).resolve().parents[2]
 
 MEDIUM = PROTOCOLS["medium"]
 
@@ -341,7 +340,8 @@ def test_a_medium_gate_at_its_smallest_setting_records_every_clause_and_walks_th
     out = tmp_path / "medium"
     command = [
         sys.executable,
-        str(Path(dense_study.__file__)),
+        "-m",
+        "studies.dense_study",
         "--preset",
         "medium",
         "--out",
@@ -351,7 +351,8 @@ def test_a_medium_gate_at_its_smallest_setting_records_every_clause_and_walks_th
             "--steps 2 --eval-at 2 --max-new-tokens 16 --backend hf --bootstrap 10 --only-gate --follow-ladder"
         ),
     ]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=1200, env=os.environ)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=1200, env=env)
     assert done.returncode == 0, done.stderr[-4000:]
     printed = json.loads(done.stdout)  # the last rung's JSON
     assert printed["settings"]["preset"] == "medium_sparse" and "medium_sparse" in done.stderr
@@ -367,7 +368,7 @@ def test_a_medium_gate_at_its_smallest_setting_records_every_clause_and_walks_th
     # the same command again (how the study resumes) runs no unit: every unit file stays as it was
     units = sorted(tmp_path.rglob("*.json"))
     stamps = {p: p.stat().st_mtime_ns for p in units if p.name not in ("dense_study.json", "settings.json")}
-    again = subprocess.run(command, capture_output=True, text=True, timeout=1200, env=os.environ)
+    again = subprocess.run(command, capture_output=True, text=True, timeout=1200, env=env)
     assert again.returncode == 0, again.stderr[-4000:]
     assert {p: p.stat().st_mtime_ns for p in stamps} == stamps
     assert (out / "stage1" / "gate-2.grpo_sampling.json") in stamps

@@ -32,8 +32,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from learning_signal import arm_runs, paired_bootstrap  # bench scripts share the study's statistics
-from study_stats import paired_t
+
+from studies.learning_signal import arm_runs, paired_bootstrap
+from studies.study_stats import paired_t
 
 # Settings that may differ between the two studies; everything else must be equal.
 FREE_SETTINGS = ("object_format", "arms", "seeds", "backend", "bootstrap")

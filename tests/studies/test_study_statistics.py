@@ -1,18 +1,15 @@
-"""The learning-signal study's statistics (bench/learning_signal.py, bench/compare_studies.py): the
+"""The learning-signal study's statistics (studies/learning_signal.py, studies/compare_studies.py): the
 numbers a verdict rests on, checked on hand-built per-image counts."""
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
-import compare_studies  # bench scripts are not a package: imported from their folder
-import learning_signal
+from studies import compare_studies, learning_signal
 
 
 def _counts(tp: list[int], fp: list[int], fn: list[int]) -> dict[str, list[int]]:

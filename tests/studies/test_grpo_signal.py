@@ -1,4 +1,4 @@
-"""bench/grpo_signal.py: its statistics on hand-made numbers, its settings guard, and (heavy) one run end to end
+"""studies/grpo_signal.py: its statistics on hand-made numbers, its settings guard, and (heavy) one run end to end
 at its smallest setting, resumed without recomputing anything."""
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
-import grpo_signal  # bench scripts are not a package: imported from their folder
+from studies import grpo_signal
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_paired_bootstrap_interval_excludes_zero_only_for_a_consistent_rise() -> None:
@@ -74,10 +75,11 @@ def test_an_out_folder_of_other_settings_is_refused(tmp_path: Path) -> None:
 def test_the_bench_runs_end_to_end_at_its_smallest_setting_and_resumes(tmp_path: Path) -> None:
     command = [
         sys.executable,
-        str(Path(grpo_signal.__file__)),
+        "-m",
+        "studies.grpo_signal",
         *shlex.split(grpo_signal.SMOKE_ARGS.format(tmp=tmp_path)),
     ]
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
 
     def run() -> dict[str, Any]:
         done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)

@@ -68,18 +68,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-import dense_summary
-import grpo_signal  # imported now, not at the first gate: the process runs the code it started with
-import learning_signal as ls
-import study_stats
-from study_protocols import ARMS, CROWD_LOCKED, PROTOCOLS, TARGET_ARMS, StudyProtocol, next_rung
-
 import rollmatch  # noqa: F401  (environment workarounds before transformers loads)
 from rollmatch.config.load import load_config_dict
 from rollmatch.config.schema import RollmatchConfig
 from rollmatch.data.records import Record, load_records
 from rollmatch.data.shapes import SHAPES_PRESETS
 from rollmatch.errors import ConfigError
+
+# grpo_signal imported now, not at the first gate: the process runs the code it started with
+from studies import dense_summary, grpo_signal, study_stats
+from studies import learning_signal as ls
+from studies.study_protocols import ARMS, CROWD_LOCKED, PROTOCOLS, TARGET_ARMS, StudyProtocol, next_rung
 
 TRUNK_SAVE_STEPS = 100
 PILOT = {"steps": 500, "eval_at": [250, 500], "seeds": [0], "arms": ["sft", *TARGET_ARMS]}
@@ -242,7 +241,7 @@ def run_study(args: argparse.Namespace) -> dict[str, Any]:
                 if "sft" in args.arms and len(args.arms) > 1:
                     run_equal_compute(out, stage1, splits, arm_args["sft"])
     result = dense_summary.summarize(out, args, settings, ls.data_summary(splits), list(ARMS), PILOT)
-    result.update(command="python bench/dense_study.py " + " ".join(args.argv), commit=code_commit())
+    result.update(command="python -m studies.dense_study " + " ".join(args.argv), commit=code_commit())
     result["seconds_this_invocation"] = round(time.perf_counter() - started, 1)
     (out / "dense_study.json").write_text(json.dumps(result, indent=1))
     if result["arms"] or dense_summary.gate_points(result["gate"]):

@@ -29,15 +29,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import dense_study
-import dense_summary
-import learning_signal as ls
-
 import rollmatch  # noqa: F401  (environment workarounds before transformers loads)
 from rollmatch.config.load import load_config_dict
 from rollmatch.config.schema import RollmatchConfig
 from rollmatch.data.prompts import image_probe, load_processor
 from rollmatch.data.records import load_records, write_records
+from studies import dense_study, dense_summary
+from studies import learning_signal as ls
 
 LOCKED = ("images", "steps", "lr", "max_new_tokens")  # a probe folder's settings; sizes may be added
 # Smallest setting (tests/test_benches.py runs it after dense_study's, on that study folder).
@@ -115,7 +113,7 @@ def run_probe(args: argparse.Namespace) -> dict[str, Any]:
         "train_f1_ratio": {
             px: round(s["train"]["f1"] / first_f1, 3) if first_f1 else None for px, s in sizes.items()
         },
-        "command": "python bench/fit_probe.py " + " ".join(args.argv),
+        "command": "python -m studies.fit_probe " + " ".join(args.argv),
         "commit": dense_study.code_commit(),
     }
     (out / "fit_probe.json").write_text(json.dumps(result, indent=1))

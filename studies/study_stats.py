@@ -26,9 +26,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
-from learning_signal import f1_of, paired_bootstrap  # bench scripts share the studies' statistics
 from scipy import stats
-from study_protocols import CROWD, GrpoGate, StudyProtocol
+
+from studies.learning_signal import f1_of, paired_bootstrap
+from studies.study_protocols import CROWD, GrpoGate, StudyProtocol
 
 # ----------------------------------------------------------------------- fixed before any arm runs
 # the crowd study's gate (bench/study_protocols.py holds every study's: CROWD, the medium rungs)

@@ -29,10 +29,6 @@ from pathlib import Path
 from typing import Any
 
 import rollmatch  # noqa: F401  (environment workarounds before transformers loads)
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from learning_signal import cached, evaluate
-
 from rollmatch.config.load import load_config_dict
 from rollmatch.config.schema import LossConfig, RollmatchConfig
 from rollmatch.data.records import load_records
@@ -42,6 +38,7 @@ from rollmatch.detection.json_scan import scan_json_list
 from rollmatch.detection.matching import MatchResult, hungarian_match
 from rollmatch.detection.objects import DetObject
 from rollmatch.detection.targets import TargetSequence, _weighted_target, build_matched_target
+from studies.learning_signal import cached, evaluate
 
 MAX_NEW_TOKENS = 160
 # Smallest setting (tests/test_benches.py runs it; docs/runbook.md "Benchmarks"): every phase on a

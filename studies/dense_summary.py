@@ -15,9 +15,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import study_stats as st
-from learning_signal import arm_runs, paired_bootstrap
-from study_protocols import PROTOCOLS, StudyProtocol, failed_clauses
+
+from studies import study_stats as st
+from studies.learning_signal import arm_runs, paired_bootstrap
+from studies.study_protocols import PROTOCOLS, StudyProtocol, failed_clauses
 
 # Kept in the summary of an evaluation (the unit files hold everything, per-image counts included).
 METRICS = (

@@ -38,7 +38,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import learning_signal as ls
 import numpy as np
 
 import rollmatch  # noqa: F401  (environment workarounds before transformers loads)
@@ -56,6 +55,7 @@ from rollmatch.demo import (
     with_model,
 )
 from rollmatch.evaluation import run_eval
+from studies import learning_signal as ls
 
 F1_SLACK = 0.05  # decided before the run: "F1 does not collapse" = at most this much lower after GRPO
 CURVE_ENDS = 10  # grpo/reward_mean: mean of the first and of the last this many logged steps
@@ -147,7 +147,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result = {
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "commit": ls._git_commit(),
-        "command": "python bench/grpo_signal.py " + " ".join(args.argv),
+        "command": "python -m studies.grpo_signal " + " ".join(args.argv),
         "machine": {"cpus": os.cpu_count(), "load_avg": list(os.getloadavg())},
         "settings": settings,
         "stage1": stage1_info,
