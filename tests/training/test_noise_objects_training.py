@@ -125,3 +125,20 @@ def test_sft_with_noise_objects_trains_and_its_checkpoint_drops_the_noise_label(
     )
     evaluated = run_eval(eval_cfg, load_records(cfg.data.val_jsonl)[:2], None)
     assert evaluated.noise_label == "noise" and evaluated.num_samples == 2
+
+
+def test_the_length_scan_counts_the_noise_objects_in_each_target(tiny_model_dir: Path, make_config) -> None:
+    """``data.over_length`` judges the target SFT will train: with noise objects, a longer one."""
+    from rollmatch.data.record_lengths import record_lengths
+
+    cfg = make_config(noise(count=4))
+    encoder = PromptEncoder.from_pretrained(str(tiny_model_dir), cfg.data)
+    codec = build_codec("qwen_json", encoder.tokenizer, [encoder.eos_token_id])
+    records = load_records(cfg.data.train_jsonl)[:3]
+    plain = list(record_lengths(records, encoder, codec))
+    padded = list(record_lengths(records, encoder, codec, noise=cfg.loss.noise_objects))
+    # one noise element with one-digit coordinates: a lower bound of each noise object's tokens
+    shortest = len(encoder.tokenizer.encode(', {"bbox_2d": [1, 2, 3, 4], "label": "noise"}'))
+    for a, b in zip(plain, padded, strict=True):
+        assert a.prompt_tokens == b.prompt_tokens
+        assert b.target_tokens >= a.target_tokens + 4 * (shortest - 2)  # the closing token may fuse
