@@ -41,6 +41,7 @@ from rollmatch.data.prompts import EncodedPrompt, PromptEncoder
 from rollmatch.data.records import Record
 from rollmatch.detection.codec import ObjectCodec, ParseResult
 from rollmatch.detection.metrics import coco_map
+from rollmatch.detection.noise_objects import noise_label_of
 from rollmatch.detection.objects import CoordFrame, DetObject, from_frame
 from rollmatch.detection.scoring import ScoreCounts, score_response
 from rollmatch.errors import ConfigError, ConfigProblem, DataError
@@ -70,7 +71,9 @@ class EvalResult:
     truncated_frac: float
     invalid: dict[str, int]
     unknown_labels: int | None  # valid predictions whose label is not in the run's class list (None: no list)
-    objects_per_image: float  # valid predicted objects
+    objects_per_image: float  # valid predicted objects (noise objects not counted)
+    noise_label: str | None  # answers' objects with this label were dropped before scoring (eval.noise_label)
+    noise_objects_per_image: float  # valid objects with the noise label, dropped
     fp_per_image: float
     ignored_predictions: int  # predictions on a record's ignore (crowd) regions: neither TP nor FP
     exact_count_acc: float  # answers with exactly as many valid objects as GT objects
@@ -102,9 +105,12 @@ def evaluate(
     predictions_path: str | Path | None = None,
     seed: int = 0,
     progress: bool = True,
+    noise_label: str | None = None,
 ) -> EvalResult:
     """Roll out every record, score it like training does (``matching``, default
-    ``MatchingConfig()``), compute P/R/F1 and COCO mAP. Request ``i`` is seeded ``seed + i``."""
+    ``MatchingConfig()``), compute P/R/F1 and COCO mAP. Request ``i`` is seeded ``seed + i``. Objects
+    labelled ``noise_label`` (``eval.noise_label``) are dropped before matching, from the scores and the
+    predictions file alike, and counted in ``noise_objects_per_image``."""
     start = time.perf_counter()
     matching = matching if matching is not None else MatchingConfig()
     counts = ScoreCounts()
@@ -131,6 +137,7 @@ def evaluate(
                 hit_max_tokens=rollout.hit_max_tokens,
                 matching=matching,
                 ignore_regions=crowds,
+                noise_label=noise_label,
             )
             counts.add(scored)
             objects = scored.parse.objects
@@ -167,6 +174,8 @@ def evaluate(
         invalid=dict(counts.parsing.invalid),
         unknown_labels=unknown_labels if vocabulary is not None else None,
         objects_per_image=counts.parsing.valid / images,
+        noise_label=noise_label,
+        noise_objects_per_image=counts.parsing.noise_objects / images,
         fp_per_image=detection.fp / images,
         ignored_predictions=detection.ignored,
         **{
@@ -387,6 +396,7 @@ def run_eval(cfg: RollmatchConfig, records: Sequence[Record], predictions_path: 
             count_buckets=cfg.eval.count_buckets,
             predictions_path=predictions_path,
             seed=cfg.training.seed,
+            noise_label=noise_label_of(cfg),
         )
     finally:
         backend.close()

@@ -315,6 +315,12 @@ def arm_config(
     config["preflight"] = {"records": 0}  # every arm starts from the one gated stage-1 model
     config["custom"]["extra"]["rollout_matching"].update(spec.get("rollout", {}))
     config["loss"] = spec["loss"]
+    if "noise_objects" in spec["loss"]:  # Pix2Seq pads to the largest object count: the preset's
+        max_objects = SHAPES_PRESETS[protocol_of(args).preset].max_objects
+        config["loss"] = {
+            **spec["loss"],
+            "noise_objects": {**spec["loss"]["noise_objects"], "pad_to": max_objects},
+        }
     save_steps = save_steps or min(args.eval_at)
     config["training"].update({"max_steps": steps, "learning_rate": args.lr, "save_steps": save_steps})
     if (folder / "trainer_state.json").exists() or any(folder.glob("checkpoint-*")):

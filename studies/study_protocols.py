@@ -50,11 +50,12 @@ ARMS: dict[str, dict[str, Any]] = {
         "needs": "loss.objective: grpo, loss.grpo.reward: f1 and "
         "custom.extra.rollout_matching.rollouts_per_record",
     },
-    # The medium study's noise-object SFT control (Pix2Seq sequence augmentation): the SFT target padded
-    # with noise objects labelled "noise" whose coordinate tokens are unsupervised; dropped before scoring.
+    # The medium study's noise-object SFT control (Pix2Seq sequence augmentation): the SFT target padded to
+    # the preset's largest object count (dense_study.arm_config sets loss.noise_objects.pad_to) with noise
+    # objects labelled "noise" whose coordinate tokens are unsupervised; evaluation drops them before scoring.
     "sft_noise_objects": {
         "variant": "sft",
-        "loss": {"noise_objects": {"pad_to": "max_objects", "label": "noise", "coordinates": "unsupervised"}},
+        "loss": {"noise_objects": {"enabled": True, "label": "noise"}},
         "needs": "loss.noise_objects (noise objects after the real ones in the SFT target, their coordinate "
         "tokens unsupervised) and evaluation dropping the `noise` label",
     },
@@ -193,7 +194,7 @@ def _medium(
             "eval_at": [300, 600],
         },
         locked=MEDIUM_LOCKED,
-        arms=("sft", "keep_all_supervised", "grpo_f1_k4"),
+        arms=("sft", "keep_all_supervised", "grpo_f1_k4", "sft_noise_objects"),
         gate_targets=("keep_all_supervised",),
         primary_baseline="sft_equal_compute",
         docs_name="medium_study",  # every rung: the ladder is one study

@@ -304,3 +304,41 @@ def test_eval_reports_count_regulation_order_and_both_maps(
     assert (
         metrics[f"eval/gt_count_{missed_bucket}/recall"] == result.gt_count_buckets[missed_bucket]["recall"]
     )
+
+
+def test_eval_drops_the_noise_label_before_scoring_and_counts_it(
+    tiny_model_dir: Path, shapes: dict[str, Path], tmp_path: Path
+) -> None:
+    """A model trained with ``loss.noise_objects`` ends its answers with noise objects: with the noise
+    label they are dropped from the scores and the predictions file; without it they are false positives."""
+    encoder = PromptEncoder.from_pretrained(tiny_model_dir, DataConfig())
+    codec = build_codec("qwen_json", encoder.tokenizer, [encoder.eos_token_id])
+    records: list[Record] = load_records(shapes["val"])[:4]
+    texts = {}
+    for r in records:
+        encoded = encoder.encode(r)
+        w, h = encoder.frame_extent(encoded)
+        noise = [
+            DetObject("noise", (1, 1, w // 3, h // 3)),
+            DetObject("noise", (w // 2, h // 2, w - 1, h - 1)),
+        ]
+        texts[r.id] = codec.serialize_in_order([*encoder.gt_objects(r, encoded), *noise])
+    backend = ReplayBackend(encoder.tokenizer, texts)
+    kept = evaluate(backend, encoder, codec, records, decoding=Decoding(), progress=False)
+    dropped = evaluate(
+        backend,
+        encoder,
+        codec,
+        records,
+        decoding=Decoding(),
+        progress=False,
+        noise_label="noise",
+        predictions_path=tmp_path / "preds.jsonl",
+    )
+    assert dropped.f1 == 1.0 and dropped.fp_per_image == 0.0 and dropped.exact_count_acc == 1.0
+    assert dropped.noise_objects_per_image == 2.0 and dropped.noise_label == "noise"
+    assert kept.fp_per_image == 2.0 and kept.f1 < 1.0 and kept.noise_objects_per_image == 0.0
+    lines = [json.loads(line) for line in (tmp_path / "preds.jsonl").read_text().splitlines()]
+    assert all(o["label"] != "noise" for line in lines for o in line["objects"])
+    assert eval_metrics(dropped, weight_version=0)["eval/noise_objects_per_image"] == 2.0
+    assert "eval/noise_objects_per_image" not in eval_metrics(kept, weight_version=0)

@@ -129,3 +129,18 @@ def _grpo_sampling_problems(cfg: RollmatchConfig) -> list[ConfigProblem]:
                 )
             )
     return problems
+
+
+def rule_noise_objects(cfg: RollmatchConfig) -> list[ConfigProblem]:
+    """`loss.noise_objects.enabled` trains only with `custom.trainer_variant: sft`: rollout-matching and GRPO targets are built from the model's own answers, where noise objects have no defined target (a dropped noise object in a kept prefix, a noise object as reward); a noise-trained checkpoint can start them, with `eval.noise_label` set to score its answers."""
+    if not cfg.loss.noise_objects.enabled or cfg.custom.trainer_variant == "sft":
+        return []
+    return [
+        ConfigProblem(
+            "loss.noise_objects.enabled",
+            True,
+            f"noise objects pad the SFT target only; custom.trainer_variant {cfg.custom.trainer_variant} builds "
+            "its targets (and GRPO its rewards) from the model's own answers, where a noise object has no "
+            "defined target. Set custom.trainer_variant: sft, or loss.noise_objects.enabled: false",
+        )
+    ]

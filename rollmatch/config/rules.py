@@ -23,7 +23,7 @@ from rollmatch.config.hf_args import (
     hf_args_problems,
 )
 from rollmatch.config.launch_rules import launch_problems
-from rollmatch.config.objective_rules import rule_grpo, rule_rollouts_per_record
+from rollmatch.config.objective_rules import rule_grpo, rule_noise_objects, rule_rollouts_per_record
 from rollmatch.config.precision import rule_mixed_precision
 from rollmatch.config.schema import ROLLOUT_KEY, RollmatchConfig, ServerConfig, ServerEndpoint
 from rollmatch.config.sharding import sharding_problems
@@ -487,6 +487,7 @@ STATIC_RULES: tuple[Rule, ...] = (
     rule_mixed_precision,
     rule_rollouts_per_record,
     rule_grpo,
+    rule_noise_objects,
     hf_args_problems,
     eval_problems,
     sharding_problems,

@@ -55,21 +55,28 @@ def run_settings(
             "to_norm1000": "value = round(k * 1000 / 999) for <|coord_k|>, 0..1000 of the image",
             "used": cfg.custom.object_format == "coord_tokens",
         }
+    settings: dict[str, Any] = {
+        "custom.object_format": cfg.custom.object_format,
+        "data.coord_frame": run.coord_frame,
+        "data.prompt": cfg.data.prompt,
+        "data.labels": labels,
+        "data.prompt_max_labels": cfg.data.prompt_max_labels,
+        "data.min_pixels": pixel_bounds[0],
+        "data.max_pixels": pixel_bounds[1],
+        "eval.max_new_tokens": run.eval_decoding.max_new_tokens,
+        "training.seed": cfg.training.seed,
+    }
+    # a model trained with noise objects answers them: its evaluations drop them (eval.noise_label)
+    noise_label = cfg.eval.noise_label or (
+        cfg.loss.noise_objects.label if cfg.loss.noise_objects.enabled else None
+    )
+    if noise_label is not None:
+        settings["eval.noise_label"] = noise_label
     return {
         "rollmatch_run_version": RUN_FILE_VERSION,
         "trainer_variant": cfg.custom.trainer_variant,
         "objective": cfg.loss.objective,
-        "settings": {
-            "custom.object_format": cfg.custom.object_format,
-            "data.coord_frame": run.coord_frame,
-            "data.prompt": cfg.data.prompt,
-            "data.labels": labels,
-            "data.prompt_max_labels": cfg.data.prompt_max_labels,
-            "data.min_pixels": pixel_bounds[0],
-            "data.max_pixels": pixel_bounds[1],
-            "eval.max_new_tokens": run.eval_decoding.max_new_tokens,
-            "training.seed": cfg.training.seed,
-        },
+        "settings": settings,
         "coord_tokens": coord,
     }
 

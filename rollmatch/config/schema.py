@@ -153,6 +153,105 @@ class GrpoConfig(Section):
     )
 
 
+class NoiseKindsConfig(Section):
+    """`loss.noise_objects`: how often each kind of noise object is drawn (relative weights)."""
+
+    jittered: float = Field(
+        0.5,
+        ge=0.0,
+        description="Weight of a copy of a GT box with each side moved by a truncated-normal fraction of the box's size (std `loss.noise_objects.jitter`, cut at 2 std): a near-duplicate, Pix2Seq's duplicate box. Needs GT objects: a record without any draws `random` boxes only (none when `random` is 0).",
+    )
+    shifted: float = Field(
+        0.25,
+        ge=0.0,
+        description="Weight of a GT box's size moved to a uniformly random centre (Pix2Seq's shifted box). Needs GT objects, like `jittered`.",
+    )
+    random: float = Field(
+        0.25,
+        ge=0.0,
+        description="Weight of a box at a uniformly random centre whose sides are |truncated normal| of std `random_max_side / 2` of the image side (Pix2Seq's random box).",
+    )
+
+    @model_validator(mode="after")
+    def _some_kind(self) -> NoiseKindsConfig:
+        if self.random <= 0.0 and self.jittered + self.shifted <= 0.0:
+            raise ValueError(
+                "loss.noise_objects.kinds: every weight is 0; give at least one kind a weight > 0 (Pix2Seq: "
+                "jittered 0.5, shifted 0.25, random 0.25)"
+            )
+        return self
+
+
+class NoiseObjectsConfig(Section):
+    """Noise objects in the SFT target (Pix2Seq's sequence augmentation; docs/detection.md, "Noise objects")."""
+
+    enabled: bool = Field(
+        False,
+        description="Append noise objects after the real ones in every GT (SFT / Channel-A) target: their coordinate tokens weigh 0 (unsupervised), their label (`label`) and the list structure are supervised, so the model learns to end the real list and call the rest noise. Evaluation drops objects with the noise label before matching (`eval.noise_label`). Only with `custom.trainer_variant: sft`.",
+    )
+    pad_to: int | None = Field(
+        None,
+        ge=1,
+        le=1000,
+        description="Pad each record's list with noise objects to this many objects in all (Pix2Seq: to its maximum instances per image); a record with as many real objects gets none. Set exactly one of `pad_to`, `count`, `per_object` when enabled.",
+    )
+    count: int | None = Field(None, ge=1, le=1000, description="This many noise objects per record.")
+    per_object: float | None = Field(
+        None,
+        gt=0.0,
+        le=10.0,
+        description="Noise objects per real object of the record, rounded half up (at least 1 on a record with objects; 0 on an empty one).",
+    )
+    kinds: NoiseKindsConfig = Field(default_factory=NoiseKindsConfig)
+    jitter: float = Field(
+        0.05,
+        gt=0.0,
+        le=1.0,
+        description="`jittered` noise: std of each side's move, as a fraction of the box's width or height (Pix2Seq's duplicate jitter: 0.05).",
+    )
+    random_max_side: float = Field(
+        1.0,
+        gt=0.0,
+        le=1.0,
+        description="`random` noise: the sides are |N(0, (random_max_side / 2)^2)| of the image side, cut at 2 std (Pix2Seq: 1.0).",
+    )
+    label: str = Field(
+        "noise",
+        min_length=1,
+        description="Label of every noise object; a record whose real objects use it is an error. Non-empty, without surrounding whitespace.",
+    )
+    label_weight: float = Field(
+        1.0,
+        ge=0.0,
+        description="Weight of the noise objects' label tokens (Pix2Seq weighs its noise class token like its EOS, 0.1); the structure tokens of noise objects weigh 1, their coordinate tokens 0.",
+    )
+    seed: int = Field(
+        0,
+        ge=0,
+        description="Seed of the noise: a record's noise objects are a function of (seed, record id, optimizer step), fresh each time the record is trained on, the same on a rerun.",
+    )
+
+    @field_validator("label")
+    @classmethod
+    def _clean_label(cls, label: str) -> str:
+        if label != label.strip() or not label.strip():
+            raise ValueError(
+                f"loss.noise_objects.label = {label!r}: give a non-empty label without surrounding whitespace, "
+                "e.g. noise"
+            )
+        return label
+
+    @model_validator(mode="after")
+    def _one_count(self) -> NoiseObjectsConfig:
+        given = [name for name in ("pad_to", "count", "per_object") if getattr(self, name) is not None]
+        if self.enabled and len(given) != 1:
+            raise ValueError(
+                f"loss.noise_objects: enabled with {given or 'none'} of pad_to / count / per_object set; set "
+                "exactly one (e.g. pad_to: the largest object count of the data, as Pix2Seq)"
+            )
+        return self
+
+
 class LossConfig(Section):
     """The rollout-matching target and its per-token loss weights (prompt tokens always weigh 0).
 
@@ -215,6 +314,7 @@ class LossConfig(Section):
         description="Channel-B objective. `rollout_matching`: teacher-forced CE on the targets below. `grpo`: policy gradient on the rollout tokens with a detection reward (`loss.grpo`), advantages normalised within each record's `rollouts_per_record` samples (K >= 2, sampling decoding).",
     )
     grpo: GrpoConfig = Field(default_factory=GrpoConfig)
+    noise_objects: NoiseObjectsConfig = Field(default_factory=NoiseObjectsConfig)
 
     @model_validator(mode="before")
     @classmethod
@@ -650,6 +750,11 @@ class EvalConfig(Section):
         "`gt_count_buckets`, `eval/gt_count_<bucket>/*`, and the rollouts' `match/gt_count_<bucket>/*`): "
         "[1, 4, 8, 13, 20, 26, 31] gives 1-3, 4-7, 8-12, 13-19, 20-25, 26-30, 31+. Strictly increasing, >= 0; "
         "images below the first edge form a bucket of their own.",
+    )
+    noise_label: str | None = Field(
+        None,
+        min_length=1,
+        description="Answers' objects with this label are dropped before matching and scoring (they are the noise objects of a model trained with `loss.noise_objects`) and counted as `noise_objects_per_image`. null: `loss.noise_objects.label` when `loss.noise_objects.enabled`, else none is dropped. A run's checkpoints record it in rollmatch_run.json, so `rollmatch eval --model CHECKPOINT` drops them too.",
     )
     matching: MatchingConfig = Field(
         default_factory=MatchingConfig,

@@ -19,11 +19,12 @@ import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from rollmatch.config.schema import RollmatchConfig
+from rollmatch.config.schema import NoiseObjectsConfig, RollmatchConfig
 from rollmatch.data.prompts import PromptEncoder, image_probe
 from rollmatch.data.records import Record
 from rollmatch.detection.codec import ObjectCodec
-from rollmatch.detection.objects import DetObject, canonical_order, to_frame
+from rollmatch.detection.noise_objects import noise_rng, sample_noise_objects
+from rollmatch.detection.objects import DetObject, canonical_order, frame_extent, to_frame
 from rollmatch.detection.targets import build_gt_target
 from rollmatch.errors import ConfigError, ConfigProblem
 
@@ -80,9 +81,16 @@ class LengthScan:
 
 
 def record_lengths(
-    records: Sequence[Record], encoder: PromptEncoder, codec: ObjectCodec, *, desc_weight: float = 1.0
+    records: Sequence[Record],
+    encoder: PromptEncoder,
+    codec: ObjectCodec,
+    *,
+    desc_weight: float = 1.0,
+    noise: NoiseObjectsConfig | None = None,
 ) -> Iterator[RecordLength]:
-    """Prompt and target tokens of each record, in order (see the module docstring for how)."""
+    """Prompt and target tokens of each record, in order (see the module docstring for how). With
+    ``noise`` enabled the target holds the record's noise objects as drawn at step 0 (their number is
+    fixed per record; with digit coordinates a later draw may differ by a few digits)."""
     sizes: dict[tuple[int, int], tuple[tuple[int, int], int]] = {}
     texts: dict[str, int] = {}
     image_token_id = encoder.image_token_id
@@ -104,12 +112,18 @@ def record_lengths(
                 for o in record.objects
             ]
         )
+        extra: list[DetObject] = []
+        if noise is not None and noise.enabled:
+            extent = frame_extent(encoder.coord_frame, frame_size)
+            rng = noise_rng(noise.seed, record.id, 0)
+            extra = sample_noise_objects(objects, extent, noise, rng, sample_id=record.id)
         target = build_gt_target(
             objects,
             codec=codec,
             tokenizer=encoder.tokenizer,
             eos_token_id=encoder.eos_token_id,
             desc_weight=desc_weight,
+            noise=extra,
         )
         yield RecordLength(record.id, prompt, len(target.token_ids))
 
@@ -120,7 +134,9 @@ def scan_lengths(
     """Every record that cannot fit one row of ``training.global_max_length`` tokens."""
     rolls_out = cfg.custom.trainer_variant != "sft"
     scan = LengthScan(cfg.training.global_max_length, cfg.rollout.max_new_tokens if rolls_out else None)
-    for length in record_lengths(records, encoder, codec, desc_weight=cfg.loss.desc_weight):
+    for length in record_lengths(
+        records, encoder, codec, desc_weight=cfg.loss.desc_weight, noise=cfg.loss.noise_objects
+    ):
         scan.total += 1
         needed = scan.needed(length)
         if needed > scan.limit:

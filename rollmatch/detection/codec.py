@@ -94,6 +94,9 @@ class ParseResult:
     # and whether it is valid (the valid ones are `objects`, in order). Used to cut a target early.
     element_ends: list[int] = field(default_factory=list)
     element_valid: list[bool] = field(default_factory=list)
+    # valid elements labelled with the noise label, taken out of `objects` before matching
+    # (detection.noise_objects.drop_noise_objects; 0 when nothing is dropped)
+    noise_objects: int = 0
 
 
 class ObjectCodec(Protocol):

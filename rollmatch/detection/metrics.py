@@ -212,11 +212,13 @@ class ParseCounts:
     valid: int = 0
     truncated: int = 0
     invalid: dict[str, int] = field(default_factory=dict)
+    noise_objects: int = 0  # valid objects with the noise label, dropped before matching (not in `valid`)
 
     def add(self, parse: ParseResult) -> None:
         self.responses += 1
         self.valid += len(parse.objects)
         self.truncated += int(parse.truncated)
+        self.noise_objects += parse.noise_objects
         for reason, count in parse.invalid.items():
             self.invalid[reason] = self.invalid.get(reason, 0) + count
 
@@ -227,9 +229,11 @@ class ParseCounts:
 
     def to_sums(self) -> dict[str, float]:
         """Additive sums (``parse/responses``, ``parse/valid``, ``parse/truncated``,
-        ``parse/invalid_<reason>``); :meth:`from_sums` reads them back."""
+        ``parse/invalid_<reason>``, ``parse/noise_objects`` when any); :meth:`from_sums` reads them back."""
         sums = {f"parse/{name}": float(getattr(self, name)) for name in _PARSE_TOTALS}
         sums.update({f"parse/invalid_{reason}": float(n) for reason, n in self.invalid.items()})
+        if self.noise_objects:  # only models trained with noise objects answer them
+            sums["parse/noise_objects"] = float(self.noise_objects)
         return sums
 
     @classmethod
@@ -240,7 +244,8 @@ class ParseCounts:
             for k, v in sums.items()
             if k.startswith("parse/invalid_")
         }
-        return cls(invalid=invalid, **{name: round(sums.get(f"parse/{name}", 0)) for name in _PARSE_TOTALS})
+        totals = {name: round(sums.get(f"parse/{name}", 0)) for name in _PARSE_TOTALS}
+        return cls(invalid=invalid, noise_objects=round(sums.get("parse/noise_objects", 0)), **totals)
 
     def as_metrics(self, prefix: str = "parse/", per: float = 1.0) -> dict[str, float]:
         """``parse/valid`` and ``parse/invalid_<reason>``, divided by ``per`` (``truncated`` feeds

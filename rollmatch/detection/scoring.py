@@ -19,6 +19,7 @@ from rollmatch.detection.codec import ObjectCodec, ParseResult
 from rollmatch.detection.count_metrics import CountOrderCounts
 from rollmatch.detection.matching import MatchResult, hungarian_match
 from rollmatch.detection.metrics import AnswerCounts, DetectionCounts, ParseCounts
+from rollmatch.detection.noise_objects import drop_noise_objects
 from rollmatch.detection.objects import DetObject
 
 
@@ -51,12 +52,15 @@ def score_response(
     hit_max_tokens: bool,
     matching: MatchingConfig,
     ignore_regions: Sequence[DetObject] = (),
+    noise_label: str | None = None,
 ) -> ScoredResponse:
     """Strictly parse ``response_token_ids`` (frame ``extent``) and match the valid objects to
     ``gt_objects`` with the ``matching`` settings; a prediction on one of ``ignore_regions`` (the
     record's crowd boxes, same frame) is neither a match nor a false positive. Never raises on model
-    output."""
+    output. Objects labelled ``noise_label`` (a model trained with ``loss.noise_objects``) are valid
+    elements taken out before matching (``detection.noise_objects.drop_noise_objects``)."""
     parse = codec.parse(response_token_ids, extent=extent, hit_max_tokens=hit_max_tokens)
+    parse = drop_noise_objects(parse, noise_label)
     match = hungarian_match(parse.objects, gt_objects, **matching.model_dump(), ignore_regions=ignore_regions)
     return ScoredResponse(parse=parse, match=match, gt_objects=tuple(gt_objects))
 

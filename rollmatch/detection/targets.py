@@ -20,6 +20,8 @@ Weights, one per response token (the weight of the loss for predicting that toke
   which get ``desc_weight``; in a rollout target the appended missed objects are multiplied by
   ``missed_weight`` (the closing ``]`` is not);
 - a kept false positive, duplicate or invalid element under ``keep_prefix: all`` + ``supervise``: 0;
+- noise objects after the real ones in a GT target (``loss.noise_objects``): any token touching their
+  coordinates 0, their label tokens ``noise_objects.label_weight``, their structure 1;
 - EOS: 1.
 
 ``unlikelihood_weights`` (``loss.fp_unlikelihood_weight``): one token per kept false positive or
@@ -42,7 +44,7 @@ from dataclasses import dataclass, field
 
 from rollmatch.config.schema import LossConfig
 from rollmatch.detection.codec import DecodedTokens, ObjectCodec, ParseResult, Tokenizer, decode_with_offsets
-from rollmatch.detection.json_scan import STRUCTURE, TEXT
+from rollmatch.detection.json_scan import STRUCTURE, TEXT, VALUE
 from rollmatch.detection.matching import MatchResult
 from rollmatch.detection.mistakes import divergence, fp_divergences, unlikelihood_flags, walk_elements
 from rollmatch.detection.objects import DetObject, canonical_order
@@ -376,9 +378,17 @@ def build_gt_target(
     tokenizer: Tokenizer,
     eos_token_id: int,
     desc_weight: float = _DEFAULTS.desc_weight,
+    noise: Sequence[DetObject] = (),
+    noise_label_weight: float = _DEFAULTS.noise_objects.label_weight,
 ) -> TargetSequence:
-    """The whole GT serialization (canonical order) + EOS, weighted like an appended tail."""
-    text = codec.serialize(gt_objects)
+    """The whole GT serialization (canonical order) + EOS, weighted like an appended tail.
+
+    ``noise`` (``loss.noise_objects``, ``detection.noise_objects``) follows the real objects in the
+    list, in the order given: any token touching a noise object's coordinate characters weighs 0, its
+    label tokens ``noise_label_weight``, its structure (separators, braces, keys) 1 like the list's.
+    """
+    real = canonical_order(gt_objects)
+    text = codec.serialize_in_order([*real, *noise])
     return _text_target(
         text,
         codec=codec,
@@ -386,6 +396,9 @@ def build_gt_target(
         eos_token_id=eos_token_id,
         prefix_weight=0.0,
         desc_weight=desc_weight,
+        # where the real list would close: the noise objects' separator (or first "{") starts there
+        noise_start=len(codec.serialize_in_order(real)) - 1 if noise else None,
+        noise_label_weight=noise_label_weight,
     )
 
 
@@ -401,6 +414,8 @@ def _text_target(
     context_spans: Sequence[tuple[int, int]] = (),
     missed_weight: float = 1.0,
     missed_start: int | None = None,
+    noise_start: int | None = None,
+    noise_label_weight: float = 1.0,
 ) -> TargetSequence:
     """A target that is ``text`` encoded whole (no rollout tokens copied), weighted by the rules."""
     return _weighted_target(
@@ -416,6 +431,8 @@ def _text_target(
         context_spans=context_spans,
         missed_weight=missed_weight,
         missed_start=missed_start,
+        noise_start=noise_start,
+        noise_label_weight=noise_label_weight,
     )
 
 
@@ -433,13 +450,17 @@ def _weighted_target(
     context_spans: Sequence[tuple[int, int]] = (),
     missed_weight: float = 1.0,
     missed_start: int | None = None,
+    noise_start: int | None = None,
+    noise_label_weight: float = 1.0,
 ) -> TargetSequence:
     """Weights of ``prefix_ids`` (copied from the rollout) + ``tail_ids`` (encoded) by the module's
     rules; the first ``rewritten_chars`` characters of the tail are a rewritten matched prefix.
 
     A token touching a ``context_spans`` range (a kept false positive, duplicate or invalid element)
     weighs 0. A token touching the appended missed GT (from ``missed_start`` to the closing ``]``) is
-    multiplied by ``missed_weight``, unless it holds that ``]`` (the decision to stop weighs 1).
+    multiplied by ``missed_weight``, unless it holds that ``]`` (the decision to stop weighs 1). From
+    ``noise_start`` to the closing ``]`` the list holds noise objects: a token touching one of their
+    coordinate characters weighs 0, a token touching their label ``noise_label_weight``.
     """
     token_ids = prefix_ids + tail_ids
     decoded = _checked_decode(tokenizer, token_ids, expected_text)
@@ -456,6 +477,14 @@ def _weighted_target(
         if any(start < b and a < stop for a, b in context_spans):
             weights.append(0.0)
             continue
+        if noise_start is not None and stop > noise_start and start < close:
+            noise_roles = roles[max(start, noise_start) : min(stop, close)]
+            if VALUE in noise_roles:
+                weights.append(0.0)  # a noise object's coordinates are not supervised
+                continue
+            if TEXT in noise_roles:
+                weights.append(noise_label_weight)
+                continue
         scale = missed_weight if start < close and stop > missed_from and stop <= close else 1.0
         if TEXT in token_roles:
             weights.append(desc_weight * scale)

@@ -92,12 +92,17 @@ def packing_metrics(sums: Sums, steps: int) -> dict[str, float]:
 
 
 def sample_metrics(sums: Sums, steps: int) -> dict[str, float]:
-    """``samples``, ``target/supervised_tokens`` and ``loss/weight`` per step."""
+    """``samples``, ``target/supervised_tokens`` and ``loss/weight`` per step; ``target/noise_objects`` per
+    sample."""
     out = {"samples": float(sums.get("samples", 0)) / steps}
     if "target/supervised_tokens" in sums:
         out["target/supervised_tokens"] = float(sums["target/supervised_tokens"]) / steps
     if "loss/weight" in sums:
         out["loss/weight"] = float(sums["loss/weight"]) / steps
+    if "target/noise_objects" in sums:  # loss.noise_objects: per GT target
+        out["target/noise_objects"] = float(sums["target/noise_objects"]) / max(
+            float(sums.get("samples", 0)), 1.0
+        )
     return out
 
 

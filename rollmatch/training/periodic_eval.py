@@ -34,6 +34,7 @@ from rollmatch.config.schema import RollmatchConfig
 from rollmatch.data.prompts import PromptEncoder
 from rollmatch.data.records import Record, load_records
 from rollmatch.detection.codec import ObjectCodec
+from rollmatch.detection.noise_objects import noise_label_of
 from rollmatch.errors import BackendError
 from rollmatch.evaluation import EvalResult, evaluate
 from rollmatch.rollout.types import Decoding, RolloutBackend, SyncReport
@@ -106,6 +107,7 @@ class DetectionEval:
             predictions_path=os.path.join(out_dir, f"step-{global_step}.predictions.jsonl"),
             seed=self.cfg.training.seed,
             progress=False,
+            noise_label=noise_label_of(self.cfg),
         )
         metrics = eval_metrics(result, weight_version=self.backend.weight_version)
         log.info(
@@ -152,6 +154,8 @@ def eval_metrics(result: EvalResult, *, weight_version: int) -> dict[str, float]
     metrics.update({f"{PREFIX}recall_gt_{n}": value for n, value in result.recall_by_gt_count.items()})
     for bucket, values in result.gt_count_buckets.items():
         metrics.update({f"{PREFIX}gt_count_{bucket}/{name}": float(v) for name, v in values.items()})
+    if result.noise_label is not None:  # a model trained with loss.noise_objects
+        metrics[f"{PREFIX}noise_objects_per_image"] = float(result.noise_objects_per_image)
     metrics[f"{PREFIX}samples"] = float(result.num_samples)
     metrics[f"{PREFIX}seconds"] = float(result.seconds)
     metrics[f"{PREFIX}weight_version"] = float(weight_version)

@@ -26,6 +26,7 @@ from rollmatch.config.schema import RollmatchConfig
 from rollmatch.data.prompts import EncodedPrompt, PromptEncoder
 from rollmatch.data.records import Record
 from rollmatch.detection.codec import ObjectCodec
+from rollmatch.detection.noise_objects import noise_rng, sample_noise_objects
 from rollmatch.detection.objects import DetObject
 from rollmatch.detection.scoring import score_response
 from rollmatch.detection.targets import (
@@ -104,17 +105,28 @@ class GTSegmentProducer(_SegmentFactory):
 
     def produce(self, records: Sequence[Record], global_step: int) -> ChannelOutput:
         out = ChannelOutput(segments=[])
+        noise = self.cfg.loss.noise_objects
         for record in records:
             encoded = self.encoder.encode(record)
+            gts = self.encoder.gt_objects(record, encoded)
+            extra: list[DetObject] = []
+            if noise.enabled:  # fresh noise each step, the same on a rerun (detection.noise_objects)
+                rng = noise_rng(noise.seed, encoded.sample_id, global_step)
+                extent = self.encoder.frame_extent(encoded)
+                extra = sample_noise_objects(gts, extent, noise, rng, sample_id=encoded.sample_id)
             target = build_gt_target(
-                self.encoder.gt_objects(record, encoded),
+                gts,
                 codec=self.codec,
                 tokenizer=self.encoder.tokenizer,
                 eos_token_id=self.encoder.eos_token_id,
                 desc_weight=self.cfg.loss.desc_weight,
+                noise=extra,
+                noise_label_weight=noise.label_weight,
             )
             out.segments.append(self.segment(encoded, target, global_step))
             out.sums["samples"] += 1
+            if noise.enabled:
+                out.sums["target/noise_objects"] += len(extra)
         return out
 
 

@@ -91,3 +91,59 @@ def test_grpo_refuses_decoding_the_learner_cannot_reproduce(problems_of) -> None
         assert problem.value == value and "temperature" in problem.fix, problem
     tempered = rollout(rollouts_per_record=2, decoding={"temperature": 0.7, "top_p": 0.9})
     assert load_config_dict(tempered).rollout.decoding.top_p == 0.9  # rollout matching keeps them
+
+
+# ------------------------------------------------------------------------------- loss.noise_objects
+NOISE = "loss.noise_objects"
+
+
+def sft_noise(**noise: Any) -> dict[str, Any]:
+    return {"custom": {"trainer_variant": "sft"}, "loss": {"noise_objects": {"enabled": True, **noise}}}
+
+
+def test_noise_objects_load_for_sft_and_evaluation_drops_their_label() -> None:
+    from rollmatch.detection.noise_objects import noise_label_of
+
+    cfg = load_config_dict(sft_noise(pad_to=12))
+    assert cfg.loss.noise_objects.pad_to == 12 and noise_label_of(cfg) == "noise"
+    assert noise_label_of(load_config_dict({})) is None  # off by default: nothing dropped
+    assert noise_label_of(load_config_dict({"eval": {"noise_label": "junk"}})) == "junk"
+    cfg = load_config_dict(sft_noise(count=3, label="bg"), [f"{NOISE}.kinds.random=0"])
+    assert noise_label_of(cfg) == "bg" and cfg.loss.noise_objects.kinds.random == 0
+
+
+def test_noise_objects_need_exactly_one_count(problems_of) -> None:
+    for noise in ({}, {"pad_to": 4, "count": 2}, {"count": 1, "per_object": 0.5}):
+        problem = problems_of(sft_noise(**noise)).only(NOISE)
+        assert "exactly one" in problem.fix and "pad_to" in problem.fix
+
+
+def test_noise_object_ranges_are_checked_with_the_key_named(problems_of) -> None:
+    for key, value in (
+        ("pad_to", 0),
+        ("count", 1001),
+        ("per_object", 0),
+        ("jitter", 0),
+        ("random_max_side", 1.5),
+        ("label_weight", -1),
+        ("seed", -1),
+        ("label", ""),
+    ):
+        noise = {"pad_to": 4, key: value}  # a field out of range is reported before the count rule
+        assert problems_of(sft_noise(**noise)).keys() == [f"{NOISE}.{key}"], key
+    problem = problems_of(sft_noise(pad_to=4, label=" noise")).only(f"{NOISE}.label")
+    assert "whitespace" in problem.fix
+    kinds = {"jittered": 0, "shifted": 0, "random": 0}
+    assert "at least one kind" in problems_of(sft_noise(pad_to=4, kinds=kinds)).only(f"{NOISE}.kinds").fix
+
+
+def test_noise_objects_are_refused_where_targets_come_from_rollouts(problems_of) -> None:
+    for variant in ("rollout_matching_sft", "stage2_ab_training"):
+        data = sft_noise(pad_to=4)
+        data["custom"]["trainer_variant"] = variant
+        data["stage2_ab"] = {"schedule": {"b_ratio": 0.5}}
+        problem = problems_of(data).only(f"{NOISE}.enabled")
+        assert variant in problem.fix and "trainer_variant: sft" in problem.fix
+    grpo = {**rollout(rollouts_per_record=2, decoding=SAMPLING), "loss": {"objective": "grpo"}}
+    grpo["loss"]["noise_objects"] = {"enabled": True, "count": 1}
+    assert "trainer_variant: sft" in problems_of(grpo).only(f"{NOISE}.enabled").fix

@@ -1,7 +1,7 @@
 """The medium-scenes study (studies/study_protocols.py and the preset-driven studies/dense_study.py): its
 preset and rungs, its gate clauses (GRPO sampling included), the ladder, its decision rule against
-``sft_equal_compute``, the noise-object control's refusal, its pools, and (heavy) one end-to-end gate
-at absurdly small sizes that walks the ladder."""
+``sft_equal_compute``, the noise-object control (SFT padded to the preset's largest count), its pools,
+and (heavy) one end-to-end gate at absurdly small sizes that walks the ladder."""
 
 from __future__ import annotations
 
@@ -179,7 +179,7 @@ def test_the_preset_sets_the_studys_defaults_and_a_flag_still_wins(tmp_path: Pat
         600,
         512,
     )
-    assert medium.arms == ["sft", "keep_all_supervised", "grpo_f1_k4"]
+    assert medium.arms == ["sft", "keep_all_supervised", "grpo_f1_k4", "sft_noise_objects"]
     assert medium.gate_targets == ["keep_all_supervised"]
     assert medium.train_size * 4 >= medium.stage1_max_steps * 8  # <= 4 epochs at batch 8
     crowd = dense_study.parse_args(["--out", str(tmp_path)])  # the crowd study's command lines are unchanged
@@ -217,10 +217,21 @@ def test_the_arms_train_on_their_own_pool_stage1_never_sees(tmp_path: Path) -> N
     assert arm.eval.count_buckets == stage1.eval.count_buckets == [4, 7, 10, 13]
 
 
-def test_the_noise_object_control_is_refused_until_the_trainer_has_its_target() -> None:
-    with pytest.raises(SystemExit, match=r"(?s)arm sft_noise_objects needs loss.noise_objects.*noise.*Merge"):
-        dense_study.require_arms(["sft", "sft_noise_objects"])
-    dense_study.require_arms(list(MEDIUM.arms))  # the protocol's own arms configure today
+def test_the_noise_object_control_is_sft_padded_to_the_presets_largest_count(tmp_path: Path) -> None:
+    dense_study.require_arms(list(MEDIUM.arms))  # the protocol's arms, the noise control among them
+    assert "sft_noise_objects" in MEDIUM.arms
+    splits = {"train": tmp_path / "train.jsonl", "arms": tmp_path / "arms.jsonl"}
+    for preset in ("medium", "medium_dense", "crowd"):
+        args = _args(tmp_path, preset=preset)
+        cfg = dense_study.arm_config(tmp_path / preset, "sft_noise_objects", 0, tmp_path, splits, args, 2)
+        noise = cfg.loss.noise_objects
+        assert cfg.custom.trainer_variant == "sft" and noise.enabled and noise.label == "noise"
+        assert noise.pad_to == SHAPES_PRESETS[preset].max_objects
+        sft = dense_study.arm_config(tmp_path / preset, "sft", 0, tmp_path, splits, args, 2)
+        # the control differs from the sft arm in its target alone: same records, schedule, evaluation
+        assert sft.loss.model_copy(update={"noise_objects": noise}) == cfg.loss
+        assert sft.training == cfg.training.model_copy(update={"output_dir": sft.training.output_dir})
+        assert sft.eval == cfg.eval and not sft.loss.noise_objects.enabled
 
 
 # ------------------------------------------------------------------------------------------ rule
