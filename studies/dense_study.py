@@ -6,7 +6,7 @@ at its gate) or the medium study's rungs ``medium`` / ``medium_dense`` / ``mediu
 stage-1 never sees, dev and report, 8,000 stage-1 trunk steps in chunks of 2,000, a gate with a GRPO
 clause, arms against ``sft_equal_compute``; ``--follow-ladder`` goes on to the next rung when the gate
 says so). The crowd protocol, fixed before any arm ran (docs/runbook.md, "Crowded scenes: the
-pre-registered study"; the numbers live in ``bench/study_stats.py``):
+pre-registered study"; the numbers live in ``bench/study_rules.py``):
 
 - **Data**: ``rollmatch data shapes --preset crowd`` (8-30 objects of 16-32 px, a third of the images
   with a tied row); train 4,000, dev 300, report 600 images, each split its own generator stream
@@ -76,7 +76,7 @@ from rollmatch.data.shapes import SHAPES_PRESETS
 from rollmatch.errors import ConfigError
 
 # grpo_signal imported now, not at the first gate: the process runs the code it started with
-from studies import dense_summary, grpo_signal, study_stats
+from studies import dense_summary, grpo_signal, study_rules, study_statistics
 from studies import learning_signal as ls
 from studies.study_protocols import ARMS, CROWD_LOCKED, PROTOCOLS, TARGET_ARMS, StudyProtocol, next_rung
 
@@ -150,7 +150,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, help="every arm's (HF constant schedule)")
     parser.add_argument("--steps", type=int, help="optimizer steps per arm and seed")
     parser.add_argument("--eval-at", type=int, nargs="+", help="dev evals; report at the last")
-    parser.add_argument("--seeds", type=int, nargs="+", default=list(range(study_stats.SEEDS)))
+    parser.add_argument("--seeds", type=int, nargs="+", default=list(range(study_rules.SEEDS)))
     parser.add_argument("--arms", nargs="+", choices=list(ARMS), help="default: the preset's protocol's")
     parser.add_argument("--gate-targets", nargs="+", choices=TARGET_ARMS, help="default: the protocol's")
     parser.add_argument("--equal-compute-grain", type=int, default=50, help="SFT steps between checkpoints")
@@ -207,7 +207,7 @@ def run_study(args: argparse.Namespace) -> dict[str, Any]:
         require_arms([*args.gate_targets, *grpo_arm, *arms])  # before hours of stage-1
         gate = stage1_and_gate(out, splits, args)
         if not (gate["passed"] or args.ignore_gate or args.only_gate):
-            readings = study_stats.stop_readings(protocol_of(args))
+            readings = study_rules.stop_readings(protocol_of(args))
             print(
                 f"the gate decided {gate['decision']} at {gate['trunk_steps']} trunk steps (dev F1 "
                 f"{gate['f1']}): {readings[gate['decision']]}. The study stops there; "
@@ -352,13 +352,13 @@ def sft_config(folder: Path, model: Path, splits: dict[str, Path], args: argpars
 
 # ---------------------------------------------------------------------------------- stage-1, gate
 def stage1_and_gate(out: Path, splits: dict[str, Path], args: argparse.Namespace) -> dict[str, Any]:
-    """Extend stage-1 chunk by chunk until the gate decides (``study_stats.stage1_next``)."""
+    """Extend stage-1 chunk by chunk until the gate decides (``study_rules.stage1_next``)."""
     if (out / "gate.json").exists():
         return json.loads((out / "gate.json").read_text())
     trunk, history = args.stage1_chunk, []
     while True:
         gate = ls.cached(out / "stage1" / f"gate-{trunk}.json", lambda t=trunk: gate_at(out, splits, args, t))
-        decision = study_stats.stage1_next(gate, trunk, args.stage1_max_steps)
+        decision = study_rules.stage1_next(gate, trunk, args.stage1_max_steps)
         history.append(
             {"trunk_steps": trunk, "decision": decision, "f1": gate["f1"], "passed": gate["passed"]}
         )
@@ -443,7 +443,7 @@ def gate_at(out: Path, splits: dict[str, Path], args: argparse.Namespace, trunk:
             lambda: grpo_sampling(out / "gate", stage1, splits, args, dev),
         )
     differs = {name: r["differs"] for name, r in reading.items()}
-    verdict = study_stats.gate_verdict(evaluation, differs, protocol, grpo)
+    verdict = study_rules.gate_verdict(evaluation, differs, protocol, grpo)
     return {
         **verdict,
         "targets_keeping_own_elements": {name: r["keeps_own"] for name, r in reading.items()},
@@ -559,7 +559,7 @@ def evaluation(
         result = ls.evaluate(
             cfg, str(checkpoint), load_records(splits[split]), folder / f"preds-{step}-{split}.jsonl"
         )
-        result["count_oracle"] = study_stats.count_oracle_headroom(result["per_image"])
+        result["count_oracle"] = study_statistics.count_oracle_headroom(result["per_image"])
         return {**result, **provenance(cfg, preset)}
 
     return ls.cached(folder / f"eval-{step}-{split}.json", compute)
@@ -584,7 +584,7 @@ def run_lr_pilot(out: Path, stage1: Path, splits: dict[str, Path], args: argpars
         arm: {lr: run["evals"][str(steps)]["dev"]["f1"] for lr, run in by_lr.items()}
         for arm, by_lr in runs.items()
     }
-    chosen = ls.cached(out / "pilot" / "lr_chosen.json", lambda: study_stats.choose_learning_rates(dev_f1))
+    chosen = ls.cached(out / "pilot" / "lr_chosen.json", lambda: study_rules.choose_learning_rates(dev_f1))
     if "sft" in args.arms and len(args.arms) > 1:
         best = {arm: {0: runs[arm][chosen[arm]]} for arm in args.arms}
         sft_args = argparse.Namespace(**{**vars(args), "lr": chosen["sft"], "steps": steps, "seeds": [0]})
@@ -628,7 +628,7 @@ def run_equal_compute(
         arm: ls.cached(
             folder / f"steps-{arm}.json",
             lambda arm=arm: {
-                "steps": study_stats.equal_compute_steps_by_arm(
+                "steps": study_rules.equal_compute_steps_by_arm(
                     {arm: costs[arm]}, costs["sft"], args.steps, args.equal_compute_grain
                 )[arm],
                 "compute_basis": basis,

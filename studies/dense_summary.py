@@ -2,7 +2,7 @@
 
 Owns: reading the units (gate, diagnostics, pilot, each arm x seed, the equal-compute points), the
 comparisons of every arm with ``sft`` (at equal steps and at equal compute) by the rules of
-``bench/study_stats.py``, the default target chosen on dev, the replication check against a study
+``studies/study_rules.py`` on ``studies/study_statistics.py``'s numbers, the default target chosen on dev, the replication check against a study
 with another stage-1 seed, and the PNG (F1 and recall per GT-count bucket per arm). Runs nothing.
 """
 
@@ -16,8 +16,9 @@ from typing import Any
 
 import numpy as np
 
-from studies import study_stats as st
-from studies.learning_signal import arm_runs, paired_bootstrap
+from studies import study_rules as rules
+from studies import study_statistics as stats
+from studies.learning_signal import arm_runs
 from studies.study_protocols import PROTOCOLS, StudyProtocol, failed_clauses
 
 # Kept in the summary of an evaluation (the unit files hold everything, per-image counts included).
@@ -110,12 +111,12 @@ def summarize(
                 **contrast(paired, list(reports.values()), args.bootstrap, rng, protocol),
             }
         result["comparisons"][arm] = entry
-    result["answer"] = st.study_answer(
+    result["answer"] = rules.study_answer(
         result["gate"].get("decision"),
         primary_verdicts(result["comparisons"], protocol),
         len(result["missing"]),
         arms_run=bool(result["arms"]),
-        readings=st.stop_readings(protocol),
+        readings=rules.stop_readings(protocol),
         baseline=protocol.primary_baseline,
     )
     result["default_target_on_dev"] = default_target(runs, final, args.bootstrap, rng)
@@ -143,9 +144,11 @@ def contrast(
 ) -> dict[str, Any]:
     """Arm minus base on the same report images, seed by seed: the primary test, the buckets, the rule."""
     arm_images, base_images = [r["per_image"] for r in arm], [r["per_image"] for r in base]
-    overall = paired_bootstrap(arm_images, base_images, resamples, rng)
-    overall["t_test"] = st.paired_t(overall["per_seed"])
-    buckets = {b: st.bucket_bootstrap(arm_images, base_images, b, resamples, rng) for b in protocol.buckets}
+    overall = stats.paired_bootstrap(arm_images, base_images, resamples, rng)
+    overall["t_test"] = stats.paired_t(overall["per_seed"])
+    buckets = {
+        b: stats.bucket_bootstrap(arm_images, base_images, b, resamples, rng) for b in protocol.buckets
+    }
     secondary = {
         m: round(float(np.mean([a[m] - b[m] for a, b in zip(arm, base, strict=True)])), 4) for m in SECONDARY
     }
@@ -169,10 +172,10 @@ def contrast(
         if all(a and b for a, b in pairs):
             recall[bucket] = round(float(np.mean([a["recall"] - b["recall"] for a, b in pairs])), 4)
     if protocol is PROTOCOLS["crowd"]:
-        verdict = st.gain_verdict(overall, buckets, len(arm))
+        verdict = rules.gain_verdict(overall, buckets, len(arm))
     else:
         delta_map = float(np.mean([a["map"] - b["map"] for a, b in zip(arm, base, strict=True)]))
-        verdict = st.medium_verdict(overall, delta_map, secondary["truncated_frac"], len(arm))
+        verdict = rules.medium_verdict(overall, delta_map, secondary["truncated_frac"], len(arm))
     return {
         "overall": overall,
         "by_bucket": buckets,
@@ -201,7 +204,7 @@ def default_target(
     chosen: dict[str, Any] = {"chosen_on": "dev", "target": best, "dev_f1": means}
     seeds = sorted(set(dev[best]) & set(dev.get(BASELINE_TARGET, {})))
     if best != BASELINE_TARGET and seeds:
-        chosen[f"versus_{BASELINE_TARGET}_on_dev"] = paired_bootstrap(
+        chosen[f"versus_{BASELINE_TARGET}_on_dev"] = stats.paired_bootstrap(
             [dev[best][s]["per_image"] for s in seeds],
             [dev[BASELINE_TARGET][s]["per_image"] for s in seeds],
             resamples,
@@ -256,7 +259,7 @@ def equal_compute_levels(out: Path, arms: list[str]) -> dict[str, Any]:
     (mean over the seeds evaluated)."""
     levels = {}
     for arm in arms:
-        found = equal_compute_reports(out, arm, list(range(st.MORE_SEEDS)))
+        found = equal_compute_reports(out, arm, list(range(rules.MORE_SEEDS)))
         if not found:
             continue
         steps, reports = found
@@ -326,9 +329,9 @@ def pilot_summary(out: Path, args: argparse.Namespace, pilot: dict[str, Any]) ->
     for arm, by_seed in runs.items():
         for seed in sorted(set(by_seed) & set(runs["sft"])) if arm != "sft" else []:
             a, b = by_seed[seed]["evals"][final]["dev"], runs["sft"][seed]["evals"][final]["dev"]
-            spread = st.bootstrap_spread(a["per_image"], b["per_image"], args.bootstrap, rng) * scale
+            spread = stats.bootstrap_spread(a["per_image"], b["per_image"], args.bootstrap, rng) * scale
             summary["spread_at_report_size"][f"{arm}/seed{seed}"] = round(float(spread), 4)
-    summary["seeds_needed"] = st.seeds_needed(list(summary["spread_at_report_size"].values()))
+    summary["seeds_needed"] = rules.seeds_needed(list(summary["spread_at_report_size"].values()))
     return summary
 
 
@@ -362,10 +365,10 @@ def lr_pilot_summary(out: Path, args: argparse.Namespace, protocol: StudyProtoco
         if base is None:
             continue
         mine = runs[chosen[arm]][arm][0]["evals"][steps]["dev"]
-        spread = st.bootstrap_spread(mine["per_image"], base["per_image"], args.bootstrap, rng) * scale
+        spread = stats.bootstrap_spread(mine["per_image"], base["per_image"], args.bootstrap, rng) * scale
         spreads[f"{arm}/seed0"] = round(float(spread), 4)
     summary["spread_at_report_size"] = spreads
-    summary["seeds_needed"] = st.seeds_needed(list(spreads.values())) if spreads else None
+    summary["seeds_needed"] = rules.seeds_needed(list(spreads.values())) if spreads else None
     return summary
 
 
@@ -454,9 +457,13 @@ def plot(result: dict[str, Any], path: Path) -> None:
         diff.set_ylim(-0.1, 0.1)
     diff.axhline(0.0, color="k", lw=0.8)
     if protocol.preset == "crowd":
-        diff.axhline(st.CROWDED_GAIN, color="k", ls=":", lw=0.8, label=f"+{st.CROWDED_GAIN} (26-30 clause)")
+        diff.axhline(
+            rules.CROWDED_GAIN, color="k", ls=":", lw=0.8, label=f"+{rules.CROWDED_GAIN} (26-30 clause)"
+        )
     else:
-        diff.axhline(st.OVERALL_GAIN, color="k", ls=":", lw=0.8, label=f"+{st.OVERALL_GAIN} (gain threshold)")
+        diff.axhline(
+            rules.OVERALL_GAIN, color="k", ls=":", lw=0.8, label=f"+{rules.OVERALL_GAIN} (gain threshold)"
+        )
     against = "sft's, equal steps" if primary == "equal_steps" else "sft_equal_compute's"
     diff.set(title=f"F1 minus {against}, 95% interval", xlabel="GT objects per image")
     for ax in grid.flat[:3]:
@@ -543,7 +550,7 @@ def _slim(evaluation: dict[str, Any]) -> dict[str, Any]:
     return {
         **keep,
         "gt_count_buckets": evaluation.get("gt_count_buckets"),
-        "count_oracle": st.count_oracle_headroom(evaluation["per_image"]),
+        "count_oracle": stats.count_oracle_headroom(evaluation["per_image"]),
         "decoding": evaluation.get("decoding"),
     }
 

@@ -56,6 +56,7 @@ from rollmatch.demo import (
 )
 from rollmatch.evaluation import run_eval
 from studies import learning_signal as ls
+from studies.study_statistics import paired_mean_bootstrap
 
 F1_SLACK = 0.05  # decided before the run: "F1 does not collapse" = at most this much lower after GRPO
 CURVE_ENDS = 10  # grpo/reward_mean: mean of the first and of the last this many logged steps
@@ -313,27 +314,6 @@ def sampled_rewards(cfg: RollmatchConfig, records: Sequence[Record], k: int, see
         "zero_std_group_frac": round(zero_std / len(records), 4),
         "truncated_frac": round(truncated / samples, 4),
         "seconds": round(time.perf_counter() - start_time, 1),
-    }
-
-
-# ------------------------------------------------------------------------------------- statistics
-def paired_mean_bootstrap(
-    after: Sequence[float], before: Sequence[float], resamples: int, rng: np.random.Generator
-) -> dict[str, Any]:
-    """Mean of ``after - before`` over images, with a 95% percentile interval from resampling images."""
-    if len(after) != len(before) or not after:
-        raise ValueError(
-            f"paired bootstrap needs two equal non-empty lists; got {len(after)} and {len(before)}"
-        )
-    differences = np.asarray(after, dtype=float) - np.asarray(before, dtype=float)
-    draws = rng.integers(0, len(differences), (resamples, len(differences)))
-    means = differences[draws].mean(axis=1)
-    return {
-        "delta": round(float(differences.mean()), 4),
-        "ci95": [round(float(np.percentile(means, 2.5)), 4), round(float(np.percentile(means, 97.5)), 4)],
-        "images": len(differences),
-        "images_up": int((differences > 0).sum()),
-        "images_down": int((differences < 0).sum()),
     }
 
 

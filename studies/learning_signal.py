@@ -69,6 +69,7 @@ from rollmatch.data.shapes import ShapesDifficulty, generate_shapes
 from rollmatch.detection.matching import hungarian_match
 from rollmatch.detection.metrics import duplicate_counts
 from rollmatch.detection.objects import DetObject
+from studies.study_statistics import paired_bootstrap
 
 ROLLOUT_ARMS: dict[str, dict[str, Any]] = {
     "reordered_gt": {"variant": "rollout_matching_sft", "loss": {"target": "reordered_gt"}},
@@ -634,45 +635,6 @@ def per_image_counts(records: list[Record], predictions: Path, cfg: RollmatchCon
         counts["truncated"].append(int(answer["truncated"]))
         counts["duplicates"].append(duplicate_counts(preds)[0])
     return counts
-
-
-# ------------------------------------------------------------------------------------- statistics
-def f1_of(tp: np.ndarray, fp: np.ndarray, fn: np.ndarray) -> float:
-    denominator = 2 * tp.sum() + fp.sum() + fn.sum()
-    return float(2 * tp.sum() / denominator) if denominator else 1.0
-
-
-def paired_bootstrap(
-    arm: list[dict[str, list[int]]],
-    base: list[dict[str, list[int]]],
-    resamples: int,
-    rng: np.random.Generator,
-) -> dict[str, Any]:
-    """F1(arm) - F1(base) over seeds x images, resampling seeds and images (the same images for both)."""
-    stack = {k: np.asarray([run[k] for run in arm]) for k in ("tp", "fp", "fn")}
-    base_stack = {k: np.asarray([run[k] for run in base]) for k in ("tp", "fp", "fn")}
-    seeds, images = stack["tp"].shape
-    per_seed = [
-        f1_of(*(stack[k][s] for k in ("tp", "fp", "fn")))
-        - f1_of(*(base_stack[k][s] for k in ("tp", "fp", "fn")))
-        for s in range(seeds)
-    ]
-    deltas = np.empty(resamples)
-    for r in range(resamples):
-        chosen_seeds = rng.integers(0, seeds, seeds)
-        chosen_images = rng.integers(0, images, images)
-        deltas[r] = np.mean(
-            [
-                f1_of(*(stack[k][s, chosen_images] for k in ("tp", "fp", "fn")))
-                - f1_of(*(base_stack[k][s, chosen_images] for k in ("tp", "fp", "fn")))
-                for s in chosen_seeds
-            ]
-        )
-    return {
-        "delta_f1": round(float(np.mean(per_seed)), 4),
-        "ci95": [round(float(np.percentile(deltas, 2.5)), 4), round(float(np.percentile(deltas, 97.5)), 4)],
-        "per_seed": [round(d, 4) for d in per_seed],
-    }
 
 
 def compare(
