@@ -33,8 +33,8 @@ from typing import Any
 
 import numpy as np
 
-from studies.learning_signal import arm_runs
 from studies.study_statistics import paired_bootstrap, paired_t
+from studies.units import arm_runs
 
 # Settings that may differ between the two studies; everything else must be equal.
 FREE_SETTINGS = ("object_format", "arms", "seeds", "backend", "bootstrap")

@@ -76,8 +76,7 @@ from rollmatch.data.shapes import SHAPES_PRESETS
 from rollmatch.errors import ConfigError
 
 # grpo_signal imported now, not at the first gate: the process runs the code it started with
-from studies import dense_summary, grpo_signal, study_rules, study_statistics
-from studies import learning_signal as ls
+from studies import dense_summary, grpo_signal, shapes_recipe, study_rules, study_statistics, units
 from studies.study_protocols import ARMS, CROWD_LOCKED, PROTOCOLS, TARGET_ARMS, StudyProtocol, next_rung
 
 TRUNK_SAVE_STEPS = 100
@@ -154,7 +153,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--arms", nargs="+", choices=list(ARMS), help="default: the preset's protocol's")
     parser.add_argument("--gate-targets", nargs="+", choices=TARGET_ARMS, help="default: the protocol's")
     parser.add_argument("--equal-compute-grain", type=int, default=50, help="SFT steps between checkpoints")
-    parser.add_argument("--backend", choices=["hf", "vllm"], default=ls._default_backend())
+    parser.add_argument("--backend", choices=["hf", "vllm"], default=units.default_backend())
     parser.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--only-gate", action="store_true", help="stop after stage-1 and the gate")
@@ -217,7 +216,7 @@ def run_study(args: argparse.Namespace) -> dict[str, Any]:
         if gate["passed"] or args.ignore_gate:
             stage1 = Path(gate["checkpoint"])
             if args.diagnose:
-                ls.cached(out / "diagnostics.json", lambda: diagnose(out, stage1, splits, args))
+                units.cached(out / "diagnostics.json", lambda: diagnose(out, stage1, splits, args))
             elif args.pilot and protocol_of(args).lr_pair:
                 run_lr_pilot(out, stage1, splits, args)
             elif args.pilot:
@@ -240,7 +239,9 @@ def run_study(args: argparse.Namespace) -> dict[str, Any]:
                         )
                 if "sft" in args.arms and len(args.arms) > 1:
                     run_equal_compute(out, stage1, splits, arm_args["sft"])
-    result = dense_summary.summarize(out, args, settings, ls.data_summary(splits), list(ARMS), PILOT)
+    result = dense_summary.summarize(
+        out, args, settings, shapes_recipe.data_summary(splits), list(ARMS), PILOT
+    )
     result.update(command="python -m studies.dense_study " + " ".join(args.argv), commit=code_commit())
     result["seconds_this_invocation"] = round(time.perf_counter() - started, 1)
     (out / "dense_study.json").write_text(json.dumps(result, indent=1))
@@ -277,7 +278,7 @@ def prepare_data(out: Path, args: argparse.Namespace) -> dict[str, Path]:
     sizes = {"train": args.train_size, "dev": args.dev_size, "report": args.report_size}
     if getattr(args, "arm_pool_size", 0):  # a crowd study's settings.json has no arm pool (and no preset)
         sizes["arms"] = args.arm_pool_size
-    return ls.generate_splits(out, sizes, SHAPES_PRESETS[protocol_of(args).preset])
+    return shapes_recipe.generate_splits(out, sizes, SHAPES_PRESETS[protocol_of(args).preset])
 
 
 def protocol_of(args: argparse.Namespace) -> StudyProtocol:
@@ -288,7 +289,7 @@ def study_config(
     folder: Path, model: Path, splits: dict[str, Path], args: argparse.Namespace, *, seed: int
 ) -> dict[str, Any]:
     """``learning_signal.base_config`` with the protocol's GT-count buckets in every evaluation."""
-    config = ls.base_config(folder, str(model), splits, args, seed=seed)
+    config = shapes_recipe.base_config(folder, str(model), splits, args, seed=seed)
     edges = protocol_of(args).count_buckets
     if edges is not None:
         config["eval"]["count_buckets"] = list(edges)
@@ -357,7 +358,9 @@ def stage1_and_gate(out: Path, splits: dict[str, Path], args: argparse.Namespace
         return json.loads((out / "gate.json").read_text())
     trunk, history = args.stage1_chunk, []
     while True:
-        gate = ls.cached(out / "stage1" / f"gate-{trunk}.json", lambda t=trunk: gate_at(out, splits, args, t))
+        gate = units.cached(
+            out / "stage1" / f"gate-{trunk}.json", lambda t=trunk: gate_at(out, splits, args, t)
+        )
         decision = study_rules.stage1_next(gate, trunk, args.stage1_max_steps)
         history.append(
             {"trunk_steps": trunk, "decision": decision, "f1": gate["f1"], "passed": gate["passed"]}
@@ -373,7 +376,7 @@ def stage1_and_gate(out: Path, splits: dict[str, Path], args: argparse.Namespace
             final["next_rung"] = {"preset": rung, "out": str(out.parent / rung)}
         return final
 
-    return ls.cached(out / "gate.json", decided)
+    return units.cached(out / "gate.json", decided)
 
 
 def gate_at(out: Path, splits: dict[str, Path], args: argparse.Namespace, trunk: int) -> dict[str, Any]:
@@ -433,12 +436,12 @@ def gate_at(out: Path, splits: dict[str, Path], args: argparse.Namespace, trunk:
     cfg = sft_config(out / "gate", stage1, splits, args)
     dev = load_records(splits["dev"])
     predictions = out / "stage1" / f"gate-{trunk}.predictions.jsonl"
-    evaluation = ls.evaluate(cfg, str(stage1), dev, predictions)
+    evaluation = units.evaluate(cfg, str(stage1), dev, predictions)
     reading = targets_reading(stage1, splits, args, dev, predictions)
     protocol = protocol_of(args)
     grpo = None
     if protocol.grpo_gate is not None:
-        grpo = ls.cached(
+        grpo = units.cached(
             out / "stage1" / f"gate-{trunk}.grpo_sampling.json",
             lambda: grpo_sampling(out / "gate", stage1, splits, args, dev),
         )
@@ -465,7 +468,7 @@ def targets_reading(
         arm: arm_config(stage1, arm, 0, stage1, splits, args, args.steps).loss for arm in args.gate_targets
     }
     cfg = sft_config(stage1.parent, stage1, splits, args)
-    return ls.target_reading(cfg, stage1, dev, predictions, losses)
+    return shapes_recipe.target_reading(cfg, stage1, dev, predictions, losses)
 
 
 def grpo_sampling(
@@ -522,7 +525,7 @@ def run_arm(
 
     def train_and_evaluate() -> dict[str, Any]:
         cfg = arm_config(folder, arm, seed, stage1, splits, args, steps, min(eval_at))
-        seconds, cpu_seconds = ls.train_with_cost(cfg, folder, steps)
+        seconds, cpu_seconds = units.train_with_cost(cfg, folder, steps)
         evals = {}
         for step in eval_at:
             checkpoint = folder / "final" if step == steps else folder / f"checkpoint-{step}"
@@ -539,7 +542,7 @@ def run_arm(
             **provenance(cfg, args.preset),
         }
 
-    return ls.cached(root / "arms" / arm / f"seed{seed}.json", train_and_evaluate)
+    return units.cached(root / "arms" / arm / f"seed{seed}.json", train_and_evaluate)
 
 
 def evaluation(
@@ -553,16 +556,16 @@ def evaluation(
     preset: str = "crowd",
 ) -> dict[str, Any]:
     """One cached evaluation unit: greedy (``eval.decoding``), study matching, per-image counts."""
-    ls._copy_processor(stage1, checkpoint)
+    units.copy_processor(stage1, checkpoint)
 
     def compute() -> dict[str, Any]:
-        result = ls.evaluate(
+        result = units.evaluate(
             cfg, str(checkpoint), load_records(splits[split]), folder / f"preds-{step}-{split}.jsonl"
         )
         result["count_oracle"] = study_statistics.count_oracle_headroom(result["per_image"])
         return {**result, **provenance(cfg, preset)}
 
-    return ls.cached(folder / f"eval-{step}-{split}.json", compute)
+    return units.cached(folder / f"eval-{step}-{split}.json", compute)
 
 
 def run_lr_pilot(out: Path, stage1: Path, splits: dict[str, Path], args: argparse.Namespace) -> None:
@@ -584,7 +587,7 @@ def run_lr_pilot(out: Path, stage1: Path, splits: dict[str, Path], args: argpars
         arm: {lr: run["evals"][str(steps)]["dev"]["f1"] for lr, run in by_lr.items()}
         for arm, by_lr in runs.items()
     }
-    chosen = ls.cached(out / "pilot" / "lr_chosen.json", lambda: study_rules.choose_learning_rates(dev_f1))
+    chosen = units.cached(out / "pilot" / "lr_chosen.json", lambda: study_rules.choose_learning_rates(dev_f1))
     if "sft" in args.arms and len(args.arms) > 1:
         best = {arm: {0: runs[arm][chosen[arm]]} for arm in args.arms}
         sft_args = argparse.Namespace(**{**vars(args), "lr": chosen["sft"], "steps": steps, "seeds": [0]})
@@ -619,13 +622,13 @@ def run_equal_compute(
     ``split`` at each."""
     from rollmatch.training.entry import run_training
 
-    runs = runs or {arm: ls.arm_runs(out, arm) for arm in args.arms}
+    runs = runs or {arm: units.arm_runs(out, arm) for arm in args.arms}
     costs = dense_summary.cost_per_step(runs)
     basis = costs.pop("basis")
     rollout_arms = [arm for arm in args.arms if arm != "sft"]
     folder = out / "arms" / "sft_equal_compute"
     steps_by_arm = {
-        arm: ls.cached(
+        arm: units.cached(
             folder / f"steps-{arm}.json",
             lambda arm=arm: {
                 "steps": study_rules.equal_compute_steps_by_arm(

@@ -18,8 +18,8 @@ import numpy as np
 
 from studies import study_rules as rules
 from studies import study_statistics as stats
-from studies.learning_signal import arm_runs
 from studies.study_protocols import PROTOCOLS, StudyProtocol, failed_clauses
+from studies.units import arm_runs
 
 # Kept in the summary of an evaluation (the unit files hold everything, per-image counts included).
 METRICS = (

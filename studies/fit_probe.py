@@ -34,8 +34,7 @@ from rollmatch.config.load import load_config_dict
 from rollmatch.config.schema import RollmatchConfig
 from rollmatch.data.prompts import image_probe, load_processor
 from rollmatch.data.records import load_records, write_records
-from studies import dense_study, dense_summary
-from studies import learning_signal as ls
+from studies import dense_study, dense_summary, shapes_recipe, units
 
 LOCKED = ("images", "steps", "lr", "max_new_tokens")  # a probe folder's settings; sizes may be added
 # Smallest setting (tests/test_benches.py runs it after dense_study's, on that study folder).
@@ -68,7 +67,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="image sizes (224 x 224: the study's)",
     )
     parser.add_argument("--max-new-tokens", type=int, help="default: the study's")
-    parser.add_argument("--backend", choices=["hf", "vllm"], default=ls._default_backend(), help="evaluation")
+    parser.add_argument(
+        "--backend", choices=["hf", "vllm"], default=units.default_backend(), help="evaluation"
+    )
     args = parser.parse_args(argv)
     args.argv = sys.argv[1:] if argv is None else argv
     if args.images < 1 or args.steps < 1 or min(args.pixels) < 28 * 28:
@@ -95,7 +96,7 @@ def run_probe(args: argparse.Namespace) -> dict[str, Any]:
     for pixels in args.pixels:
         folder = out / f"px{pixels}"
         cfg = probe_config(folder, checkpoint, splits, recipe, args, pixels, steps=args.steps)
-        seconds, _ = ls.train_with_cost(cfg, folder, args.steps)
+        seconds, _ = units.train_with_cost(cfg, folder, args.steps)
         sizes[str(pixels)] = {
             "visual_tokens_per_side": visual_tokens_per_side(checkpoint, pixels, image_size),
             "seconds_per_step": round(seconds / args.steps, 3),
@@ -160,7 +161,7 @@ def probe_config(
     *,
     steps: int,
 ) -> RollmatchConfig:
-    config = ls.base_config(folder, str(checkpoint), splits, recipe, seed=0)
+    config = shapes_recipe.base_config(folder, str(checkpoint), splits, recipe, seed=0)
     config["data"].update(min_pixels=pixels, max_pixels=pixels)
     config["training"].update(
         max_steps=steps,

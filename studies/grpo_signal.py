@@ -55,7 +55,7 @@ from rollmatch.demo import (
     with_model,
 )
 from rollmatch.evaluation import run_eval
-from studies import learning_signal as ls
+from studies import units
 from studies.study_statistics import paired_mean_bootstrap
 
 F1_SLACK = 0.05  # decided before the run: "F1 does not collapse" = at most this much lower after GRPO
@@ -137,17 +137,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     def greedy(model_dir: str, name: str) -> dict[str, Any]:
         return eval_summary(run_eval(with_model(grpo_cfg, model_dir), val, str(out / f"eval_{name}.jsonl")))
 
-    before = ls.cached(out / "reward_before.json", lambda: reward(stage1))
-    eval_before = ls.cached(out / "eval_before.json", lambda: greedy(stage1, "before"))
-    grpo = ls.cached(out / "grpo.json", lambda: train_grpo(grpo_cfg))
-    after = ls.cached(out / "reward_after.json", lambda: reward(grpo["final_model_dir"]))
-    eval_after = ls.cached(out / "eval_after.json", lambda: greedy(grpo["final_model_dir"], "after"))
+    before = units.cached(out / "reward_before.json", lambda: reward(stage1))
+    eval_before = units.cached(out / "eval_before.json", lambda: greedy(stage1, "before"))
+    grpo = units.cached(out / "grpo.json", lambda: train_grpo(grpo_cfg))
+    after = units.cached(out / "reward_after.json", lambda: reward(grpo["final_model_dir"]))
+    eval_after = units.cached(out / "eval_after.json", lambda: greedy(grpo["final_model_dir"], "after"))
     delta = paired_mean_bootstrap(
         after["per_image"], before["per_image"], args.bootstrap, np.random.default_rng(0)
     )
     result = {
         "date": time.strftime("%Y-%m-%d %H:%M"),
-        "commit": ls._git_commit(),
+        "commit": units.git_commit(),
         "command": "python -m studies.grpo_signal " + " ".join(args.argv),
         "machine": {"cpus": os.cpu_count(), "load_avg": list(os.getloadavg())},
         "settings": settings,
@@ -200,7 +200,7 @@ def stage1_checkpoint(
             "seconds": round(result.seconds, 1),
         }
 
-    info = ls.cached(out / "stage1.json", train)
+    info = units.cached(out / "stage1.json", train)
     return info["model"], {**info, "trained_here": True}
 
 

@@ -53,7 +53,6 @@ import contextlib
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -65,11 +64,17 @@ import rollmatch  # noqa: F401  (environment workarounds before transformers loa
 from rollmatch.config.load import load_config_dict
 from rollmatch.config.schema import LossConfig, RollmatchConfig
 from rollmatch.data.records import Record, load_records
-from rollmatch.data.shapes import ShapesDifficulty, generate_shapes
-from rollmatch.detection.matching import hungarian_match
-from rollmatch.detection.metrics import duplicate_counts
-from rollmatch.detection.objects import DetObject
+from rollmatch.data.shapes import ShapesDifficulty
+from studies.shapes_recipe import base_config, data_summary, generate_splits, target_reading
 from studies.study_statistics import paired_bootstrap
+from studies.units import (
+    cached,
+    copy_processor,
+    default_backend,
+    evaluate,
+    git_commit,
+    train_with_cost,
+)
 
 ROLLOUT_ARMS: dict[str, dict[str, Any]] = {
     "reordered_gt": {"variant": "rollout_matching_sft", "loss": {"target": "reordered_gt"}},
@@ -99,14 +104,6 @@ SMOKE_ARGS = (
     "--bootstrap 10 --ignore-gate"
 )
 SMOKE_KEYS = ("settings", "data", "gate", "arms", "comparisons")
-_PROCESSOR_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "chat_template.jinja",
-    "processor_config.json",
-    "preprocessor_config.json",
-    "video_preprocessor_config.json",
-)
 
 
 def main() -> None:
@@ -138,7 +135,7 @@ def run_study(args: argparse.Namespace) -> dict[str, Any]:
     gate = cached(out / "gate.json", lambda: run_gate(out, stage1, splits, args))
     result: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M"),
-        "commit": _git_commit(),
+        "commit": git_commit(),
         "command": "python -m studies.learning_signal " + " ".join(args.argv),
         "machine": {"cpus": os.cpu_count(), "load_avg": list(os.getloadavg())},
         "settings": settings,
@@ -213,7 +210,7 @@ def parse_args() -> argparse.Namespace:
         default="qwen_json",
         help="coordinates as digits or as coordinate tokens (compare two studies with different --out)",
     )
-    parser.add_argument("--backend", choices=["hf", "vllm"], default=_default_backend())
+    parser.add_argument("--backend", choices=["hf", "vllm"], default=default_backend())
     parser.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples")
     parser.add_argument("--only-gate", action="store_true", help="stop after stage-1 and the gate")
     parser.add_argument(
@@ -246,45 +243,6 @@ def prepare_data(out: Path, args: argparse.Namespace) -> dict[str, Path]:
     )
     sizes = {"train": args.train_size, "dev": args.dev_size, "report": args.report_size}
     return generate_splits(out, sizes, difficulty)
-
-
-def generate_splits(out: Path, sizes: dict[str, int], difficulty: ShapesDifficulty) -> dict[str, Path]:
-    """Each split of ``sizes`` (in order) from its own generator seed 0, 1, 2, ... under ``out/data``;
-    a split already generated is kept."""
-    paths = {}
-    for seed, (split, size) in enumerate(sizes.items()):
-        folder = out / "data" / split
-        if not (folder / "done").exists():
-            # the dev/report images are the generator's val split of their own seed
-            generate_shapes(
-                folder,
-                n_train=size if split == "train" else 1,
-                n_val=0 if split == "train" else size,
-                seed=seed,
-                difficulty=difficulty,
-            )
-            (folder / "done").write_text("")
-        paths[split] = folder / ("train.jsonl" if split == "train" else "val.jsonl")
-    return paths
-
-
-def data_summary(splits: dict[str, Path]) -> dict[str, Any]:
-    summary = {}
-    for split, path in splits.items():
-        records = load_records(path)
-        counts = [len(r.objects) for r in records]
-        repeats = [len({o.label for o in r.objects}) < len(r.objects) for r in records]
-        tied = [
-            any(abs(a.bbox[1] - b.bbox[1]) <= 3 for a, b in zip(r.objects, r.objects[1:], strict=False))
-            for r in records
-        ]
-        summary[split] = {
-            "images": len(records),
-            "objects_per_image": round(float(np.mean(counts)), 2),
-            "images_repeating_a_label": round(float(np.mean(repeats)), 3),
-            "images_with_a_near_tied_row": round(float(np.mean(tied)), 3),
-        }
-    return summary
 
 
 # --------------------------------------------------------------------------------------- stage-1
@@ -365,92 +323,16 @@ def target_difference(
     """Fraction of dev rollouts (stage-1's greedy answers) whose target holds other token ids than the
     SFT target (weights alone do not count: equal ids train on SFT's own states); ``losses``: the
     targets by name (default: this study's rollout arms, each with its own loss settings)."""
-    reading = target_reading(cfg, stage1, dev, predictions, losses)
-    return {name: shares["differs"] for name, shares in reading.items()}
-
-
-def target_reading(
-    cfg: RollmatchConfig,
-    stage1: Path,
-    dev: list[Record],
-    predictions: Path,
-    losses: dict[str, LossConfig] | None = None,
-) -> dict[str, dict[str, float]]:
-    """Per target (:func:`target_difference`'s): ``differs``, the share of dev rollouts whose target
-    holds other token ids than SFT's, and ``keeps_own``, the share whose target keeps at least one of
-    the rollout's elements (rewritten to its GT or not). A kept prefix rewritten to its GT is SFT's own
-    start whenever it lists SFT's first objects in SFT's order, so ``keeps_own`` far above ``differs``
-    says the model keeps the canonical order and the target adds nothing to SFT there."""
-    from rollmatch.data.prompts import PromptEncoder
-    from rollmatch.detection.object_formats import build_codec
-    from rollmatch.detection.scoring import score_response
-    from rollmatch.detection.targets import build_matched_target, target_differs_from_sft
-
-    encoder = PromptEncoder.from_pretrained(stage1, cfg.data, object_format=cfg.custom.object_format)
-    codec = build_codec(cfg.custom.object_format, encoder.tokenizer, [encoder.eos_token_id])
-    answers = [json.loads(line) for line in predictions.read_text().splitlines()]
     if losses is None:  # the rollout arms that train on rollouts alone, with the arms' own loss settings
         losses = {
             name: LossConfig(**ROLLOUT_ARMS[name]["loss"])
             for name in ("prefix_fn", "prefix_fn_supervised", "reordered_gt")
         }
-    differ, keep = dict.fromkeys(losses, 0), dict.fromkeys(losses, 0)
-    for record, answer in zip(dev, answers, strict=True):
-        encoded = encoder.encode(record)
-        ids = encoder.tokenizer.encode(answer["text"], add_special_tokens=False)  # special tokens kept
-        scored = score_response(
-            codec,
-            ids,
-            encoder.gt_objects(record, encoded),
-            extent=encoder.frame_extent(encoded),
-            hit_max_tokens=answer["truncated"],
-            matching=cfg.eval.matching,
-        )
-        common = {"codec": codec, "tokenizer": encoder.tokenizer, "eos_token_id": encoder.eos_token_id}
-        for name, loss in losses.items():
-            target = build_matched_target(scored.parse, scored.gt_objects, scored.match, loss=loss, **common)
-            differ[name] += int(target_differs_from_sft(target, scored.gt_objects, codec, encoder.tokenizer))
-            keep[name] += int(scored.parse.num_complete > target.dropped_elements)
-    return {
-        name: {"differs": round(differ[name] / len(dev), 3), "keeps_own": round(keep[name] / len(dev), 3)}
-        for name in losses
-    }
+    reading = target_reading(cfg, stage1, dev, predictions, losses)
+    return {name: shares["differs"] for name, shares in reading.items()}
 
 
 # ------------------------------------------------------------------------------------------- arms
-def base_config(
-    output_dir: Path, model: str, splits: dict[str, Path], args: argparse.Namespace, *, seed: int
-) -> dict[str, Any]:
-    return {
-        "model": {"path": model, "dtype": "float32", "attn_implementation": "sdpa"},
-        "data": {"train_jsonl": str(splits["train"]), "val_jsonl": None, "coord_frame": "norm1000"},
-        "custom": {
-            "trainer_variant": "sft",
-            "object_format": args.object_format,
-            "extra": {
-                "rollout_matching": {
-                    "rollout_backend": args.backend,
-                    "max_new_tokens": args.max_new_tokens,
-                    "vllm": {"tensor_parallel_size": 1, "enforce_eager": True},
-                }
-            },
-        },
-        "training": {
-            "output_dir": str(output_dir),
-            "per_device_train_batch_size": 8,
-            "packing": True,
-            "global_max_length": 4096,
-            "lr_scheduler_type": "constant",
-            "save_total_limit": None,
-            "logging_steps": 25,
-            "report_to": [],
-            "seed": seed,
-            "num_train_epochs": 100,
-        },
-        "eval": {"batch_size": 50},
-    }
-
-
 def arm_config(
     out: Path,
     arm: str,
@@ -549,7 +431,7 @@ def train_and_evaluate(
     eval_steps = [steps] if arm == "sft_equal_compute" else args.eval_at
     for step in eval_steps:
         checkpoint = folder / "final" if step == steps else folder / f"checkpoint-{step}"
-        _copy_processor(stage1, checkpoint)
+        copy_processor(stage1, checkpoint)
         splits_here = ["dev", "report"] if (step in args.decide_at or arm == "sft_equal_compute") else ["dev"]
         evals[str(step)] = {
             split: cached(
@@ -566,75 +448,6 @@ def train_and_evaluate(
         "train_cpu_seconds": None if cpu_seconds is None else round(cpu_seconds, 1),
         "evals": evals,
     }
-
-
-def train_with_cost(cfg: RollmatchConfig, folder: Path, steps: int) -> tuple[float, float | None]:
-    """Train ``cfg`` into ``folder`` unless its ``final/`` exists (resuming an interrupted run), logging
-    each finished invocation's cost to ``folder/train_seconds.jsonl``; the :func:`training_cost` of
-    ``steps`` steps."""
-    from rollmatch.training.entry import run_training
-
-    seconds_log = folder / "train_seconds.jsonl"  # one line per invocation that finished
-    if not (folder / "final" / "config.json").exists():
-        start_step, cpu_start = _resume_step(folder), time.process_time()
-        result = run_training(cfg)
-        line = {
-            "seconds": result.seconds,
-            "cpu_seconds": round(time.process_time() - cpu_start, 1),  # every thread of this process
-            "global_step": result.global_step,
-            "start_step": start_step,
-        }
-        with seconds_log.open("a") as f:
-            f.write(json.dumps(line) + "\n")
-    return training_cost([json.loads(line) for line in seconds_log.read_text().splitlines()], steps)
-
-
-def training_cost(invocations: list[dict[str, Any]], steps: int) -> tuple[float, float | None]:
-    """Wall-clock and CPU seconds of ``steps`` steps, from the finished invocations' cost per step (an
-    interrupted invocation logs nothing; its steps are trained again by the next). CPU seconds only
-    when every invocation measured them."""
-    done = sum(line["global_step"] - line.get("start_step", 0) for line in invocations)
-    wall = sum(line["seconds"] for line in invocations) / max(done, 1) * steps
-    if not all("cpu_seconds" in line for line in invocations):
-        return wall, None
-    return wall, sum(line["cpu_seconds"] for line in invocations) / max(done, 1) * steps
-
-
-def _resume_step(folder: Path) -> int:
-    """The step training resumes from: the newest complete checkpoint's (0 for a fresh start)."""
-    complete = [int(p.parent.name.split("-")[1]) for p in folder.glob("checkpoint-*/rollmatch_complete.json")]
-    return max(complete, default=0)
-
-
-def evaluate(
-    cfg: RollmatchConfig, model_dir: str, records: list[Record], predictions: Path
-) -> dict[str, Any]:
-    """``rollmatch eval``'s metrics (study matching) plus per-image counts for the paired bootstrap."""
-    from dataclasses import asdict
-
-    from rollmatch.evaluation import run_eval
-
-    cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": model_dir})})
-    result = asdict(run_eval(cfg, records, str(predictions)))
-    result.pop("predictions_path")
-    result["per_image"] = per_image_counts(records, predictions, cfg)
-    return result
-
-
-def per_image_counts(records: list[Record], predictions: Path, cfg: RollmatchConfig) -> dict[str, list[int]]:
-    """TP / FP / FN / truncated per image, matched in pixels of the original image (eval.matching)."""
-    counts: dict[str, list[int]] = {"tp": [], "fp": [], "fn": [], "truncated": [], "duplicates": []}
-    answers = [json.loads(line) for line in predictions.read_text().splitlines()]
-    for record, answer in zip(records, answers, strict=True):
-        preds = [DetObject(o["label"], tuple(o["bbox"])) for o in answer["objects"]]
-        gts = [DetObject(o.label, tuple(o.bbox)) for o in record.objects]
-        match = hungarian_match(preds, gts, **cfg.eval.matching.model_dump())
-        counts["tp"].append(len(match.pairs))
-        counts["fp"].append(len(match.fp))
-        counts["fn"].append(len(match.fn))
-        counts["truncated"].append(int(answer["truncated"]))
-        counts["duplicates"].append(duplicate_counts(preds)[0])
-    return counts
 
 
 def compare(
@@ -772,47 +585,6 @@ def plot(result: dict[str, Any], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
-
-
-def arm_runs(folder: Path, arm: str) -> dict[int, Any]:
-    """The finished runs of ``arm`` in a study folder (``arms/<arm>/seed<N>.json``), by seed."""
-    runs = {}
-    for path in sorted((folder / "arms" / arm).glob("seed*.json")):
-        runs[int(path.stem.removeprefix("seed"))] = json.loads(path.read_text())
-    return runs
-
-
-def cached(path: Path, compute: Any) -> Any:
-    """``compute()`` once; its JSON is kept at ``path`` (written atomically) so a rerun resumes."""
-    if path.exists():
-        return json.loads(path.read_text())
-    value = compute()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(".partial")
-    partial.write_text(json.dumps(value, indent=1))
-    partial.replace(path)
-    return value
-
-
-def _copy_processor(source: Path, checkpoint: Path) -> None:
-    for name in _PROCESSOR_FILES:
-        if (source / name).exists() and not (checkpoint / name).exists():
-            shutil.copy(source / name, checkpoint / name)
-
-
-def _default_backend() -> str:
-    import importlib.util
-
-    return "vllm" if importlib.util.find_spec("vllm") is not None else "hf"
-
-
-def _git_commit() -> str:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
 
 
 if __name__ == "__main__":

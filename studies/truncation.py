@@ -38,7 +38,7 @@ from rollmatch.detection.json_scan import scan_json_list
 from rollmatch.detection.matching import MatchResult, hungarian_match
 from rollmatch.detection.objects import DetObject
 from rollmatch.detection.targets import TargetSequence, _weighted_target, build_matched_target
-from studies.learning_signal import cached, evaluate
+from studies.units import cached, evaluate
 
 MAX_NEW_TOKENS = 160
 # Smallest setting (tests/test_benches.py runs it; docs/runbook.md "Benchmarks"): every phase on a

@@ -16,8 +16,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from studies import dense_study, dense_summary, study_statistics
-from studies import learning_signal as ls
+from studies import dense_study, dense_summary, shapes_recipe, study_statistics
 from studies import study_rules as rules
 
 REPO = Path(__file__).resolve().parents[2]
@@ -225,9 +224,11 @@ def test_the_gate_reads_which_targets_keep_the_answers_own_elements_and_which_di
     from rollmatch.detection.object_formats import build_codec
     from rollmatch.detection.objects import DetObject
 
-    splits = ls.generate_splits(tmp_path, {"train": 1, "dev": 2}, SHAPES_PRESETS["crowd"])
+    splits = shapes_recipe.generate_splits(tmp_path, {"train": 1, "dev": 2}, SHAPES_PRESETS["crowd"])
     args = _args(tmp_path, backend="hf", max_new_tokens=64)
-    cfg = load_config_dict(ls.base_config(tmp_path, str(coord_model_dir), splits, args, seed=0), [])
+    cfg = load_config_dict(
+        shapes_recipe.base_config(tmp_path, str(coord_model_dir), splits, args, seed=0), []
+    )
     dev = load_records(splits["dev"])
     encoder = PromptEncoder.from_pretrained(coord_model_dir, cfg.data, object_format="coord_tokens")
     codec = build_codec("coord_tokens", encoder.tokenizer, [encoder.eos_token_id])
@@ -243,7 +244,7 @@ def test_the_gate_reads_which_targets_keep_the_answers_own_elements_and_which_di
         "prefix_fn_supervised": LossConfig(keep_prefix="matched", matched_prefix="supervise"),
         "keep_all_supervised": LossConfig(keep_prefix="all", matched_prefix="supervise"),
     }
-    reading = ls.target_reading(cfg, coord_model_dir, dev, predictions, losses)
+    reading = shapes_recipe.target_reading(cfg, coord_model_dir, dev, predictions, losses)
     # the kept prefix of the first answer, rewritten to its GT, is SFT's own start: kept, not different;
     # the second keeps nothing under `matched` (cut at the false positive) and all of it under `all`
     assert reading["prefix_fn_supervised"] == {"keeps_own": 0.5, "differs": 0.0}

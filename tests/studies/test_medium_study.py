@@ -20,8 +20,7 @@ import pytest
 from rollmatch.data.records import load_records
 from rollmatch.data.shapes import SHAPES_PRESETS, shape_sample
 from rollmatch.detection.count_metrics import count_bucket_label
-from studies import dense_study, dense_summary, study_statistics
-from studies import learning_signal as ls
+from studies import dense_study, dense_summary, study_statistics, units
 from studies import study_rules as rules
 from studies.study_protocols import PROTOCOLS, failed_clauses, next_rung
 
@@ -367,10 +366,10 @@ def test_a_medium_gate_at_its_smallest_setting_records_every_clause_and_walks_th
     assert gate["preset"] == "medium" and gate["commit"] and gate["eval_decoding"]["temperature"] == 0.0
     assert set(gate["dev"]["gt_count_buckets"]) <= {"0-3", *MEDIUM.buckets}
     assert json.loads((tmp_path / "medium_sparse" / "gate.json").read_text()).get("next_rung") is None
-    assert ls.cached(out / "gate.json", lambda: pytest.fail("a decided gate is not run again")) == gate
+    assert units.cached(out / "gate.json", lambda: pytest.fail("a decided gate is not run again")) == gate
     # the same command again (how the study resumes) runs no unit: every unit file stays as it was
-    units = sorted(tmp_path.rglob("*.json"))
-    stamps = {p: p.stat().st_mtime_ns for p in units if p.name not in ("dense_study.json", "settings.json")}
+    unit_files = sorted(tmp_path.rglob("*.json"))
+    stamps = {p: p.stat().st_mtime_ns for p in unit_files if p.name not in ("dense_study.json", "settings.json")}
     again = subprocess.run(command, capture_output=True, text=True, timeout=1200, env=env)
     assert again.returncode == 0, again.stderr[-4000:]
     assert {p: p.stat().st_mtime_ns for p in stamps} == stamps

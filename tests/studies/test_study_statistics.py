@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from studies import compare_studies, learning_signal, study_statistics
+from studies import compare_studies, learning_signal, study_statistics, units
 
 
 def _counts(tp: list[int], fp: list[int], fn: list[int]) -> dict[str, list[int]]:
@@ -41,9 +41,9 @@ def test_training_cost_counts_only_the_steps_each_finished_invocation_trained() 
         {"seconds": 100.0, "cpu_seconds": 180.0, "global_step": 500, "start_step": 0},
         {"seconds": 300.0, "cpu_seconds": 220.0, "global_step": 1000, "start_step": 500},
     ]
-    assert learning_signal.training_cost(invocations, 1000) == (400.0, 400.0)
+    assert units.training_cost(invocations, 1000) == (400.0, 400.0)
     wall_only = [{k: v for k, v in line.items() if k != "cpu_seconds"} for line in invocations]
-    assert learning_signal.training_cost(wall_only, 1000) == (400.0, None)
+    assert units.training_cost(wall_only, 1000) == (400.0, None)
 
 
 def test_equal_compute_takes_each_arms_cheapest_seed_in_cpu_seconds() -> None:
