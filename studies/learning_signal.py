@@ -65,8 +65,8 @@ from rollmatch.config.load import load_config_dict
 from rollmatch.config.schema import LossConfig, RollmatchConfig
 from rollmatch.data.records import Record, load_records
 from rollmatch.data.shapes import ShapesDifficulty
+from studies import learning_signal_summary as summary
 from studies.shapes_recipe import base_config, data_summary, generate_splits, target_reading
-from studies.study_statistics import paired_bootstrap
 from studies.units import (
     cached,
     copy_processor,
@@ -91,8 +91,6 @@ ROLLOUT_ARMS: dict[str, dict[str, Any]] = {
 ARMS: dict[str, dict[str, Any]] = {"sft": {"variant": "sft", "loss": {}}, **ROLLOUT_ARMS}
 OBJECTS = {"3-5": (3, 5), "2-4": (2, 4)}
 SIDES = (44, 80)
-GAIN, MAP_SLACK = 0.03, 0.01  # decided before the run
-MIN_SEEDS = 3  # decided before the run: no verdict on fewer
 F1_GATE = (0.4, 0.8)
 DIFFERS_GATE = 0.25
 # Smallest setting (tests/test_benches.py runs it; docs/runbook.md "Benchmarks").
@@ -167,12 +165,12 @@ def run_study(args: argparse.Namespace) -> dict[str, Any]:
                 runs[arm][seed] = run_arm(out, arm, seed, stage1, splits, args)
         result["complete"] = not missing
         result["missing"] = missing
-        result["arms"] = {arm: summarize_arm(by_seed) for arm, by_seed in runs.items() if by_seed}
-        result["comparisons"] = compare(runs, splits, args)
+        result["arms"] = {arm: summary.summarize_arm(by_seed) for arm, by_seed in runs.items() if by_seed}
+        result["comparisons"] = summary.compare(runs, list(ROLLOUT_ARMS), args)
     result["seconds_this_invocation"] = round(time.perf_counter() - started, 1)
     (out / "learning_signal.json").write_text(json.dumps(result, indent=1))
     if "arms" in result:
-        plot(result, out / "learning_signal.png")
+        summary.plot(result, out / "learning_signal.png")
     if args.docs:  # one name per object format: the two studies' documents sit side by side
         name = "learning_signal" + ("" if args.object_format == "qwen_json" else f"_{args.object_format}")
         for suffix in (".json", ".png"):
@@ -448,143 +446,6 @@ def train_and_evaluate(
         "train_cpu_seconds": None if cpu_seconds is None else round(cpu_seconds, 1),
         "evals": evals,
     }
-
-
-def compare(
-    runs: dict[str, dict[int, Any]], splits: dict[str, Path], args: argparse.Namespace
-) -> dict[str, Any]:
-    """Each rollout arm vs ``sft`` at equal steps (every decision step) and vs ``sft_equal_compute``;
-    each other rollout arm also vs ``prefix_fn`` (the default target before the study), which decides
-    the default among the targets whether or not any of them beats SFT."""
-    rng = np.random.default_rng(0)
-    out: dict[str, Any] = {}
-    for arm in ROLLOUT_ARMS:
-        seeds = sorted(set(runs[arm]) & set(runs["sft"]))
-        if not seeds:
-            continue
-        equal_steps = {}
-        for step in args.decide_at:
-            equal_steps[str(step)] = contrast(runs, arm, "sft", seeds, str(step), str(step), args, rng)
-        verdict = all(
-            c["delta_f1"] >= GAIN
-            and c["ci95"][0] > 0
-            and sum(d > 0 for d in c["per_seed"]) > len(seeds) / 2
-            and c["delta_map"] >= -MAP_SLACK
-            and c["delta_truncated_frac"] <= 0
-            for c in equal_steps.values()
-        )
-        entry: dict[str, Any] = {
-            "seeds": seeds,
-            "equal_steps": equal_steps,
-            # The protocol's verdict needs MIN_SEEDS seeds; fewer: the numbers, no verdict.
-            "gain_at_equal_steps": verdict if len(seeds) >= MIN_SEEDS else None,
-        }
-        compute_seeds = sorted(set(seeds) & set(runs["sft_equal_compute"]))
-        if compute_seeds:
-            base_step = {s: str(runs["sft_equal_compute"][s]["steps"]) for s in compute_seeds}
-            entry["equal_compute"] = contrast(
-                runs, arm, "sft_equal_compute", compute_seeds, str(args.steps), base_step, args, rng
-            )
-        target_seeds = sorted(set(runs[arm]) & set(runs["prefix_fn"]))
-        if arm != "prefix_fn" and target_seeds:
-            entry["versus_prefix_fn"] = {
-                str(step): contrast(runs, arm, "prefix_fn", target_seeds, str(step), str(step), args, rng)
-                for step in args.decide_at
-            }
-        out[arm] = entry
-    return out
-
-
-def contrast(
-    runs: dict[str, dict[int, Any]],
-    arm: str,
-    base: str,
-    seeds: list[int],
-    step: str,
-    base_step: str | dict[int, str],
-    args: argparse.Namespace,
-    rng: np.random.Generator,
-) -> dict[str, Any]:
-    def report(name: str, seed: int, at: str) -> dict[str, Any]:
-        return runs[name][seed]["evals"][at]["report"]
-
-    base_at = {s: base_step if isinstance(base_step, str) else base_step[s] for s in seeds}
-    arm_reports = [report(arm, s, step) for s in seeds]
-    base_reports = [report(base, s, base_at[s]) for s in seeds]
-    result = paired_bootstrap(
-        [r["per_image"] for r in arm_reports], [r["per_image"] for r in base_reports], args.bootstrap, rng
-    )
-    for metric in ("map", "truncated_frac", "duplicate_rate", "fp_per_image", "exact_count_acc"):
-        delta = np.mean([a[metric] - b[metric] for a, b in zip(arm_reports, base_reports, strict=True)])
-        result[f"delta_{metric}"] = round(float(delta), 4)
-    return result
-
-
-def summarize_arm(by_seed: dict[int, Any]) -> dict[str, Any]:
-    """Mean over seeds of the dev curve and the report metrics at each step evaluated on report."""
-    summary: dict[str, Any] = {"seeds": sorted(by_seed), "train_seconds": {}, "train_cpu_seconds": {}}
-    for seed, run in by_seed.items():
-        summary["train_seconds"][str(seed)] = run["train_seconds"]
-        summary["train_cpu_seconds"][str(seed)] = run.get("train_cpu_seconds")
-    steps = sorted({step for run in by_seed.values() for step in run["evals"]}, key=int)
-    for split in ("dev", "report"):
-        curve = {}
-        for step in steps:
-            evals = [
-                run["evals"][step][split] for run in by_seed.values() if split in run["evals"].get(step, {})
-            ]
-            if evals:
-                curve[step] = {
-                    metric: round(float(np.mean([e[metric] for e in evals])), 4)
-                    for metric in (
-                        "f1",
-                        "map",
-                        "mean_iou",
-                        "truncated_frac",
-                        "duplicate_rate",
-                        "fp_per_image",
-                        "exact_count_acc",
-                        "objects_per_image",
-                    )
-                }
-                curve[step]["recall_by_gt_count"] = {
-                    k: round(float(np.mean([e["recall_by_gt_count"].get(k, 0.0) for e in evals])), 4)
-                    for k in evals[0]["recall_by_gt_count"]
-                }
-        summary[split] = curve
-    return summary
-
-
-# ------------------------------------------------------------------------------------------ output
-def plot(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    panels = (
-        ("f1", "dev F1@0.5 (labels required)"),
-        ("duplicate_rate", "dev duplicate rate"),
-        ("exact_count_acc", "dev exact-count accuracy"),
-    )
-    fig, axes = plt.subplots(1, len(panels), figsize=(15, 4))
-    stage1 = result["gate"]["dev"]
-    for ax, (metric, title) in zip(axes, panels, strict=True):
-        for arm, summary in result["arms"].items():
-            if arm == "sft_equal_compute":
-                continue
-            steps = [0, *(int(s) for s in summary["dev"])]
-            values = [stage1[metric], *(v[metric] for v in summary["dev"].values())]
-            seeds = len(summary["seeds"])
-            ax.plot(steps, values, marker="o", label=f"{arm} ({seeds} seed{'s' * (seeds > 1)})")
-        ax.set(title=title, xlabel="optimizer steps after stage-1")
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
-    progress = f"; in progress, missing {len(result['missing'])} arm-seeds" if result.get("missing") else ""
-    fig.suptitle(f"learning signal, mean over seeds ({result['date']}, {result['commit']}{progress})")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 if __name__ == "__main__":
