@@ -34,7 +34,7 @@ from rollmatch.config.load import load_config_dict
 from rollmatch.config.schema import RollmatchConfig
 from rollmatch.data.prompts import image_probe, load_processor
 from rollmatch.data.records import load_records, write_records
-from studies import dense_study, dense_summary, shapes_recipe, units
+from studies import dense_arms, dense_summary, shapes_recipe, units
 
 LOCKED = ("images", "steps", "lr", "max_new_tokens")  # a probe folder's settings; sizes may be added
 # Smallest setting (tests/test_benches.py runs it after dense_study's, on that study folder).
@@ -83,8 +83,8 @@ def run_probe(args: argparse.Namespace) -> dict[str, Any]:
     settings = json.loads((study / "settings.json").read_text())
     checkpoint = gated_checkpoint(study)
     args.max_new_tokens = args.max_new_tokens or settings["max_new_tokens"]
-    dense_study.lock_settings(out, args, LOCKED, "probe")
-    splits = subsets(dense_study.prepare_data(study, argparse.Namespace(**settings)), out, args.images)
+    units.lock_settings(out, args, LOCKED, "probe")
+    splits = subsets(dense_arms.prepare_data(study, argparse.Namespace(**settings)), out, args.images)
     recipe = argparse.Namespace(
         object_format=settings["object_format"], max_new_tokens=args.max_new_tokens, backend=args.backend
     )
@@ -115,7 +115,7 @@ def run_probe(args: argparse.Namespace) -> dict[str, Any]:
             px: round(s["train"]["f1"] / first_f1, 3) if first_f1 else None for px, s in sizes.items()
         },
         "command": "python -m studies.fit_probe " + " ".join(args.argv),
-        "commit": dense_study.code_commit(),
+        "commit": dense_arms.code_commit(),
     }
     (out / "fit_probe.json").write_text(json.dumps(result, indent=1))
     return result
@@ -181,7 +181,7 @@ def evaluations(
     """F1, precision, recall and recall per GT-count bucket on the training and dev subsets."""
     found = {}
     for split in ("train", "dev"):
-        result = dense_study.evaluation(cfg, model, stage1, splits, split, folder, 0)
+        result = dense_arms.evaluation(cfg, model, stage1, splits, split, folder, 0)
         found[split] = {
             "f1": round(result["f1"], 4),
             "precision": round(result["precision"], 4),

@@ -2,6 +2,7 @@
 once, writes its JSON in the study folder, and a rerun reads it back instead of running it again.
 
 Owns: :func:`cached` (a unit's JSON, written atomically), :func:`arm_runs` (an arm's finished seeds),
+:func:`lock_settings` (a study folder refuses a rerun with other settings),
 :func:`train_with_cost` (train or resume, logging each invocation's wall-clock and CPU seconds) and
 :func:`training_cost`, :func:`evaluate` (``rollmatch eval``'s metrics with the per-image counts the
 paired bootstrap needs), and the provenance every study records (:func:`git_commit`,
@@ -12,6 +13,7 @@ Leaves out: what a unit trains (each driver's configs) and the statistics (``stu
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 import subprocess
@@ -44,6 +46,21 @@ def cached(path: Path, compute: Any) -> Any:
     partial.write_text(json.dumps(value, indent=1))
     partial.replace(path)
     return value
+
+
+def lock_settings(
+    out: Path, args: argparse.Namespace, keys: tuple[str, ...], what: str = "study"
+) -> dict[str, Any]:
+    """``out/settings.json`` holds ``keys`` of the first run; a rerun with other values is refused."""
+    settings = {key: getattr(args, key) for key in keys}
+    path = out / "settings.json"
+    saved = json.loads(path.read_text()) if path.exists() else settings
+    differing = sorted(key for key in keys if saved.get(key) != settings[key])
+    if differing:
+        raise SystemExit(f"{out} holds a {what} with other {differing} ({path}); use another --out")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(settings, indent=1))
+    return settings
 
 
 def train_with_cost(cfg: RollmatchConfig, folder: Path, steps: int) -> tuple[float, float | None]:

@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from studies import dense_study, dense_summary, shapes_recipe, study_statistics
+from studies import dense_arms, dense_gate, dense_study, dense_summary, shapes_recipe, study_statistics, units
 from studies import study_rules as rules
+from studies.study_protocols import CROWD_LOCKED
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -181,7 +182,7 @@ def test_a_unit_file_present_is_not_run_again(tmp_path: Path) -> None:
     (tmp_path / "arms" / "sft" / "seed0.json").write_text(json.dumps(unit))
     # a stage-1 that does not exist: anything but reading the unit would fail
     missing = tmp_path / "no-stage1"
-    ran = dense_study.run_arm(tmp_path, "sft", 0, missing, {}, _args(tmp_path), 2, [2], [2])
+    ran = dense_arms.run_arm(tmp_path, "sft", 0, missing, {}, _args(tmp_path), 2, [2], [2])
     assert ran == unit
 
 
@@ -192,25 +193,27 @@ def test_stage1_walks_the_chunk_gates_done_and_writes_the_decision(tmp_path: Pat
     for trunk, gate in ((3000, low), (6000, good)):
         (tmp_path / "stage1" / f"gate-{trunk}.json").write_text(json.dumps(gate))
     args = _args(tmp_path, stage1_chunk=3000, stage1_max_steps=18000)
-    gate = dense_study.stage1_and_gate(tmp_path, {}, args)
+    gate = dense_gate.stage1_and_gate(tmp_path, {}, args)
     assert gate["passed"] and gate["checkpoint"] == "c2" and gate["decision"] == "pass"
     assert [h["decision"] for h in gate["history"]] == ["extend", "pass"]
     assert json.loads((tmp_path / "gate.json").read_text()) == gate
 
 
 def test_a_study_folder_refuses_other_settings(tmp_path: Path) -> None:
-    dense_study.lock_settings(tmp_path, _args(tmp_path))
+    units.lock_settings(tmp_path, _args(tmp_path), CROWD_LOCKED)
     with pytest.raises(SystemExit, match=r"other \['steps'\]"):
-        dense_study.lock_settings(tmp_path, _args(tmp_path, steps=3))
-    dense_study.lock_settings(tmp_path, _args(tmp_path, seeds=[0, 1, 2, 3, 4, 5, 6, 7]))  # seeds may grow
+        units.lock_settings(tmp_path, _args(tmp_path, steps=3), CROWD_LOCKED)
+    units.lock_settings(
+        tmp_path, _args(tmp_path, seeds=[0, 1, 2, 3, 4, 5, 6, 7]), CROWD_LOCKED
+    )  # seeds may grow
 
 
 def test_an_arm_this_code_cannot_configure_is_refused_naming_what_it_needs(monkeypatch) -> None:
     arm = {"variant": "rollout_matching_sft", "loss": {"no_such_key": 1.0}, "needs": "loss.no_such_key"}
     monkeypatch.setitem(dense_study.ARMS, "future_arm", arm)
     with pytest.raises(SystemExit, match=r"(?s)arm future_arm needs loss.no_such_key.*no_such_key.*Merge"):
-        dense_study.require_arms(["sft", "future_arm"])
-    dense_study.require_arms(["sft", "prefix_fn_supervised"])
+        dense_arms.require_arms(["sft", "future_arm"])
+    dense_arms.require_arms(["sft", "prefix_fn_supervised"])
 
 
 def test_the_gate_reads_which_targets_keep_the_answers_own_elements_and_which_differ(
@@ -286,7 +289,7 @@ def test_summary_applies_the_rule_and_plots_from_unit_files_alone(tmp_path: Path
             }
             (tmp_path / "arms" / arm / f"seed{seed}.json").write_text(json.dumps(run))
     args = _args(tmp_path, bootstrap=200, arms=["sft", "keep_all_supervised"])
-    settings = dense_study.lock_settings(tmp_path, args)
+    settings = units.lock_settings(tmp_path, args, CROWD_LOCKED)
     result = dense_summary.summarize(tmp_path, args, settings, {}, list(dense_study.ARMS), dense_study.PILOT)
     assert result["missing"] == []
     equal_steps = result["comparisons"]["keep_all_supervised"]["equal_steps"]
@@ -311,7 +314,7 @@ def test_summary_of_a_stage1_in_progress_shows_each_gate_and_plots_before_any_ar
         gate = {**rules.gate_verdict(dev, DIFFERS), "trunk_steps": trunk, "dev": dev}
         (tmp_path / "stage1" / f"gate-{trunk}.json").write_text(json.dumps(gate))
     args = _args(tmp_path)
-    settings = dense_study.lock_settings(tmp_path, args)
+    settings = units.lock_settings(tmp_path, args, CROWD_LOCKED)
     result = dense_summary.summarize(tmp_path, args, settings, {}, list(dense_study.ARMS), dense_study.PILOT)
     progress = result["gate"]["in_progress"]
     assert [(g["trunk_steps"], g["f1"], g["f1_side"]) for g in progress] == [

@@ -20,7 +20,7 @@ import pytest
 from rollmatch.data.records import load_records
 from rollmatch.data.shapes import SHAPES_PRESETS, shape_sample
 from rollmatch.detection.count_metrics import count_bucket_label
-from studies import dense_study, dense_summary, study_statistics, units
+from studies import dense_arms, dense_gate, dense_study, dense_summary, study_statistics, units
 from studies import study_rules as rules
 from studies.study_protocols import PROTOCOLS, failed_clauses, next_rung
 
@@ -156,7 +156,7 @@ def test_a_decided_gate_names_the_next_rung_beside_the_study_folder(tmp_path: Pa
         }
         (out / "stage1" / f"gate-{trunk}.json").write_text(json.dumps(low))
     args = _args(out, stage1_chunk=2000, stage1_max_steps=4000)
-    gate = dense_study.stage1_and_gate(out, {}, args)
+    gate = dense_gate.stage1_and_gate(out, {}, args)
     assert gate["decision"] == "fail_budget"
     assert gate["next_rung"] == {"preset": "medium_sparse", "out": str(tmp_path / "medium_sparse")}
 
@@ -195,17 +195,15 @@ def test_the_preset_sets_the_studys_defaults_and_a_flag_still_wins(tmp_path: Pat
 
 
 def test_a_medium_folder_is_locked_to_its_preset_and_pools(tmp_path: Path) -> None:
-    settings = dense_study.lock_settings(tmp_path, _args(tmp_path), MEDIUM.locked)
+    settings = units.lock_settings(tmp_path, _args(tmp_path), MEDIUM.locked)
     assert settings["preset"] == "medium" and settings["arm_pool_size"] == 4800
     with pytest.raises(SystemExit, match=r"other \['arm_pool_size', 'preset'\]"):
-        dense_study.lock_settings(
-            tmp_path, _args(tmp_path, preset="medium_dense", arm_pool_size=8), MEDIUM.locked
-        )
+        units.lock_settings(tmp_path, _args(tmp_path, preset="medium_dense", arm_pool_size=8), MEDIUM.locked)
 
 
 def test_the_arms_train_on_their_own_pool_stage1_never_sees(tmp_path: Path) -> None:
     args = _args(tmp_path, train_size=3, arm_pool_size=3, dev_size=2, report_size=2)
-    splits = dense_study.prepare_data(tmp_path, args)
+    splits = dense_arms.prepare_data(tmp_path, args)
     assert set(splits) == {"train", "dev", "report", "arms"}
     pixels = {
         split: [Path(r.images[0]).read_bytes() for r in load_records(path)] for split, path in splits.items()
@@ -213,16 +211,16 @@ def test_the_arms_train_on_their_own_pool_stage1_never_sees(tmp_path: Path) -> N
     everything = [image for images in pixels.values() for image in images]
     assert len(set(everything)) == len(everything)  # each pool its own stream: no image twice
     model = tmp_path / "model"
-    arm = dense_study.arm_config(tmp_path / "arm", "sft", 0, model, splits, args, 2)
-    stage1 = dense_study.sft_config(tmp_path / "trunk", model, splits, args)
+    arm = dense_arms.arm_config(tmp_path / "arm", "sft", 0, model, splits, args, 2)
+    stage1 = dense_arms.sft_config(tmp_path / "trunk", model, splits, args)
     assert arm.data.train_jsonl == str(splits["arms"]) and stage1.data.train_jsonl == str(splits["train"])
     assert arm.eval.count_buckets == stage1.eval.count_buckets == [4, 7, 10, 13]
 
 
 def test_the_noise_object_control_is_refused_until_the_trainer_has_its_target() -> None:
     with pytest.raises(SystemExit, match=r"(?s)arm sft_noise_objects needs loss.noise_objects.*noise.*Merge"):
-        dense_study.require_arms(["sft", "sft_noise_objects"])
-    dense_study.require_arms(list(MEDIUM.arms))  # the protocol's own arms configure today
+        dense_arms.require_arms(["sft", "sft_noise_objects"])
+    dense_arms.require_arms(list(MEDIUM.arms))  # the protocol's own arms configure today
 
 
 # ------------------------------------------------------------------------------------------ rule
@@ -312,7 +310,7 @@ def test_the_medium_summary_judges_each_arm_against_sft_at_equal_compute(tmp_pat
         "commit": "t",
     }
     (tmp_path / "gate.json").write_text(json.dumps(gate))
-    settings = dense_study.lock_settings(tmp_path, args, MEDIUM.locked)
+    settings = units.lock_settings(tmp_path, args, MEDIUM.locked)
     result = dense_summary.summarize(tmp_path, args, settings, {}, list(dense_study.ARMS), dense_study.PILOT)
     compared = result["comparisons"]["keep_all_supervised"]["equal_compute"]
     assert set(compared["by_bucket"]) == set(MEDIUM.buckets)
@@ -369,7 +367,9 @@ def test_a_medium_gate_at_its_smallest_setting_records_every_clause_and_walks_th
     assert units.cached(out / "gate.json", lambda: pytest.fail("a decided gate is not run again")) == gate
     # the same command again (how the study resumes) runs no unit: every unit file stays as it was
     unit_files = sorted(tmp_path.rglob("*.json"))
-    stamps = {p: p.stat().st_mtime_ns for p in unit_files if p.name not in ("dense_study.json", "settings.json")}
+    stamps = {
+        p: p.stat().st_mtime_ns for p in unit_files if p.name not in ("dense_study.json", "settings.json")
+    }
     again = subprocess.run(command, capture_output=True, text=True, timeout=1200, env=env)
     assert again.returncode == 0, again.stderr[-4000:]
     assert {p: p.stat().st_mtime_ns for p in stamps} == stamps
