@@ -66,7 +66,7 @@ from pathlib import Path
 from typing import Any
 
 import rollmatch  # noqa: F401  (environment workarounds before transformers loads)
-from studies import dense_summary, shapes_recipe, study_rules, units
+from studies import dense_plot, dense_summary, shapes_recipe, study_rules, units
 from studies.dense_arms import (
     arm_config,
     code_commit,
@@ -241,8 +241,8 @@ def run_study(args: argparse.Namespace) -> dict[str, Any]:
     result.update(command="python -m studies.dense_study " + " ".join(args.argv), commit=code_commit())
     result["seconds_this_invocation"] = round(time.perf_counter() - started, 1)
     (out / "dense_study.json").write_text(json.dumps(result, indent=1))
-    if result["arms"] or dense_summary.gate_points(result["gate"]):
-        dense_summary.plot(result, out / "dense_study.png")
+    if result["arms"] or dense_plot.gate_points(result["gate"]):
+        dense_plot.plot(result, out / "dense_study.png")
     if args.docs:
         docs_name = protocol_of(args).docs_name
         for suffix in (".json", ".png"):

@@ -16,7 +16,16 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from studies import dense_arms, dense_gate, dense_study, dense_summary, shapes_recipe, study_statistics, units
+from studies import (
+    dense_arms,
+    dense_gate,
+    dense_plot,
+    dense_study,
+    dense_summary,
+    shapes_recipe,
+    study_statistics,
+    units,
+)
 from studies import study_rules as rules
 from studies.study_protocols import CROWD_LOCKED
 
@@ -302,7 +311,7 @@ def test_summary_applies_the_rule_and_plots_from_unit_files_alone(tmp_path: Path
     assert result["default_target_on_dev"]["target"] == "keep_all_supervised"
     assert result["default_target_on_dev"]["chosen_on"] == "dev"
     result["commit"] = "test"
-    dense_summary.plot(result, tmp_path / "plot.png")
+    dense_plot.plot(result, tmp_path / "plot.png")
     assert (tmp_path / "plot.png").stat().st_size > 10_000
 
 
@@ -325,9 +334,9 @@ def test_summary_of_a_stage1_in_progress_shows_each_gate_and_plots_before_any_ar
         progress[1]["dev"]["gt_count_buckets"]["26-30"]["recall"]
         > progress[0]["dev"]["gt_count_buckets"]["26-30"]["recall"]
     )
-    assert result["arms"] == {} and dense_summary._stage1_dev(result["gate"])[0] == 6000  # the newest gate
+    assert result["arms"] == {} and dense_plot._stage1_dev(result["gate"])[0] == 6000  # the newest gate
     result["commit"] = "test"
-    dense_summary.plot(result, tmp_path / "plot.png")
+    dense_plot.plot(result, tmp_path / "plot.png")
     assert (tmp_path / "plot.png").stat().st_size > 10_000
 
 

@@ -20,7 +20,7 @@ import pytest
 from rollmatch.data.records import load_records
 from rollmatch.data.shapes import SHAPES_PRESETS, shape_sample
 from rollmatch.detection.count_metrics import count_bucket_label
-from studies import dense_arms, dense_gate, dense_study, dense_summary, study_statistics, units
+from studies import dense_arms, dense_gate, dense_plot, dense_study, dense_summary, study_statistics, units
 from studies import study_rules as rules
 from studies.study_protocols import PROTOCOLS, failed_clauses, next_rung
 
@@ -328,7 +328,7 @@ def test_the_medium_summary_judges_each_arm_against_sft_at_equal_compute(tmp_pat
         "reading": "a gain over sft_equal_compute by the decision rule: keep_all_supervised",
     }
     result["commit"] = "test"
-    dense_summary.plot(result, tmp_path / "plot.png")
+    dense_plot.plot(result, tmp_path / "plot.png")
     assert (tmp_path / "plot.png").stat().st_size > 10_000
 
 
