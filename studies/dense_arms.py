@@ -80,7 +80,7 @@ def arm_config(
     if (folder / "trainer_state.json").exists() or any(folder.glob("checkpoint-*")):
         config["training"]["resume_from_checkpoint"] = "latest"
     try:
-        return load_config_dict(config, [], source=f"bench/dense_study.py {arm}")
+        return load_config_dict(config, [], source=f"studies/dense_study.py {arm}")
     except ConfigError as error:
         needs = spec.get("needs", "nothing beyond this code")
         raise SystemExit(
@@ -107,7 +107,7 @@ def sft_config(folder: Path, model: Path, splits: dict[str, Path], args: argpars
     config["training"].update(training)
     if any(folder.glob("checkpoint-*/rollmatch_complete.json")):
         config["training"]["resume_from_checkpoint"] = "latest"
-    return load_config_dict(config, [], source="bench/dense_study.py stage-1")
+    return load_config_dict(config, [], source="studies/dense_study.py stage-1")
 
 
 # ------------------------------------------------------------------------------------------- arms

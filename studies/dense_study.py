@@ -1,6 +1,6 @@
 """Does training on its own rollouts beat more SFT on dense scenes? Pre-registered and powered.
 
-``--preset`` picks the study (``bench/study_protocols.py``): ``crowd`` (the default, below; it stopped
+``--preset`` picks the study (``studies/study_protocols.py``): ``crowd`` (the default, below; it stopped
 at its gate) or the medium study's rungs ``medium`` / ``medium_dense`` / ``medium_sparse`` (docs/runbook.md,
 "Medium scenes: the pre-registered study": 4-12 objects of 32-56 px, a stage-1 pool, an arm pool
 stage-1 never sees, dev and report, 8,000 stage-1 trunk steps in chunks of 2,000, a gate with a GRPO
@@ -47,11 +47,11 @@ writes its own JSON under ``--out``; a rerun skips what is done. Prints ONE JSON
 ``--out/dense_study.json``) and a PNG (F1 and recall per GT-count bucket per arm); ``--docs`` copies both
 into docs/. Run (16-20 hours of 2 cores in all; stop and rerun at will)::
 
-    .venv/bin/python bench/dense_study.py --out runs/crowd --only-gate      # stage-1 + gate (~2 h)
-    .venv/bin/python bench/dense_study.py --out runs/crowd --diagnose       # zero-training diagnostics
-    .venv/bin/python bench/dense_study.py --out runs/crowd --pilot          # cost and spread (~1.5 h)
-    .venv/bin/python bench/dense_study.py --out runs/crowd --docs           # every arm x seed
-    .venv/bin/python bench/dense_study.py --out runs/crowd --summarize --docs   # from the units so far
+    .venv/bin/python -m studies.dense_study --out runs/crowd --only-gate      # stage-1 + gate (~2 h)
+    .venv/bin/python -m studies.dense_study --out runs/crowd --diagnose       # zero-training diagnostics
+    .venv/bin/python -m studies.dense_study --out runs/crowd --pilot          # cost and spread (~1.5 h)
+    .venv/bin/python -m studies.dense_study --out runs/crowd --docs           # every arm x seed
+    .venv/bin/python -m studies.dense_study --out runs/crowd --summarize --docs   # from the units so far
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ from studies.dense_gate import diagnose, stage1_and_gate
 from studies.study_protocols import ARMS, PROTOCOLS, TARGET_ARMS
 
 PILOT = {"steps": 500, "eval_at": [250, 500], "seeds": [0], "arms": ["sft", *TARGET_ARMS]}
-# Smallest setting (tests/test_benches.py runs it; docs/runbook.md "Benchmarks"): a few images and
+# Smallest setting (tests/studies/test_study_smoke.py runs it; docs/runbook.md "Benchmarks"): a few images and
 # steps, one seed, the sft arm only; a 2-step stage-1 fails the gate, hence --ignore-gate.
 SMOKE_ARGS = (
     "--out {tmp}/dense_study --train-size 8 --dev-size 4 --report-size 4 --stage1-chunk 2 "
@@ -121,7 +121,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--preset",
         choices=list(PROTOCOLS),
         default="crowd",
-        help="the shapes preset, and with it the study's protocol (bench/study_protocols.py): its data "
+        help="the shapes preset, and with it the study's protocol (studies/study_protocols.py): its data "
         "sizes, stage-1 budget, buckets, gate and arms are the defaults below",
     )
     parser.add_argument("--train-size", type=int, help="the stage-1 pool (crowd: 4,000; medium: 16,000)")

@@ -17,7 +17,7 @@ Every unit (the checkpoint before training, each size's run and evaluations) wri
 ``--out/fit_probe.json``): per size the training and dev F1, recall per GT-count bucket and seconds per
 step, and each size's training F1 over the first size's (``train_f1_ratio``). Run::
 
-    .venv/bin/python bench/fit_probe.py --study runs/crowd          # ~12 min of 2 cores
+    .venv/bin/python -m studies.fit_probe --study runs/crowd          # ~12 min of 2 cores
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from rollmatch.data.records import load_records, write_records
 from studies import dense_arms, dense_summary, shapes_recipe, units
 
 LOCKED = ("images", "steps", "lr", "max_new_tokens")  # a probe folder's settings; sizes may be added
-# Smallest setting (tests/test_benches.py runs it after dense_study's, on that study folder).
+# Smallest setting (tests/studies/test_study_smoke.py runs it after dense_study's, on that study folder).
 SMOKE_ARGS = (
     "--study {tmp}/dense_study --images 2 --steps 2 --pixels 50176 200704 --max-new-tokens 16 --backend hf"
 )
@@ -54,7 +54,7 @@ def main() -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--study", required=True, help="a bench/dense_study.py --out with a stage-1 gate")
+    parser.add_argument("--study", required=True, help="a studies/dense_study.py --out with a stage-1 gate")
     parser.add_argument("--out", help="this probe's folder (default: <study>/fit_probe)")
     parser.add_argument("--images", type=int, default=64, help="training images (and dev images) used")
     parser.add_argument("--steps", type=int, default=400, help="optimizer steps per size (8 images each)")
@@ -128,7 +128,7 @@ def gated_checkpoint(study: Path) -> Path:
     path = study / "gate.json" if (study / "gate.json").exists() else (gates[-1] if gates else None)
     if path is None:
         raise SystemExit(
-            f"{study} has no stage-1 gate yet: run bench/dense_study.py --out {study} --only-gate"
+            f"{study} has no stage-1 gate yet: run python -m studies.dense_study --out {study} --only-gate"
         )
     return Path(json.loads(path.read_text())["checkpoint"])
 
@@ -172,7 +172,7 @@ def probe_config(
     )
     if any(folder.glob("checkpoint-*/rollmatch_complete.json")):
         config["training"]["resume_from_checkpoint"] = "latest"
-    return load_config_dict(config, [], source="bench/fit_probe.py")
+    return load_config_dict(config, [], source="studies/fit_probe.py")
 
 
 def evaluations(

@@ -22,8 +22,8 @@ Every unit (stage-1, each reward measurement, each evaluation, the GRPO run) wri
 (about 15 min on an idle 2-core machine, stage-1 ~4 of them; on a loaded one a GRPO step whose
 16 rollouts all run to 160 tokens took 16 s, 32 reward samples 14 s)::
 
-    .venv/bin/python bench/grpo_signal.py --out runs/grpo_signal
-    .venv/bin/python bench/grpo_signal.py --out runs/grpo_signal --stage1 runs/demo/sft/final  # reuse
+    .venv/bin/python -m studies.grpo_signal --out runs/grpo_signal
+    .venv/bin/python -m studies.grpo_signal --out runs/grpo_signal --stage1 runs/demo/sft/final  # reuse
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ from studies.study_statistics import paired_mean_bootstrap
 F1_SLACK = 0.05  # decided before the run: "F1 does not collapse" = at most this much lower after GRPO
 CURVE_ENDS = 10  # grpo/reward_mean: mean of the first and of the last this many logged steps
 _RM = "custom.extra.rollout_matching"
-# Smallest setting (tests/test_benches.py, tests/test_grpo_signal.py): a few images, 2 GRPO steps.
+# Smallest setting (tests/studies/test_study_smoke.py, tests/studies/test_grpo_signal.py): a few images, 2 GRPO steps.
 SMOKE_ARGS = (
     "--out {tmp}/grpo_signal --train-images 8 --images 2 --stage1-steps 2 --steps 2 --records-per-step 1 "
     "--rollouts 2 --reward-rollouts 2 --max-new-tokens 16 --backend hf --bootstrap 50"

@@ -31,19 +31,19 @@ into docs/. ``--summarize`` writes them from the units already done and runs not
 progress: the JSON lists what is missing, and no verdict is given on fewer than 3 seeds). Run (many
 CPU hours on 2 cores; stop and rerun at will)::
 
-    .venv/bin/python bench/learning_signal.py --out runs/learning_signal --docs
-    .venv/bin/python bench/learning_signal.py --out runs/learning_signal --summarize --docs  # so far
+    .venv/bin/python -m studies.learning_signal --out runs/learning_signal --docs
+    .venv/bin/python -m studies.learning_signal --out runs/learning_signal --summarize --docs  # so far
     # coordinate tokens vs digits (docs/detection.md), same regime, stage-1 and the best rollout arm,
-    # then the two studies paired on the same images (bench/compare_studies.py):
-    .venv/bin/python bench/learning_signal.py --out runs/learning_signal_coord --object-format coord_tokens \
+    # then the two studies paired on the same images (studies/compare_studies.py):
+    .venv/bin/python -m studies.learning_signal --out runs/learning_signal_coord --object-format coord_tokens \
         --arms sft prefix_fn_supervised --docs
-    .venv/bin/python bench/compare_studies.py --study runs/learning_signal_coord \
+    .venv/bin/python -m studies.compare_studies --study runs/learning_signal_coord \
         --baseline runs/learning_signal --docs
     # a second stage-1 seed (initialisation and data order) per format, for a seed-level interval:
-    .venv/bin/python bench/learning_signal.py --out runs/learning_signal_s1 --stage1-seed 1 \
+    .venv/bin/python -m studies.learning_signal --out runs/learning_signal_s1 --stage1-seed 1 \
         --arms sft prefix_fn_supervised
     # the zero-training diagnostics of a stage-1 (docs/detection.md "Diagnostics"), no arms:
-    .venv/bin/python bench/learning_signal.py --out runs/learning_signal --diagnose
+    .venv/bin/python -m studies.learning_signal --out runs/learning_signal --diagnose
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ OBJECTS = {"3-5": (3, 5), "2-4": (2, 4)}
 SIDES = (44, 80)
 F1_GATE = (0.4, 0.8)
 DIFFERS_GATE = 0.25
-# Smallest setting (tests/test_benches.py runs it; docs/runbook.md "Benchmarks").
+# Smallest setting (tests/studies/test_study_smoke.py runs it; docs/runbook.md "Benchmarks").
 # A few images and steps, one seed, SFT and one rollout arm (so SFT at equal compute runs too); a
 # stage-1 of 2 steps fails the gate, hence --ignore-gate. Its numbers only show that the script runs.
 SMOKE_ARGS = (
@@ -279,7 +279,7 @@ def stage1_checkpoint(out: Path, splits: dict[str, Path], args: argparse.Namespa
     )
     if any((out / "stage1").glob("checkpoint-*/rollmatch_complete.json")):
         cfg["training"]["resume_from_checkpoint"] = "latest"
-    run_training(load_config_dict(cfg, [], source="bench/learning_signal.py stage-1"))
+    run_training(load_config_dict(cfg, [], source="studies/learning_signal.py stage-1"))
     return final
 
 
@@ -363,7 +363,7 @@ def arm_config(
             "schedule": {"b_ratio": 0.5},
             "channel_b": {"mode": "micro", "rollout_decode_batch_size": 8},
         }
-    return load_config_dict(config, [], source=f"bench/learning_signal.py {arm}")
+    return load_config_dict(config, [], source=f"studies/learning_signal.py {arm}")
 
 
 def run_arm(
