@@ -48,7 +48,9 @@ SMOKE_KEYS = ("study", "baseline", "stage1_dev", "arms")
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m studies.compare_studies",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
         "--study", required=True, nargs="+", help="learning_signal.py --out folders, one per --stage1-seed"

@@ -115,7 +115,9 @@ def ladder_argv(argv: list[str], preset: str, out: str) -> list[str]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m studies.dense_study", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--out", required=True, help="the study folder (its units, JSON and PNG)")
     parser.add_argument(
         "--preset",

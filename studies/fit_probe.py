@@ -53,7 +53,7 @@ def main() -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m studies.fit_probe", description=__doc__.split("\n\n")[0])
     parser.add_argument("--study", required=True, help="a studies/dense_study.py --out with a stage-1 gate")
     parser.add_argument("--out", help="this probe's folder (default: <study>/fit_probe)")
     parser.add_argument("--images", type=int, default=64, help="training images (and dev images) used")

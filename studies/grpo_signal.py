@@ -87,7 +87,9 @@ def main() -> None:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m studies.grpo_signal", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--out", default="runs/grpo_signal")
     parser.add_argument("--stage1", help="an existing stage-1 model dir (default: train it into --out/sft)")
     parser.add_argument("--stage1-steps", type=int, default=SFT_PHASE["training"]["max_steps"])

@@ -182,7 +182,9 @@ def run_study(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m studies.learning_signal", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--out", default="runs/learning_signal")
     parser.add_argument("--objects", choices=sorted(OBJECTS), default="3-5")
     parser.add_argument("--train-size", type=int, default=4000)

@@ -77,7 +77,7 @@ def former_target(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m studies.truncation", description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="runs/truncation")
     parser.add_argument("--rm-steps", type=int, default=30)
     parser.add_argument("--stage1-steps", type=int, default=240)
