@@ -57,7 +57,8 @@ $(TRL_STAMP):
 demo: $(STAMP)
 	$(VENV)/bin/rollmatch demo
 
-# The suite; the benchmark scripts' smoke runs (marker `bench`) are `make bench-smoke`, which CI runs after it.
+# The suite; the smoke runs of the benchmark scripts and the study drivers (marker `bench`; tests/test_benches.py,
+# tests/studies/test_study_smoke.py) are `make bench-smoke`, which CI runs after it.
 # Two tiers: the unit tier on two pytest-xdist workers, then the integration tier (several processes or a
 # vLLM engine per test, marked by tests/conftest.py) one test at a time. Both report their slowest tests.
 test: test-unit test-integration
@@ -85,7 +86,8 @@ format: $(STAMP)
 	$(VENV)/bin/ruff format . && $(VENV)/bin/ruff check --fix .
 
 bench: $(STAMP)
-	# Scripts with a __main__ block, less health_prober.py (server_hammer.py runs it).
+	# Scripts with a __main__ block, less health_prober.py (server_hammer.py runs it). The studies (studies/,
+	# `python -m studies.<name>`) run for hours: docs/runbook.md.
 	for b in bench/*.py; do grep -q '__main__' $$b && [ $$b != bench/health_prober.py ] || continue; \
 	  echo "== $$b"; $(VENV)/bin/python $$b || exit 1; done
 

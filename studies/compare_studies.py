@@ -1,6 +1,6 @@
 """Two learning-signal studies that differ only in ``--object-format``, compared on the same images.
 
-``bench/learning_signal.py`` answers "does an arm beat more SFT?" inside one study. Whether coordinate
+``studies/learning_signal.py`` answers "does an arm beat more SFT?" inside one study. Whether coordinate
 tokens beat digits is a question across two studies: the same data (generated from the same seeds),
 stage-1 steps, arms, seeds and learning rates, another object format. This script pairs them:
 
@@ -13,14 +13,14 @@ baseline), with the differences in mAP and mean matched IoU. Prints ONE JSON obj
 to docs/learning_signal_<format>_vs_<format>.json. Run (after both studies, or any time for the units
 done so far)::
 
-    .venv/bin/python bench/compare_studies.py --study runs/ls_coord --baseline runs/ls_9k --docs
+    .venv/bin/python -m studies.compare_studies --study runs/ls_coord --baseline runs/ls_9k --docs
 
 **Replication over stage-1 seeds**: give one study per ``--stage1-seed`` on each side; they are paired
 by stage-1 seed, the bootstrap resamples stage-1 seeds (for ``stage1_dev``) or (stage-1 seed, arm seed)
 pairs (for the arms) together with the images, and ``stage1_dev.t_test_over_stage1_seeds`` is the
 seed-level interval (a t interval over one paired difference per stage-1 seed: wide with two)::
 
-    .venv/bin/python bench/compare_studies.py --study runs/ls_coord runs/ls_coord_s1 \
+    .venv/bin/python -m studies.compare_studies --study runs/ls_coord runs/ls_coord_s1 \
         --baseline runs/ls_9k runs/ls_9k_s1 --docs
 """
 
@@ -33,13 +33,13 @@ from typing import Any
 
 import numpy as np
 
-from studies.learning_signal import arm_runs, paired_bootstrap
-from studies.study_stats import paired_t
+from studies.study_statistics import paired_bootstrap, paired_t
+from studies.units import arm_runs
 
 # Settings that may differ between the two studies; everything else must be equal.
 FREE_SETTINGS = ("object_format", "arms", "seeds", "backend", "bootstrap")
 METRICS = ("f1", "map", "mean_iou", "duplicate_rate", "fp_per_image", "truncated_frac")
-# Smallest setting (tests/test_benches.py runs it; docs/runbook.md "Benchmarks").
+# Smallest setting (tests/studies/test_study_smoke.py runs it; docs/runbook.md "Benchmarks").
 # A study compared with itself: the smallest learning_signal.py study, run first (SMOKE_AFTER).
 SMOKE_AFTER = ("learning_signal",)
 SMOKE_ARGS = "--study {tmp}/learning_signal --baseline {tmp}/learning_signal --bootstrap 10"
@@ -48,7 +48,9 @@ SMOKE_KEYS = ("study", "baseline", "stage1_dev", "arms")
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m studies.compare_studies",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
         "--study", required=True, nargs="+", help="learning_signal.py --out folders, one per --stage1-seed"

@@ -1,9 +1,10 @@
-"""The crowded-scenes study's summary and plot, from whatever unit files ``bench/dense_study.py`` wrote.
+"""The dense studies' summary, from whatever unit files ``studies/dense_study.py`` wrote.
 
 Owns: reading the units (gate, diagnostics, pilot, each arm x seed, the equal-compute points), the
-comparisons of every arm with ``sft`` (at equal steps and at equal compute) by the rules of
-``bench/study_stats.py``, the default target chosen on dev, the replication check against a study
-with another stage-1 seed, and the PNG (F1 and recall per GT-count bucket per arm). Runs nothing.
+comparisons of every arm with its baseline (at equal steps and at equal compute) by the rules of
+``studies/study_rules.py`` on ``studies/study_statistics.py``'s numbers, the default target chosen on
+dev, and the replication check against a study with another stage-1 seed. Runs nothing; the PNG is
+``studies/dense_plot.py``'s.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from typing import Any
 
 import numpy as np
 
-from studies import study_stats as st
-from studies.learning_signal import arm_runs, paired_bootstrap
+from studies import study_rules as rules
+from studies import study_statistics as stats
 from studies.study_protocols import PROTOCOLS, StudyProtocol, failed_clauses
+from studies.units import arm_runs
 
 # Kept in the summary of an evaluation (the unit files hold everything, per-image counts included).
 METRICS = (
@@ -110,12 +112,12 @@ def summarize(
                 **contrast(paired, list(reports.values()), args.bootstrap, rng, protocol),
             }
         result["comparisons"][arm] = entry
-    result["answer"] = st.study_answer(
+    result["answer"] = rules.study_answer(
         result["gate"].get("decision"),
         primary_verdicts(result["comparisons"], protocol),
         len(result["missing"]),
         arms_run=bool(result["arms"]),
-        readings=st.stop_readings(protocol),
+        readings=rules.stop_readings(protocol),
         baseline=protocol.primary_baseline,
     )
     result["default_target_on_dev"] = default_target(runs, final, args.bootstrap, rng)
@@ -143,9 +145,11 @@ def contrast(
 ) -> dict[str, Any]:
     """Arm minus base on the same report images, seed by seed: the primary test, the buckets, the rule."""
     arm_images, base_images = [r["per_image"] for r in arm], [r["per_image"] for r in base]
-    overall = paired_bootstrap(arm_images, base_images, resamples, rng)
-    overall["t_test"] = st.paired_t(overall["per_seed"])
-    buckets = {b: st.bucket_bootstrap(arm_images, base_images, b, resamples, rng) for b in protocol.buckets}
+    overall = stats.paired_bootstrap(arm_images, base_images, resamples, rng)
+    overall["t_test"] = stats.paired_t(overall["per_seed"])
+    buckets = {
+        b: stats.bucket_bootstrap(arm_images, base_images, b, resamples, rng) for b in protocol.buckets
+    }
     secondary = {
         m: round(float(np.mean([a[m] - b[m] for a, b in zip(arm, base, strict=True)])), 4) for m in SECONDARY
     }
@@ -169,10 +173,10 @@ def contrast(
         if all(a and b for a, b in pairs):
             recall[bucket] = round(float(np.mean([a["recall"] - b["recall"] for a, b in pairs])), 4)
     if protocol is PROTOCOLS["crowd"]:
-        verdict = st.gain_verdict(overall, buckets, len(arm))
+        verdict = rules.gain_verdict(overall, buckets, len(arm))
     else:
         delta_map = float(np.mean([a["map"] - b["map"] for a, b in zip(arm, base, strict=True)]))
-        verdict = st.medium_verdict(overall, delta_map, secondary["truncated_frac"], len(arm))
+        verdict = rules.medium_verdict(overall, delta_map, secondary["truncated_frac"], len(arm))
     return {
         "overall": overall,
         "by_bucket": buckets,
@@ -201,7 +205,7 @@ def default_target(
     chosen: dict[str, Any] = {"chosen_on": "dev", "target": best, "dev_f1": means}
     seeds = sorted(set(dev[best]) & set(dev.get(BASELINE_TARGET, {})))
     if best != BASELINE_TARGET and seeds:
-        chosen[f"versus_{BASELINE_TARGET}_on_dev"] = paired_bootstrap(
+        chosen[f"versus_{BASELINE_TARGET}_on_dev"] = stats.paired_bootstrap(
             [dev[best][s]["per_image"] for s in seeds],
             [dev[BASELINE_TARGET][s]["per_image"] for s in seeds],
             resamples,
@@ -256,7 +260,7 @@ def equal_compute_levels(out: Path, arms: list[str]) -> dict[str, Any]:
     (mean over the seeds evaluated)."""
     levels = {}
     for arm in arms:
-        found = equal_compute_reports(out, arm, list(range(st.MORE_SEEDS)))
+        found = equal_compute_reports(out, arm, list(range(rules.MORE_SEEDS)))
         if not found:
             continue
         steps, reports = found
@@ -326,9 +330,9 @@ def pilot_summary(out: Path, args: argparse.Namespace, pilot: dict[str, Any]) ->
     for arm, by_seed in runs.items():
         for seed in sorted(set(by_seed) & set(runs["sft"])) if arm != "sft" else []:
             a, b = by_seed[seed]["evals"][final]["dev"], runs["sft"][seed]["evals"][final]["dev"]
-            spread = st.bootstrap_spread(a["per_image"], b["per_image"], args.bootstrap, rng) * scale
+            spread = stats.bootstrap_spread(a["per_image"], b["per_image"], args.bootstrap, rng) * scale
             summary["spread_at_report_size"][f"{arm}/seed{seed}"] = round(float(spread), 4)
-    summary["seeds_needed"] = st.seeds_needed(list(summary["spread_at_report_size"].values()))
+    summary["seeds_needed"] = rules.seeds_needed(list(summary["spread_at_report_size"].values()))
     return summary
 
 
@@ -362,10 +366,10 @@ def lr_pilot_summary(out: Path, args: argparse.Namespace, protocol: StudyProtoco
         if base is None:
             continue
         mine = runs[chosen[arm]][arm][0]["evals"][steps]["dev"]
-        spread = st.bootstrap_spread(mine["per_image"], base["per_image"], args.bootstrap, rng) * scale
+        spread = stats.bootstrap_spread(mine["per_image"], base["per_image"], args.bootstrap, rng) * scale
         spreads[f"{arm}/seed0"] = round(float(spread), 4)
     summary["spread_at_report_size"] = spreads
-    summary["seeds_needed"] = st.seeds_needed(list(spreads.values())) if spreads else None
+    summary["seeds_needed"] = rules.seeds_needed(list(spreads.values())) if spreads else None
     return summary
 
 
@@ -399,127 +403,9 @@ def arm_summary(by_seed: dict[int, Any], final: str) -> dict[str, Any]:
     return summary
 
 
-# ------------------------------------------------------------------------------------------- plot
-def plot(result: dict[str, Any], path: Path) -> None:
-    """F1 and recall per GT-count bucket per arm (report split, last step, mean over seeds), and each
-    arm's F1 difference to ``sft`` per bucket with its 95% bootstrap interval (the decision rule's)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    protocol = PROTOCOLS[result["settings"].get("preset", "crowd")]
-    buckets = list(protocol.buckets)
-    x = np.arange(len(buckets))
-    fig, grid = plt.subplots(2, 2, figsize=(13, 9.6))
-    axes = grid.flat
-    stage1_dev = _stage1_dev(result["gate"])
-    for ax, key in zip(axes, ("f1", "recall"), strict=False):
-        for arm, summary in result["arms"].items():
-            values = summary.get("report_by_bucket", {})
-            seeds = len(summary["seeds"])
-            label = f"{arm} ({seeds} seed{'s' * (seeds > 1)})"
-            ax.plot(x, [values.get(b, {}).get(key, np.nan) for b in buckets], marker="o", label=label)
-        for arm, level in result.get("sft_equal_compute", {}).items():
-            values = level["report_by_bucket"]
-            label = f"sft_equal_compute at {arm}'s cost ({level['sft_steps']} steps)"
-            ax.plot(x, [values.get(b, {}).get(key, np.nan) for b in buckets], ls=":", marker="s", label=label)
-        if stage1_dev:
-            steps, dev = stage1_dev
-            stage1_buckets = dev.get("gt_count_buckets") or {}
-            stage1 = [stage1_buckets.get(b, {}).get(key, np.nan) for b in buckets]
-            ax.plot(x, stage1, "k--", alpha=0.5, label=f"stage-1 at {steps} trunk steps (dev)")
-        what = "F1@0.5 (labels required)" if key == "f1" else "recall"
-        ax.set(title=f"{what}, report split", xlabel="GT objects per image", ylabel=key, ylim=(0, 1))
-    diff = axes[2]
-    primary = "equal_steps" if protocol.primary_baseline == "sft" else "equal_compute"
-    for offset, (arm, entry) in enumerate(result["comparisons"].items()):
-        by_bucket = entry.get(primary, {}).get("by_bucket", {})
-        shown = [b for b in buckets if by_bucket.get(b)]
-        centre = np.array([by_bucket[b]["delta_f1"] for b in shown])
-        low = centre - np.array([by_bucket[b]["ci95"][0] for b in shown])
-        high = np.array([by_bucket[b]["ci95"][1] for b in shown]) - centre
-        positions = np.array([buckets.index(b) for b in shown]) + 0.06 * (
-            offset - len(result["comparisons"]) / 2
-        )
-        diff.errorbar(positions, centre, yerr=[low, high], marker="o", capsize=3, label=arm)
-    answer = result.get("answer", {})
-    stopped = answer.get("state") == "stopped at the gate"
-    if not result["comparisons"]:
-        if stopped and not answer["arms_outside_protocol"]:
-            empty = f"no arm runs: the gate decided {answer['decision']}"
-        else:
-            empty = "no rollout arm has run yet"
-        diff.text(0.5, 0.75, empty, ha="center", va="center", transform=diff.transAxes)
-        diff.set_ylim(-0.1, 0.1)
-    diff.axhline(0.0, color="k", lw=0.8)
-    if protocol.preset == "crowd":
-        diff.axhline(st.CROWDED_GAIN, color="k", ls=":", lw=0.8, label=f"+{st.CROWDED_GAIN} (26-30 clause)")
-    else:
-        diff.axhline(st.OVERALL_GAIN, color="k", ls=":", lw=0.8, label=f"+{st.OVERALL_GAIN} (gain threshold)")
-    against = "sft's, equal steps" if primary == "equal_steps" else "sft_equal_compute's"
-    diff.set(title=f"F1 minus {against}, 95% interval", xlabel="GT objects per image")
-    for ax in grid.flat[:3]:
-        ax.set_xticks(x, buckets)
-    _plot_stage1(grid.flat[3], result["gate"], result["settings"], protocol.f1_gate)
-    for ax in grid.flat:
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    progress = ""
-    if stopped:
-        anyway = ", arms run anyway (outside the protocol)" if answer["arms_outside_protocol"] else ""
-        progress = f"; stopped at the gate: {answer['decision']}{anyway}"
-    elif result.get("missing"):
-        progress = f"; in progress, missing {len(result['missing'])} arm-seeds"
-    fig.suptitle(
-        f"{protocol.title}, mean over seeds ({result['date']}, {result.get('commit', '')}{progress})"
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
-def gate_points(gate: dict[str, Any]) -> list[dict[str, Any]]:
-    """Every stage-1 gate so far (trunk steps, F1, ...) from :func:`gate_summary`, decided or not."""
-    return gate.get("history") or gate.get("in_progress") or []
-
-
-def _plot_stage1(
-    ax: Any, gate: dict[str, Any], settings: dict[str, Any], f1_gate: tuple[float, float]
-) -> None:
-    """Dev F1 of each stage-1 gate (its cool-down branch) against trunk steps, with the gate's F1 range
-    and the step budget: how far stage-1 is from the range, and how fast it moves."""
-    points = gate_points(gate)
-    budget = settings["stage1_max_steps"]
-    ax.axhspan(*f1_gate, color="g", alpha=0.12, label=f"gate F1 range {list(f1_gate)}")
-    ax.axvline(budget, color="r", ls=":", label=f"stage-1 budget ({budget} trunk steps)")
-    ax.plot(
-        [p["trunk_steps"] for p in points],
-        [p["f1"] for p in points],
-        "ko-",
-        label="dev F1@0.5 (after cool-down)",
-    )
-    decision = gate.get("decision", "in progress")
-    ax.set(
-        title=f"stage-1 gate (decision: {decision})",
-        xlabel=f"trunk steps (lr {settings['stage1_lr']}) before the cool-down branch",
-        ylabel="dev F1@0.5",
-        xlim=(0, budget * 1.05),
-        ylim=(0, 1),
-    )
-
-
 def chunk_gates(out: Path) -> list[Path]:
     """A study's ``stage1/gate-<steps>.json`` files, in trunk-step order."""
     return sorted((out / "stage1").glob("gate-*.json"), key=lambda p: int(p.stem.split("-")[1]))
-
-
-def _stage1_dev(gate: dict[str, Any]) -> tuple[int, dict[str, Any]] | None:
-    """(trunk steps, slim dev evaluation) of the decided gate, or of the newest one while in progress."""
-    if "dev" in gate:
-        return gate["trunk_steps"], gate["dev"]
-    newest = (gate.get("in_progress") or [None])[-1]
-    return (newest["trunk_steps"], newest["dev"]) if newest else None
 
 
 def _gate_line(gate: dict[str, Any]) -> dict[str, Any]:
@@ -543,7 +429,7 @@ def _slim(evaluation: dict[str, Any]) -> dict[str, Any]:
     return {
         **keep,
         "gt_count_buckets": evaluation.get("gt_count_buckets"),
-        "count_oracle": st.count_oracle_headroom(evaluation["per_image"]),
+        "count_oracle": stats.count_oracle_headroom(evaluation["per_image"]),
         "decoding": evaluation.get("decoding"),
     }
 

@@ -17,7 +17,7 @@ Every unit (the checkpoint before training, each size's run and evaluations) wri
 ``--out/fit_probe.json``): per size the training and dev F1, recall per GT-count bucket and seconds per
 step, and each size's training F1 over the first size's (``train_f1_ratio``). Run::
 
-    .venv/bin/python bench/fit_probe.py --study runs/crowd          # ~12 min of 2 cores
+    .venv/bin/python -m studies.fit_probe --study runs/crowd          # ~12 min of 2 cores
 """
 
 from __future__ import annotations
@@ -34,11 +34,10 @@ from rollmatch.config.load import load_config_dict
 from rollmatch.config.schema import RollmatchConfig
 from rollmatch.data.prompts import image_probe, load_processor
 from rollmatch.data.records import load_records, write_records
-from studies import dense_study, dense_summary
-from studies import learning_signal as ls
+from studies import dense_arms, dense_summary, shapes_recipe, units
 
 LOCKED = ("images", "steps", "lr", "max_new_tokens")  # a probe folder's settings; sizes may be added
-# Smallest setting (tests/test_benches.py runs it after dense_study's, on that study folder).
+# Smallest setting (tests/studies/test_study_smoke.py runs it after dense_study's, on that study folder).
 SMOKE_ARGS = (
     "--study {tmp}/dense_study --images 2 --steps 2 --pixels 50176 200704 --max-new-tokens 16 --backend hf"
 )
@@ -54,8 +53,8 @@ def main() -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--study", required=True, help="a bench/dense_study.py --out with a stage-1 gate")
+    parser = argparse.ArgumentParser(prog="python -m studies.fit_probe", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--study", required=True, help="a studies/dense_study.py --out with a stage-1 gate")
     parser.add_argument("--out", help="this probe's folder (default: <study>/fit_probe)")
     parser.add_argument("--images", type=int, default=64, help="training images (and dev images) used")
     parser.add_argument("--steps", type=int, default=400, help="optimizer steps per size (8 images each)")
@@ -68,7 +67,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="image sizes (224 x 224: the study's)",
     )
     parser.add_argument("--max-new-tokens", type=int, help="default: the study's")
-    parser.add_argument("--backend", choices=["hf", "vllm"], default=ls._default_backend(), help="evaluation")
+    parser.add_argument(
+        "--backend", choices=["hf", "vllm"], default=units.default_backend(), help="evaluation"
+    )
     args = parser.parse_args(argv)
     args.argv = sys.argv[1:] if argv is None else argv
     if args.images < 1 or args.steps < 1 or min(args.pixels) < 28 * 28:
@@ -82,8 +83,8 @@ def run_probe(args: argparse.Namespace) -> dict[str, Any]:
     settings = json.loads((study / "settings.json").read_text())
     checkpoint = gated_checkpoint(study)
     args.max_new_tokens = args.max_new_tokens or settings["max_new_tokens"]
-    dense_study.lock_settings(out, args, LOCKED, "probe")
-    splits = subsets(dense_study.prepare_data(study, argparse.Namespace(**settings)), out, args.images)
+    units.lock_settings(out, args, LOCKED, "probe")
+    splits = subsets(dense_arms.prepare_data(study, argparse.Namespace(**settings)), out, args.images)
     recipe = argparse.Namespace(
         object_format=settings["object_format"], max_new_tokens=args.max_new_tokens, backend=args.backend
     )
@@ -95,7 +96,7 @@ def run_probe(args: argparse.Namespace) -> dict[str, Any]:
     for pixels in args.pixels:
         folder = out / f"px{pixels}"
         cfg = probe_config(folder, checkpoint, splits, recipe, args, pixels, steps=args.steps)
-        seconds, _ = ls.train_with_cost(cfg, folder, args.steps)
+        seconds, _ = units.train_with_cost(cfg, folder, args.steps)
         sizes[str(pixels)] = {
             "visual_tokens_per_side": visual_tokens_per_side(checkpoint, pixels, image_size),
             "seconds_per_step": round(seconds / args.steps, 3),
@@ -114,7 +115,7 @@ def run_probe(args: argparse.Namespace) -> dict[str, Any]:
             px: round(s["train"]["f1"] / first_f1, 3) if first_f1 else None for px, s in sizes.items()
         },
         "command": "python -m studies.fit_probe " + " ".join(args.argv),
-        "commit": dense_study.code_commit(),
+        "commit": dense_arms.code_commit(),
     }
     (out / "fit_probe.json").write_text(json.dumps(result, indent=1))
     return result
@@ -127,7 +128,7 @@ def gated_checkpoint(study: Path) -> Path:
     path = study / "gate.json" if (study / "gate.json").exists() else (gates[-1] if gates else None)
     if path is None:
         raise SystemExit(
-            f"{study} has no stage-1 gate yet: run bench/dense_study.py --out {study} --only-gate"
+            f"{study} has no stage-1 gate yet: run python -m studies.dense_study --out {study} --only-gate"
         )
     return Path(json.loads(path.read_text())["checkpoint"])
 
@@ -160,7 +161,7 @@ def probe_config(
     *,
     steps: int,
 ) -> RollmatchConfig:
-    config = ls.base_config(folder, str(checkpoint), splits, recipe, seed=0)
+    config = shapes_recipe.base_config(folder, str(checkpoint), splits, recipe, seed=0)
     config["data"].update(min_pixels=pixels, max_pixels=pixels)
     config["training"].update(
         max_steps=steps,
@@ -171,7 +172,7 @@ def probe_config(
     )
     if any(folder.glob("checkpoint-*/rollmatch_complete.json")):
         config["training"]["resume_from_checkpoint"] = "latest"
-    return load_config_dict(config, [], source="bench/fit_probe.py")
+    return load_config_dict(config, [], source="studies/fit_probe.py")
 
 
 def evaluations(
@@ -180,7 +181,7 @@ def evaluations(
     """F1, precision, recall and recall per GT-count bucket on the training and dev subsets."""
     found = {}
     for split in ("train", "dev"):
-        result = dense_study.evaluation(cfg, model, stage1, splits, split, folder, 0)
+        result = dense_arms.evaluation(cfg, model, stage1, splits, split, folder, 0)
         found[split] = {
             "f1": round(result["f1"], 4),
             "precision": round(result["precision"], 4),

@@ -22,8 +22,8 @@ Every unit (stage-1, each reward measurement, each evaluation, the GRPO run) wri
 (about 15 min on an idle 2-core machine, stage-1 ~4 of them; on a loaded one a GRPO step whose
 16 rollouts all run to 160 tokens took 16 s, 32 reward samples 14 s)::
 
-    .venv/bin/python bench/grpo_signal.py --out runs/grpo_signal
-    .venv/bin/python bench/grpo_signal.py --out runs/grpo_signal --stage1 runs/demo/sft/final  # reuse
+    .venv/bin/python -m studies.grpo_signal --out runs/grpo_signal
+    .venv/bin/python -m studies.grpo_signal --out runs/grpo_signal --stage1 runs/demo/sft/final  # reuse
 """
 
 from __future__ import annotations
@@ -55,12 +55,13 @@ from rollmatch.demo import (
     with_model,
 )
 from rollmatch.evaluation import run_eval
-from studies import learning_signal as ls
+from studies import units
+from studies.study_statistics import paired_mean_bootstrap
 
 F1_SLACK = 0.05  # decided before the run: "F1 does not collapse" = at most this much lower after GRPO
 CURVE_ENDS = 10  # grpo/reward_mean: mean of the first and of the last this many logged steps
 _RM = "custom.extra.rollout_matching"
-# Smallest setting (tests/test_benches.py, tests/test_grpo_signal.py): a few images, 2 GRPO steps.
+# Smallest setting (tests/studies/test_study_smoke.py, tests/studies/test_grpo_signal.py): a few images, 2 GRPO steps.
 SMOKE_ARGS = (
     "--out {tmp}/grpo_signal --train-images 8 --images 2 --stage1-steps 2 --steps 2 --records-per-step 1 "
     "--rollouts 2 --reward-rollouts 2 --max-new-tokens 16 --backend hf --bootstrap 50"
@@ -86,7 +87,9 @@ def main() -> None:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m studies.grpo_signal", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--out", default="runs/grpo_signal")
     parser.add_argument("--stage1", help="an existing stage-1 model dir (default: train it into --out/sft)")
     parser.add_argument("--stage1-steps", type=int, default=SFT_PHASE["training"]["max_steps"])
@@ -136,17 +139,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     def greedy(model_dir: str, name: str) -> dict[str, Any]:
         return eval_summary(run_eval(with_model(grpo_cfg, model_dir), val, str(out / f"eval_{name}.jsonl")))
 
-    before = ls.cached(out / "reward_before.json", lambda: reward(stage1))
-    eval_before = ls.cached(out / "eval_before.json", lambda: greedy(stage1, "before"))
-    grpo = ls.cached(out / "grpo.json", lambda: train_grpo(grpo_cfg))
-    after = ls.cached(out / "reward_after.json", lambda: reward(grpo["final_model_dir"]))
-    eval_after = ls.cached(out / "eval_after.json", lambda: greedy(grpo["final_model_dir"], "after"))
+    before = units.cached(out / "reward_before.json", lambda: reward(stage1))
+    eval_before = units.cached(out / "eval_before.json", lambda: greedy(stage1, "before"))
+    grpo = units.cached(out / "grpo.json", lambda: train_grpo(grpo_cfg))
+    after = units.cached(out / "reward_after.json", lambda: reward(grpo["final_model_dir"]))
+    eval_after = units.cached(out / "eval_after.json", lambda: greedy(grpo["final_model_dir"], "after"))
     delta = paired_mean_bootstrap(
         after["per_image"], before["per_image"], args.bootstrap, np.random.default_rng(0)
     )
     result = {
         "date": time.strftime("%Y-%m-%d %H:%M"),
-        "commit": ls._git_commit(),
+        "commit": units.git_commit(),
         "command": "python -m studies.grpo_signal " + " ".join(args.argv),
         "machine": {"cpus": os.cpu_count(), "load_avg": list(os.getloadavg())},
         "settings": settings,
@@ -199,7 +202,7 @@ def stage1_checkpoint(
             "seconds": round(result.seconds, 1),
         }
 
-    info = ls.cached(out / "stage1.json", train)
+    info = units.cached(out / "stage1.json", train)
     return info["model"], {**info, "trained_here": True}
 
 
@@ -313,27 +316,6 @@ def sampled_rewards(cfg: RollmatchConfig, records: Sequence[Record], k: int, see
         "zero_std_group_frac": round(zero_std / len(records), 4),
         "truncated_frac": round(truncated / samples, 4),
         "seconds": round(time.perf_counter() - start_time, 1),
-    }
-
-
-# ------------------------------------------------------------------------------------- statistics
-def paired_mean_bootstrap(
-    after: Sequence[float], before: Sequence[float], resamples: int, rng: np.random.Generator
-) -> dict[str, Any]:
-    """Mean of ``after - before`` over images, with a 95% percentile interval from resampling images."""
-    if len(after) != len(before) or not after:
-        raise ValueError(
-            f"paired bootstrap needs two equal non-empty lists; got {len(after)} and {len(before)}"
-        )
-    differences = np.asarray(after, dtype=float) - np.asarray(before, dtype=float)
-    draws = rng.integers(0, len(differences), (resamples, len(differences)))
-    means = differences[draws].mean(axis=1)
-    return {
-        "delta": round(float(differences.mean()), 4),
-        "ci95": [round(float(np.percentile(means, 2.5)), 4), round(float(np.percentile(means, 97.5)), 4)],
-        "images": len(differences),
-        "images_up": int((differences > 0).sum()),
-        "images_down": int((differences < 0).sum()),
     }
 
 

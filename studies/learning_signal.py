@@ -31,19 +31,19 @@ into docs/. ``--summarize`` writes them from the units already done and runs not
 progress: the JSON lists what is missing, and no verdict is given on fewer than 3 seeds). Run (many
 CPU hours on 2 cores; stop and rerun at will)::
 
-    .venv/bin/python bench/learning_signal.py --out runs/learning_signal --docs
-    .venv/bin/python bench/learning_signal.py --out runs/learning_signal --summarize --docs  # so far
+    .venv/bin/python -m studies.learning_signal --out runs/learning_signal --docs
+    .venv/bin/python -m studies.learning_signal --out runs/learning_signal --summarize --docs  # so far
     # coordinate tokens vs digits (docs/detection.md), same regime, stage-1 and the best rollout arm,
-    # then the two studies paired on the same images (bench/compare_studies.py):
-    .venv/bin/python bench/learning_signal.py --out runs/learning_signal_coord --object-format coord_tokens \
+    # then the two studies paired on the same images (studies/compare_studies.py):
+    .venv/bin/python -m studies.learning_signal --out runs/learning_signal_coord --object-format coord_tokens \
         --arms sft prefix_fn_supervised --docs
-    .venv/bin/python bench/compare_studies.py --study runs/learning_signal_coord \
+    .venv/bin/python -m studies.compare_studies --study runs/learning_signal_coord \
         --baseline runs/learning_signal --docs
     # a second stage-1 seed (initialisation and data order) per format, for a seed-level interval:
-    .venv/bin/python bench/learning_signal.py --out runs/learning_signal_s1 --stage1-seed 1 \
+    .venv/bin/python -m studies.learning_signal --out runs/learning_signal_s1 --stage1-seed 1 \
         --arms sft prefix_fn_supervised
     # the zero-training diagnostics of a stage-1 (docs/detection.md "Diagnostics"), no arms:
-    .venv/bin/python bench/learning_signal.py --out runs/learning_signal --diagnose
+    .venv/bin/python -m studies.learning_signal --out runs/learning_signal --diagnose
 """
 
 from __future__ import annotations
@@ -53,7 +53,6 @@ import contextlib
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -65,10 +64,17 @@ import rollmatch  # noqa: F401  (environment workarounds before transformers loa
 from rollmatch.config.load import load_config_dict
 from rollmatch.config.schema import LossConfig, RollmatchConfig
 from rollmatch.data.records import Record, load_records
-from rollmatch.data.shapes import ShapesDifficulty, generate_shapes
-from rollmatch.detection.matching import hungarian_match
-from rollmatch.detection.metrics import duplicate_counts
-from rollmatch.detection.objects import DetObject
+from rollmatch.data.shapes import ShapesDifficulty
+from studies import learning_signal_summary as summary
+from studies.shapes_recipe import base_config, data_summary, generate_splits, target_reading
+from studies.units import (
+    cached,
+    copy_processor,
+    default_backend,
+    evaluate,
+    git_commit,
+    train_with_cost,
+)
 
 ROLLOUT_ARMS: dict[str, dict[str, Any]] = {
     "reordered_gt": {"variant": "rollout_matching_sft", "loss": {"target": "reordered_gt"}},
@@ -85,11 +91,9 @@ ROLLOUT_ARMS: dict[str, dict[str, Any]] = {
 ARMS: dict[str, dict[str, Any]] = {"sft": {"variant": "sft", "loss": {}}, **ROLLOUT_ARMS}
 OBJECTS = {"3-5": (3, 5), "2-4": (2, 4)}
 SIDES = (44, 80)
-GAIN, MAP_SLACK = 0.03, 0.01  # decided before the run
-MIN_SEEDS = 3  # decided before the run: no verdict on fewer
 F1_GATE = (0.4, 0.8)
 DIFFERS_GATE = 0.25
-# Smallest setting (tests/test_benches.py runs it; docs/runbook.md "Benchmarks").
+# Smallest setting (tests/studies/test_study_smoke.py runs it; docs/runbook.md "Benchmarks").
 # A few images and steps, one seed, SFT and one rollout arm (so SFT at equal compute runs too); a
 # stage-1 of 2 steps fails the gate, hence --ignore-gate. Its numbers only show that the script runs.
 SMOKE_ARGS = (
@@ -98,14 +102,6 @@ SMOKE_ARGS = (
     "--bootstrap 10 --ignore-gate"
 )
 SMOKE_KEYS = ("settings", "data", "gate", "arms", "comparisons")
-_PROCESSOR_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "chat_template.jinja",
-    "processor_config.json",
-    "preprocessor_config.json",
-    "video_preprocessor_config.json",
-)
 
 
 def main() -> None:
@@ -137,7 +133,7 @@ def run_study(args: argparse.Namespace) -> dict[str, Any]:
     gate = cached(out / "gate.json", lambda: run_gate(out, stage1, splits, args))
     result: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M"),
-        "commit": _git_commit(),
+        "commit": git_commit(),
         "command": "python -m studies.learning_signal " + " ".join(args.argv),
         "machine": {"cpus": os.cpu_count(), "load_avg": list(os.getloadavg())},
         "settings": settings,
@@ -169,12 +165,12 @@ def run_study(args: argparse.Namespace) -> dict[str, Any]:
                 runs[arm][seed] = run_arm(out, arm, seed, stage1, splits, args)
         result["complete"] = not missing
         result["missing"] = missing
-        result["arms"] = {arm: summarize_arm(by_seed) for arm, by_seed in runs.items() if by_seed}
-        result["comparisons"] = compare(runs, splits, args)
+        result["arms"] = {arm: summary.summarize_arm(by_seed) for arm, by_seed in runs.items() if by_seed}
+        result["comparisons"] = summary.compare(runs, list(ROLLOUT_ARMS), args)
     result["seconds_this_invocation"] = round(time.perf_counter() - started, 1)
     (out / "learning_signal.json").write_text(json.dumps(result, indent=1))
     if "arms" in result:
-        plot(result, out / "learning_signal.png")
+        summary.plot(result, out / "learning_signal.png")
     if args.docs:  # one name per object format: the two studies' documents sit side by side
         name = "learning_signal" + ("" if args.object_format == "qwen_json" else f"_{args.object_format}")
         for suffix in (".json", ".png"):
@@ -186,7 +182,9 @@ def run_study(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m studies.learning_signal", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--out", default="runs/learning_signal")
     parser.add_argument("--objects", choices=sorted(OBJECTS), default="3-5")
     parser.add_argument("--train-size", type=int, default=4000)
@@ -212,7 +210,7 @@ def parse_args() -> argparse.Namespace:
         default="qwen_json",
         help="coordinates as digits or as coordinate tokens (compare two studies with different --out)",
     )
-    parser.add_argument("--backend", choices=["hf", "vllm"], default=_default_backend())
+    parser.add_argument("--backend", choices=["hf", "vllm"], default=default_backend())
     parser.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples")
     parser.add_argument("--only-gate", action="store_true", help="stop after stage-1 and the gate")
     parser.add_argument(
@@ -245,45 +243,6 @@ def prepare_data(out: Path, args: argparse.Namespace) -> dict[str, Path]:
     )
     sizes = {"train": args.train_size, "dev": args.dev_size, "report": args.report_size}
     return generate_splits(out, sizes, difficulty)
-
-
-def generate_splits(out: Path, sizes: dict[str, int], difficulty: ShapesDifficulty) -> dict[str, Path]:
-    """Each split of ``sizes`` (in order) from its own generator seed 0, 1, 2, ... under ``out/data``;
-    a split already generated is kept."""
-    paths = {}
-    for seed, (split, size) in enumerate(sizes.items()):
-        folder = out / "data" / split
-        if not (folder / "done").exists():
-            # the dev/report images are the generator's val split of their own seed
-            generate_shapes(
-                folder,
-                n_train=size if split == "train" else 1,
-                n_val=0 if split == "train" else size,
-                seed=seed,
-                difficulty=difficulty,
-            )
-            (folder / "done").write_text("")
-        paths[split] = folder / ("train.jsonl" if split == "train" else "val.jsonl")
-    return paths
-
-
-def data_summary(splits: dict[str, Path]) -> dict[str, Any]:
-    summary = {}
-    for split, path in splits.items():
-        records = load_records(path)
-        counts = [len(r.objects) for r in records]
-        repeats = [len({o.label for o in r.objects}) < len(r.objects) for r in records]
-        tied = [
-            any(abs(a.bbox[1] - b.bbox[1]) <= 3 for a, b in zip(r.objects, r.objects[1:], strict=False))
-            for r in records
-        ]
-        summary[split] = {
-            "images": len(records),
-            "objects_per_image": round(float(np.mean(counts)), 2),
-            "images_repeating_a_label": round(float(np.mean(repeats)), 3),
-            "images_with_a_near_tied_row": round(float(np.mean(tied)), 3),
-        }
-    return summary
 
 
 # --------------------------------------------------------------------------------------- stage-1
@@ -322,7 +281,7 @@ def stage1_checkpoint(out: Path, splits: dict[str, Path], args: argparse.Namespa
     )
     if any((out / "stage1").glob("checkpoint-*/rollmatch_complete.json")):
         cfg["training"]["resume_from_checkpoint"] = "latest"
-    run_training(load_config_dict(cfg, [], source="bench/learning_signal.py stage-1"))
+    run_training(load_config_dict(cfg, [], source="studies/learning_signal.py stage-1"))
     return final
 
 
@@ -364,92 +323,16 @@ def target_difference(
     """Fraction of dev rollouts (stage-1's greedy answers) whose target holds other token ids than the
     SFT target (weights alone do not count: equal ids train on SFT's own states); ``losses``: the
     targets by name (default: this study's rollout arms, each with its own loss settings)."""
-    reading = target_reading(cfg, stage1, dev, predictions, losses)
-    return {name: shares["differs"] for name, shares in reading.items()}
-
-
-def target_reading(
-    cfg: RollmatchConfig,
-    stage1: Path,
-    dev: list[Record],
-    predictions: Path,
-    losses: dict[str, LossConfig] | None = None,
-) -> dict[str, dict[str, float]]:
-    """Per target (:func:`target_difference`'s): ``differs``, the share of dev rollouts whose target
-    holds other token ids than SFT's, and ``keeps_own``, the share whose target keeps at least one of
-    the rollout's elements (rewritten to its GT or not). A kept prefix rewritten to its GT is SFT's own
-    start whenever it lists SFT's first objects in SFT's order, so ``keeps_own`` far above ``differs``
-    says the model keeps the canonical order and the target adds nothing to SFT there."""
-    from rollmatch.data.prompts import PromptEncoder
-    from rollmatch.detection.object_formats import build_codec
-    from rollmatch.detection.scoring import score_response
-    from rollmatch.detection.targets import build_matched_target, target_differs_from_sft
-
-    encoder = PromptEncoder.from_pretrained(stage1, cfg.data, object_format=cfg.custom.object_format)
-    codec = build_codec(cfg.custom.object_format, encoder.tokenizer, [encoder.eos_token_id])
-    answers = [json.loads(line) for line in predictions.read_text().splitlines()]
     if losses is None:  # the rollout arms that train on rollouts alone, with the arms' own loss settings
         losses = {
             name: LossConfig(**ROLLOUT_ARMS[name]["loss"])
             for name in ("prefix_fn", "prefix_fn_supervised", "reordered_gt")
         }
-    differ, keep = dict.fromkeys(losses, 0), dict.fromkeys(losses, 0)
-    for record, answer in zip(dev, answers, strict=True):
-        encoded = encoder.encode(record)
-        ids = encoder.tokenizer.encode(answer["text"], add_special_tokens=False)  # special tokens kept
-        scored = score_response(
-            codec,
-            ids,
-            encoder.gt_objects(record, encoded),
-            extent=encoder.frame_extent(encoded),
-            hit_max_tokens=answer["truncated"],
-            matching=cfg.eval.matching,
-        )
-        common = {"codec": codec, "tokenizer": encoder.tokenizer, "eos_token_id": encoder.eos_token_id}
-        for name, loss in losses.items():
-            target = build_matched_target(scored.parse, scored.gt_objects, scored.match, loss=loss, **common)
-            differ[name] += int(target_differs_from_sft(target, scored.gt_objects, codec, encoder.tokenizer))
-            keep[name] += int(scored.parse.num_complete > target.dropped_elements)
-    return {
-        name: {"differs": round(differ[name] / len(dev), 3), "keeps_own": round(keep[name] / len(dev), 3)}
-        for name in losses
-    }
+    reading = target_reading(cfg, stage1, dev, predictions, losses)
+    return {name: shares["differs"] for name, shares in reading.items()}
 
 
 # ------------------------------------------------------------------------------------------- arms
-def base_config(
-    output_dir: Path, model: str, splits: dict[str, Path], args: argparse.Namespace, *, seed: int
-) -> dict[str, Any]:
-    return {
-        "model": {"path": model, "dtype": "float32", "attn_implementation": "sdpa"},
-        "data": {"train_jsonl": str(splits["train"]), "val_jsonl": None, "coord_frame": "norm1000"},
-        "custom": {
-            "trainer_variant": "sft",
-            "object_format": args.object_format,
-            "extra": {
-                "rollout_matching": {
-                    "rollout_backend": args.backend,
-                    "max_new_tokens": args.max_new_tokens,
-                    "vllm": {"tensor_parallel_size": 1, "enforce_eager": True},
-                }
-            },
-        },
-        "training": {
-            "output_dir": str(output_dir),
-            "per_device_train_batch_size": 8,
-            "packing": True,
-            "global_max_length": 4096,
-            "lr_scheduler_type": "constant",
-            "save_total_limit": None,
-            "logging_steps": 25,
-            "report_to": [],
-            "seed": seed,
-            "num_train_epochs": 100,
-        },
-        "eval": {"batch_size": 50},
-    }
-
-
 def arm_config(
     out: Path,
     arm: str,
@@ -482,7 +365,7 @@ def arm_config(
             "schedule": {"b_ratio": 0.5},
             "channel_b": {"mode": "micro", "rollout_decode_batch_size": 8},
         }
-    return load_config_dict(config, [], source=f"bench/learning_signal.py {arm}")
+    return load_config_dict(config, [], source=f"studies/learning_signal.py {arm}")
 
 
 def run_arm(
@@ -548,7 +431,7 @@ def train_and_evaluate(
     eval_steps = [steps] if arm == "sft_equal_compute" else args.eval_at
     for step in eval_steps:
         checkpoint = folder / "final" if step == steps else folder / f"checkpoint-{step}"
-        _copy_processor(stage1, checkpoint)
+        copy_processor(stage1, checkpoint)
         splits_here = ["dev", "report"] if (step in args.decide_at or arm == "sft_equal_compute") else ["dev"]
         evals[str(step)] = {
             split: cached(
@@ -565,292 +448,6 @@ def train_and_evaluate(
         "train_cpu_seconds": None if cpu_seconds is None else round(cpu_seconds, 1),
         "evals": evals,
     }
-
-
-def train_with_cost(cfg: RollmatchConfig, folder: Path, steps: int) -> tuple[float, float | None]:
-    """Train ``cfg`` into ``folder`` unless its ``final/`` exists (resuming an interrupted run), logging
-    each finished invocation's cost to ``folder/train_seconds.jsonl``; the :func:`training_cost` of
-    ``steps`` steps."""
-    from rollmatch.training.entry import run_training
-
-    seconds_log = folder / "train_seconds.jsonl"  # one line per invocation that finished
-    if not (folder / "final" / "config.json").exists():
-        start_step, cpu_start = _resume_step(folder), time.process_time()
-        result = run_training(cfg)
-        line = {
-            "seconds": result.seconds,
-            "cpu_seconds": round(time.process_time() - cpu_start, 1),  # every thread of this process
-            "global_step": result.global_step,
-            "start_step": start_step,
-        }
-        with seconds_log.open("a") as f:
-            f.write(json.dumps(line) + "\n")
-    return training_cost([json.loads(line) for line in seconds_log.read_text().splitlines()], steps)
-
-
-def training_cost(invocations: list[dict[str, Any]], steps: int) -> tuple[float, float | None]:
-    """Wall-clock and CPU seconds of ``steps`` steps, from the finished invocations' cost per step (an
-    interrupted invocation logs nothing; its steps are trained again by the next). CPU seconds only
-    when every invocation measured them."""
-    done = sum(line["global_step"] - line.get("start_step", 0) for line in invocations)
-    wall = sum(line["seconds"] for line in invocations) / max(done, 1) * steps
-    if not all("cpu_seconds" in line for line in invocations):
-        return wall, None
-    return wall, sum(line["cpu_seconds"] for line in invocations) / max(done, 1) * steps
-
-
-def _resume_step(folder: Path) -> int:
-    """The step training resumes from: the newest complete checkpoint's (0 for a fresh start)."""
-    complete = [int(p.parent.name.split("-")[1]) for p in folder.glob("checkpoint-*/rollmatch_complete.json")]
-    return max(complete, default=0)
-
-
-def evaluate(
-    cfg: RollmatchConfig, model_dir: str, records: list[Record], predictions: Path
-) -> dict[str, Any]:
-    """``rollmatch eval``'s metrics (study matching) plus per-image counts for the paired bootstrap."""
-    from dataclasses import asdict
-
-    from rollmatch.evaluation import run_eval
-
-    cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": model_dir})})
-    result = asdict(run_eval(cfg, records, str(predictions)))
-    result.pop("predictions_path")
-    result["per_image"] = per_image_counts(records, predictions, cfg)
-    return result
-
-
-def per_image_counts(records: list[Record], predictions: Path, cfg: RollmatchConfig) -> dict[str, list[int]]:
-    """TP / FP / FN / truncated per image, matched in pixels of the original image (eval.matching)."""
-    counts: dict[str, list[int]] = {"tp": [], "fp": [], "fn": [], "truncated": [], "duplicates": []}
-    answers = [json.loads(line) for line in predictions.read_text().splitlines()]
-    for record, answer in zip(records, answers, strict=True):
-        preds = [DetObject(o["label"], tuple(o["bbox"])) for o in answer["objects"]]
-        gts = [DetObject(o.label, tuple(o.bbox)) for o in record.objects]
-        match = hungarian_match(preds, gts, **cfg.eval.matching.model_dump())
-        counts["tp"].append(len(match.pairs))
-        counts["fp"].append(len(match.fp))
-        counts["fn"].append(len(match.fn))
-        counts["truncated"].append(int(answer["truncated"]))
-        counts["duplicates"].append(duplicate_counts(preds)[0])
-    return counts
-
-
-# ------------------------------------------------------------------------------------- statistics
-def f1_of(tp: np.ndarray, fp: np.ndarray, fn: np.ndarray) -> float:
-    denominator = 2 * tp.sum() + fp.sum() + fn.sum()
-    return float(2 * tp.sum() / denominator) if denominator else 1.0
-
-
-def paired_bootstrap(
-    arm: list[dict[str, list[int]]],
-    base: list[dict[str, list[int]]],
-    resamples: int,
-    rng: np.random.Generator,
-) -> dict[str, Any]:
-    """F1(arm) - F1(base) over seeds x images, resampling seeds and images (the same images for both)."""
-    stack = {k: np.asarray([run[k] for run in arm]) for k in ("tp", "fp", "fn")}
-    base_stack = {k: np.asarray([run[k] for run in base]) for k in ("tp", "fp", "fn")}
-    seeds, images = stack["tp"].shape
-    per_seed = [
-        f1_of(*(stack[k][s] for k in ("tp", "fp", "fn")))
-        - f1_of(*(base_stack[k][s] for k in ("tp", "fp", "fn")))
-        for s in range(seeds)
-    ]
-    deltas = np.empty(resamples)
-    for r in range(resamples):
-        chosen_seeds = rng.integers(0, seeds, seeds)
-        chosen_images = rng.integers(0, images, images)
-        deltas[r] = np.mean(
-            [
-                f1_of(*(stack[k][s, chosen_images] for k in ("tp", "fp", "fn")))
-                - f1_of(*(base_stack[k][s, chosen_images] for k in ("tp", "fp", "fn")))
-                for s in chosen_seeds
-            ]
-        )
-    return {
-        "delta_f1": round(float(np.mean(per_seed)), 4),
-        "ci95": [round(float(np.percentile(deltas, 2.5)), 4), round(float(np.percentile(deltas, 97.5)), 4)],
-        "per_seed": [round(d, 4) for d in per_seed],
-    }
-
-
-def compare(
-    runs: dict[str, dict[int, Any]], splits: dict[str, Path], args: argparse.Namespace
-) -> dict[str, Any]:
-    """Each rollout arm vs ``sft`` at equal steps (every decision step) and vs ``sft_equal_compute``;
-    each other rollout arm also vs ``prefix_fn`` (the default target before the study), which decides
-    the default among the targets whether or not any of them beats SFT."""
-    rng = np.random.default_rng(0)
-    out: dict[str, Any] = {}
-    for arm in ROLLOUT_ARMS:
-        seeds = sorted(set(runs[arm]) & set(runs["sft"]))
-        if not seeds:
-            continue
-        equal_steps = {}
-        for step in args.decide_at:
-            equal_steps[str(step)] = contrast(runs, arm, "sft", seeds, str(step), str(step), args, rng)
-        verdict = all(
-            c["delta_f1"] >= GAIN
-            and c["ci95"][0] > 0
-            and sum(d > 0 for d in c["per_seed"]) > len(seeds) / 2
-            and c["delta_map"] >= -MAP_SLACK
-            and c["delta_truncated_frac"] <= 0
-            for c in equal_steps.values()
-        )
-        entry: dict[str, Any] = {
-            "seeds": seeds,
-            "equal_steps": equal_steps,
-            # The protocol's verdict needs MIN_SEEDS seeds; fewer: the numbers, no verdict.
-            "gain_at_equal_steps": verdict if len(seeds) >= MIN_SEEDS else None,
-        }
-        compute_seeds = sorted(set(seeds) & set(runs["sft_equal_compute"]))
-        if compute_seeds:
-            base_step = {s: str(runs["sft_equal_compute"][s]["steps"]) for s in compute_seeds}
-            entry["equal_compute"] = contrast(
-                runs, arm, "sft_equal_compute", compute_seeds, str(args.steps), base_step, args, rng
-            )
-        target_seeds = sorted(set(runs[arm]) & set(runs["prefix_fn"]))
-        if arm != "prefix_fn" and target_seeds:
-            entry["versus_prefix_fn"] = {
-                str(step): contrast(runs, arm, "prefix_fn", target_seeds, str(step), str(step), args, rng)
-                for step in args.decide_at
-            }
-        out[arm] = entry
-    return out
-
-
-def contrast(
-    runs: dict[str, dict[int, Any]],
-    arm: str,
-    base: str,
-    seeds: list[int],
-    step: str,
-    base_step: str | dict[int, str],
-    args: argparse.Namespace,
-    rng: np.random.Generator,
-) -> dict[str, Any]:
-    def report(name: str, seed: int, at: str) -> dict[str, Any]:
-        return runs[name][seed]["evals"][at]["report"]
-
-    base_at = {s: base_step if isinstance(base_step, str) else base_step[s] for s in seeds}
-    arm_reports = [report(arm, s, step) for s in seeds]
-    base_reports = [report(base, s, base_at[s]) for s in seeds]
-    result = paired_bootstrap(
-        [r["per_image"] for r in arm_reports], [r["per_image"] for r in base_reports], args.bootstrap, rng
-    )
-    for metric in ("map", "truncated_frac", "duplicate_rate", "fp_per_image", "exact_count_acc"):
-        delta = np.mean([a[metric] - b[metric] for a, b in zip(arm_reports, base_reports, strict=True)])
-        result[f"delta_{metric}"] = round(float(delta), 4)
-    return result
-
-
-def summarize_arm(by_seed: dict[int, Any]) -> dict[str, Any]:
-    """Mean over seeds of the dev curve and the report metrics at each step evaluated on report."""
-    summary: dict[str, Any] = {"seeds": sorted(by_seed), "train_seconds": {}, "train_cpu_seconds": {}}
-    for seed, run in by_seed.items():
-        summary["train_seconds"][str(seed)] = run["train_seconds"]
-        summary["train_cpu_seconds"][str(seed)] = run.get("train_cpu_seconds")
-    steps = sorted({step for run in by_seed.values() for step in run["evals"]}, key=int)
-    for split in ("dev", "report"):
-        curve = {}
-        for step in steps:
-            evals = [
-                run["evals"][step][split] for run in by_seed.values() if split in run["evals"].get(step, {})
-            ]
-            if evals:
-                curve[step] = {
-                    metric: round(float(np.mean([e[metric] for e in evals])), 4)
-                    for metric in (
-                        "f1",
-                        "map",
-                        "mean_iou",
-                        "truncated_frac",
-                        "duplicate_rate",
-                        "fp_per_image",
-                        "exact_count_acc",
-                        "objects_per_image",
-                    )
-                }
-                curve[step]["recall_by_gt_count"] = {
-                    k: round(float(np.mean([e["recall_by_gt_count"].get(k, 0.0) for e in evals])), 4)
-                    for k in evals[0]["recall_by_gt_count"]
-                }
-        summary[split] = curve
-    return summary
-
-
-# ------------------------------------------------------------------------------------------ output
-def plot(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    panels = (
-        ("f1", "dev F1@0.5 (labels required)"),
-        ("duplicate_rate", "dev duplicate rate"),
-        ("exact_count_acc", "dev exact-count accuracy"),
-    )
-    fig, axes = plt.subplots(1, len(panels), figsize=(15, 4))
-    stage1 = result["gate"]["dev"]
-    for ax, (metric, title) in zip(axes, panels, strict=True):
-        for arm, summary in result["arms"].items():
-            if arm == "sft_equal_compute":
-                continue
-            steps = [0, *(int(s) for s in summary["dev"])]
-            values = [stage1[metric], *(v[metric] for v in summary["dev"].values())]
-            seeds = len(summary["seeds"])
-            ax.plot(steps, values, marker="o", label=f"{arm} ({seeds} seed{'s' * (seeds > 1)})")
-        ax.set(title=title, xlabel="optimizer steps after stage-1")
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
-    progress = f"; in progress, missing {len(result['missing'])} arm-seeds" if result.get("missing") else ""
-    fig.suptitle(f"learning signal, mean over seeds ({result['date']}, {result['commit']}{progress})")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
-def arm_runs(folder: Path, arm: str) -> dict[int, Any]:
-    """The finished runs of ``arm`` in a study folder (``arms/<arm>/seed<N>.json``), by seed."""
-    runs = {}
-    for path in sorted((folder / "arms" / arm).glob("seed*.json")):
-        runs[int(path.stem.removeprefix("seed"))] = json.loads(path.read_text())
-    return runs
-
-
-def cached(path: Path, compute: Any) -> Any:
-    """``compute()`` once; its JSON is kept at ``path`` (written atomically) so a rerun resumes."""
-    if path.exists():
-        return json.loads(path.read_text())
-    value = compute()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(".partial")
-    partial.write_text(json.dumps(value, indent=1))
-    partial.replace(path)
-    return value
-
-
-def _copy_processor(source: Path, checkpoint: Path) -> None:
-    for name in _PROCESSOR_FILES:
-        if (source / name).exists() and not (checkpoint / name).exists():
-            shutil.copy(source / name, checkpoint / name)
-
-
-def _default_backend() -> str:
-    import importlib.util
-
-    return "vllm" if importlib.util.find_spec("vllm") is not None else "hf"
-
-
-def _git_commit() -> str:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
 
 
 if __name__ == "__main__":

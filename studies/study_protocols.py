@@ -9,7 +9,8 @@ study's three rungs ``medium``, ``medium_dense``, ``medium_sparse``), with the l
 (:func:`next_rung`: a gate that is too easy goes to the denser rung, ``fail_budget`` to the sparser
 one, each rung its own output folder, and the ladder is walked once).
 
-Leaves out: the statistics (``bench/study_stats.py``), running units (``bench/dense_study.py``).
+Leaves out: the rules and statistics (``studies/study_rules.py``, ``studies/study_statistics.py``), running
+units (``studies/dense_study.py``).
 """
 
 from __future__ import annotations

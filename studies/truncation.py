@@ -14,7 +14,7 @@ with 1-6 objects, 240 stage-1 steps, ``max_new_tokens`` 160), then:
 The former builder is reproduced here as the baseline (``former_target``). Prints ONE JSON object
 and writes it to ``--out/truncation.json``. About 10 minutes on 2 idle cores::
 
-    .venv/bin/python bench/truncation.py --out runs/truncation
+    .venv/bin/python -m studies.truncation --out runs/truncation
 """
 
 from __future__ import annotations
@@ -38,10 +38,10 @@ from rollmatch.detection.json_scan import scan_json_list
 from rollmatch.detection.matching import MatchResult, hungarian_match
 from rollmatch.detection.objects import DetObject
 from rollmatch.detection.targets import TargetSequence, _weighted_target, build_matched_target
-from studies.learning_signal import cached, evaluate
+from studies.units import cached, evaluate
 
 MAX_NEW_TOKENS = 160
-# Smallest setting (tests/test_benches.py runs it; docs/runbook.md "Benchmarks"): every phase on a
+# Smallest setting (tests/studies/test_study_smoke.py runs it; docs/runbook.md "Benchmarks"): every phase on a
 # couple of images and steps; its numbers only show that the script runs.
 SMOKE_ARGS = (
     "--out {tmp}/truncation --stage1-steps 2 --train-size 4 --val-size 2 --stats-images 2 --rm-steps 2 "
@@ -77,7 +77,7 @@ def former_target(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m studies.truncation", description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="runs/truncation")
     parser.add_argument("--rm-steps", type=int, default=30)
     parser.add_argument("--stage1-steps", type=int, default=240)
@@ -137,7 +137,7 @@ def base_config(out: Path, model: str, max_new_tokens: int, **training: Any) -> 
             "eval": {"batch_size": 16},
         },
         [],
-        source="bench/truncation.py",
+        source="studies/truncation.py",
     )
 
 

@@ -66,3 +66,30 @@ def test_import_circles_are_reported_even_through_lazy_imports(tmp_path: Path) -
 def test_the_package_has_no_import_circles() -> None:
     checker = load_checker()
     assert checker.find_import_circles(REPO / "rollmatch") == []
+
+
+def test_the_programs_beside_the_package_import_it_one_way(tmp_path: Path) -> None:
+    """studies/ and bench/ import rollmatch, never the reverse; no bench imports a study or a study a
+    bench; studies/ has no import circle. The repository holds all of it."""
+    checker = load_checker()
+    assert checker.check_programs(REPO) == []
+    for folder in ("rollmatch", "studies", "bench"):
+        (tmp_path / folder).mkdir()
+    (tmp_path / "rollmatch" / "evaluation.py").write_text("def f():\n    from studies import stats\n")
+    (tmp_path / "bench" / "packing.py").write_text("import rollmatch\nfrom studies.stats import f1_of\n")
+    (tmp_path / "bench" / "server_process.py").write_text("from tiny_size_flags import add_size_flags\n")
+    (tmp_path / "studies" / "__init__.py").write_text("import rollmatch\n")
+    (tmp_path / "studies" / "driver.py").write_text("from studies import units\nimport bench.packing\n")
+    (tmp_path / "studies" / "units.py").write_text("from studies.driver import run\n")
+    found = checker.check_programs(tmp_path)
+    where = sorted(line.split(": ")[0].removeprefix(str(tmp_path) + "/") for line in found)
+    assert where == [
+        "bench/packing.py:2",
+        "import circle",
+        "rollmatch/evaluation.py:2",
+        "studies/driver.py:2",
+    ]
+    assert any("rollmatch imports studies; rollmatch may not import studies, bench" in line for line in found)
+    assert any("bench imports studies" in line for line in found)
+    assert any("studies imports bench" in line for line in found)
+    assert "import circle: studies.driver <-> studies.units; move the shared piece" in found[-1]

@@ -8,8 +8,14 @@ being imported upwards. Within a layer, modules must not import each other in a 
 imports ``b`` imports ... ``a``), counted over the same imports: a circle means neither module can
 be read or tested without the other; the shared piece moves into a module both import.
 
-Usage: ``python tools/check_layers.py [PACKAGE_DIR]`` (default: ``rollmatch`` beside this folder);
-prints one line per violation or circle and exits 1, or exits 0 silently.
+Beside the package, the repository's programs (:func:`check_programs`): ``studies/`` (the study
+drivers, a package) and ``bench/`` (the performance benches) sit above every layer. They import
+``rollmatch``; ``rollmatch`` never imports them, no bench imports a study (a helper two of them need
+moves into ``rollmatch`` or stays in its folder), no study imports a bench, and the modules of
+``studies/`` import each other in no circle.
+
+Usage: ``python tools/check_layers.py [PACKAGE_DIR]`` (default: ``rollmatch`` beside this folder, and the
+programs beside it); prints one line per violation or circle and exits 1, or exits 0 silently.
 """
 
 from __future__ import annotations
@@ -87,6 +93,42 @@ def find_import_circles(package_dir: Path) -> list[list[str]]:
         targets = {_owning_module(module, modules) for module in _imported_modules(path, root)}
         graph[name] = {target for target in targets if target is not None and target != name}
     return sorted(sorted(circle) for circle in _strongly_connected(graph) if len(circle) > 1)
+
+
+# Folders beside the package that hold programs, and the top-level names each must not import.
+PROGRAMS: dict[str, tuple[str, ...]] = {"studies": ("bench",), "bench": ("studies",)}
+
+
+def check_programs(repo: Path) -> list[str]:
+    """Imports across the package and the program folders of ``repo`` that go the wrong way: the package
+    importing a program folder, a bench importing a study or a study a bench; and circles in studies/."""
+    forbidden = {"rollmatch": tuple(PROGRAMS), **PROGRAMS}
+    found: list[str] = []
+    for folder, refused in forbidden.items():
+        for path in sorted((repo / folder).rglob("*.py")):
+            for line, module in _top_level_imports(path):
+                if module in refused:
+                    found.append(
+                        f"{path}:{line}: {folder} imports {module}; {folder} may not import {', '.join(refused)}. "
+                        "Move the shared piece into rollmatch (or into the importer's own folder)."
+                    )
+    if (repo / "studies").is_dir():
+        found.extend(
+            f"import circle: {' <-> '.join(circle)}; move the shared piece into a module both import"
+            for circle in find_import_circles(repo / "studies")
+        )
+    return found
+
+
+def _top_level_imports(path: Path) -> list[tuple[int, str]]:
+    """(line, first name) of every absolute import in ``path``, lazy and TYPE_CHECKING ones included."""
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.append((node.lineno, node.module.split(".")[0]))
+        elif isinstance(node, ast.Import):
+            found.extend((node.lineno, alias.name.split(".")[0]) for alias in node.names)
+    return found
 
 
 def _top_part(relative: Path) -> str:
@@ -176,7 +218,10 @@ def main(argv: list[str]) -> int:
     circles = find_import_circles(package_dir)
     for circle in circles:
         print(f"import circle: {' <-> '.join(circle)}; move the shared piece into a module both import")
-    return 1 if violations or circles else 0
+    programs = [] if argv else check_programs(package_dir.parent)
+    for problem in programs:
+        print(problem)
+    return 1 if violations or circles or programs else 0
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from studies import grpo_signal
+from studies import grpo_signal, study_statistics
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -24,17 +24,17 @@ def test_paired_bootstrap_interval_excludes_zero_only_for_a_consistent_rise() ->
     before = list(rng.uniform(0.2, 0.6, 64))
     rose = [b + 0.05 + d for b, d in zip(before, rng.normal(0, 0.02, 64), strict=True)]
     noise = [b + d for b, d in zip(before, rng.normal(0, 0.05, 64), strict=True)]
-    up = grpo_signal.paired_mean_bootstrap(rose, before, 500, np.random.default_rng(1))
+    up = study_statistics.paired_mean_bootstrap(rose, before, 500, np.random.default_rng(1))
     assert up["ci95"][0] > 0 and abs(up["delta"] - 0.05) < 0.01
     assert up["images_up"] + up["images_down"] == 64
-    flat = grpo_signal.paired_mean_bootstrap(noise, before, 500, np.random.default_rng(1))
+    flat = study_statistics.paired_mean_bootstrap(noise, before, 500, np.random.default_rng(1))
     assert flat["ci95"][0] < 0 < flat["ci95"][1]
 
 
 def test_paired_bootstrap_is_paired_per_image() -> None:
     """Large spread between images, the same +0.1 on each: an unpaired interval would straddle 0."""
     before = [0.0, 0.9, 0.1, 0.8, 0.2, 0.7]
-    delta = grpo_signal.paired_mean_bootstrap(
+    delta = study_statistics.paired_mean_bootstrap(
         [b + 0.1 for b in before], before, 200, np.random.default_rng(0)
     )
     assert delta["ci95"] == [0.1, 0.1] and delta["delta"] == 0.1
@@ -42,7 +42,7 @@ def test_paired_bootstrap_is_paired_per_image() -> None:
 
 def test_paired_bootstrap_refuses_unpaired_lists() -> None:
     with pytest.raises(ValueError, match="equal non-empty"):
-        grpo_signal.paired_mean_bootstrap([0.1, 0.2], [0.1], 10, np.random.default_rng(0))
+        study_statistics.paired_mean_bootstrap([0.1, 0.2], [0.1], 10, np.random.default_rng(0))
 
 
 def test_curve_ends_never_overlap() -> None:

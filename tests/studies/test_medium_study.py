@@ -20,9 +20,8 @@ import pytest
 from rollmatch.data.records import load_records
 from rollmatch.data.shapes import SHAPES_PRESETS, shape_sample
 from rollmatch.detection.count_metrics import count_bucket_label
-from studies import dense_study, dense_summary
-from studies import learning_signal as ls
-from studies import study_stats as st
+from studies import dense_arms, dense_gate, dense_plot, dense_study, dense_summary, study_statistics, units
+from studies import study_rules as rules
 from studies.study_protocols import PROTOCOLS, failed_clauses, next_rung
 
 REPO = Path(__file__).resolve().parents[2]
@@ -54,7 +53,7 @@ def test_medium_is_four_to_twelve_objects_of_one_visual_token_or_more() -> None:
     medium = SHAPES_PRESETS["medium"]
     assert (medium.min_objects, medium.max_objects, medium.min_side, medium.max_side) == (4, 12, 32, 56)
     assert MEDIUM.buckets == ("4-6", "7-9", "10-12")
-    assert SHAPES_PRESETS["crowd"].max_side == 32 and PROTOCOLS["crowd"].buckets == st.CROWD_BUCKETS
+    assert SHAPES_PRESETS["crowd"].max_side == 32 and PROTOCOLS["crowd"].buckets == rules.CROWD_BUCKETS
 
 
 # ------------------------------------------------------------------------------------------ gate
@@ -74,23 +73,23 @@ DIFFERS = {"keep_all_supervised": 0.25}
 
 def test_medium_gate_thresholds_are_its_own() -> None:
     room = {"recall_small": 0.8, "recall_large": 0.72}  # a drop of exactly 0.08
-    passed = st.gate_verdict(_dev(0.50, **room), DIFFERS, MEDIUM, GOOD_GRPO)
+    passed = rules.gate_verdict(_dev(0.50, **room), DIFFERS, MEDIUM, GOOD_GRPO)
     assert passed["passed"], passed
     assert passed["room_for_the_mechanism"]["recall_drop_4_6_to_10_12"] == {"value": 0.08, "passed": True}
-    assert st.gate_verdict(_dev(0.49, **room), DIFFERS, MEDIUM, GOOD_GRPO)["f1_side"] == "low"
-    assert st.gate_verdict(_dev(0.86, **room), DIFFERS, MEDIUM, GOOD_GRPO)["f1_side"] == "high"
+    assert rules.gate_verdict(_dev(0.49, **room), DIFFERS, MEDIUM, GOOD_GRPO)["f1_side"] == "low"
+    assert rules.gate_verdict(_dev(0.86, **room), DIFFERS, MEDIUM, GOOD_GRPO)["f1_side"] == "high"
     # 0.07 is not enough here; the crowd gate would not even see these buckets
-    assert not st.gate_verdict(_dev(0.6, 0.8, 0.73), DIFFERS, MEDIUM, GOOD_GRPO)["passed"]
-    assert st.gate_verdict(_dev(0.6, duplicates=0.02), DIFFERS, MEDIUM, GOOD_GRPO)["passed"]
+    assert not rules.gate_verdict(_dev(0.6, 0.8, 0.73), DIFFERS, MEDIUM, GOOD_GRPO)["passed"]
+    assert rules.gate_verdict(_dev(0.6, duplicates=0.02), DIFFERS, MEDIUM, GOOD_GRPO)["passed"]
     headroom = _dev(0.6)
     headroom["per_image"] = {"tp": [30, 0], "fp": [0, 0], "fn": [1, 0]}  # one missed object: oracle adds it
-    verdict = st.gate_verdict(headroom, DIFFERS, MEDIUM, GOOD_GRPO)
+    verdict = rules.gate_verdict(headroom, DIFFERS, MEDIUM, GOOD_GRPO)
     assert verdict["room_for_the_mechanism"]["count_oracle_headroom"] == {"value": 0.0164, "passed": False}
     headroom["per_image"] = {"tp": [15, 0], "fp": [0, 0], "fn": [1, 0]}
-    assert st.gate_verdict(headroom, DIFFERS, MEDIUM, GOOD_GRPO)["passed"]  # headroom 0.0323 >= 0.03
-    assert not st.gate_verdict(_dev(0.6, duplicates=0.05), {"keep_all_supervised": 0.24}, MEDIUM, GOOD_GRPO)[
-        "passed"
-    ]
+    assert rules.gate_verdict(headroom, DIFFERS, MEDIUM, GOOD_GRPO)["passed"]  # headroom 0.0323 >= 0.03
+    assert not rules.gate_verdict(
+        _dev(0.6, duplicates=0.05), {"keep_all_supervised": 0.24}, MEDIUM, GOOD_GRPO
+    )["passed"]
 
 
 def test_the_grpo_clause_bounds_zero_spread_groups_and_malformed_rollouts() -> None:
@@ -100,20 +99,20 @@ def test_the_grpo_clause_bounds_zero_spread_groups_and_malformed_rollouts() -> N
         ({"zero_std_group_frac": 0.51, "malformed_frac": 0.0}, False),
         ({"zero_std_group_frac": 0.0, "malformed_frac": 0.21}, False),
     ):
-        verdict = st.gate_verdict(dev, DIFFERS, MEDIUM, reading)
+        verdict = rules.gate_verdict(dev, DIFFERS, MEDIUM, reading)
         assert verdict["grpo_sampling"]["passed"] is passed and verdict["passed"] is passed, reading
-    unmeasured = st.gate_verdict(dev, DIFFERS, MEDIUM, None)
+    unmeasured = rules.gate_verdict(dev, DIFFERS, MEDIUM, None)
     assert not unmeasured["passed"] and "not measured" in unmeasured["grpo_sampling"]["why"]
     assert "temperature 0.7" in unmeasured["rule"] and "K = 4" in unmeasured["rule"]
-    assert "grpo_sampling" not in st.gate_verdict(
+    assert "grpo_sampling" not in rules.gate_verdict(
         dev, {"prefix_fn_supervised": 1.0}
     )  # the crowd gate has none
 
 
 # ---------------------------------------------------------------------------------------- ladder
 def _decided(dev: dict, differs: dict, grpo: dict, trunk: int, budget: int = 8000) -> dict[str, Any]:
-    gate = st.gate_verdict(dev, differs, MEDIUM, grpo)
-    return {**gate, "decision": st.stage1_next(gate, trunk, budget)}
+    gate = rules.gate_verdict(dev, differs, MEDIUM, grpo)
+    return {**gate, "decision": rules.stage1_next(gate, trunk, budget)}
 
 
 def test_the_ladder_goes_denser_when_too_easy_sparser_on_the_budget_and_stops_otherwise() -> None:
@@ -151,10 +150,13 @@ def test_a_decided_gate_names_the_next_rung_beside_the_study_folder(tmp_path: Pa
     out = tmp_path / "medium"
     (out / "stage1").mkdir(parents=True)
     for trunk in (2000, 4000):
-        low = {**st.gate_verdict(_dev(0.3, duplicates=0.05), DIFFERS, MEDIUM, GOOD_GRPO), "checkpoint": "c"}
+        low = {
+            **rules.gate_verdict(_dev(0.3, duplicates=0.05), DIFFERS, MEDIUM, GOOD_GRPO),
+            "checkpoint": "c",
+        }
         (out / "stage1" / f"gate-{trunk}.json").write_text(json.dumps(low))
     args = _args(out, stage1_chunk=2000, stage1_max_steps=4000)
-    gate = dense_study.stage1_and_gate(out, {}, args)
+    gate = dense_gate.stage1_and_gate(out, {}, args)
     assert gate["decision"] == "fail_budget"
     assert gate["next_rung"] == {"preset": "medium_sparse", "out": str(tmp_path / "medium_sparse")}
 
@@ -193,17 +195,15 @@ def test_the_preset_sets_the_studys_defaults_and_a_flag_still_wins(tmp_path: Pat
 
 
 def test_a_medium_folder_is_locked_to_its_preset_and_pools(tmp_path: Path) -> None:
-    settings = dense_study.lock_settings(tmp_path, _args(tmp_path), MEDIUM.locked)
+    settings = units.lock_settings(tmp_path, _args(tmp_path), MEDIUM.locked)
     assert settings["preset"] == "medium" and settings["arm_pool_size"] == 4800
     with pytest.raises(SystemExit, match=r"other \['arm_pool_size', 'preset'\]"):
-        dense_study.lock_settings(
-            tmp_path, _args(tmp_path, preset="medium_dense", arm_pool_size=8), MEDIUM.locked
-        )
+        units.lock_settings(tmp_path, _args(tmp_path, preset="medium_dense", arm_pool_size=8), MEDIUM.locked)
 
 
 def test_the_arms_train_on_their_own_pool_stage1_never_sees(tmp_path: Path) -> None:
     args = _args(tmp_path, train_size=3, arm_pool_size=3, dev_size=2, report_size=2)
-    splits = dense_study.prepare_data(tmp_path, args)
+    splits = dense_arms.prepare_data(tmp_path, args)
     assert set(splits) == {"train", "dev", "report", "arms"}
     pixels = {
         split: [Path(r.images[0]).read_bytes() for r in load_records(path)] for split, path in splits.items()
@@ -211,23 +211,23 @@ def test_the_arms_train_on_their_own_pool_stage1_never_sees(tmp_path: Path) -> N
     everything = [image for images in pixels.values() for image in images]
     assert len(set(everything)) == len(everything)  # each pool its own stream: no image twice
     model = tmp_path / "model"
-    arm = dense_study.arm_config(tmp_path / "arm", "sft", 0, model, splits, args, 2)
-    stage1 = dense_study.sft_config(tmp_path / "trunk", model, splits, args)
+    arm = dense_arms.arm_config(tmp_path / "arm", "sft", 0, model, splits, args, 2)
+    stage1 = dense_arms.sft_config(tmp_path / "trunk", model, splits, args)
     assert arm.data.train_jsonl == str(splits["arms"]) and stage1.data.train_jsonl == str(splits["train"])
     assert arm.eval.count_buckets == stage1.eval.count_buckets == [4, 7, 10, 13]
 
 
 def test_the_noise_object_control_is_sft_padded_to_the_presets_largest_count(tmp_path: Path) -> None:
-    dense_study.require_arms(list(MEDIUM.arms))  # the protocol's arms, the noise control among them
+    dense_arms.require_arms(list(MEDIUM.arms))  # the protocol's arms, the noise control among them
     assert "sft_noise_objects" in MEDIUM.arms
     splits = {"train": tmp_path / "train.jsonl", "arms": tmp_path / "arms.jsonl"}
     for preset in ("medium", "medium_dense", "crowd"):
         args = _args(tmp_path, preset=preset)
-        cfg = dense_study.arm_config(tmp_path / preset, "sft_noise_objects", 0, tmp_path, splits, args, 2)
+        cfg = dense_arms.arm_config(tmp_path / preset, "sft_noise_objects", 0, tmp_path, splits, args, 2)
         noise = cfg.loss.noise_objects
         assert cfg.custom.trainer_variant == "sft" and noise.enabled and noise.label == "noise"
         assert noise.pad_to == SHAPES_PRESETS[preset].max_objects
-        sft = dense_study.arm_config(tmp_path / preset, "sft", 0, tmp_path, splits, args, 2)
+        sft = dense_arms.arm_config(tmp_path / preset, "sft", 0, tmp_path, splits, args, 2)
         # the control differs from the sft arm in its target alone: same records, schedule, evaluation
         assert sft.loss.model_copy(update={"noise_objects": noise}) == cfg.loss
         assert sft.training == cfg.training.model_copy(update={"output_dir": sft.training.output_dir})
@@ -241,26 +241,26 @@ def _overall(per_seed: list[float], low: float, high: float) -> dict[str, Any]:
 
 def test_the_medium_rule_gain_harm_or_the_largest_effect_allowed() -> None:
     gain = _overall([0.03, 0.02, 0.04, 0.02, -0.001], 0.005, 0.04)  # mean 0.0218, 4 of 5 positive
-    assert st.medium_verdict(gain, 0.0, 0.0, 5)["gain"] is True
-    assert st.medium_verdict(gain, -0.011, 0.0, 5)["gain"] is False  # mAP more than 0.01 lower
-    assert st.medium_verdict(gain, -0.01, 0.0, 5)["gain"] is True
-    assert st.medium_verdict(gain, 0.0, 0.001, 5)["gain"] is False  # truncation higher
+    assert rules.medium_verdict(gain, 0.0, 0.0, 5)["gain"] is True
+    assert rules.medium_verdict(gain, -0.011, 0.0, 5)["gain"] is False  # mAP more than 0.01 lower
+    assert rules.medium_verdict(gain, -0.01, 0.0, 5)["gain"] is True
+    assert rules.medium_verdict(gain, 0.0, 0.001, 5)["gain"] is False  # truncation higher
     three_of_five = _overall([0.05, 0.04, 0.04, -0.001, -0.001], 0.005, 0.05)
-    assert st.medium_verdict(three_of_five, 0.0, 0.0, 5)["positive_seeds"] == "3 of 5"
-    assert st.medium_verdict(three_of_five, 0.0, 0.0, 5)["gain"] is False
+    assert rules.medium_verdict(three_of_five, 0.0, 0.0, 5)["positive_seeds"] == "3 of 5"
+    assert rules.medium_verdict(three_of_five, 0.0, 0.0, 5)["gain"] is False
     small = _overall([0.01, 0.01, 0.02, 0.01, 0.01], 0.004, 0.019)
-    none = st.medium_verdict(small, 0.0, 0.0, 5)
+    none = rules.medium_verdict(small, 0.0, 0.0, 5)
     assert none["gain"] is False and none["harm"] is False and none["largest_effect_allowed"] == 0.019
-    harm = st.medium_verdict(_overall([-0.02] * 5, -0.03, -0.01), 0.0, 0.0, 5)
+    harm = rules.medium_verdict(_overall([-0.02] * 5, -0.03, -0.01), 0.0, 0.0, 5)
     assert harm["harm"] is True and harm["largest_effect_allowed"] is None
-    assert st.medium_verdict(gain, 0.0, 0.0, 4)["gain"] is None  # no verdict on fewer than 5 seeds
+    assert rules.medium_verdict(gain, 0.0, 0.0, 4)["gain"] is None  # no verdict on fewer than 5 seeds
 
 
 def _report(gts: np.ndarray, found: np.ndarray) -> dict[str, Any]:
     per_image = {"tp": [int(v) for v in found], "fp": [0] * len(gts), "fn": [int(v) for v in gts - found]}
     buckets = {}
     for bucket in MEDIUM.buckets:
-        idx = st.images_in_bucket(gts, bucket)
+        idx = study_statistics.images_in_bucket(gts, bucket)
         recall = float(found[idx].sum() / gts[idx].sum())
         buckets[bucket] = {
             "images": len(idx),
@@ -270,13 +270,13 @@ def _report(gts: np.ndarray, found: np.ndarray) -> dict[str, Any]:
         }
     metrics = {
         **dict.fromkeys(dense_summary.METRICS, 0.5),
-        "f1": ls.f1_of(*(np.array(per_image[k]) for k in ("tp", "fp", "fn"))),
+        "f1": study_statistics.f1_of(*(np.array(per_image[k]) for k in ("tp", "fp", "fn"))),
     }
     return {
         **metrics,
         "per_image": per_image,
         "gt_count_buckets": buckets,
-        "count_oracle": st.count_oracle_headroom(per_image),
+        "count_oracle": study_statistics.count_oracle_headroom(per_image),
     }
 
 
@@ -321,7 +321,7 @@ def test_the_medium_summary_judges_each_arm_against_sft_at_equal_compute(tmp_pat
         "commit": "t",
     }
     (tmp_path / "gate.json").write_text(json.dumps(gate))
-    settings = dense_study.lock_settings(tmp_path, args, MEDIUM.locked)
+    settings = units.lock_settings(tmp_path, args, MEDIUM.locked)
     result = dense_summary.summarize(tmp_path, args, settings, {}, list(dense_study.ARMS), dense_study.PILOT)
     compared = result["comparisons"]["keep_all_supervised"]["equal_compute"]
     assert set(compared["by_bucket"]) == set(MEDIUM.buckets)
@@ -339,7 +339,7 @@ def test_the_medium_summary_judges_each_arm_against_sft_at_equal_compute(tmp_pat
         "reading": "a gain over sft_equal_compute by the decision rule: keep_all_supervised",
     }
     result["commit"] = "test"
-    dense_summary.plot(result, tmp_path / "plot.png")
+    dense_plot.plot(result, tmp_path / "plot.png")
     assert (tmp_path / "plot.png").stat().st_size > 10_000
 
 
@@ -375,10 +375,12 @@ def test_a_medium_gate_at_its_smallest_setting_records_every_clause_and_walks_th
     assert gate["preset"] == "medium" and gate["commit"] and gate["eval_decoding"]["temperature"] == 0.0
     assert set(gate["dev"]["gt_count_buckets"]) <= {"0-3", *MEDIUM.buckets}
     assert json.loads((tmp_path / "medium_sparse" / "gate.json").read_text()).get("next_rung") is None
-    assert ls.cached(out / "gate.json", lambda: pytest.fail("a decided gate is not run again")) == gate
+    assert units.cached(out / "gate.json", lambda: pytest.fail("a decided gate is not run again")) == gate
     # the same command again (how the study resumes) runs no unit: every unit file stays as it was
-    units = sorted(tmp_path.rglob("*.json"))
-    stamps = {p: p.stat().st_mtime_ns for p in units if p.name not in ("dense_study.json", "settings.json")}
+    unit_files = sorted(tmp_path.rglob("*.json"))
+    stamps = {
+        p: p.stat().st_mtime_ns for p in unit_files if p.name not in ("dense_study.json", "settings.json")
+    }
     again = subprocess.run(command, capture_output=True, text=True, timeout=1200, env=env)
     assert again.returncode == 0, again.stderr[-4000:]
     assert {p: p.stat().st_mtime_ns for p in stamps} == stamps
@@ -427,5 +429,5 @@ def test_the_pilot_picks_each_arms_learning_rate_on_dev_and_measures_the_spread(
     assert summary["lr_chosen"] == {"sft": 1e-4, "keep_all_supervised": 3e-4}
     assert summary["arms"]["keep_all_supervised/lr0.0003/seed0"]["cpu_seconds_per_step"] == 2.0
     spread = summary["spread_at_report_size"]["keep_all_supervised/seed0"]
-    assert 0 < spread < 0.05 and summary["seeds_needed"] in (st.SEEDS, st.MORE_SEEDS)
-    assert st.choose_learning_rates({"a": {1e-4: 0.5, 3e-4: 0.5}}) == {"a": 1e-4}  # a tie keeps the lower
+    assert 0 < spread < 0.05 and summary["seeds_needed"] in (rules.SEEDS, rules.MORE_SEEDS)
+    assert rules.choose_learning_rates({"a": {1e-4: 0.5, 3e-4: 0.5}}) == {"a": 1e-4}  # a tie keeps the lower

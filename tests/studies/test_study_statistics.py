@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from studies import compare_studies, learning_signal
+from studies import compare_studies, learning_signal, study_statistics, units
 
 
 def _counts(tp: list[int], fp: list[int], fn: list[int]) -> dict[str, list[int]]:
@@ -18,7 +18,7 @@ def _counts(tp: list[int], fp: list[int], fn: list[int]) -> dict[str, list[int]]
 
 def test_paired_bootstrap_of_a_run_against_itself_is_exactly_zero() -> None:
     run = _counts([3, 2, 4, 1], [0, 1, 0, 2], [1, 2, 0, 3])
-    result = learning_signal.paired_bootstrap([run, run], [run, run], 200, np.random.default_rng(0))
+    result = study_statistics.paired_bootstrap([run, run], [run, run], 200, np.random.default_rng(0))
     assert result == {"delta_f1": 0.0, "ci95": [0.0, 0.0], "per_seed": [0.0, 0.0]}
 
 
@@ -27,7 +27,7 @@ def test_paired_bootstrap_finds_a_gain_on_every_image_and_measures_it_per_seed()
     gts = rng.integers(3, 6, size=400)
     base = [_counts(list(gts - 1), [1] * 400, [1] * 400) for _ in range(3)]  # one miss, one FP per image
     better = [_counts(list(gts), [1] * 400, [0] * 400) for _ in range(3)]  # nothing missed
-    result = learning_signal.paired_bootstrap(better, base, 500, np.random.default_rng(0))
+    result = study_statistics.paired_bootstrap(better, base, 500, np.random.default_rng(0))
     tp, n = float(gts.sum()), 400
     expected = 2 * tp / (2 * tp + n) - 2 * (tp - n) / (2 * (tp - n) + 2 * n)
     assert result["per_seed"] == [round(expected, 4)] * 3
@@ -41,9 +41,9 @@ def test_training_cost_counts_only_the_steps_each_finished_invocation_trained() 
         {"seconds": 100.0, "cpu_seconds": 180.0, "global_step": 500, "start_step": 0},
         {"seconds": 300.0, "cpu_seconds": 220.0, "global_step": 1000, "start_step": 500},
     ]
-    assert learning_signal.training_cost(invocations, 1000) == (400.0, 400.0)
+    assert units.training_cost(invocations, 1000) == (400.0, 400.0)
     wall_only = [{k: v for k, v in line.items() if k != "cpu_seconds"} for line in invocations]
-    assert learning_signal.training_cost(wall_only, 1000) == (400.0, None)
+    assert units.training_cost(wall_only, 1000) == (400.0, None)
 
 
 def test_equal_compute_takes_each_arms_cheapest_seed_in_cpu_seconds() -> None:

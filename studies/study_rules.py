@@ -1,22 +1,19 @@
-"""The dense-scene studies' statistics and rules (pure: per-image counts and eval JSONs in, numbers out).
+"""The dense-scene studies' decision rules (pure: per-image counts and eval JSONs in, verdicts out).
 
-Owns what ``bench/dense_study.py`` decides with, fixed before any arm runs (docs/runbook.md,
+Owns what ``studies/dense_study.py`` decides with, fixed before any arm runs (docs/runbook.md,
 "Crowded scenes" and "Medium scenes"; each preset's thresholds are its ``study_protocols.StudyProtocol``):
 
-- :func:`count_oracle_f1` / :func:`count_oracle_headroom`: the F1 if every image's count error were
-  fixed, and how far above the real F1 that is;
 - :func:`gate_verdict` (F1 range, room for the mechanism, targets differing from SFT's, and for the
   medium study the GRPO clause, :func:`grpo_clause`) and
   :func:`stage1_next` (pass, extend stage-1, or stop) with what a stop means (:data:`STOP_READINGS`,
   :func:`study_answer`);
-- :func:`paired_t` (per-seed paired t-test), :func:`bucket_bootstrap` (the paired bootstrap of
-  ``learning_signal.paired_bootstrap`` on the images of one GT-count bucket) and :func:`gain_verdict`
-  (the crowd decision rule, with its monotone-bucket clause), :func:`medium_verdict` (the medium rule:
+- :func:`gain_verdict` (the crowd decision rule, with its monotone-bucket clause), :func:`medium_verdict` (the medium rule:
   gain, harm, or the largest effect the data allow);
 - :func:`equal_compute_steps_by_arm` (SFT steps matching each arm's own cost) and
   :func:`seeds_needed` (5 or 8 seeds from the pilot's spread).
 
-Leaves out: training, evaluation and files (``bench/dense_study.py``).
+Leaves out: the statistics the rules read (``studies/study_statistics.py``: paired bootstrap, paired
+t-test, count-oracle F1), training, evaluation and files (``studies/dense_study.py``).
 """
 
 from __future__ import annotations
@@ -25,14 +22,11 @@ import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import numpy as np
-from scipy import stats
-
-from studies.learning_signal import f1_of, paired_bootstrap
 from studies.study_protocols import CROWD, GrpoGate, StudyProtocol
+from studies.study_statistics import count_oracle_headroom
 
 # ----------------------------------------------------------------------- fixed before any arm runs
-# the crowd study's gate (bench/study_protocols.py holds every study's: CROWD, the medium rungs)
+# the crowd study's gate (studies/study_protocols.py holds every study's: CROWD, the medium rungs)
 F1_GATE = CROWD.f1_gate  # label-aware dev F1@0.5 of the stage-1 checkpoint
 HEADROOM_GATE = CROWD.headroom_gate  # count-oracle headroom on dev
 DUPLICATE_GATE = CROWD.duplicate_gate  # dev duplicate rate
@@ -46,36 +40,6 @@ MIN_SEEDS = 5  # no verdict on fewer
 POSITIVE_SEEDS_SHARE, MAP_SLACK = 0.8, 0.01  # the medium rule: 4 of 5 seeds positive, mAP at most 0.01 lower
 SEEDS, MORE_SEEDS, SPREAD_LIMIT = 5, 8, 0.012  # 8 seeds if the pilot's spread exceeds the limit
 MAX_COMPUTE_RATIO = 20  # SFT at equal compute trains at most this many times the arms' steps
-
-
-# ----------------------------------------------------------------------------- count-oracle F1
-def count_oracle_counts(tp: np.ndarray, fp: np.ndarray, fn: np.ndarray) -> tuple[np.ndarray, ...]:
-    """Per image, the counts if its count error were fixed and nothing else.
-
-    An image with ``n_pred = tp + fp`` valid predictions and ``n_gt = tp + fn`` GT objects. Over-counted
-    (``n_pred > n_gt``): the ``n_pred - n_gt`` surplus predictions are removed, false positives first,
-    so ``fp' = fn`` and ``tp`` stays. Under-counted (``n_pred < n_gt``): ``n_gt - n_pred`` predictions
-    are added, each a correct box of a missed object (the best an added prediction can be), so
-    ``tp' = tp + fn - fp`` and ``fn' = fp``. Both cases: ``fp' = fn' = min(fp, fn)``,
-    ``tp' = tp + fn - min(fp, fn)``; an exact count changes nothing. An upper bound on what stopping at
-    the right length alone could give: boxes and labels stay as they are."""
-    tp, fp, fn = (np.asarray(a, dtype=np.int64) for a in (tp, fp, fn))
-    if (tp < 0).any() or (fp < 0).any() or (fn < 0).any():
-        raise ValueError("per-image tp / fp / fn counts must be >= 0")
-    wrong = np.minimum(fp, fn)
-    return tp + fn - wrong, wrong, wrong.copy()
-
-
-def count_oracle_f1(tp: Sequence[int], fp: Sequence[int], fn: Sequence[int]) -> float:
-    """Micro F1 over the images with every count error fixed (:func:`count_oracle_counts`)."""
-    return f1_of(*count_oracle_counts(np.asarray(tp), np.asarray(fp), np.asarray(fn)))
-
-
-def count_oracle_headroom(per_image: Mapping[str, Sequence[int]]) -> dict[str, float]:
-    """``f1``, ``count_oracle_f1`` and ``headroom`` (their difference, >= 0) of one evaluation."""
-    tp, fp, fn = (np.asarray(per_image[k]) for k in ("tp", "fp", "fn"))
-    real, oracle = f1_of(tp, fp, fn), count_oracle_f1(tp, fp, fn)
-    return {"f1": round(real, 4), "count_oracle_f1": round(oracle, 4), "headroom": round(oracle - real, 4)}
 
 
 # ------------------------------------------------------------------------------------------- gate
@@ -226,59 +190,6 @@ def study_answer(
     return {"state": "done", "gains": gains, "reading": reading}
 
 
-# ------------------------------------------------------------------------------------- statistics
-def paired_t(per_seed: Sequence[float]) -> dict[str, Any]:
-    """Paired t-test over seeds of the per-seed differences (H0: mean 0): t, two-sided p, 95% interval.
-    None values with fewer than 2 seeds; a zero spread gives an interval of width 0."""
-    d = np.asarray(per_seed, dtype=np.float64)
-    if len(d) < 2:
-        return {"seeds": len(d), "mean": round(float(d.mean()), 4) if len(d) else None, "t": None, "p": None}
-    mean, se = float(d.mean()), float(d.std(ddof=1) / np.sqrt(len(d)))
-    half = float(stats.t.ppf(0.975, len(d) - 1)) * se
-    if se == 0.0:
-        t, p = (0.0, 1.0) if mean == 0.0 else (float(np.sign(mean) * np.inf), 0.0)
-    else:
-        t = mean / se
-        p = float(2 * stats.t.sf(abs(t), len(d) - 1))
-    return {
-        "seeds": len(d),
-        "mean": round(mean, 4),
-        "t": round(t, 3) if np.isfinite(t) else t,
-        "p": round(p, 4),
-        "ci95": [round(mean - half, 4), round(mean + half, 4)],
-    }
-
-
-def images_in_bucket(gt_counts: Sequence[int], bucket: str) -> np.ndarray:
-    """Indices of the images whose GT count falls in ``bucket`` (``"8-12"``, ``"31+"`` or ``"5"``)."""
-    low, _, high = bucket.partition("-")
-    lo = int(low.rstrip("+"))
-    hi = np.inf if bucket.endswith("+") else int(high or low)
-    counts = np.asarray(gt_counts)
-    return np.flatnonzero((counts >= lo) & (counts <= hi))
-
-
-def bucket_bootstrap(
-    arm: list[Mapping[str, list[int]]],
-    base: list[Mapping[str, list[int]]],
-    bucket: str,
-    resamples: int,
-    rng: np.random.Generator,
-) -> dict[str, Any] | None:
-    """The paired bootstrap (seeds x images) of F1, on the images of one GT-count bucket (the same
-    images on both sides: GT count = tp + fn). None when the bucket holds no image."""
-    gt = np.asarray(base[0]["tp"]) + np.asarray(base[0]["fn"])
-    chosen = images_in_bucket(gt, bucket)
-    if not len(chosen):
-        return None
-
-    def subset(run: Mapping[str, list[int]]) -> dict[str, list[int]]:
-        return {k: list(np.asarray(run[k])[chosen]) for k in ("tp", "fp", "fn")}
-
-    result = paired_bootstrap([subset(r) for r in arm], [subset(r) for r in base], resamples, rng)
-    return {"images": len(chosen), **result}
-
-
 def gain_verdict(
     overall: Mapping[str, Any], buckets: Mapping[str, Mapping[str, Any] | None], seeds: int
 ) -> dict[str, Any]:
@@ -358,20 +269,6 @@ def choose_learning_rates(dev_f1: Mapping[str, Mapping[float, float]]) -> dict[s
 def seeds_needed(spreads: Sequence[float]) -> int:
     """SEEDS, or MORE_SEEDS when any pilot arm's spread of the paired difference exceeds SPREAD_LIMIT."""
     return MORE_SEEDS if any(s > SPREAD_LIMIT for s in spreads) else SEEDS
-
-
-def bootstrap_spread(
-    arm: Mapping[str, list[int]], base: Mapping[str, list[int]], resamples: int, rng: np.random.Generator
-) -> float:
-    """Standard deviation of one seed's paired F1 difference over image resamples (the pilot's spread)."""
-    a = {k: np.asarray(arm[k]) for k in ("tp", "fp", "fn")}
-    b = {k: np.asarray(base[k]) for k in ("tp", "fp", "fn")}
-    images = len(a["tp"])
-    deltas = []
-    for _ in range(resamples):
-        idx = rng.integers(0, images, images)
-        deltas.append(f1_of(*(a[k][idx] for k in a)) - f1_of(*(b[k][idx] for k in b)))
-    return float(np.std(deltas, ddof=1))
 
 
 def stop_readings(protocol: StudyProtocol) -> Mapping[str, str]:
