@@ -127,11 +127,13 @@ def stage1_next(gate: Mapping[str, Any], trunk_steps: int, max_trunk_steps: int)
     return "extend" if trunk_steps < max_trunk_steps else "fail_budget"
 
 
-# What a stop at the gate means, fixed with the gate (docs/runbook.md, "Crowded scenes"): no arm runs.
+# What a stop at the gate means (docs/runbook.md, "Crowded scenes"): no arm runs. ``fail_budget`` first
+# read "the mechanism is absent"; a stop on stage-1's F1 measures the detector, not the mechanism, so
+# it now says that (the decision and every figure are unchanged).
 STOP_READINGS = {
     "fail_budget": (
-        "no stage-1 reached the gate's F1 range within the step budget: the mechanism is absent in this "
-        "model class on this data at this budget (the study cannot show it here)"
+        "no stage-1 reached the gate's F1 range within the step budget: detector quality, not the "
+        "mechanism (the study cannot ask its question of this stage-1)"
     ),
     "fail_room": (
         "stage-1 reached the F1 range without room for the mechanism or with too few rollout targets "
