@@ -66,3 +66,19 @@ def test_import_circles_are_reported_even_through_lazy_imports(tmp_path: Path) -
 def test_the_package_has_no_import_circles() -> None:
     checker = load_checker()
     assert checker.find_import_circles(REPO / "rollmatch") == []
+
+
+def test_wire_models_importing_the_client_side_is_an_upward_arrow(tmp_path: Path) -> None:
+    """``protocol/`` sits below both of its users (the client in ``rollout/``, the server): a wire model
+    that reaches into ``rollout/`` (as ``protocol/infer.py`` once did for ``Decoding``) is reported."""
+    checker = load_checker()
+    package = tmp_path / "rollmatch"
+    (package / "protocol").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "protocol" / "infer.py").write_text(
+        "from rollmatch.config.decoding import Decoding\n"  # below: fine
+        "from rollmatch.rollout.types import Rollout\n"  # the client's layer: above
+    )
+    (package / "protocol" / "sync.py").write_text("from rollmatch.sync.weights import TensorMeta\n")
+    found = {(v.importer, v.imported) for v in checker.check_package(package)}
+    assert found == {("protocol", "rollout"), ("protocol", "sync")}
