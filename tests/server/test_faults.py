@@ -231,7 +231,7 @@ def test_sync_needs_the_token_and_the_lease_and_keeps_the_version_when_refused(
     other = connect_backend(cfg, prompt_encoder, model)
     other.sync_weights(model, 3)  # a restarted trainer takes the group over...
     with pytest.raises(SyncError, match="sync lease"):
-        trainer._push_mode(
+        trainer.pusher._push_mode(
             model, 4, "full", trainer.connections
         )  # ...and the previous holder is refused with the reason
     assert server.get("/stats/", api_key="k3y")["weight_version"] == 3
