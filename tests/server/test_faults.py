@@ -166,7 +166,9 @@ def test_a_request_that_fails_inside_vllm_leaves_the_engine_clean(
             **{**RequestConfig().model_dump(), "seed": 2**64, "temperature": 1.0, "max_tokens": 4}
         )
         with monkeypatch.context() as patch:
-            patch.setattr(server, "_checked", lambda body, times, cancelled=None: (unchecked, prompts, None))
+            patch.setattr(
+                server.checks, "check", lambda body, times, cancelled=None, **_: (unchecked, prompts, None)
+            )
             with pytest.raises(ValueError, match=r"the engine refused the request .*Overflow"):
                 infer_in_process(server, good)
         done: dict[str, Any] = {}
