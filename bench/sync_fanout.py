@@ -1,7 +1,7 @@
 """Full weight sync from one trainer to S rollout servers: seconds vs S. Prints ONE JSON object.
 
 Rank 0 of the learner pushes every full update to every server itself (one private gloo group per
-server, ``rollout.client``), so a sync moves S x the model's bytes out of one process and one NIC.
+server, ``rollout.weight_push``), so a sync moves S x the model's bytes out of one process and one NIC.
 This measures that on loopback: S receiver processes (each rank 0 of its own group with this process,
 the transaction's control messages over a pipe, as ``bench/weight_sync.py`` part 1), the same
 synthetic weights (``--payload-mb``) pushed through :func:`~rollmatch.sync.transaction.push_update`

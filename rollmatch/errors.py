@@ -9,13 +9,15 @@
 - :class:`ServerBusy`: the one retryable fault: a rollout server's admission queue is full (HTTP 429
   with ``Retry-After``); the client waits and retries within its timeout.
 - :class:`PromptAlignmentError`, :class:`PackingError`, :class:`SyncError`,
-  :class:`CollectiveTimeoutError`: contract violations of one subsystem, each naming what to change.
+  :class:`CollectiveTimeoutError`: contract violations of one subsystem, each naming what to change;
+  :class:`ServerPushFailed` (a :class:`SyncError`) is a weight push that failed at one rollout server,
+  carrying its URL and the transaction's phase.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 
 class RollmatchError(Exception):
@@ -99,14 +101,34 @@ class SyncError(BackendError):
     """A weight update failed; the receiver keeps serving its previous version."""
 
 
-class ServerSyncFailure(SyncError):
-    """Forming the weight-sync group with one rollout server failed (its ``/init_communicator/`` call or
-    the trainer's side of the group): ``server_url`` says which server, whatever the cause's text names
-    (a group error names ``host:group_port``), so the push failover drops that server."""
+PushPhase = Literal["group", "announce", "transfer", "finish"]
+_PUSH_PHASES: dict[str, str] = {
+    "group": "forming its weight-sync group",
+    "announce": "announcing a bucket",
+    "transfer": "sending a bucket over its group",
+    "finish": "finishing the weight version",
+}
 
-    def __init__(self, server_url: str, message: str):
-        super().__init__(message)
-        self.server_url = server_url
+
+class ServerPushFailed(SyncError):
+    """A weight push failed at one rollout server: ``url`` names the server, ``phase`` the step of the
+    transaction (``group``: ``/init_communicator/`` or the trainer's side of the group; ``announce``: a
+    bucket's announcement; ``transfer``: a bucket's bytes on the group; ``finish``: the version's
+    finish and ack), ``cause`` what went wrong there (also the ``__cause__``). The push failover drops
+    exactly the server named by ``url``, whatever the cause's text names (a group error names
+    ``host:group_port``). The server keeps serving its previous version."""
+
+    def __init__(self, url: str, phase: PushPhase, cause: BaseException):
+        super().__init__(
+            f"rollout server {url}: {_PUSH_PHASES[phase]} failed: {type(cause).__name__}: {cause}"
+        )
+        self.url, self.phase, self.cause = url, phase, cause
+
+    @property
+    def refused(self) -> bool:
+        """The server refused the update (a weight-sync state or checksum error, or no group formed),
+        as opposed to failing to answer or to receive in time."""
+        return self.phase == "group" or isinstance(self.cause, SyncError)
 
 
 class CollectiveTimeoutError(RollmatchError):

@@ -93,3 +93,19 @@ def test_the_programs_beside_the_package_import_it_one_way(tmp_path: Path) -> No
     assert any("bench imports studies" in line for line in found)
     assert any("studies imports bench" in line for line in found)
     assert "import circle: studies.driver <-> studies.units; move the shared piece" in found[-1]
+
+
+def test_wire_models_importing_the_client_side_is_an_upward_arrow(tmp_path: Path) -> None:
+    """``protocol/`` sits below both of its users (the client in ``rollout/``, the server): a wire model
+    that reaches into ``rollout/`` (as ``protocol/infer.py`` once did for ``Decoding``) is reported."""
+    checker = load_checker()
+    package = tmp_path / "rollmatch"
+    (package / "protocol").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "protocol" / "infer.py").write_text(
+        "from rollmatch.config.decoding import Decoding\n"  # below: fine
+        "from rollmatch.rollout.types import Rollout\n"  # the client's layer: above
+    )
+    (package / "protocol" / "sync.py").write_text("from rollmatch.sync.weights import TensorMeta\n")
+    found = {(v.importer, v.imported) for v in checker.check_package(package)}
+    assert found == {("protocol", "rollout"), ("protocol", "sync")}

@@ -31,7 +31,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("config", "collectives"),
     ("__init__", "models", "detection", "packing"),  # __init__: the package root applies models.compat
     ("data",),
-    ("protocol", "rollout", "sync"),
+    ("protocol",),  # wire models: below both of their users, the client (rollout) and the server
+    ("rollout", "sync"),
     ("server",),
     ("viz",),  # pictures of records and predictions, drawn by eval and the demo
     ("evaluation", "diagnostics"),  # below training, so training may evaluate (never the other way round)

@@ -259,7 +259,7 @@ def nccl_push_server_killed(workdir: Path) -> dict[str, Any]:
             processor=encoder.processor,
             collectives=LocalCollectives(),
         )
-        backend.bucket_bytes = 16 << 20  # many buckets: the kill lands inside the push
+        backend.pusher.bucket_bytes = 16 << 20  # many buckets: the kill lands inside the push
         first = backend.sync_weights(model, 1)
         victim = servers[1][1]
         victim_port = backend.connections[1].group_port

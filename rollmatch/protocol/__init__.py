@@ -3,7 +3,7 @@
 Owns, one module per concern, every name re-exported here: the JSON shapes of every endpoint
 (pydantic) with the range of every number, checked at the wire before anything reaches an engine
 (``wire``: the base model; ``infer``: ``/infer/`` bodies and replies, and conversion between
-:class:`~rollmatch.rollout.types.Decoding` and ms-swift's ``request_config``; ``sync``: the
+:class:`~rollmatch.config.decoding.Decoding` and ms-swift's ``request_config``; ``sync``: the
 weight-sync bodies; ``info``: ``/info/``, ``/health/``, ``/stats/``; ``auth``: credential header and
 environment-variable names), base64 and the default image
 encoding (``image_base64``), the ``Server-Timing`` header of ``/infer/`` answers (``server_timing``) and the

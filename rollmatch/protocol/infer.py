@@ -1,6 +1,6 @@
 """``POST /infer/``: the request body (ms-swift's ``RolloutInferRequest`` / ``RequestConfig``
 fields, each range checked at the wire), the reply items, and conversion between
-:class:`~rollmatch.rollout.types.Decoding` and ``request_config``.
+:class:`~rollmatch.config.decoding.Decoding` and ``request_config``.
 Leaves out: the server's configurable caps (``server.limits``) and media policy (``server.media``).
 """
 
@@ -12,8 +12,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, StrictBool, TypeAdapter, field_validator, model_validator
 
+from rollmatch.config.decoding import Decoding
 from rollmatch.protocol.wire import WireModel
-from rollmatch.rollout.types import Decoding
 
 # Absolute wire bounds; the server adds its own configurable caps (``rollmatch serve --max-*``).
 SEED_MAX = 2**63 - 1  # every engine seeds a torch.Generator with an int64 (request j uses seed + j)

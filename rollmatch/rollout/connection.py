@@ -5,8 +5,8 @@ sync lease on every request and the sync key on the calls that change the sync s
 watching of calls without a timeout, 429 backoff within the call's time, one resend of an
 idempotent call whose connection closed before any answer, errors that name the URL and the
 phase: :class:`~rollmatch.errors.ServerDown` when the server stopped answering, which a client may
-fail over). Leaves out: what is sent (``rollmatch.protocol``), chunking and weight sync
-(``rollout.client``), and how images are encoded (``rollout.image_wire``).
+fail over). Leaves out: what is sent (``rollmatch.protocol``), chunking
+(``rollout.client``), weight pushes (``rollout.weight_push``), and how images are encoded (``rollout.image_wire``).
 
 Connections are reused: every call of one ``ServerConnection`` goes through one
 ``requests.Session`` (HTTP keep-alive), so a rollout call costs no TCP handshake while the server

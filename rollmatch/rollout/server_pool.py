@@ -15,14 +15,14 @@ push, not admitted), and that version is not older than the newest this client h
 answers at an older version than it answered at before restarted behind the client's back (a call re-sent
 on a fresh connection reached the new process): :meth:`check_served` marks it down the same way. The learner's
 pusher brings it there: it pushes full weights on fresh groups to every down server that answers
-``/health/`` again (``rollout.client``), then :meth:`admit` marks it up at once. Every push outcome
+``/health/`` again (``rollout.weight_push``), then :meth:`admit` marks it up at once. Every push outcome
 also reaches the async actors' pools (:meth:`learner_pushed`): a server the push left out is down for
 them too, and the learner's version caps the versions that raise the re-admission floor. The other way
 round, before each push the pusher takes in what every rank's actor found (:meth:`down_servers`): a server
 an actor's call found down is down for the pusher too, so it is not pushed to (no failed attempt, no
 second push) unless it answers ``/health/`` again, and then it is re-synced like any down server. A server whose
 pushes keep failing is re-tried with back-off (:meth:`push_failed`, :meth:`resync_due`). Leaves out: HTTP
-(``rollout.connection``), chunking and the weight push itself (``rollout.client``).
+(``rollout.connection``), chunking (``rollout.client``) and the weight push itself (``rollout.weight_push``).
 """
 
 from __future__ import annotations

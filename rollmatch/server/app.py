@@ -5,8 +5,8 @@ behind the :class:`~rollmatch.server.gate.RequestGate` (token, body size), and t
 error to one 4xx/5xx answer that names the field or the fix. A malformed request is always a 4xx:
 validation errors are rendered without echoing the input (NaN / Infinity in a body cannot break
 the answer), ``ValueError`` is a 400, a value over a cap a 413/422, weight-sync state a 409, an
-unusable engine a 503. Leaves out: behaviour (``server.rollout_server``) and the process
-(``server.serve``).
+unusable engine a 503 (one exception handler for every route). Leaves out: behaviour, the
+``/infer/`` flow included (``server.rollout_server``), and the process (``server.serve``).
 
 Endpoints: ``GET /health/`` (503 when a weight load failed half-way or the engine is stalled),
 ``/get_world_size/``, ``/info/``, ``/stats/``; ``POST /infer/``, ``/get_engine_type/``,
@@ -17,11 +17,9 @@ need the lease in ``X-Rollmatch-Sync-Lease``; ``/init_communicator/`` needs the 
 lease, or the sync key when the server has one; a no-op on an engine without a prefix cache).
 ``/health/``, ``/info/`` and ``/stats/`` are ``async`` routes that read lock-free state on the event
 loop: they never wait for the engine or for a worker thread (``/health/`` gives the reason behind a
-503 only to a caller with the key). ``/infer/`` reads its body itself under the in-flight body
-budget (``server.bodies``), checks, parses and prepares it in one worker-thread hop (the value bound
-and the request count on the raw bytes first, then the JSON validated exactly as a declared body
-would be), drops the body, then waits for the engine thread on the event loop (no thread held
-while it queues: any number of calls can wait), and serialises the reply in a second hop. The
+503 only to a caller with the key). ``/infer/`` hands the server its body reader and disconnect probe
+and answers what :meth:`~rollmatch.server.rollout_server.RolloutServer.infer` returns (the flow:
+receive, validate, admit, schedule, respond, with no thread held while a call queues). The
 weight-sync routes check the lease from the head, then read the body under
 ``--max-sync-body-bytes`` and parse it in a worker thread. A full server answers 429 with
 ``Retry-After``. The answer carries the weight version (``X-Weight-Version``, the oldest when
@@ -31,29 +29,22 @@ weight-sync routes check the lease from the head, then read the body under
 
 from __future__ import annotations
 
-import asyncio
-import gc
 import logging
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import Any, TypeVar
+from typing import Any
 
 from fastapi import FastAPI, Header, HTTPException, Request, Response
 from fastapi.concurrency import run_in_threadpool
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ValidationError
 
 from rollmatch.errors import BackendError, RollmatchError, ServerBusy, SyncError
 from rollmatch.protocol import (
-    INFER_REPLY,
     LEASE_HEADER,
     SERVER_TIMING_HEADER,
     SYNC_KEY_HEADER,
     FinishUpdateBody,
     FinishUpdateReply,
-    InferBody,
     InitCommunicatorBody,
     InitCommunicatorReply,
     ServerHealth,
@@ -63,19 +54,14 @@ from rollmatch.protocol import (
     UpdateFlattenedParamsBody,
     format_server_timing,
 )
-from rollmatch.server.bodies import read_body
+from rollmatch.server.bodies import BodyLease, ModelT, parse_json_body, read_body
 from rollmatch.server.gate import AUTHENTICATED, RequestGate
 from rollmatch.server.limits import RequestTooLarge
-from rollmatch.server.rollout_server import PreparedCall, RolloutServer
-from rollmatch.server.scheduler import CallTicket
+from rollmatch.server.rollout_server import InferCall, RolloutServer
 from rollmatch.server.sync_session import SyncKeyRefused
-from rollmatch.server.timing import PhaseTimes
 
 log = logging.getLogger(__name__)
 _MAX_ERRORS_SHOWN = 8
-_DISCONNECT_POLL_S = 0.25
-_MAX_ERRORS_KEPT = 64  # errors of one body kept at all (wire lists are fail-fast: a few)
-ModelT = TypeVar("ModelT", bound=BaseModel)
 
 
 def build_app(server: RolloutServer, *, api_key: str | None = None) -> FastAPI:
@@ -84,12 +70,8 @@ def build_app(server: RolloutServer, *, api_key: str | None = None) -> FastAPI:
     app = FastAPI(title="rollmatch rollout server")
     app.add_middleware(RequestGate, api_key=api_key, max_body_bytes=server.limits.max_body_bytes)
     app.add_exception_handler(RequestValidationError, _validation_error)
-
-    def call(fn: Any, *args: Any) -> Any:
-        try:
-            return fn(*args)
-        except (ValueError, RollmatchError) as exc:
-            raise _http_error(exc) from exc
+    app.add_exception_handler(ValueError, _error_answer)  # every route's errors: one answer each
+    app.add_exception_handler(RollmatchError, _error_answer)
 
     @app.get("/health/")
     async def health(request: Request, response: Response) -> ServerHealth:
@@ -105,16 +87,11 @@ def build_app(server: RolloutServer, *, api_key: str | None = None) -> FastAPI:
 
     @app.get("/get_world_size/")
     def get_world_size() -> dict[str, int]:
-        return {"world_size": server.engine.world_size}
+        return {"world_size": server.world_size()}
 
     @app.post("/get_engine_type/")
     def get_engine_type() -> dict[str, Any]:
-        return {
-            "engine_type": "LLMEngine",
-            "enable_multi_turn": False,
-            "use_gym_env": False,
-            "enable_lora": "adapter" in server.engine.sync_modes,
-        }
+        return server.engine_type()
 
     @app.get("/info/")
     async def info() -> ServerInfo:
@@ -126,62 +103,18 @@ def build_app(server: RolloutServer, *, api_key: str | None = None) -> FastAPI:
 
     @app.post("/infer/")
     async def infer(request: Request) -> Response:
-        times = PhaseTimes()
-        body_lease = server.bodies.lease()
-        held = [b""]  # the raw body, dropped once the call is prepared (the engine wait never holds it)
-        try:
-            with times.phase("receive"):
-                held[0] = await read_body(
-                    request, max_bytes=server.limits.max_body_bytes, flag="--max-body-bytes", lease=body_lease
-                )
-        except (ValueError, RollmatchError) as exc:
-            body_lease.release()
-            raise _http_error(exc) from exc
-        except BaseException:  # the gate's 413, a cancelled request: the budget is given back at once
-            body_lease.release()
-            raise
-        content_type = request.headers.get("content-type")
+        async def body(lease: BodyLease) -> bytes:
+            return await read_body(
+                request, max_bytes=server.limits.max_body_bytes, flag="--max-body-bytes", lease=lease
+            )
 
-        def prepare() -> PreparedCall:  # worker-thread hop 1: parse and prepare (images decoded)
-            try:
-                with times.phase("parse"):
-                    raw, held[0] = held[0], b""
-                    call(server.check_body, raw)
-                    body = parse_json_body(InferBody, raw, content_type)
-                    del raw
-                with times.phase("prepare"):
-                    return call(server.prepare, body, times, gone.is_set)
-            finally:
-                held[0] = b""
-                body_lease.release()
-
-        def respond(prepared: PreparedCall, ticket: CallTicket | None) -> bytes:  # hop 2
-            with times.phase("outputs"):
-                outputs = call(server.outputs, prepared, ticket)
-            with times.phase("respond"):
-                return INFER_REPLY.dump_json(outputs)
-
-        gone = threading.Event()  # the client left while its call was prepared: stop between images
-        watcher = asyncio.create_task(_watch_disconnect(request, gone))
-        try:
-            with server.scheduler.arrival():  # a batching engine waits for calls being prepared
-                prepared = await run_in_threadpool(prepare)
-                ticket = call(server.submit, prepared)
-        finally:
-            watcher.cancel()
-        with times.phase("engine"):
-            if ticket is not None:
-                try:
-                    await server.scheduler.wait_async(ticket, request.is_disconnected)
-                except (ValueError, RollmatchError) as exc:
-                    raise _http_error(exc) from exc
-        payload = await run_in_threadpool(respond, prepared, ticket)
-        version = ticket.versions[0] if ticket is not None else server.weight_version
+        call = InferCall(body, request.headers.get("content-type"), request.is_disconnected)
+        answer = await server.infer(call)
         headers = {
-            "X-Weight-Version": str(version),
-            SERVER_TIMING_HEADER: format_server_timing(times.seconds),
+            "X-Weight-Version": str(answer.weight_version),
+            SERVER_TIMING_HEADER: format_server_timing(answer.phase_seconds),
         }
-        return Response(payload, media_type="application/json", headers=headers)
+        return Response(answer.payload, media_type="application/json", headers=headers)
 
     async def sync_body(
         request: Request, model: type[ModelT], lease: str | None, *, leased: bool = True
@@ -189,17 +122,14 @@ def build_app(server: RolloutServer, *, api_key: str | None = None) -> FastAPI:
         """A weight-sync body: the lease checked first (nothing read without it), then the route's
         small body cap, then the body parsed off the event loop under the value cap."""
         if leased:
-            call(server.sync.check_lease, lease)
-        try:
-            raw = await read_body(
-                request, max_bytes=server.limits.max_sync_body_bytes, flag="--max-sync-body-bytes"
-            )
-        except (ValueError, RollmatchError) as exc:
-            raise _http_error(exc) from exc
+            server.check_lease(lease)
+        raw = await read_body(
+            request, max_bytes=server.limits.max_sync_body_bytes, flag="--max-sync-body-bytes"
+        )
         content_type = request.headers.get("content-type")
 
         def parse() -> ModelT:
-            call(server.limits.check_json_values, raw)
+            server.limits.check_json_values(raw)
             return parse_json_body(model, raw, content_type)
 
         return await run_in_threadpool(parse)
@@ -208,17 +138,17 @@ def build_app(server: RolloutServer, *, api_key: str | None = None) -> FastAPI:
     async def init_communicator(
         request: Request, sync_key: str | None = Header(None, alias=SYNC_KEY_HEADER)
     ) -> InitCommunicatorReply:
-        call(server.sync.check_sync_key, sync_key)  # from the head: no body read without the key
+        server.check_sync_key(sync_key)  # from the head: no body read without the key
         body = await sync_body(request, InitCommunicatorBody, None, leased=False)
         requester = request.client.host if request.client else "?"
-        return await run_in_threadpool(call, server.init_communicator, body, requester, sync_key)
+        return await run_in_threadpool(server.init_communicator, body, requester, sync_key)
 
     @app.post("/update_flattened_params/")
     async def update_flattened_params(
         request: Request, lease: str | None = Header(None, alias=LEASE_HEADER)
     ) -> dict[str, str]:
         body = await sync_body(request, UpdateFlattenedParamsBody, lease)
-        await run_in_threadpool(call, server.update_bucket, body, lease)
+        await run_in_threadpool(server.update_bucket, body, lease)
         return {"message": "receiving bucket"}
 
     @app.post("/update_adapter_flattened_param/")
@@ -226,7 +156,7 @@ def build_app(server: RolloutServer, *, api_key: str | None = None) -> FastAPI:
         request: Request, lease: str | None = Header(None, alias=LEASE_HEADER)
     ) -> dict[str, str]:
         body = await sync_body(request, UpdateAdapterBody, lease)
-        await run_in_threadpool(call, server.update_bucket, body, lease)
+        await run_in_threadpool(server.update_bucket, body, lease)
         return {"message": "receiving adapter bucket"}
 
     @app.post("/finish_weight_update/")
@@ -234,7 +164,7 @@ def build_app(server: RolloutServer, *, api_key: str | None = None) -> FastAPI:
         request: Request, lease: str | None = Header(None, alias=LEASE_HEADER)
     ) -> FinishUpdateReply:
         body = await sync_body(request, FinishUpdateBody, lease)
-        return await run_in_threadpool(call, server.finish_update, body, lease)
+        return await run_in_threadpool(server.finish_update, body, lease)
 
     @app.post("/reset_prefix_cache/")
     async def reset_prefix_cache(  # waits on the loop: no worker thread held
@@ -243,70 +173,24 @@ def build_app(server: RolloutServer, *, api_key: str | None = None) -> FastAPI:
     ) -> dict[str, str]:
         # A reset drains (or, past the drain timeout, aborts) every call: weight-sync rights, not
         # the API key alone (the lease of the current sync group, or the sync key when one is set).
-        call(server.sync.check_lease if lease is not None else server.sync.check_sync_key, lease or sync_key)
-        try:
-            await server.reset_prefix_cache()
-        except (ValueError, RollmatchError) as exc:
-            raise _http_error(exc) from exc
+        if lease is not None:
+            server.check_lease(lease)
+        else:
+            server.check_sync_key(sync_key)
+        await server.reset_prefix_cache()
         return {"message": "prefix cache reset"}
 
     @app.post("/close_communicator/")
     def close_communicator(lease: str | None = Header(None, alias=LEASE_HEADER)) -> dict[str, str]:
-        closed = call(server.close_communicator, lease)
+        closed = server.close_communicator(lease)
         return {"message": "communicator closed" if closed else "no communicator to close"}
 
     return app
 
 
-def parse_json_body(model: type[ModelT], raw: bytes, content_type: str | None) -> ModelT:
-    """``raw`` validated as ``model`` with the same rules as a declared FastAPI JSON body: a missing
-    or non-JSON content type, bad JSON (syntax, UTF-8, lone surrogates, nesting deeper than 200) or
-    a bad field is a ``RequestValidationError`` (a 422 naming it, never echoing the input)."""
-    media_type = (content_type or "").split(";", 1)[0].strip().lower()
-    if media_type != "application/json" and not media_type.endswith("+json"):
-        raise RequestValidationError(
-            [
-                {
-                    "type": "content_type",
-                    "loc": ("body",),
-                    "msg": f"send the body as JSON with `Content-Type: application/json` (got {media_type or 'none'!r})",
-                }
-            ]
-        )
-    with (
-        _collector_paused()
-    ):  # the errors too: their count is bounded (fail-fast lists, one for unknown keys)
-        try:
-            return model.model_validate_json(raw)  # one pass in pydantic's parser: no Python dict first
-        except ValidationError as exc:
-            errors = exc.errors(include_input=False, include_url=False)[:_MAX_ERRORS_KEPT]
-            more = exc.error_count() - len(errors)
-    shown = [{**e, "loc": ("body", *e["loc"])} for e in errors]
-    if more > 0:
-        shown.append({"type": "more_errors", "loc": ("body",), "msg": f"{more} more errors not shown"})
-    raise RequestValidationError(shown)
-
-
-async def _watch_disconnect(request: Request, gone: threading.Event) -> None:
-    """Set ``gone`` once the client disconnects (polled every quarter second until cancelled)."""
-    while not await request.is_disconnected():
-        await asyncio.sleep(_DISCONNECT_POLL_S)
-    gone.set()
-
-
-@contextmanager
-def _collector_paused() -> Iterator[None]:
-    """The cyclic garbage collector off while a body is parsed: the parser creates only acyclic
-    values, and with the collector on, every few hundred containers trigger a collection over all
-    of them (the parser holds the GIL throughout): 280k empty lists took 1.4-2.5 s instead of 0.1-0.16 s,
-    stalling ``/health/`` as long. Process-wide but brief; it is turned back on only if it was on."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
+async def _error_answer(request: Request, exc: Exception) -> Response:
+    """A ``ValueError`` or rollmatch error of any route, answered as :func:`_http_error` maps it."""
+    return await http_exception_handler(request, _http_error(exc))
 
 
 def _http_error(exc: Exception) -> HTTPException:

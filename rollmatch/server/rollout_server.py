@@ -1,40 +1,43 @@
-"""The rollout server's behaviour, HTTP-free: inference, weight loads, health, counters.
+"""The rollout server's behaviour behind its routes: the ``/infer/`` flow, weight loads, health, counters.
 
-Owns: :class:`RolloutServer`: request checks against the server's caps
-(:class:`~rollmatch.server.limits.ServerLimits`), stop strings, the weight version, health, and the
-glue between calls and weight syncs and the :class:`~rollmatch.server.scheduler.EngineScheduler`
-that runs them on the engine (continuous batching across calls, fair weight updates, a watchdog on
-every engine operation). A failed generation leaves the engine clean for the next request.
-Leaves out: HTTP (``server.app``), request preparation (``server.prompt_preparer``), the engine thread
-(``server.scheduler``) and the weight-sync group (``server.sync_session``).
+Owns: :class:`RolloutServer`: the ``/infer/`` flow end to end (:meth:`RolloutServer.infer`), the
+weight version, health, and the glue between calls and weight syncs and the
+:class:`~rollmatch.server.scheduler.EngineScheduler` that runs them on the engine (continuous batching
+across calls, fair weight updates, a watchdog on every engine operation). A failed generation leaves
+the engine clean for the next request. Leaves out: HTTP routes and error answers (``server.app``),
+a call's checks (``server.infer_checks``), its reply items (``server.infer_replies``), request
+preparation (``server.prompt_preparer``), the engine thread (``server.scheduler``) and the
+weight-sync group (``server.sync_session``).
 
-A call goes through three steps, so the HTTP layer can wait for the engine without holding a
-thread: :meth:`RolloutServer.prepare` (caps, ids, images: a worker thread), :meth:`RolloutServer.submit`
-(admission: 429 when the server holds too much), then :meth:`RolloutServer.outputs` once the ticket
-is done (``EngineScheduler.wait_async``).
+``/infer/`` (:meth:`RolloutServer.infer`) reads top-down: **receive** (the body under the in-flight
+body budget) -> **validate** (a worker thread: the raw bytes' caps, the JSON, then :meth:`prepare`:
+caps, prompt ids, images decoded) -> **admit** (:meth:`submit`: 429 when the server holds too much)
+-> **schedule** (wait for the engine on the event loop, no thread held, the call cancelled when its
+client leaves) -> **respond** (:meth:`outputs` serialised in a second worker-thread hop, with the
+weight version and the phase times).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from fastapi.concurrency import run_in_threadpool
+
+from rollmatch.config.decoding import Decoding
 from rollmatch.data.prompts import PROBE_IMAGE_SIZE, image_probe
 from rollmatch.detection.coord_tokens import supported_object_formats
 from rollmatch.errors import BackendError, ServerBusy, SyncError
 from rollmatch.protocol import (
-    SEED_MAX,
-    ChatChoice,
-    ChatCompletionResponse,
-    ChatMessage,
+    INFER_REPLY,
     FinishUpdateBody,
     FinishUpdateReply,
     ImageProbe,
     InferBody,
-    InferRequest,
     InitCommunicatorBody,
     InitCommunicatorReply,
     RequestConfig,
@@ -44,23 +47,43 @@ from rollmatch.protocol import (
     ServerStats,
     UpdateAdapterBody,
     UpdateFlattenedParamsBody,
-    Usage,
     decoding_from_request_config,
-    logprob_content,
 )
-from rollmatch.rollout.types import Decoding
-from rollmatch.server.bodies import BodyBudget
+from rollmatch.server.bodies import BodyBudget, BodyLease, parse_json_body
 from rollmatch.server.engine_watch import WEIGHT_LOAD, EngineWatch
-from rollmatch.server.engines import EngineOutput, ServerEngine, check_weight_coverage
+from rollmatch.server.engines import ServerEngine, check_weight_coverage
+from rollmatch.server.infer_checks import InferChecks, engine_failure
+from rollmatch.server.infer_replies import apply_stops, rollout_output
 from rollmatch.server.limits import RequestTooLarge, ServerLimits
 from rollmatch.server.media import PixelBudget, PixelLease, TensorBudget
-from rollmatch.server.prompt_preparer import PreparedPrompt, chat_messages, trim_at_stop_strings
+from rollmatch.server.prompt_preparer import PreparedPrompt
 from rollmatch.server.scheduler import CallTicket, EngineScheduler
 from rollmatch.server.sync_session import SyncSession
 from rollmatch.server.timing import PhaseTimes
 from rollmatch.sync.transaction import VerifiedUpdate
 
 log = logging.getLogger(__name__)
+_DISCONNECT_POLL_S = 0.25
+
+
+@dataclass(frozen=True)
+class InferCall:
+    """One ``/infer/`` call as the HTTP layer hands it over: how to read its body (into a lease of the
+    in-flight body budget, under the route's cap), its content type, and whether its client left."""
+
+    read_body: Callable[[BodyLease], Awaitable[bytes]]
+    content_type: str | None
+    is_disconnected: Callable[[], Awaitable[bool]]
+
+
+@dataclass(frozen=True)
+class InferAnswer:
+    """What ``/infer/`` answers: the reply items as JSON bytes, the weight version that produced them
+    (the oldest, when the ``keep`` update mode mixed two) and the seconds of each phase."""
+
+    payload: bytes
+    weight_version: int
+    phase_seconds: dict[str, float]
 
 
 @dataclass
@@ -79,7 +102,8 @@ class PreparedCall:
 
 
 class RolloutServer:
-    """The server's state; every public method is one endpoint's behaviour (HTTP-free, testable)."""
+    """The server's state; every public method is one endpoint's behaviour (no routes: testable without
+    HTTP; the ``/infer/`` flow takes its body and disconnect probe as callables)."""
 
     def __init__(
         self,
@@ -100,7 +124,8 @@ class RolloutServer:
         self._preparing_prompts = 0  # prompts of calls between their parse and their submission
         self.watch = EngineWatch(self.limits.engine_stall_timeout_s)
         engine.observe_progress(self.watch.progress)
-        self.scheduler = EngineScheduler(engine, self.watch, self.limits, on_failure=_engine_failure)
+        self.scheduler = EngineScheduler(engine, self.watch, self.limits, on_failure=engine_failure)
+        self.checks = InferChecks(engine, self.limits, self.pixels, self.tensors)
         self.sync = SyncSession(engine.world_size, "adapter" in engine.sync_modes, sync_key)
         self._counter_lock = threading.Lock()
         self.pushes_by_version: dict[int, int] = {}
@@ -143,6 +168,55 @@ class RolloutServer:
         )
 
     # ------------------------------------------------------------------------------- inference
+    async def infer(self, call: InferCall) -> InferAnswer:
+        """``POST /infer/``: receive -> validate -> admit -> schedule -> respond (module docstring).
+        Raises ``ValueError`` (4xx), ``RequestValidationError`` (422), ``ServerBusy`` (429) or a
+        ``BackendError`` (503); the body's bytes are given back to the budget once the call is prepared."""
+        times = PhaseTimes()
+        lease = self.bodies.lease()
+        held = [b""]  # the raw body, dropped once the call is prepared (the engine wait never holds it)
+        try:
+            with times.phase("receive"):
+                held[0] = await call.read_body(lease)
+        except BaseException:  # over a cap, a cancelled request: the budget is given back at once
+            lease.release()
+            raise
+
+        def validate() -> PreparedCall:  # worker-thread hop 1: parse and prepare (images decoded)
+            try:
+                with times.phase("parse"):
+                    raw, held[0] = held[0], b""
+                    self.check_body(raw)
+                    body = parse_json_body(InferBody, raw, call.content_type)
+                    del raw
+                with times.phase("prepare"):
+                    return self.prepare(body, times, gone.is_set)
+            finally:
+                held[0] = b""
+                lease.release()
+
+        gone = threading.Event()  # the client left while its call was prepared: stop between images
+        watcher = asyncio.create_task(_watch_disconnect(call.is_disconnected, gone))
+        try:
+            with self.scheduler.arrival():  # a batching engine waits for calls being prepared
+                prepared = await run_in_threadpool(validate)
+                ticket = self.submit(prepared)  # admission
+        finally:
+            watcher.cancel()
+        with times.phase("engine"):
+            if ticket is not None:
+                await self.scheduler.wait_async(ticket, call.is_disconnected)
+
+        def respond() -> bytes:  # worker-thread hop 2
+            with times.phase("outputs"):
+                outputs = self.outputs(prepared, ticket)
+            with times.phase("respond"):
+                return INFER_REPLY.dump_json(outputs)
+
+        payload = await run_in_threadpool(respond)
+        version = ticket.versions[0] if ticket is not None else self.weight_version
+        return InferAnswer(payload, version, times.seconds)
+
     def check_body(self, raw: bytes) -> None:
         """The checks of a raw ``/infer/`` body before it is parsed (``--max-json-values``,
         ``--max-requests-per-call``): a refusal is counted like any other."""
@@ -163,8 +237,11 @@ class RolloutServer:
         pixels: PixelLease | None = None
         try:
             with self._admission(len(body.infer_requests)):
-                config, prompts, pixels = self._checked(
-                    body, times if times is not None else PhaseTimes(), cancelled
+                config, prompts, pixels = self.checks.check(
+                    body,
+                    times if times is not None else PhaseTimes(),
+                    cancelled,
+                    preprocess=self.preprocess_in_prepare,
                 )
             if not prompts:
                 return PreparedCall(config, prompts, None, pixels)
@@ -240,115 +317,15 @@ class RolloutServer:
         engine_outputs = [o for o in ticket.outputs if o is not None]
         self._count(calls=1, requests=len(engine_outputs))
         if call.config.stop:
-            engine_outputs = [self._apply_stops(out, call.config.stop) for out in engine_outputs]
+            tokenizer = self.engine.preparer.tokenizer
+            engine_outputs = [apply_stops(out, call.config.stop, tokenizer) for out in engine_outputs]
         first, last = ticket.versions
         return [
-            _rollout_output(
+            rollout_output(
                 self.engine.model_dir, p, out, (first, last), call.config.return_details, call.config.logprobs
             )
             for p, out in zip(call.prompts, engine_outputs, strict=True)
         ]
-
-    def _checked(
-        self, body: InferBody, times: PhaseTimes, cancelled: Callable[[], bool] | None = None
-    ) -> tuple[RequestConfig, list[PreparedPrompt], PixelLease]:
-        """Caps and cross-field checks the wire models cannot know; then the call's images checked from
-        their headers and their pixels reserved before any is decoded (``server.media``); then the
-        prepared prompts."""
-        config = body.request_config or RequestConfig()
-        count = len(body.infer_requests)
-        if count > self.limits.max_requests_per_call:
-            raise RequestTooLarge(
-                "infer_requests",
-                f"infer_requests holds {count} requests, over this server's limit of "
-                f"{self.limits.max_requests_per_call} per call (rollmatch serve --max-requests-per-call); "
-                "split the call",
-            )
-        if config.max_tokens is not None and config.max_tokens > self.limits.max_tokens:
-            raise RequestTooLarge(
-                "request_config.max_tokens",
-                f"request_config.max_tokens = {config.max_tokens} is over this server's cap of "
-                f"{self.limits.max_tokens} new tokens (rollmatch serve --max-tokens)",
-                status=422,
-            )
-        if config.seed is not None and config.seed + max(count - 1, 0) > SEED_MAX:
-            raise ValueError(
-                f"request_config.seed = {config.seed}: request j samples with seed + j, which must stay within "
-                f"[0, 2**63 - 1] for all {count} requests; send a smaller seed"
-            )
-        vocab = self.engine.preparer.vocab_size
-        if config.top_k is not None and config.top_k > vocab:
-            raise ValueError(
-                f"request_config.top_k = {config.top_k} is larger than the vocabulary ({vocab}); send -1 to disable"
-            )
-        self._check_prompt_ids_fit(body.infer_requests)
-        preparer = self.engine.preparer
-        images = list(_image_sources(body.infer_requests, preparer.max_images))
-        encoded: dict[str, bytes] = {}  # base64 decoded once: for the header check, then for decoding
-        sizes: list[tuple[int, int]] = []
-        pixels = self.pixels.reserve_call(images, preparer.media, encoded, sizes)
-        try:
-            # What the processor makes of them, before any is decoded (released with the pixels).
-            pixels.linked.append(self.tensors.reserve(sum(preparer.tensor_bytes(w, h) for w, h in sizes)))
-            self._check_chat_lengths(
-                body.infer_requests, dict(zip((n for n, _ in images), sizes, strict=False))
-            )
-            prompts = [
-                preparer.prepare(r, i, times, encoded, cancelled) for i, r in enumerate(body.infer_requests)
-            ]
-            pixels.cover(sum(image.width * image.height for p in prompts for image in p.images))
-            if self.preprocess_in_prepare:
-                with times.phase("preprocess"):
-                    self._preprocess(prompts)
-        except BaseException:
-            pixels.release()
-            raise
-        return config, prompts, pixels
-
-    def _preprocess(self, prompts: list[PreparedPrompt]) -> None:
-        """The engine's image processing, here in the prepare hop so the engine thread only decodes;
-        what the engine refuses is the request's fault (400), anything else the engine's (503)."""
-        for prompt in prompts:
-            try:
-                self.engine.preprocess(prompt)
-            except BackendError:
-                raise
-            except Exception as exc:
-                raise _engine_failure(exc) from exc
-
-    def _check_chat_lengths(self, requests: list[InferRequest], sizes: dict[str, tuple[int, int]]) -> None:
-        """Refuse a call whose chat prompt leaves no room within ``max_model_len``, each prompt
-        tokenised in turn (its images counted from their header sizes) before any image is decoded."""
-        for index, request in enumerate(requests):
-            if request.prompt_token_ids:
-                continue
-            length = self.engine.preparer.chat_length(request, index, sizes)
-            if length >= self.engine.max_model_len:
-                raise ValueError(
-                    f"prompt too long: infer_requests[{index}].messages make a prompt of {length} tokens, which "
-                    f"leaves no room for new tokens within the server's max_model_len of "
-                    f"{self.engine.max_model_len}; shorten it or serve with a larger --max-model-len"
-                )
-
-    def _check_prompt_ids_fit(self, requests: list[InferRequest]) -> None:
-        """Refuse a call whose given prompt ids leave no room within ``max_model_len`` before any of
-        its images is decoded."""
-        longest = max((len(r.prompt_token_ids or ()) for r in requests), default=0)
-        if longest >= self.engine.max_model_len:
-            index = next(i for i, r in enumerate(requests) if len(r.prompt_token_ids or ()) == longest)
-            raise ValueError(
-                f"prompt too long: a prompt of {longest} tokens leaves no room for new tokens within the server's "
-                f"max_model_len of {self.engine.max_model_len} (infer_requests[{index}].prompt_token_ids); "
-                "shorten it or serve with a larger --max-model-len"
-            )
-
-    def _apply_stops(self, out: EngineOutput, stops: list[str]) -> EngineOutput:
-        trimmed = trim_at_stop_strings(out.token_ids, out.text, stops, self.engine.preparer.tokenizer)
-        if trimmed is None:
-            return out
-        kept = len(trimmed[0])  # the log-probs of the kept tokens; the stop string is no stop token
-        logprobs = None if out.logprobs is None else out.logprobs[:kept]
-        return EngineOutput(out.prompt_token_ids, trimmed[0], trimmed[1], "stop", logprobs)
 
     async def reset_prefix_cache(self) -> None:
         """Reset every engine cache once in-flight calls finished (new calls wait behind it); waits on
@@ -434,7 +411,28 @@ class RolloutServer:
         """Drop the group (the lease holder only); False when there was none to drop."""
         return self.sync.close(lease)
 
+    def check_lease(self, lease: str | None) -> None:
+        """Refuse (409) a weight-sync call without the current sync lease, before its body is read."""
+        self.sync.check_lease(lease)
+
+    def check_sync_key(self, sync_key: str | None) -> None:
+        """Refuse (403) a group formation without the server's sync key, when it has one."""
+        self.sync.check_sync_key(sync_key)
+
     # ----------------------------------------------------------------------------------- facts
+    def world_size(self) -> int:
+        """The engine's ranks: the weight-sync group holds them and the trainer."""
+        return self.engine.world_size
+
+    def engine_type(self) -> dict[str, object]:
+        """``/get_engine_type/`` in ms-swift's shape."""
+        return {
+            "engine_type": "LLMEngine",
+            "enable_multi_turn": False,
+            "use_gym_env": False,
+            "enable_lora": "adapter" in self.engine.sync_modes,
+        }
+
     def info(self) -> ServerInfo:
         engine = self.engine
         size = engine.preparer.processor.image_processor.size
@@ -475,83 +473,8 @@ class RolloutServer:
         self.engine.close()
 
 
-def _image_sources(requests: list[InferRequest], max_images: int) -> Iterator[tuple[str, str]]:
-    """``(field name, value)`` of every image the call's prompts use, as ``PromptPreparer.prepare``
-    takes them; a prompt over ``max_images`` is left out (prepare refuses it before decoding)."""
-    for index, request in enumerate(requests):
-        where = f"infer_requests[{index}]"
-        if request.prompt_token_ids:
-            sources = [(f"{where}.images[{i}]", value) for i, value in enumerate(request.images)]
-        else:
-            sources = chat_messages(request.messages, request.images, where)[1]
-        if len(sources) <= max_images:
-            yield from sources
-
-
-def _engine_failure(exc: Exception) -> Exception:
-    """What a failed generation reports: the engine refusing this request's values is the client's
-    problem (400); anything else is the engine's (503). Either way the engine was recovered."""
-    if isinstance(exc, ValueError | TypeError | OverflowError):
-        return ValueError(
-            f"the engine refused the request ({type(exc).__name__}: {exc}); nothing was generated"
-        )
-    if isinstance(exc, BackendError):
-        return exc
-    return BackendError(
-        f"generation failed ({type(exc).__name__}: {exc}); the engine was reset and keeps serving"
-    )
-
-
-def _rollout_output(
-    model: str,
-    prompt: PreparedPrompt,
-    out: EngineOutput,
-    versions: tuple[int, int],
-    details: bool,
-    logprobs: bool = False,
-) -> RolloutOutput:
-    """One reply item; ``weight_version`` is the oldest version that produced it (what freshness
-    gates use), ``weight_version_last`` the newest (they differ only in the ``keep`` update mode).
-    With ``logprobs`` the sampled tokens' log-probs (the stop token's last, when it stopped on one) go in
-    ``choice.logprobs`` (swift / OpenAI form) and ``rollout_logprobs``."""
-    first, last = versions
-    sampled, values = _sampled_logprobs(out) if logprobs else (None, None)
-    return RolloutOutput(
-        response=ChatCompletionResponse(
-            model=model,
-            choices=[
-                ChatChoice(
-                    index=0,
-                    message=ChatMessage(content=out.text),
-                    finish_reason=out.finish_reason,
-                    logprobs=None if sampled is None else logprob_content(sampled, values),
-                    token_ids=out.token_ids if details else None,
-                )
-            ],
-            usage=Usage(
-                prompt_tokens=len(out.prompt_token_ids),
-                completion_tokens=len(out.token_ids),
-                total_tokens=len(out.prompt_token_ids) + len(out.token_ids),
-            ),
-            prompt_token_ids=out.prompt_token_ids if details else None,
-        ),
-        response_token_ids=[out.token_ids] if details else [],
-        rollout_logprobs=[] if values is None else [values],
-        rollout_infos={"weight_version": first, "weight_version_last": last},
-        weight_version=first,
-        weight_version_last=last,
-        sample_id=prompt.sample_id,
-    )
-
-
-def _sampled_logprobs(out: EngineOutput) -> tuple[list[int], list[float]]:
-    """The sampled token ids and their log-probs: the response's, then the stop token's (not in the
-    stop-trimmed ``token_ids``)."""
-    if out.logprobs is None or len(out.logprobs) != len(out.token_ids):
-        raise BackendError(
-            f"the {type(out).__name__} of this engine carries no log-probs for its {len(out.token_ids)} tokens; "
-            "request_config.logprobs needs an engine that records them"
-        )
-    if out.stop_logprob is None or out.stop_token_id is None:
-        return list(out.token_ids), list(out.logprobs)
-    return [*out.token_ids, out.stop_token_id], [*out.logprobs, out.stop_logprob]
+async def _watch_disconnect(is_disconnected: Callable[[], Awaitable[bool]], gone: threading.Event) -> None:
+    """Set ``gone`` once the client disconnects (polled every quarter second until cancelled)."""
+    while not await is_disconnected():
+        await asyncio.sleep(_DISCONNECT_POLL_S)
+    gone.set()

@@ -7,7 +7,8 @@ computed before sending. The receiver (:class:`UpdateReceiver`) stages incoming 
 finish verifies that it got exactly those bytes; only a verified update is handed to the engine,
 so a failed update leaves the receiver serving its previous version. The sender verifies the
 receiver's reported checksum and version in turn.
-Leaves out: which tensors to send (``sync.weights``), HTTP (``rollout.client`` / ``server.app``).
+Leaves out: which tensors to send (``sync.weights``), HTTP (``rollout.weight_push`` / ``server.app``),
+and which servers a failed push drops (``rollout.weight_push``, from the :class:`ServerPushFailed` it raises).
 
 Checksums (``sync.digest``): per bucket, an HMAC-SHA256 tree over its layout and exactly the
 transmitted bytes (padding included), keyed with the digest key the server handed out with the
@@ -20,14 +21,15 @@ overlapping the next bucket's transfer.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
-from rollmatch.errors import SyncError
+from rollmatch.errors import PushPhase, RollmatchError, ServerPushFailed, SyncError
 from rollmatch.protocol import (
     FinishUpdateBody,
     FinishUpdateReply,
@@ -86,8 +88,9 @@ def push_update(
 
     ``digest_key``: the key every target's group was initialised with (``sync.digest``).
 
-    Raises :class:`~rollmatch.errors.SyncError` naming the receiver on any rejection or checksum
-    disagreement; receivers keep their previous version in that case.
+    Raises :class:`~rollmatch.errors.ServerPushFailed` (a ``SyncError``) carrying the receiver's URL and
+    the phase for whatever failed at one receiver (a rejection, a checksum disagreement, a call or a
+    transfer that failed); receivers keep their previous version in that case.
     """
     start = time.perf_counter()
     checksums: list[str] = []
@@ -95,9 +98,10 @@ def push_update(
     in_flight: tuple[int, Bucket, list[PendingTransfer]] | None = None  # double buffering
     for index, bucket in enumerate(flatten_buckets(named_tensors, bucket_bytes)):
         header = TransactionHeader(version=version, mode=mode, bucket_index=index, num_bytes=bucket.num_bytes)
-        pending = [
-            _send_bucket(channel, transport, bucket, header, adapter) for channel, transport in targets
-        ]
+        pending = []
+        for channel, transport in targets:
+            with _at(channel, "announce"):
+                pending.append(_send_bucket(channel, transport, bucket, header, adapter))
         checksums.append(bucket_checksum(digest_key, bucket.metas, bucket.flat))  # overlaps the transfer
         if in_flight is not None:
             _wait_sent(targets, *in_flight, version)
@@ -113,7 +117,10 @@ def push_update(
         bucket_checksums=checksums,
         checksum=combine_checksums(digest_key, version, mode, checksums),
     )
-    replies = [_finish(channel, finish) for channel, _ in targets]
+    replies = []
+    for channel, _ in targets:
+        with _at(channel, "finish"):
+            replies.append(_finish(channel, finish))
     return PushResult(version, num_bytes, num_tensors, finish.checksum, time.perf_counter() - start, replies)
 
 
@@ -126,7 +133,20 @@ def _wait_sent(
 ) -> None:
     del bucket  # held by the caller until here: its buffer must outlive the transfer
     for (channel, _), transfer in zip(targets, pending, strict=True):
-        transfer.wait(f"bucket {index} of version {version} to {channel.url}")
+        with _at(channel, "transfer"):
+            transfer.wait(f"bucket {index} of version {version} to {channel.url}")
+
+
+@contextmanager
+def _at(channel: ControlChannel, phase: PushPhase) -> Iterator[None]:
+    """A failure of the block, a receiver's, raised as :class:`ServerPushFailed` naming it: the pusher's
+    failover drops exactly that server. Errors that are not rollmatch's (a bug, a local fault) pass."""
+    try:
+        yield
+    except ServerPushFailed:
+        raise
+    except RollmatchError as exc:
+        raise ServerPushFailed(channel.url, phase, exc) from exc
 
 
 def _send_bucket(

@@ -21,7 +21,7 @@ from pathlib import Path
 
 
 def inject(fault: str) -> None:
-    from rollmatch.rollout import client
+    from rollmatch.rollout import weight_push
     from rollmatch.rollout.connection import ServerConnection
 
     if fault == "dns":
@@ -29,7 +29,7 @@ def inject(fault: str) -> None:
         def unresolvable(host: str) -> str:
             raise socket.gaierror(socket.EAI_NONAME, f"Name or service not known: {host} (injected)")
 
-        client.socket.gethostbyname = unresolvable  # type: ignore[attr-defined]
+        weight_push.socket.gethostbyname = unresolvable  # type: ignore[attr-defined]
     elif fault == "answer":
         real_get = ServerConnection.get
 

@@ -226,13 +226,13 @@ def test_a_server_an_actor_found_down_is_left_out_of_the_next_push_and_readmitte
     backend = connect_backend(cfg, prompt_encoder, model)
     actor = ActorRolloutClient(backend)  # built as the async variant builds each rank's actor client
     attempts: list[list[str]] = []
-    push_to = backend._push_to
+    push_to = backend.pusher._push_to
 
     def recorded_push_to(model: Any, version: int, targets: list[Any]) -> Any:
         attempts.append([c.url for c in targets])
         return push_to(model, version, targets)
 
-    monkeypatch.setattr(backend, "_push_to", recorded_push_to)
+    monkeypatch.setattr(backend.pusher, "_push_to", recorded_push_to)
     requests = raccoon_requests[:3]
     try:
         assert backend.sync_weights(model, 1).servers == (first.url, second.url)

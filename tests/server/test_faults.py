@@ -166,7 +166,9 @@ def test_a_request_that_fails_inside_vllm_leaves_the_engine_clean(
             **{**RequestConfig().model_dump(), "seed": 2**64, "temperature": 1.0, "max_tokens": 4}
         )
         with monkeypatch.context() as patch:
-            patch.setattr(server, "_checked", lambda body, times, cancelled=None: (unchecked, prompts, None))
+            patch.setattr(
+                server.checks, "check", lambda body, times, cancelled=None, **_: (unchecked, prompts, None)
+            )
             with pytest.raises(ValueError, match=r"the engine refused the request .*Overflow"):
                 infer_in_process(server, good)
         done: dict[str, Any] = {}
@@ -231,7 +233,7 @@ def test_sync_needs_the_token_and_the_lease_and_keeps_the_version_when_refused(
     other = connect_backend(cfg, prompt_encoder, model)
     other.sync_weights(model, 3)  # a restarted trainer takes the group over...
     with pytest.raises(SyncError, match="sync lease"):
-        trainer._push_mode(
+        trainer.pusher._push_mode(
             model, 4, "full", trainer.connections
         )  # ...and the previous holder is refused with the reason
     assert server.get("/stats/", api_key="k3y")["weight_version"] == 3

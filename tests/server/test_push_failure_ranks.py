@@ -54,7 +54,7 @@ def test_a_push_that_fails_on_rank_0_for_any_reason_fails_every_rank_with_the_ca
     output = (run.stdout + run.stderr)[-4000:]
     outcomes = {rank: json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)}
     # rank 0 raises the cause, attributed to the server whose group it could not form
-    assert outcomes[0]["outcome"].startswith(f"ServerSyncFailure: rollout server {hf_sync_server.url}: "), (
+    assert outcomes[0]["outcome"].startswith(f"ServerPushFailed: rollout server {hf_sync_server.url}: "), (
         outcomes,
         output,
     )

@@ -162,7 +162,7 @@ def test_adapter_sync_falls_back_to_full_once_or_fails_fast(
         resolve_run_on_this_machine(lenient), collectives=LocalCollectives(), **kwargs
     )
     version = hf_sync_server.get("/info/")["weight_version"] + 1
-    with caplog.at_level("WARNING", logger="rollmatch.rollout.client"):
+    with caplog.at_level("WARNING", logger="rollmatch.rollout.weight_push"):
         report = backend.sync_weights(model, version)
         backend.sync_weights(model, version + 1)
     assert report.mode == "full" and backend.sync_mode == "full"

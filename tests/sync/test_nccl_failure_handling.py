@@ -65,9 +65,9 @@ def test_the_client_aborts_the_groups_of_a_failed_push() -> None:
         collectives=LocalCollectives(),
         tokenizer=None,
     )
-    backend._transports = [Transport()]  # type: ignore[list-item]
-    backend._groups_failed = True  # what a push that raised leaves behind
-    backend._close_groups(notify=False)
-    backend._transports = [Transport()]  # type: ignore[list-item]
-    backend._close_groups(notify=False)  # the next groups closed normally
+    backend.pusher._transports = [Transport()]  # type: ignore[list-item]
+    backend.pusher._groups_failed = True  # what a push that raised leaves behind
+    backend.pusher._close_groups(notify=False)
+    backend.pusher._transports = [Transport()]  # type: ignore[list-item]
+    backend.pusher._close_groups(notify=False)  # the next groups closed normally
     assert closed == [True, False]

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import torch
 
-from rollmatch.errors import SyncError
+from rollmatch.errors import BackendError, ServerPushFailed, SyncError
 from rollmatch.protocol import (
     FinishUpdateBody,
     FinishUpdateReply,
@@ -150,6 +150,41 @@ def test_every_receiver_gets_the_same_update() -> None:
     targets = list(zip(channels, [trainer_a, trainer_b], strict=True))
     push_update(targets, _tensors(), version=2, mode="full", digest_key=KEY)
     assert channels[0].applied[0].reply.checksum == channels[1].applied[0].reply.checksum
+
+
+def test_a_receivers_failure_names_that_receiver_and_the_phase() -> None:
+    """Two receivers; the second's transfer is corrupted (its finish is refused) or its announcement
+    fails: the error is a ``ServerPushFailed`` carrying the second's URL and the phase, whatever URLs
+    its text quotes."""
+    (trainer_a, receiver_a), (trainer_b, receiver_b) = _pair(), _pair()
+    first, second = DirectChannel(receiver_a), DirectChannel(receiver_b)
+    first.url, second.url = "http://first:1", "http://second:2"
+    corrupting = CorruptingTransport(trainer_b, corrupt_call=0)
+    with pytest.raises(ServerPushFailed) as refused:
+        push_update(
+            [(first, trainer_a), (second, corrupting)], _tensors(), version=1, mode="full", digest_key=KEY
+        )
+    assert (refused.value.url, refused.value.phase, refused.value.refused) == (
+        "http://second:2",
+        "finish",
+        True,
+    )
+    assert str(refused.value).startswith(
+        "rollout server http://second:2: finishing the weight version failed: "
+    )
+
+    class FailingChannel(DirectChannel):
+        def post(self, path: str, body: WireModel | None, phase: str) -> dict[str, Any]:
+            raise BackendError(f"{phase}: upstream http://first:1 did not answer (injected)")
+
+    failing = FailingChannel(_pair()[1])
+    failing.url = "http://second:2"
+    with pytest.raises(ServerPushFailed) as down:
+        push_update(
+            [(first, trainer_a), (failing, trainer_b)], _tensors(), version=2, mode="full", digest_key=KEY
+        )
+    assert (down.value.url, down.value.phase, down.value.refused) == ("http://second:2", "announce", False)
+    assert isinstance(down.value.cause, BackendError) and down.value.__cause__ is down.value.cause
 
 
 def test_receiver_rejects_out_of_order_buckets_and_unmatched_finish() -> None:
