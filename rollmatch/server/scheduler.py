@@ -186,7 +186,12 @@ class EngineScheduler:
         (never waits forever) and raises the call's error. ``gone`` (the
         client disconnected?) is polled every quarter second; once true the call is cancelled
         (:meth:`cancel`) and this raises its error."""
-        await self._await_done(ticket, gone, lambda: self.cancel(ticket, "the client disconnected"))
+        try:
+            await self._await_done(ticket, gone, lambda: self.cancel(ticket, "the client disconnected"))
+        except BackendError as exc:  # the engine stalled: this call is answered 503 now, so it must not
+            # stay queued (holding its prompts in --max-queued-prompts) nor run once the engine recovers
+            self.cancel(ticket, f"its waiter gave up ({exc})")
+            raise
         if not ticket.done.is_set():  # cancelled: the engine thread aborts it at its next step
             raise BackendError("call cancelled: the client disconnected; nothing of it is answered")
         return self._result(ticket)
