@@ -1,12 +1,17 @@
 """Weight-sync and rollout-server benchmark. Prints ONE JSON object.
 
 1. ``transaction_over_raw_broadcast``: seconds per MB of a full weight update through the
-   transaction (announce -> buckets -> finish with per-bucket checksums verified by the receiver)
-   divided by a raw broadcast of the same buckets over the same gloo group (target <= 1.25). The
-   receiver is a separate process (rank 0 of a private TCPStore + gloo group, trainer = rank 1);
-   its control messages travel over a pipe, so the number isolates the transaction's own cost.
-   Both sides flatten the same synthetic tensors into the same buckets; best of ``--repeats``
-   interleaved rounds per path (and the median per-round ratio).
+   transaction (announce -> buckets -> finish with per-bucket keyed checksums verified by the
+   receiver) divided by a raw broadcast of the same buckets over the same gloo group (target
+   <= 1.25). The receiver is a separate process (rank 0 of a private TCPStore + gloo group,
+   trainer = rank 1); its control messages travel over a pipe, so the number isolates the
+   transaction's own cost. Every path flattens the same synthetic tensors into the same buckets;
+   each round runs every path once, in an order rotated each round (round 0 warms up). Reported:
+   best round per path (``transaction_over_raw_broadcast``), the per-round ratio's median, min and
+   max (``..._rounds``), the same against the buckets broadcast in digest-leaf pieces as the
+   transaction sends them (``transaction_over_raw_leaf_broadcasts``: the digest and control
+   messages alone), one side's digest of the whole payload with no transfer beside it
+   (``one_side_digest_seconds_per_mb``) and the 1-minute load average before and after.
 2. ``server_full_sync_seconds_per_mb``: end to end against a real ``rollmatch serve`` process
    (HTTP, gloo, checksums and loading into the engine) for the tiny model; informational.
 3. ``infer_http_over_inprocess``: one batch of rollouts (``--requests``, default 8) through
@@ -50,6 +55,7 @@ from transformers import AutoModelForImageTextToText
 import rollmatch  # noqa: F401  (environment workarounds before transformers loads)
 from rollmatch.config.resolved import resolve_run_on_this_machine
 from rollmatch.protocol import FinishUpdateBody, UpdateFlattenedParamsBody, WireModel
+from rollmatch.sync.digest import bucket_checksum, leaf_spans
 from rollmatch.sync.transaction import UpdateReceiver, push_update
 from rollmatch.sync.transport import GroupTransport
 from rollmatch.sync.weights import flatten_buckets
@@ -85,15 +91,23 @@ def _synthetic_weights(payload_mb: int) -> list[tuple[str, torch.Tensor]]:
     return named
 
 
+def _pieces(flat: torch.Tensor, kind: str) -> list[torch.Tensor]:
+    """A bucket's broadcasts in a raw round: the whole bucket, or one per digest leaf (as the
+    transaction sends it)."""
+    if kind == "raw":
+        return [flat]
+    return [flat[a:b] for a, b in leaf_spans(int(flat.numel()))]
+
+
 def _receiver_main(port: int, conn: Connection) -> None:
     """Rank 0 of the group: answers raw receives and transaction messages sent over the pipe."""
     transport = GroupTransport(host="127.0.0.1", port=port, rank=0, world_size=2, timeout_s=120)
     receiver = UpdateReceiver(transport, source_rank=1, digest_key=DIGEST_KEY)
     while True:
         kind, payload = conn.recv()
-        if kind == "raw":
+        if kind in ("raw", "raw_leaves"):
             buffers = [torch.empty(n, dtype=torch.uint8) for n in payload]
-            transfers = [transport.broadcast_async(b, src=1) for b in buffers]
+            transfers = [transport.broadcast_async(p, src=1) for b in buffers for p in _pieces(b, kind)]
             for transfer in transfers:
                 transfer.wait("raw receive")
             conn.send({})
@@ -124,7 +138,8 @@ class PipeChannel:
 
 def bench_transaction(payload_mb: int, bucket_mb: int, repeats: int) -> dict[str, Any]:
     named = _synthetic_weights(payload_mb)
-    sizes = [b.num_bytes for b in flatten_buckets(named, bucket_mb * MB)]
+    buckets = list(flatten_buckets(named, bucket_mb * MB))  # for the sizes and the digest-alone timing
+    sizes = [b.num_bytes for b in buckets]
     total_mb = sum(sizes) / MB
     port = free_port()
     parent, child = mp.get_context("spawn").Pipe()
@@ -132,44 +147,78 @@ def bench_transaction(payload_mb: int, bucket_mb: int, repeats: int) -> dict[str
     process.start()
     transport = GroupTransport(host="127.0.0.1", port=port, rank=1, world_size=2, timeout_s=120)
     channel = PipeChannel(parent)
-    raw_s, txn_s = [], []
-    for round_ in range(repeats + 1):  # round 0 warms both paths up
-        start = time.perf_counter()
-        parent.send(("raw", sizes))
-        transfers = [transport.broadcast_async(b.flat, src=1) for b in flatten_buckets(named, bucket_mb * MB)]
+    load_before = os.getloadavg()
+
+    def raw(kind: str) -> None:
+        """The same buckets (flattened here, as the transaction does), whole or as digest-leaf pieces."""
+        parent.send((kind, sizes))
+        transfers = [
+            transport.broadcast_async(piece, src=1)
+            for b in flatten_buckets(named, bucket_mb * MB)
+            for piece in _pieces(b.flat, kind)
+        ]
         for transfer in transfers:
-            transfer.wait("raw send")
+            transfer.wait(f"{kind} send")
         parent.recv()
-        raw = time.perf_counter() - start
-        start = time.perf_counter()
+
+    def transaction(version: int) -> None:
         push_update(
             [(channel, transport)],
             named,
-            version=round_,
+            version=version,
             mode="full",
             digest_key=DIGEST_KEY,
             bucket_bytes=bucket_mb * MB,
         )
-        txn = time.perf_counter() - start
-        if round_:
-            raw_s.append(raw)
-            txn_s.append(txn)
+
+    seconds: dict[str, list[float]] = {"raw": [], "raw_leaves": [], "transaction": []}
+    for round_ in range(repeats + 1):  # round 0 warms every path up
+        steps = [
+            ("raw", lambda: raw("raw")),
+            ("raw_leaves", lambda: raw("raw_leaves")),
+            ("transaction", functools.partial(transaction, round_)),
+        ]
+        shift = round_ % len(steps)  # rotated: no path always runs right after another
+        for name, step in steps[shift:] + steps[:shift]:
+            start = time.perf_counter()
+            step()
+            if round_:
+                seconds[name].append(time.perf_counter() - start)
     parent.send(("stop", None))
     process.join(timeout=60)
     transport.close()
+    digest_s = []  # one side's digest alone (this process, its pool), no transfer beside it
+    for _ in range(3):
+        start = time.perf_counter()
+        for bucket in buckets:
+            bucket_checksum(DIGEST_KEY, bucket.metas, bucket.flat)
+        digest_s.append(time.perf_counter() - start)
+    txn = seconds["transaction"]
     # Best-of-N per path: other processes on the machine only ever add time, so minima are the least
-    # disturbed estimates; the median of per-round ratios is reported beside it.
-    raw, txn = min(raw_s), min(txn_s)
+    # disturbed estimates; per-round ratios (paired: same round, adjacent in time) give median and spread.
     return {
-        "transaction_over_raw_broadcast": round(txn / raw, 3),
+        "transaction_over_raw_broadcast": round(min(txn) / min(seconds["raw"]), 3),
         "transaction_over_raw_broadcast_median_round": round(
-            statistics.median(t / r for t, r in zip(txn_s, raw_s, strict=True)), 3
+            statistics.median(t / r for t, r in zip(txn, seconds["raw"], strict=True)), 3
         ),
-        "raw_broadcast_seconds_per_mb": round(raw / total_mb, 6),
-        "transaction_seconds_per_mb": round(txn / total_mb, 6),
+        "transaction_over_raw_broadcast_rounds": _spread(
+            [t / r for t, r in zip(txn, seconds["raw"], strict=True)]
+        ),
+        # Against the same bytes sent the way the transaction sends them (one broadcast per digest
+        # leaf): what the digest and the control messages alone add.
+        "transaction_over_raw_leaf_broadcasts": round(min(txn) / min(seconds["raw_leaves"]), 3),
+        "transaction_over_raw_leaf_broadcasts_rounds": _spread(
+            [t / r for t, r in zip(txn, seconds["raw_leaves"], strict=True)]
+        ),
+        "raw_broadcast_seconds_per_mb": round(min(seconds["raw"]) / total_mb, 6),
+        "raw_leaf_broadcasts_seconds_per_mb": round(min(seconds["raw_leaves"]) / total_mb, 6),
+        "transaction_seconds_per_mb": round(min(txn) / total_mb, 6),
+        "one_side_digest_seconds_per_mb": round(min(digest_s) / total_mb, 6),
         "payload_mb": round(total_mb, 1),
         "bucket_mb": bucket_mb,
         "num_buckets": len(sizes),
+        "timed_rounds": repeats,
+        "load_average_1m": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
     }
 
 

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-PROTOCOL_VERSION = 2  # 2: keyed weight digests (the key comes with the sync lease)
+PROTOCOL_VERSION = 3  # 2: keyed weight digests (the key comes with the sync lease); 3: keyed BLAKE3
 
 
 class ImageProbe(BaseModel):

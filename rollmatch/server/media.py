@@ -44,7 +44,7 @@ import threading
 import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
@@ -74,13 +74,18 @@ class MediaPolicy:
     allowed_root: Path | None = None
     max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
+    # The root as given (absolute, normalised without touching the file system) and resolved: a client
+    # path must name a file under one of them before anything on disk is looked at.
+    lexical_roots: tuple[Path, ...] = field(default=(), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.allowed_root is not None:
             root = Path(self.allowed_root).resolve()
             if not root.is_dir():
                 raise ValueError(f"--allowed-local-media-path {self.allowed_root}: not a directory")
+            given = Path(os.path.abspath(self.allowed_root))
             object.__setattr__(self, "allowed_root", root)
+            object.__setattr__(self, "lexical_roots", (root,) if given == root else (root, given))
 
 
 def image_size(
@@ -283,7 +288,9 @@ def _open_local(value: str, policy: MediaPolicy, where: str) -> int | None:
     ``None`` (then it must be base64) for anything else and on any ``OSError``; a file over
     ``max_file_bytes`` is a :class:`RequestTooLarge`.
 
-    Nothing outside the root is opened: the path is resolved first. The resolved path is opened
+    Nothing outside the root is opened, nor looked up: a path not named under the root (as given or
+    resolved; ``..`` removed as text) is refused before any file-system call, then the path is
+    resolved and checked again (a symlink inside the root may lead out). The resolved path is opened
     (last component not followed), then the opened file itself is checked, so a component swapped
     for a symlink in between is caught.
     """
@@ -291,7 +298,11 @@ def _open_local(value: str, policy: MediaPolicy, where: str) -> int | None:
     if root is None or len(value) > _MAX_PATH_CHARS or "\x00" in value:
         return None
     try:
-        resolved = os.path.realpath(value.removeprefix("file://"))
+        path = value.removeprefix("file://")
+        named = os.path.abspath(path)  # text only: ".." removed, nothing looked up
+        if not any(Path(named).is_relative_to(lexical) for lexical in policy.lexical_roots):
+            return None  # not even named under the root: no file-system lookup for it
+        resolved = os.path.realpath(path)
         if not Path(resolved).is_relative_to(root):
             return None
         fd = os.open(resolved, _OPEN_FLAGS)

@@ -103,6 +103,7 @@ class EngineScheduler:
         self._outstanding_prompts = 0
         self._outstanding_tokens = 0
         self._caches_stale = False  # ``keep`` mode: reset once the kept sequences finish
+        self._kept_load_label = "the weight load"  # the load whose cache reset is pending (``keep``)
         self._caches_dirty = False  # generated or loaded since the last cache reset
         self._broken: str | None = None  # weights unknown after a failed load: nothing is served
         self._cancelled: list[tuple[CallTicket, str]] = []  # running calls to abort on the engine thread
@@ -186,7 +187,12 @@ class EngineScheduler:
         (never waits forever) and raises the call's error. ``gone`` (the
         client disconnected?) is polled every quarter second; once true the call is cancelled
         (:meth:`cancel`) and this raises its error."""
-        await self._await_done(ticket, gone, lambda: self.cancel(ticket, "the client disconnected"))
+        try:
+            await self._await_done(ticket, gone, lambda: self.cancel(ticket, "the client disconnected"))
+        except BackendError as exc:  # the engine stalled: this call is answered 503 now, so it must not
+            # stay queued (holding its prompts in --max-queued-prompts) nor run once the engine recovers
+            self.cancel(ticket, f"its waiter gave up ({exc})")
+            raise
         if not ticket.done.is_set():  # cancelled: the engine thread aborts it at its next step
             raise BackendError("call cancelled: the client disconnected; nothing of it is answered")
         return self._result(ticket)
@@ -335,7 +341,7 @@ class EngineScheduler:
                 if operation is not None:
                     self._serve_operation(operation)
                 elif self._caches_stale and not self._running:
-                    self._reset_caches()
+                    self._reset_kept_caches()
                 else:
                     if not self._caches_stale:
                         self._admit_pending()
@@ -364,6 +370,7 @@ class EngineScheduler:
             if operation.is_load:
                 loaded = True
                 self._caches_stale = self._caches_dirty = True
+                self._kept_load_label = operation.label
                 if not keep:
                     self._reset_caches()
                 self._broken = None  # a complete load: the weights are known again
@@ -441,6 +448,16 @@ class EngineScheduler:
         with self.watch.operation(CACHE_RESET):
             self.engine.reset_caches()
         self._caches_stale = self._caches_dirty = False
+
+    def _reset_kept_caches(self) -> None:
+        """The reset a ``keep``-mode load left for when its kept calls finished. A failure is the one a
+        reset right after the load would have been: the server is broken until the next complete load
+        (which resets again), not stopped for good."""
+        try:
+            self._reset_caches()
+        except Exception as exc:  # the engine's own error, whatever its type: named in the reason
+            self._caches_stale = False  # not retried in a loop: the next load resets the caches
+            self._break(_broken_reason(self._kept_load_label, exc, loaded=True))
 
     def _admit_pending(self) -> None:
         window = self.engine.join_window_s

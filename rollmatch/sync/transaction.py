@@ -10,12 +10,11 @@ receiver's reported checksum and version in turn.
 Leaves out: which tensors to send (``sync.weights``), HTTP (``rollout.weight_push`` / ``server.app``),
 and which servers a failed push drops (``rollout.weight_push``, from the :class:`ServerPushFailed` it raises).
 
-Checksums (``sync.digest``): per bucket, an HMAC-SHA256 tree over its layout and exactly the
-transmitted bytes (padding included), keyed with the digest key the server handed out with the
-sync lease; the update checksum is a keyed MAC over the version, the mode and the bucket checksums.
+Checksums (``sync.digest``): per bucket, a keyed BLAKE3 tree over its layout and exactly the
+transmitted bytes (padding included), keyed with the digest key that came with the sync lease; the update checksum is a keyed MAC over the version, the mode and the bucket checksums.
 Without the key no changed, missing, extra or moved byte passes. The sender digests each bucket
-while it is in flight; the receiver digests each bucket in a background thread as soon as it lands,
-overlapping the next bucket's transfer.
+while it is in flight; the receiver digests each leaf of a bucket in a background thread as soon as
+it lands, overlapping the next leaf's transfer.
 """
 
 from __future__ import annotations
