@@ -12,7 +12,7 @@ import itertools
 import math
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 
 class Section(BaseModel):
@@ -390,6 +390,14 @@ class RolloutMatchingConfig(Section):
         ge=1,
         description="K: rollouts sampled per record, each with its own target (and, with `loss.objective: grpo`, the group its advantages are normalised in). K > 1 needs sampling decoding (`decoding.temperature` > 0); request `k` of record `i` in a call samples with seed `call seed + i * K + k`. Step mode: `stage2_ab.channel_b.rollouts_per_step` counts rollouts (records per step = rollouts_per_step / K).",
     )
+    decode_batch_size: int | None = Field(
+        None,
+        gt=0,
+        description="Records per rollout call (each brings `rollouts_per_record` requests), for every trainer "
+        "variant and backend (the HF backend generates this many at once). null: a micro-batch's records in one "
+        "call under `rollout_matching_sft`, 2 under `stage2_ab_training` (whose Channel-B calls do not follow the "
+        "micro-batches). Replaces `stage2_ab.channel_b.rollout_decode_batch_size` (still read, with a warning).",
+    )
     vllm: VllmConfig = Field(default_factory=VllmConfig)
     offload: OffloadConfig = Field(default_factory=OffloadConfig)
 
@@ -464,9 +472,6 @@ class ChannelBConfig(Section):
         gt=0,
         description="step mode: raw rollouts per optimizer step, a multiple of `rollouts_per_record` K (default bs * world * GAS * K: bs * world * GAS records).",
     )
-    rollout_decode_batch_size: int = Field(
-        2, gt=0, description="Records per rollout call (each brings `rollouts_per_record` requests)."
-    )
     enable_pipeline: bool = Field(
         False, description="step mode: overlap rollouts and learning (server mode only)."
     )
@@ -537,7 +542,8 @@ class TrainingConfig(Section):
     save_steps: int = Field(500, gt=0, description="Checkpoint every N optimizer steps.")
     save_total_limit: int | None = Field(2, gt=0, description="Keep at most N checkpoints (null: all).")
     report_to: list[str] = Field(
-        default_factory=lambda: ["tensorboard"], description="HF logging integrations; [] for none."
+        default_factory=lambda: ["tensorboard"],
+        description="HF logging integrations, a list or one name as HF takes it (`wandb`); [] or `none` for none.",
     )
     mixed_precision: Literal["no", "bf16", "fp16"] = Field(
         "no",
@@ -603,6 +609,14 @@ class TrainingConfig(Section):
         "true}. Checked at load against the installed transformers (unknown names, types, its own rules); "
         "fields set by a typed key or by the trainer are refused with the reason (docs/runbook.md).",
     )
+
+    @field_validator("report_to", mode="before")
+    @classmethod
+    def _one_integration_as_a_list(cls, value: Any) -> Any:
+        """HF takes one name as a string (`report_to: wandb`); `none` is HF's spelling of []."""
+        if isinstance(value, str):
+            return [] if value == "none" else [value]
+        return value
 
     def gradient_accumulation(self, world_size: int) -> int:
         """GAS in force: derived from ``effective_batch_size`` when set (a ceiling)."""
@@ -841,6 +855,17 @@ class RollmatchConfig(Section):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     preflight: PreflightConfig = Field(default_factory=PreflightConfig)
     launch: LaunchSettings = Field(default_factory=LaunchSettings)
+
+    # How the loader saw the file (config.spelling.Spelling): messages name keys as the user wrote them.
+    _spelling: Any = PrivateAttr(default=None)
+
+    def __eq__(self, other: object) -> bool:
+        """Equal keys and values; how a file spelled them (``_spelling``) is not part of the config."""
+        if not isinstance(other, RollmatchConfig):
+            return NotImplemented
+        return self.__dict__ == other.__dict__
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, like every pydantic model
 
     @property
     def rollout(self) -> RolloutMatchingConfig:
