@@ -462,7 +462,7 @@ def test_defaults_run_without_extends_on_one_gpu() -> None:
 
     assert check_runtime(load_config_dict({}), world_size=1, device_count=1, device_type="cuda") == []
     base = yaml.safe_load((Path(__file__).resolve().parents[2] / "configs" / "base.yaml").read_text())
-    engine = base["custom"]["extra"]["rollout_matching"]["vllm"]
+    engine = base["rollout"]["vllm"]  # the short form of custom.extra.rollout_matching
     defaults = load_config_dict({}).rollout.vllm.model_dump()
     assert {k: v for k, v in engine.items() if not isinstance(v, dict)} == {
         k: defaults[k] for k in engine if not isinstance(engine[k], dict)
