@@ -148,16 +148,16 @@ def parse_devices(text: str) -> tuple[int, ...]:
     return devices
 
 
-def tensor_parallel_size(request: LaunchRequest, cfg: RollmatchConfig) -> int:
+def tensor_parallel_size(request: LaunchRequest, launch: LaunchSettings) -> int:
     """``launch.tensor_parallel_size`` (``--tensor-parallel-size``; default 1); 1 on CPU."""
     if request.cpu:
         return 1
-    return request.tensor_parallel_size or cfg.launch.tensor_parallel_size
+    return request.tensor_parallel_size or launch.tensor_parallel_size
 
 
 def derive_layout(request: LaunchRequest, cfg: RollmatchConfig) -> Layout:
     """The layout of a request without :func:`request_problems` (servers of TP devices, in order)."""
-    tp = tensor_parallel_size(request, cfg)
+    tp = tensor_parallel_size(request, cfg.launch)
     if request.cpu:
         servers = (request.servers or 1) if request.starts_servers else 0
         procs = (request.learner_procs or 1) if request.starts_learner else 0
@@ -325,7 +325,7 @@ def _config_problems(
             )
         )
     if request.engine == "hf" and request.starts_servers:
-        if tensor_parallel_size(request, cfg) > 1:
+        if tensor_parallel_size(request, cfg.launch) > 1:
             problems.append(
                 ConfigProblem(
                     ENGINE_KEY,

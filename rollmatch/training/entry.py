@@ -29,7 +29,7 @@ from rollmatch.config.input_files import input_file_problems
 from rollmatch.config.load import load_config, resolve_checked_run
 from rollmatch.config.resolved import ResolvedRun, this_launch
 from rollmatch.config.run_file import RUN_FILE, changed_settings, read_run_file, run_settings, write_run_file
-from rollmatch.config.schema import RollmatchConfig
+from rollmatch.config.schema import LossConfig, RollmatchConfig
 from rollmatch.data.labels import prompt_labels
 from rollmatch.data.prompts import PromptEncoder, load_processor
 from rollmatch.data.record_lengths import fitting_records
@@ -102,10 +102,10 @@ def checkpoint_step(checkpoint: str | None) -> int:
     return int(os.path.basename(os.path.normpath(checkpoint)).removeprefix(CHECKPOINT_PREFIX))
 
 
-def coord_loss_for(cfg: RollmatchConfig, codec: Any) -> CoordLoss | None:
+def coord_loss_for(loss: LossConfig, codec: Any) -> CoordLoss | None:
     """The coordinate loss of ``coord_tokens`` targets (None for digit coordinates)."""
     ids = getattr(codec, "coord_ids", None)
-    return CoordLoss.from_config(ids, cfg.loss) if ids is not None else None
+    return CoordLoss.from_config(ids, loss) if ids is not None else None
 
 
 def run_training(cfg: RollmatchConfig) -> TrainResult:
@@ -176,7 +176,7 @@ def run_training(cfg: RollmatchConfig) -> TrainResult:
             detection_eval=detection_eval,
             summarize=functools.partial(summarize, count_buckets=cfg.eval.count_buckets),
             collectives=collectives,
-            coord_loss=coord_loss_for(cfg, codec),
+            coord_loss=coord_loss_for(cfg.loss, codec),
             grpo=grpo_settings(cfg) if cfg.loss.objective == "grpo" else None,
             lr_multipliers=cfg.training.lr_multipliers,
             run_settings=settings,
