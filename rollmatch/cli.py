@@ -106,6 +106,13 @@ def _add_check_config_parser(sub: argparse._SubParsersAction[argparse.ArgumentPa
         help="check keys and rules only, not the inputs (model directory, data files, DeepSpeed JSON, "
         "record lengths): e.g. on a machine without the data",
     )
+    p.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="resolve for N learner processes, as `train` under torchrun would (default: $WORLD_SIZE, else 1)",
+    )
 
 
 def _add_add_coord_tokens_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -285,7 +285,7 @@ def load_for_eval(cfg: RollmatchConfig) -> EvalSetup:
     encoder = PromptEncoder(
         load_processor(run.model_dir, *run.pixel_bounds),
         cfg.data.prompt,
-        run.coord_frame,
+        run.frame,
         prompt_labels(cfg.data, cfg.training.seed),
     )
     check_object_format(cfg, encoder.tokenizer)

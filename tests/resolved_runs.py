@@ -3,19 +3,20 @@ rollout segment producer those tests build.
 
 ``cpu_run`` is :func:`~rollmatch.config.resolved.resolve_run` for one CPU process, what
 ``training.entry`` builds; ``gradient_accumulation_steps`` replaces the derived value where a test's
-planner needs a given number of micro-steps. ``unresolved_run`` is for configs a builder must refuse
-before it reads the model (its ``model.path`` need not exist): the derived values are the config's own.
-``producer`` is a :class:`RolloutSegmentProducer` of ``parts`` (anything with ``encoder``, ``codec`` and
+planner needs a given number of micro-steps. ``unresolved_run`` is the same door without the
+checkpoint (``model.path`` need not exist; ``data.coord_frame: auto`` is taken as norm1000).
+``resolved_config`` loads a mapping and resolves it so. ``producer`` is a :class:`RolloutSegmentProducer` of ``parts`` (anything with ``encoder``, ``codec`` and
 ``cfg``) with the config's rollout decoding.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
-from rollmatch.config import rules
-from rollmatch.config.decoding import eval_decoding, rollout_decoding
+from rollmatch.config.decoding import rollout_decoding
+from rollmatch.config.load import load_config_dict
 from rollmatch.config.resolved import ResolvedRun, resolve_run
 from rollmatch.config.schema import RollmatchConfig
 from rollmatch.rollout.types import RolloutBackend
@@ -30,17 +31,27 @@ def cpu_run(cfg: RollmatchConfig, *, gradient_accumulation_steps: int | None = N
 
 
 def unresolved_run(cfg: RollmatchConfig) -> ResolvedRun:
-    return ResolvedRun(
-        config=cfg,
-        world_size=1,
-        sync_mode=rules.resolve_sync_mode(cfg),
-        servers=(),
-        coord_frame="norm1000",
-        pixel_bounds=(cfg.data.min_pixels, cfg.data.max_pixels),
-        gradient_accumulation_steps=cfg.training.gradient_accumulation(1),
-        decoding=rollout_decoding(cfg),
-        eval_decoding=eval_decoding(cfg),
+    run = resolve_for(cfg)
+    return dataclasses.replace(run, coord_frame=run.coord_frame or "norm1000")
+
+
+def resolve_for(cfg: RollmatchConfig, *, world_size: int = 1, gpus: int = 0) -> ResolvedRun:
+    """``cfg`` through the one door to a run, for ``world_size`` processes that see ``gpus`` CUDA devices
+    (0: the CPU), checkpoint not required."""
+    device_type = "cuda" if gpus else "cpu"
+    return resolve_run(
+        cfg, world_size=world_size, device_count=gpus, device_type=device_type, model_required=False
     )
+
+
+def resolved_config(
+    data: dict[str, Any], overrides: Sequence[str] = (), *, world_size: int = 1
+) -> RollmatchConfig:
+    """``data`` loaded and through the one door to a run (every rule; ``world_size`` CPU processes; the
+    checkpoint not required): the config of a run that passes, or the :class:`ConfigError` raised."""
+    cfg = load_config_dict(data, overrides)
+    resolve_for(cfg, world_size=world_size)
+    return cfg
 
 
 def producer(

@@ -16,6 +16,7 @@ import pytest
 from rollmatch.collectives import LocalCollectives
 from rollmatch.config.decoding import eval_decoding, rollout_decoding
 from rollmatch.config.load import load_config
+from rollmatch.config.resolved import resolve_run
 from rollmatch.config.rules import check_runtime
 from rollmatch.config.schema import DataConfig, MatchingConfig
 from rollmatch.data.prompts import PromptEncoder
@@ -26,7 +27,7 @@ from rollmatch.detection.objects import DetObject
 from rollmatch.evaluation import evaluate, run_eval
 from rollmatch.rollout.build import machine_overrides
 from rollmatch.rollout.types import Decoding, Rollout, RolloutProvenance, RolloutRequest, SyncReport
-from rollmatch.rollout.vllm_settings import vllm_colocate_problems, vllm_installed
+from rollmatch.rollout.vllm_settings import vllm_installed
 from rollmatch.training.periodic_eval import DetectionEval, eval_metrics
 
 REPO = Path(__file__).resolve().parents[1]
@@ -138,8 +139,8 @@ def test_machine_overrides_give_a_config_this_machine_runs() -> None:
     gpus = torch.cuda.device_count()
     device_type = "cuda" if gpus else "cpu"
     assert check_runtime(cfg, world_size=1, device_count=gpus, device_type=device_type) == []
-    if vllm_installed():
-        assert vllm_colocate_problems(cfg, world_size=1) == []
+    if vllm_installed():  # the colocated engine's rules, through the one door to a run
+        resolve_run(cfg, world_size=1, device_count=gpus, device_type=device_type, model_required=False)
 
 
 @pytest.mark.heavy

@@ -149,9 +149,18 @@ def _header() -> list[str]:
         "- Overrides on the command line are dotted `key=VALUE` pairs applied last; VALUE is parsed as",
         "  YAML: `training.max_steps=10`, `training.report_to=[]`,",
         "  `custom.extra.rollout_matching.vllm.server.base_url=[http://a:8000,http://b:8000]`.",
-        "- `rollmatch check-config FILE [key=VALUE ...] [--json]` prints the fully resolved config (all",
-        "  defaults filled in) and exits 0, or prints every problem to stderr and exits 2.",
-        "- From Python: `rollmatch.config.load_config(path, overrides)` or `load_config_dict(mapping)`.",
+        "- `rollout:` at the top level is the short form of `custom.extra.rollout_matching` (the spec's",
+        "  spelling, which stays valid and is the one listed below): `rollout: {rollout_backend: vllm,",
+        "  vllm: {mode: server}}`, or the override `rollout.max_new_tokens=256`. One file (or the overrides)",
+        "  may use only one of the two spellings; messages name keys as the config wrote them.",
+        "- `rollmatch check-config FILE [key=VALUE ...] [--json] [--world-size N]` resolves the run as",
+        "  `rollmatch train` does, through the same function (every rule below, for the learner's world",
+        "  size: `--world-size`, `WORLD_SIZE`, or what `launch:` gives a server-mode config, else 1), prints",
+        "  the fully resolved config (all defaults filled in) and exits 0, or prints every problem to",
+        "  stderr and exits 2.",
+        "- From Python: `rollmatch.config.load_config(path, overrides)` or `load_config_dict(mapping)` (keys",
+        "  and values), then `rollmatch.config.resolve_run(cfg, world_size=..., device_count=...,",
+        "  device_type=...)`, the one way to a run (every rule).",
         "",
     ]
 
@@ -160,7 +169,8 @@ def _rules_section() -> list[str]:
     lines = [
         "## Fail-fast rules",
         "",
-        "Checked whenever a config is loaded:",
+        "Keys and values are checked whenever a config is loaded; the rules when the run is resolved",
+        "(`check-config`, `train`, `eval`, `launch`):",
         "",
         '- Unknown keys anywhere ("unknown key; did you mean ...?"); duplicate keys in a YAML file.',
     ]
@@ -170,7 +180,7 @@ def _rules_section() -> list[str]:
         for old, new in ALIASED_SECTIONS.items()
     ]
     lines += [f"- {text}" for text in rule_descriptions()]
-    lines += ["", "Checked by the trainer at start-up (they need the world size and devices):", ""]
+    lines += ["", "Checked with the world size and devices of the launch (same door):", ""]
     lines += [f"- {text}" for text in RUNTIME_RULE_DESCRIPTIONS]
     return [*lines, ""]
 

@@ -28,6 +28,24 @@ def launch_problems(cfg: RollmatchConfig) -> list[ConfigProblem]:
     return _device_problems(launch) + _node_problems(launch) + _slurm_problems(launch)
 
 
+def launch_world_size(cfg: RollmatchConfig) -> int | None:
+    """The learner world size ``rollmatch launch`` gives a server-mode rollout config: learner ranks per
+    node (``launch.learner_devices``, or ``learner_procs_per_node`` with ``--cpu``) times the nodes that run
+    the learner. None where the config leaves it to torchrun (stage-1 SFT, colocated or hf rollouts) or
+    names no learner ranks."""
+    rollout = cfg.rollout
+    if (
+        cfg.custom.trainer_variant == "sft"
+        or rollout.rollout_backend != "vllm"
+        or rollout.vllm.mode != "server"
+    ):
+        return None
+    nodes = cfg.launch.nodes
+    learner_nodes = sum(1 for rank in range(nodes.count) if nodes.role(rank) != "servers")
+    per_node = len(cfg.launch.learner_devices) or cfg.launch.learner_procs_per_node or 0
+    return per_node * max(learner_nodes, 1) or None
+
+
 def endpoint_problem(key: str, value: str) -> str | None:
     """Why ``value`` is not a usable ``HOST:PORT`` (None when it is)."""
     host, sep, port = value.rpartition(":")

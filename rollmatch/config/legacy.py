@@ -37,8 +37,13 @@ REJECTED_KEYS: dict[str, str] = {
     ),
 }
 
-# Old location of a whole section -> new location; accepted with a DeprecationWarning.
-ALIASED_SECTIONS: dict[str, str] = {"custom.extra.stage2_ab": "stage2_ab"}
+# Old location of a section or key -> new location; accepted with a DeprecationWarning. In order: a key
+# below a moved section is listed by its new section's path.
+ALIASED_SECTIONS: dict[str, str] = {
+    "custom.extra.stage2_ab": "stage2_ab",
+    # One rollout decode batch for every trainer variant (it was Channel-B's alone).
+    "stage2_ab.channel_b.rollout_decode_batch_size": f"{_ROLLOUT}.decode_batch_size",
+}
 
 
 def aliased_section_conflicts(layers: Sequence[tuple[str, Mapping[str, Any]]]) -> list[ConfigProblem]:
@@ -88,8 +93,9 @@ def _move_section(data: dict[str, Any], old: str, new: str, source: str) -> list
     new_parts = new.split(".")
     if _has_path(data, new_parts):
         return []  # both spellings: reported once, with every location, by aliased_section_conflicts
+    where = f"top-level `{new}`" if "." not in new else f"`{new}`"
     warnings.warn(
-        f"{source}: `{old}` is deprecated; move that section to top-level `{new}`",
+        f"{source}: `{old}` is deprecated; move that setting to {where}",
         DeprecationWarning,
         stacklevel=2,
     )

@@ -1,10 +1,13 @@
 """Reading a config: YAML files chained by ``extends:``, dotted overrides, one error listing every problem.
 
-Owns: :func:`load_config` / :func:`load_config_dict` (layers -> legacy translation -> deep merge ->
-pydantic -> static rules), the pydantic-error-to-:class:`~rollmatch.errors.ConfigProblem` conversion
-(with "did you mean" for unknown keys) and the ``rollmatch check-config`` command. Leaves out: the
+Owns: :func:`load_config` / :func:`load_config_dict` (layers -> short ``rollout:`` spelling ->
+legacy translation -> deep merge -> pydantic), the pydantic-error-to-:class:`~rollmatch.errors.ConfigProblem`
+conversion (with "did you mean" for unknown keys) and the ``rollmatch check-config`` command, which
+resolves the run through the door ``train`` uses (``config.resolved.resolve_run``). Leaves out: the
 keys and defaults (``config.schema``), moved / removed keys (``config.legacy``) and cross-field
-rules (``config.rules``).
+rules (``config.rules``): a loaded config has valid keys and values; its rules run once, when the
+run is resolved (a config with field errors also gets the static rules' problems, so one report
+lists every problem).
 
 Merge semantics: ``extends: base.yaml`` (or a list, merged in order) is resolved relative to the
 extending file, and so are the input paths a file sets (``config.input_files.INPUT_PATH_KEYS``:
@@ -20,6 +23,7 @@ import argparse
 import copy
 import difflib
 import json
+import os
 import re
 import sys
 import typing
@@ -35,11 +39,13 @@ from pydantic.fields import FieldInfo
 
 from rollmatch.config.frames import describe_coord_frame
 from rollmatch.config.input_files import anchor_input_paths
+from rollmatch.config.launch_rules import launch_world_size
 from rollmatch.config.legacy import aliased_section_conflicts, translate_legacy
-from rollmatch.config.resolved import resolved_values
+from rollmatch.config.resolved import Launch, ResolvedRun, resolve_run, this_launch
 from rollmatch.config.resume import resolve_resume
 from rollmatch.config.rules import check_config
 from rollmatch.config.schema import RollmatchConfig
+from rollmatch.config.spelling import Spelling, expand_short_rollout, remember_spelling
 from rollmatch.config.trl_names import translate_trl_names
 from rollmatch.errors import ConfigError, ConfigProblem
 
@@ -56,7 +62,8 @@ def load_config(
     ``path=None`` starts from the schema defaults. ``under``: layers below the file, e.g. a model's
     saved run settings (``config.run_file``), which the file's keys override. Raises one
     :class:`ConfigError` listing every problem: unreadable files and ``extends`` cycles, bad
-    overrides, legacy keys, pydantic field errors and static rule violations.
+    overrides, legacy keys and pydantic field errors (with the static rules' problems when there are
+    field errors; otherwise the rules run when the run is resolved, ``config.resolved.resolve_run``).
     """
     layers = read_config_layers(Path(path)) if path is not None else []
     return _load_layers([*under, *layers], overrides)
@@ -96,16 +103,20 @@ def config_to_json(cfg: RollmatchConfig) -> str:
 def check_config_command(
     args: argparse.Namespace, input_checks: Callable[[RollmatchConfig], list[ConfigProblem]] | None = None
 ) -> int:
-    """``rollmatch check-config FILE [overrides...] [--json]``: print the resolved config, or every problem.
+    """``rollmatch check-config FILE [overrides...] [--json] [--world-size N]``: print the resolved
+    config, or every problem.
 
-    ``input_checks`` adds the checks of the run's inputs (``data.input_checks``: files, record
-    lengths), run once the keys are valid; their problems are reported like the config's own.
+    The run is resolved through the door ``rollmatch train`` takes (:func:`resolve_run`, every rule
+    of the config) for the learner's world size (:func:`check_world_size`) on this machine's devices, with the trainer's resume rule; ``input_checks`` adds the checks of the run's
+    inputs (``data.input_checks``: files, record lengths), reported with the rest. Without them
+    (``--schema-only``) ``data.coord_frame: auto`` stays unresolved while ``model.path`` has no
+    ``config.json``.
 
     Exit 0 with the config on stdout and the resolved ``data.coord_frame`` (``resolved: ...``) on
-    stderr; ``--json`` adds a top-level ``resolved`` object (not a config key) with the values in
-    force for one process (``config.resolved.resolved_values``: coordinate frame, sync mode, servers,
-    pixel bounds, gradient accumulation steps). Exit 2 with every problem (key, value, fix) on
-    stderr. Deprecation warnings go to stderr in both cases.
+    stderr; ``--json`` adds a top-level ``resolved`` object (not a config key): the run's values
+    in force (:meth:`ResolvedRun.as_dict`: coordinate frame, sync mode, servers, pixel bounds,
+    gradient accumulation steps, decode batch, decodings) and ``resume_from``. Exit 2 with every
+    problem (key, value, fix) on stderr. Deprecation warnings go to stderr in both cases.
     """
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", DeprecationWarning)
@@ -117,27 +128,78 @@ def check_config_command(
             return 2
     _print_warnings(caught)
     try:
-        frame = describe_coord_frame(cfg.data.coord_frame, cfg.model.path, cfg.custom.object_format)
-        resolved = resolved_values(cfg)
-        resume_from = resolve_resume(  # the trainer's rule, on this machine's output_dir
-            cfg.training.resume_from_checkpoint,
-            cfg.training.output_dir,
-            None,
-            overwrite=cfg.training.overwrite_output_dir,
+        world_size = check_world_size(cfg, getattr(args, "world_size", None))
+        launch = this_launch(world_size, without_torch=input_checks is None)  # --schema-only: no torch
+        run, resume_from = resolve_checked_run(
+            cfg, launch, resume_world_size=world_size, input_checks=input_checks
         )
+        frame = describe_coord_frame(cfg.data.coord_frame, cfg.model.path, cfg.custom.object_format)
     except ConfigError as exc:
         _print_problems(args.config, exc)
         return 2
-    if input_checks is not None and (input_problems := input_checks(cfg)):
-        _print_problems(args.config, ConfigError(input_problems))
-        return 2
     if getattr(args, "json", False):
-        print(json.dumps({**_plain(cfg), "resolved": {**resolved, "resume_from": resume_from}}, indent=2))
+        print(json.dumps(resolved_json(cfg, run, resume_from), indent=2))
     else:
         print(config_to_yaml(cfg), end="")
     print(f"resolved: {frame}", file=sys.stderr)
     print(f"resolved: training starts from {resume_from or 'step 0'}", file=sys.stderr)
     return 0
+
+
+def check_world_size(cfg: RollmatchConfig, flag: int | None) -> int | None:
+    """The learner world size ``check-config`` resolves for: ``--world-size``, else torchrun's
+    ``WORLD_SIZE``, else what ``rollmatch launch`` gives the config (``launch.learner_devices`` per
+    learner node; :func:`~rollmatch.config.launch_rules.launch_world_size`), else None (one process)."""
+    if flag is not None:
+        return flag
+    if "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    return launch_world_size(cfg)
+
+
+def resolve_checked_run(
+    cfg: RollmatchConfig,
+    launch: Launch,
+    *,
+    resume_world_size: int | None,
+    input_checks: Callable[[RollmatchConfig], list[ConfigProblem]] | None = None,
+) -> tuple[ResolvedRun, str | None]:
+    """The run ``rollmatch train`` starts for ``launch`` and the checkpoint it resumes from: every input
+    problem (``input_checks``), the resume rule's (a checkpoint saved by another world size than
+    ``resume_world_size`` refused; None: not checked) and every rule's, raised as one :class:`ConfigError`.
+    ``check-config`` and ``train`` both resolve through here."""
+    problems = list(input_checks(cfg)) if input_checks is not None else []
+    resume_from = None
+    try:  # the trainer's rule, on this machine's output_dir
+        resume_from = resolve_resume(
+            cfg.training.resume_from_checkpoint,
+            cfg.training.output_dir,
+            resume_world_size,
+            overwrite=cfg.training.overwrite_output_dir,
+        )
+    except ConfigError as error:
+        problems.extend(error.problems)
+    run = resolve_run(
+        cfg,
+        world_size=launch.world_size,
+        device_count=launch.device_count,
+        device_type=launch.device_type,
+        problems=problems,
+        model_required=input_checks is not None,
+    )
+    return run, resume_from
+
+
+def resolved_json(
+    cfg: RollmatchConfig, run: ResolvedRun | None = None, resume_from: str | None = None
+) -> dict[str, Any]:
+    """What ``check-config --json`` prints: the config with every default, and ``resolved``
+    (:meth:`ResolvedRun.as_dict` and ``resume_from``). ``run`` None: ``cfg`` resolved as
+    ``check-config --schema-only`` does on a CPU machine (:func:`check_world_size`, no checkpoint needed)."""
+    if run is None:
+        world_size = check_world_size(cfg, None) or 1
+        run = resolve_run(cfg, world_size=world_size, device_count=0, device_type="cpu", model_required=False)
+    return {**_plain(cfg), "resolved": {**run.as_dict(), "resume_from": resume_from}}
 
 
 # ------------------------------------------------------------------------------------------- files
@@ -209,7 +271,14 @@ def deep_merge(base: Mapping[str, Any], top: Mapping[str, Any]) -> dict[str, Any
 # ------------------------------------------------------------------------------------ private helpers
 def _load_layers(layers: list[Layer], overrides: Sequence[str]) -> RollmatchConfig:
     override_layer, problems = parse_overrides(overrides)
-    all_layers = [*layers, ("<overrides>", override_layer)]
+    all_layers: list[Layer] = []
+    short = long = False
+    for source, raw in [*layers, ("<overrides>", override_layer)]:
+        expanded, short_problems, layer_short, layer_long = expand_short_rollout(raw, source)
+        problems.extend(short_problems)
+        short, long = short or layer_short, long or layer_long
+        all_layers.append((source, expanded))
+    spelling = Spelling(short_rollout=short and not long, overrides=tuple(overrides))
     problems.extend(aliased_section_conflicts(all_layers))
     merged: dict[str, Any] = {}
     for source, layer in all_layers:
@@ -221,13 +290,13 @@ def _load_layers(layers: list[Layer], overrides: Sequence[str]) -> RollmatchConf
 
     cfg, field_problems = _validate(merged)
     problems.extend(field_problems)
-    if cfg is not None:
+    if cfg is not None and problems:  # report the rules' problems with the fields', all at once
         reported = {p.key for p in field_problems}
         problems.extend(p for p in check_config(cfg) if p.key not in reported)
     if problems:
-        raise ConfigError(_dedupe(_mark_override_origin(problems, overrides)))
+        raise ConfigError(spelling.as_written(problems))
     assert cfg is not None
-    return cfg
+    return remember_spelling(cfg, spelling)
 
 
 def _validate(merged: dict[str, Any]) -> tuple[RollmatchConfig | None, list[ConfigProblem]]:
@@ -399,40 +468,6 @@ def _extends_list(value: Any, path: Path) -> list[str]:
             )
         ]
     )
-
-
-def _mark_override_origin(problems: list[ConfigProblem], overrides: Sequence[str]) -> list[ConfigProblem]:
-    marked: list[ConfigProblem] = []
-    for problem in problems:
-        origin = next(
-            (text for text in overrides if _same_branch(problem.key, text.partition("=")[0].strip())), None
-        )
-        if origin is None or "<overrides>" in problem.fix:
-            marked.append(problem)
-        else:
-            marked.append(
-                ConfigProblem(problem.key, problem.value, f"{problem.fix} (set by override `{origin}`)")
-            )
-    return marked
-
-
-def _same_branch(problem_key: str, override_key: str) -> bool:
-    if not override_key:
-        return False
-    return any(
-        a == b or a.startswith(b + ".") or a.startswith(b + "[")
-        for a, b in ((problem_key, override_key), (override_key, problem_key))
-    )
-
-
-def _dedupe(problems: list[ConfigProblem]) -> list[ConfigProblem]:
-    seen: set[str] = set()
-    unique = []
-    for problem in problems:
-        if str(problem) not in seen:
-            seen.add(str(problem))
-            unique.append(problem)
-    return unique
 
 
 def _plain(cfg: RollmatchConfig) -> dict[str, Any]:

@@ -273,7 +273,9 @@ def set_pixel_bounds(processor: Any, min_pixels: int | None, max_pixels: int | N
     size = dict(processor.image_processor.size)
     low = min_pixels if min_pixels is not None else int(size["shortest_edge"])
     high = max_pixels if max_pixels is not None else int(size["longest_edge"])
-    if low > high:
+    # Both bounds from the config: rule_pixels refused that when the run was resolved; one of them the
+    # checkpoint's saved value: only known here.
+    if (min_pixels is None or max_pixels is None) and low > high:
         raise ConfigError(
             [ConfigProblem("data.min_pixels", low, f"must not exceed data.max_pixels (= {high}); lower it")]
         )

@@ -115,16 +115,9 @@ class CoordTokenCodec(QwenJsonCodec):
         return "".join(chars)
 
     def _element(self, scanned: str, original: str, extent: tuple[int, int]) -> DetObject | str:
-        if extent != (NORM, NORM):
-            raise ConfigError(
-                [
-                    ConfigProblem(
-                        "data.coord_frame",
-                        f"extent {extent}",
-                        "custom.object_format: coord_tokens needs data.coord_frame: norm1000",
-                    )
-                ]
-            )
+        # extent is (NORM, NORM): coord_tokens runs in the norm1000 frame (rule_coord_tokens, checked once
+        # when the run is resolved), and bins are read against NUM_BINS - 1 whatever the caller passes.
+        del extent
         result = validate_element(scanned, (NUM_BINS - 1, NUM_BINS - 1))
         array = _BBOX_ARRAY.search(original)
         placed = len(_TOKEN.findall(array.group(1))) if array else 0

@@ -30,7 +30,7 @@ import socket
 import sys
 from pathlib import Path
 
-from rollmatch.config.schema import RollmatchConfig
+from rollmatch.config.schema import NodesConfig
 from rollmatch.data.input_checks import run_input_problems
 from rollmatch.errors import ConfigError, ConfigProblem, LaunchError
 from rollmatch.launch.heartbeat import NodeHeartbeat
@@ -117,7 +117,10 @@ def launch_command(args: argparse.Namespace) -> int:
     if request.servers_only and api_key is not None:
         _write_key_file(launch_dir / API_KEY_FILE, api_key)
     return run_plan(
-        plan, grace_s=request.grace_s, pids_name=pids_name, heartbeat=_heartbeat(launch.cfg, request, api_key)
+        plan,
+        grace_s=request.grace_s,
+        pids_name=pids_name,
+        heartbeat=_heartbeat(launch.cfg.launch.nodes, request, api_key),
     )
 
 
@@ -131,7 +134,7 @@ def _node_plan(launch: LaunchConfig, request: LaunchRequest, *, check_ports: boo
             _check_port_base(request.port_base, ports[:count], check_free=check_ports)
     else:
         ports = free_ports(count)
-    api_key = _launch_key(launch.cfg, request, launch_dir)
+    api_key = _launch_key(launch.cfg.launch.nodes, request, launch_dir)
     return build_plan(launch, request, layout, ports, api_key=api_key), launch_dir
 
 
@@ -273,9 +276,8 @@ def _port_free(port: int) -> bool:
     return True
 
 
-def _heartbeat(cfg: RollmatchConfig, request: LaunchRequest, key: str | None) -> NodeHeartbeat | None:
-    """This node's side of the nodes' heartbeat (``launch.heartbeat``); None on one node."""
-    nodes = cfg.launch.nodes
+def _heartbeat(nodes: NodesConfig, request: LaunchRequest, key: str | None) -> NodeHeartbeat | None:
+    """This node's side of the nodes' heartbeat (``launch.nodes``); None on one node."""
     if nodes.count == 1:
         return None
     _, port = nodes.heartbeat_endpoint()
@@ -293,21 +295,21 @@ def _say(message: str) -> None:
     print(f"[launch] {message}", flush=True)
 
 
-def _launch_key(cfg: RollmatchConfig, request: LaunchRequest, launch_dir: Path) -> str | None:
+def _launch_key(nodes: NodesConfig, request: LaunchRequest, launch_dir: Path) -> str | None:
     """A fresh key on one node; ``ROLLMATCH_API_KEY`` (or none) on several, which must share one key
     without a file; ``--learner-only``: :func:`_learner_only_key`."""
     if request.learner_only:
         return _learner_only_key(launch_dir)
-    if cfg.launch.nodes.count > 1:
+    if nodes.count > 1:
         key = os.environ.get(API_KEY_ENV)
-        if key or request.dry_run or all(h.startswith("127.") for h in cfg.launch.nodes.hosts):
+        if key or request.dry_run or all(h.startswith("127.") for h in nodes.hosts):
             return key or None
         raise LaunchError(
             [
                 ConfigProblem(
                     f"${API_KEY_ENV}",
                     None,
-                    f"{cfg.launch.nodes.count} nodes share one key that servers and learner check: export the same "
+                    f"{nodes.count} nodes share one key that servers and learner check: export the same "
                     f"{API_KEY_ENV} on every node (the script of `rollmatch launch --emit slurm` makes one per job)",
                 )
             ]

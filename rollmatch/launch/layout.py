@@ -10,9 +10,9 @@ once, disjoint roles, tensor-parallel split: ``config.launch_rules``, run when t
 a flag and its key get one rule and one message), ports, hosts, commands (``launch.plan``) and
 processes (``launch.processes``).
 
-The learner's world size goes through the project's runtime rules
-(:func:`rollmatch.config.rules.check_runtime`), the same ones ``rollmatch train`` applies at start-up,
-so a layout the trainer would refuse is refused here first.
+The config goes through the project's rules (:func:`rollmatch.config.rules.check_config`, and
+:func:`~rollmatch.config.rules.check_runtime` for the learner's world size), the same ones ``rollmatch
+train`` applies at start-up, so a layout the trainer would refuse is refused here first.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 from urllib.parse import urlparse
 
-from rollmatch.config.rules import check_runtime
+from rollmatch.config.rules import check_config, check_runtime
 from rollmatch.config.schema import ROLLOUT_KEY, LaunchSettings, RollmatchConfig, ServerEndpoint
 from rollmatch.errors import ConfigProblem
 
@@ -148,16 +148,16 @@ def parse_devices(text: str) -> tuple[int, ...]:
     return devices
 
 
-def tensor_parallel_size(request: LaunchRequest, cfg: RollmatchConfig) -> int:
+def tensor_parallel_size(request: LaunchRequest, launch: LaunchSettings) -> int:
     """``launch.tensor_parallel_size`` (``--tensor-parallel-size``; default 1); 1 on CPU."""
     if request.cpu:
         return 1
-    return request.tensor_parallel_size or cfg.launch.tensor_parallel_size
+    return request.tensor_parallel_size or launch.tensor_parallel_size
 
 
 def derive_layout(request: LaunchRequest, cfg: RollmatchConfig) -> Layout:
     """The layout of a request without :func:`request_problems` (servers of TP devices, in order)."""
-    tp = tensor_parallel_size(request, cfg)
+    tp = tensor_parallel_size(request, cfg.launch)
     if request.cpu:
         servers = (request.servers or 1) if request.starts_servers else 0
         procs = (request.learner_procs or 1) if request.starts_learner else 0
@@ -186,6 +186,7 @@ def request_problems(
     ``visible_devices``: the launcher's own ``CUDA_VISIBLE_DEVICES``, if set.
     """
     problems = _flag_problems(request)
+    problems += check_config(cfg)  # the static rules (a loaded config has only valid keys and values)
     problems += _config_problems(request, cfg, named_servers)
     learner_procs = derive_layout(request, cfg).learner_procs
     nodes = cfg.launch.nodes
@@ -324,7 +325,7 @@ def _config_problems(
             )
         )
     if request.engine == "hf" and request.starts_servers:
-        if tensor_parallel_size(request, cfg) > 1:
+        if tensor_parallel_size(request, cfg.launch) > 1:
             problems.append(
                 ConfigProblem(
                     ENGINE_KEY,

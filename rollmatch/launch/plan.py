@@ -32,8 +32,8 @@ from rollmatch.config.frames import fixed_coord_frame
 from rollmatch.config.input_files import absolute_input_paths
 from rollmatch.config.load import load_config
 from rollmatch.config.precision import rollout_dtype
-from rollmatch.config.rules import min_healthy_problems, resolve_servers
 from rollmatch.config.schema import RollmatchConfig, ServerEndpoint
+from rollmatch.config.server_rules import min_healthy_problems, resolve_servers
 from rollmatch.errors import ConfigError
 from rollmatch.launch.layout import SERVERS_KEY, LaunchRequest, Layout, derive_layout, server_hosts
 from rollmatch.protocol import API_KEY_ENV
@@ -124,21 +124,28 @@ class LaunchPlan:
         return (*self.servers, *((self.learner,) if self.learner else ()))
 
 
+_SERVERS_SUFFIX = "vllm.server.servers"  # SERVERS_KEY in either spelling (config.spelling)
+
+
 # ------------------------------------------------------------------------------------ public entry
 def load_launch_config(path: str, overrides: Sequence[str] = ()) -> LaunchConfig:
     """``load_config`` with ``extends`` and overrides; a server-mode config may list no servers.
 
-    The static rules ask server mode for at least one server; the launcher writes them, so when that
-    is the only reason the servers section fails, the config is validated with a placeholder entry.
+    The static rules ask server mode for at least one server; the launcher writes them, so a
+    server-mode config that lists none is loaded with a placeholder entry. The rules run on the
+    result in :func:`~rollmatch.launch.layout.request_problems`.
     """
     try:
         cfg = load_config(path, overrides)
-    except ConfigError as exc:
-        if not any(p.key == SERVERS_KEY and not p.value for p in exc.problems):
+    except ConfigError as exc:  # field errors come with the static rules' problems
+        if not any(p.key.endswith(_SERVERS_SUFFIX) and not p.value for p in exc.problems):
             raise
         cfg = load_config(path, [*overrides, _PLACEHOLDER_SERVERS])  # still raises any other problem
         return LaunchConfig(cfg, [])
-    return LaunchConfig(cfg, resolve_servers(cfg.rollout.vllm.server))
+    server = cfg.rollout.vllm.server
+    if cfg.rollout.vllm.mode == "server" and not (server.servers or server.base_url):
+        return LaunchConfig(load_config(path, [*overrides, _PLACEHOLDER_SERVERS]), [])
+    return LaunchConfig(cfg, resolve_servers(server))
 
 
 def torchrun_command(

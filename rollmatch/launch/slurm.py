@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from rollmatch.config.load import deep_merge, parse_overrides, read_config_layers
-from rollmatch.config.schema import RollmatchConfig
+from rollmatch.config.schema import LaunchSettings, RollmatchConfig
 from rollmatch.launch.layout import LaunchRequest, derive_layout, with_settings
 from rollmatch.launch.supervisor import EXIT_PREEMPTED
 
@@ -43,11 +43,11 @@ _PLACEHOLDER_PORT = 1  # never a rendezvous port anyone writes (below 1024)
 _ROLE_TEXT = {"servers": "rollout servers", "learner": "learner", "both": "rollout servers + learner"}
 
 
-def node_devices(cfg: RollmatchConfig, request: LaunchRequest) -> list[tuple[int, ...]]:
+def node_devices(launch: LaunchSettings, request: LaunchRequest) -> list[tuple[int, ...]]:
     """The device indices each node's launch uses (its role's lists), in node order."""
     used = []
-    for rank in range(cfg.launch.nodes.count):
-        node = with_settings(request, cfg.launch, rank)
+    for rank in range(launch.nodes.count):
+        node = with_settings(request, launch, rank)
         used.append(
             (
                 *(node.server_devices if node.starts_servers else ()),
@@ -88,7 +88,7 @@ def slurm_script(cfg: RollmatchConfig, request: LaunchRequest, *, python: str = 
     layout = derive_layout(request, cfg)
     learner_nodes = [r for r in range(count) if nodes.role(r) != "servers"]
     # --gpus-per-node is a count, devices are indices: a node using device 7 needs 8 GPUs.
-    gpus = 0 if request.cpu else max((max(d) + 1 for d in node_devices(cfg, request) if d), default=0)
+    gpus = 0 if request.cpu else max((max(d) + 1 for d in node_devices(cfg.launch, request) if d), default=0)
     fixed = [
         f"launch.tensor_parallel_size={layout.tensor_parallel_size}",
         f"launch.engine={request.engine}",

@@ -42,9 +42,8 @@ def build_backend(
             tokenizer,
             eos_token_id=eos_token_id,
             pad_token_id=pad_token_id,
-            batch_size=cfg.stage2_ab.channel_b.rollout_decode_batch_size
-            if cfg.custom.trainer_variant == "stage2_ab_training"
-            else max(cfg.training.per_device_train_batch_size, 1),
+            # the run's decode batch; none resolved (a micro-batch per call): a micro-batch's records
+            batch_size=run.rollout_decode_batch_size or max(cfg.training.per_device_train_batch_size, 1),
         )
     if rm.vllm.mode == "colocate":
         from rollmatch.rollout.vllm_colocate import VllmColocateBackend

@@ -53,7 +53,7 @@ def local_model_info(run: ResolvedRun, model: Any, processor: Any) -> LocalModel
         fingerprint=model_fingerprint(config, processor),
         max_length=run.config.training.global_max_length,
         object_format=run.config.custom.object_format,
-        coord_frame=run.coord_frame,
+        coord_frame=run.frame,
         min_pixels=int(size["shortest_edge"]),
         max_pixels=int(size["longest_edge"]),
         image_probe=ImageProbe(size=PROBE_IMAGE_SIZE, resized=resized, image_tokens=tokens),

@@ -1,14 +1,11 @@
 """vLLM engine settings derived from the config, and the start-up check of a colocated engine.
 
 Owns: :class:`VllmEngineSettings` (everything an in-process vLLM engine is built from),
-:func:`engine_settings_from_config`, :func:`require_vllm` (the one check a colocated backend makes
-when it is built: is vLLM installed) and :func:`check_vllm_colocate_config` (is vLLM installed, plus
-every config rule, static and runtime, for this machine, reported at once as a
-:class:`~rollmatch.errors.ConfigError`: for a config built in code, e.g. to pick a backend; a run
-checks its rules once, when it is resolved, ``config.resolved``). Leaves out: building the engine
-(``rollout.vllm_engine``) and the rules themselves, which all live in the config layer
-(``config.schema`` bounds, ``config.rules``), so ``rollmatch check-config`` and ``rollmatch train``
-judge a config alike.
+:func:`engine_settings_from_config` and :func:`require_vllm` (the one check a colocated backend
+makes when it is built: is vLLM installed). Leaves out: building the engine
+(``rollout.vllm_engine``) and the rules, which all live in the config layer and run once, when the
+run is resolved (``config.resolved.resolve_run``), so ``rollmatch check-config`` and ``rollmatch
+train`` judge a config alike.
 """
 
 from __future__ import annotations
@@ -20,7 +17,6 @@ from typing import Any
 import torch
 
 from rollmatch.config.precision import rollout_dtype
-from rollmatch.config.rules import check_config, check_runtime
 from rollmatch.config.schema import ROLLOUT_KEY, RollmatchConfig
 from rollmatch.errors import ConfigError, ConfigProblem
 
@@ -89,32 +85,3 @@ def require_vllm() -> None:
     """Raise :class:`ConfigError` (install it, or use the HF backend) when vLLM is not installed."""
     if not vllm_installed():
         raise ConfigError([ConfigProblem(f"{ROLLOUT_KEY}.rollout_backend", "vllm", INSTALL_HINT)])
-
-
-def check_vllm_colocate_config(
-    cfg: RollmatchConfig, *, world_size: int, device_count: int | None = None
-) -> None:
-    """Raise one :class:`ConfigError` listing every reason the colocated vLLM backend cannot run."""
-    problems = vllm_colocate_problems(cfg, world_size=world_size, device_count=device_count)
-    if problems:
-        raise ConfigError(problems)
-
-
-def vllm_colocate_problems(
-    cfg: RollmatchConfig, *, world_size: int, device_count: int | None = None
-) -> list[ConfigProblem]:
-    """Every problem of a colocated vLLM setup on this machine (empty: it can start).
-
-    ``device_count``: visible GPUs (default: what torch sees; 0 means a CPU machine). Every config
-    rule runs here, since a config built in code never went through the loader; building the
-    backend does not call this (the run's rules ran when it was resolved).
-    """
-    gpus = torch.cuda.device_count() if device_count is None else device_count
-    problems: list[ConfigProblem] = []
-    if not vllm_installed():
-        problems.append(ConfigProblem(f"{ROLLOUT_KEY}.rollout_backend", "vllm", INSTALL_HINT))
-    problems.extend(check_config(cfg))
-    problems.extend(
-        check_runtime(cfg, world_size=world_size, device_count=gpus, device_type="cuda" if gpus else "cpu")
-    )
-    return problems

@@ -26,10 +26,10 @@ from rollmatch.collectives import (
 )
 from rollmatch.config.hf_args import eval_strategy, training_arguments_kwargs
 from rollmatch.config.input_files import input_file_problems
-from rollmatch.config.load import load_config
-from rollmatch.config.resolved import ResolvedRun, resolve_run
+from rollmatch.config.load import load_config, resolve_checked_run
+from rollmatch.config.resolved import ResolvedRun, this_launch
 from rollmatch.config.run_file import RUN_FILE, changed_settings, read_run_file, run_settings, write_run_file
-from rollmatch.config.schema import RollmatchConfig
+from rollmatch.config.schema import LossConfig, RollmatchConfig
 from rollmatch.data.labels import prompt_labels
 from rollmatch.data.prompts import PromptEncoder, load_processor
 from rollmatch.data.record_lengths import fitting_records
@@ -39,7 +39,7 @@ from rollmatch.detection.object_formats import build_codec
 from rollmatch.errors import ConfigError
 from rollmatch.models.pretrained import load_pretrained
 from rollmatch.packing.collate import enable_packed_attention
-from rollmatch.training.checkpoints import CHECKPOINT_PREFIX, ConfiguredIntervals, resolve_resume
+from rollmatch.training.checkpoints import CHECKPOINT_PREFIX, ConfiguredIntervals
 from rollmatch.training.coord_loss import CoordLoss
 from rollmatch.training.grpo_loss import grpo_settings
 from rollmatch.training.metric_summary import JsonlMetricsCallback, summarize
@@ -102,36 +102,21 @@ def checkpoint_step(checkpoint: str | None) -> int:
     return int(os.path.basename(os.path.normpath(checkpoint)).removeprefix(CHECKPOINT_PREFIX))
 
 
-def coord_loss_for(cfg: RollmatchConfig, codec: Any) -> CoordLoss | None:
+def coord_loss_for(loss: LossConfig, codec: Any) -> CoordLoss | None:
     """The coordinate loss of ``coord_tokens`` targets (None for digit coordinates)."""
     ids = getattr(codec, "coord_ids", None)
-    return CoordLoss.from_config(ids, cfg.loss) if ids is not None else None
+    return CoordLoss.from_config(ids, loss) if ids is not None else None
 
 
 def run_training(cfg: RollmatchConfig) -> TrainResult:
     """Train one variant end to end; returns where the results are."""
     install_warning_handler()  # API callers too (a no-op off the main thread)
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    # What check-config refuses, refused here with its message, every problem at once: missing inputs,
-    # an unusable checkpoint and the config's rules (resolve_run raises with all of them).
-    problems = input_file_problems(cfg)
-    resume = None
-    try:  # before anything heavy: an incomplete checkpoint or another world size is refused at once
-        resume = resolve_resume(
-            cfg.training.resume_from_checkpoint,
-            cfg.training.output_dir,
-            world_size,
-            overwrite=cfg.training.overwrite_output_dir,
-        )
-    except ConfigError as error:
-        problems.extend(error.problems)
-    run = resolve_run(
-        cfg,
-        world_size=world_size,
-        device_count=torch.cuda.device_count(),
-        device_type=device_type,
-        problems=problems,
+    launch = this_launch()
+    world_size, device_type = launch.world_size, launch.device_type
+    # What check-config refuses, refused here through the same door, every problem at once: missing
+    # inputs, an unusable checkpoint and every rule of the config (resolve_checked_run raises with all).
+    run, resume = resolve_checked_run(
+        cfg, launch, resume_world_size=world_size, input_checks=input_file_problems
     )
     gas = run.gradient_accumulation_steps
     init_default_group(cfg.training.collective_timeout_s)  # before HF, which would ignore the timeout
@@ -142,7 +127,7 @@ def run_training(cfg: RollmatchConfig) -> TrainResult:
     encoder = PromptEncoder(
         load_processor(run.model_dir, *run.pixel_bounds),
         cfg.data.prompt,
-        run.coord_frame,
+        run.frame,
         prompt_labels(cfg.data, cfg.training.seed),
     )
     log.info("coordinate frame: %s (data.coord_frame: %s)", run.coord_frame, cfg.data.coord_frame)
@@ -191,7 +176,7 @@ def run_training(cfg: RollmatchConfig) -> TrainResult:
             detection_eval=detection_eval,
             summarize=functools.partial(summarize, count_buckets=cfg.eval.count_buckets),
             collectives=collectives,
-            coord_loss=coord_loss_for(cfg, codec),
+            coord_loss=coord_loss_for(cfg.loss, codec),
             grpo=grpo_settings(cfg) if cfg.loss.objective == "grpo" else None,
             lr_multipliers=cfg.training.lr_multipliers,
             run_settings=settings,

@@ -24,8 +24,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from rollmatch.config.rules import offload_problems
-from rollmatch.config.schema import ROLLOUT_KEY, RollmatchConfig
+from rollmatch.config.schema import ROLLOUT_KEY, OffloadConfig
 from rollmatch.errors import ConfigError, ConfigProblem
 
 OFFLOAD_KEY = f"{ROLLOUT_KEY}.offload"
@@ -54,7 +53,7 @@ class OffloadState:
 
 
 def rollout_offload(
-    cfg: RollmatchConfig, *, model: nn.Module, optimizer: Any, backend: Any
+    offload: OffloadConfig, *, model: nn.Module, optimizer: Any, backend: Any
 ) -> contextlib.AbstractContextManager[OffloadState]:
     """The context for one rollout phase: a no-op unless the backend is colocated.
 
@@ -63,23 +62,21 @@ def rollout_offload(
     """
     if not isinstance(backend, ColocatedBackend):
         return contextlib.nullcontext(OffloadState())
-    off = cfg.rollout.offload
-    offload_model = off.enabled and off.offload_model
-    offload_optimizer = off.enabled and off.offload_optimizer
+    offload_model = offload.enabled and offload.offload_model
+    offload_optimizer = offload.enabled and offload.offload_optimizer
     if offload_model or offload_optimizer:
-        check_offload_is_safe(cfg, model=model, optimizer=optimizer)
+        check_offload_is_safe(model=model, optimizer=optimizer)
     return _offloaded(model if offload_model else None, optimizer if offload_optimizer else None, backend)
 
 
-def check_offload_is_safe(cfg: RollmatchConfig, *, model: nn.Module, optimizer: Any) -> None:
+def check_offload_is_safe(*, model: nn.Module, optimizer: Any) -> None:
     """Fail fast where offloading would corrupt state another library manages (DeepSpeed).
 
     DeepSpeed ZeRO keeps parameters as views of flat (stage 3: partitioned) buffers and owns the
-    optimizer's buffers; swapping their storage would silently detach them.
+    optimizer's buffers; swapping their storage would silently detach them. The config's side
+    (``training.deepspeed`` set) is a rule, checked once when the run is resolved
+    (``config.rollout_rules.rule_offload``); this checks the objects themselves.
     """
-    problems = offload_problems(cfg)  # the config rule (config.rules); also for configs built in code
-    if problems:
-        raise ConfigError(problems)
     if _is_deepspeed(model, optimizer):
         raise ConfigError(
             [
@@ -193,16 +190,16 @@ class OffloadedRolloutBackend:
     The optimizer is looked up at call time: HF's Trainer creates it after the backend is built.
     """
 
-    def __init__(self, backend: Any, cfg: RollmatchConfig, *, model: nn.Module, optimizer_getter: Any):
+    def __init__(self, backend: Any, offload: OffloadConfig, *, model: nn.Module, optimizer_getter: Any):
         self.inner = backend
         self.name = backend.name
-        self._cfg = cfg
+        self._offload = offload
         self._model = model
         self._optimizer_getter = optimizer_getter
 
     def _phase(self) -> contextlib.AbstractContextManager[OffloadState]:
         return rollout_offload(
-            self._cfg, model=self._model, optimizer=self._optimizer_getter(), backend=self.inner
+            self._offload, model=self._model, optimizer=self._optimizer_getter(), backend=self.inner
         )
 
     @property
@@ -222,9 +219,9 @@ class OffloadedRolloutBackend:
 
 
 def with_rollout_offload(
-    backend: Any, cfg: RollmatchConfig, *, model: nn.Module, optimizer_getter: Any
+    backend: Any, offload: OffloadConfig, *, model: nn.Module, optimizer_getter: Any
 ) -> Any:
     """Wrap colocated backends so each rollout phase offloads/sleeps; others are returned as is."""
     if not isinstance(backend, ColocatedBackend):
         return backend
-    return OffloadedRolloutBackend(backend, cfg, model=model, optimizer_getter=optimizer_getter)
+    return OffloadedRolloutBackend(backend, offload, model=model, optimizer_getter=optimizer_getter)

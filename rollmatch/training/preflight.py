@@ -30,7 +30,7 @@ from rollmatch.errors import ConfigError, ConfigProblem
 
 if TYPE_CHECKING:
     from rollmatch.config.decoding import Decoding
-    from rollmatch.config.schema import RollmatchConfig
+    from rollmatch.config.schema import RollmatchConfig, RolloutMatchingConfig
     from rollmatch.data.prompts import PromptEncoder
     from rollmatch.data.records import Record
     from rollmatch.rollout.types import RolloutBackend
@@ -176,9 +176,9 @@ def run_preflight(
     return report
 
 
-def preflight_decoding(cfg: RollmatchConfig, eval_decoding: Decoding) -> Decoding:
+def preflight_decoding(rollout: RolloutMatchingConfig, eval_decoding: Decoding) -> Decoding:
     """Greedy (``eval.decoding``) with the rollouts' answer budget: what the start model answers at best."""
-    return replace(eval_decoding, max_new_tokens=cfg.rollout.max_new_tokens)
+    return replace(eval_decoding, max_new_tokens=rollout.max_new_tokens)
 
 
 def preflight_before_training(ctx: BuildContext, records: Sequence[Record]) -> None:
@@ -207,7 +207,7 @@ def preflight_before_training(ctx: BuildContext, records: Sequence[Record]) -> N
             ctx.encoder,
             ctx.codec,
             records[: cfg.preflight.records],
-            decoding=preflight_decoding(cfg, ctx.run.eval_decoding),
+            decoding=preflight_decoding(cfg.rollout, ctx.run.eval_decoding),
             max_length=cfg.training.global_max_length,
             min_valid_fraction=cfg.preflight.min_valid_fraction,
             batch_size=cfg.eval.batch_size,
@@ -249,7 +249,7 @@ def preflight_command(args: argparse.Namespace) -> int:
             setup.encoder,
             setup.codec,
             records,
-            decoding=preflight_decoding(cfg, setup.run.eval_decoding),
+            decoding=preflight_decoding(cfg.rollout, setup.run.eval_decoding),
             max_length=cfg.training.global_max_length,
             min_valid_fraction=cfg.preflight.min_valid_fraction,
             batch_size=cfg.eval.batch_size,

@@ -64,13 +64,13 @@ def fixed_size_chunks(count: int, chunk_size: int) -> list[tuple[int, int]]:
 
     (Not :func:`rollmatch.rollout.chunking.contiguous_chunks`, which takes a number of chunks.) Used
     to split one step's rollouts into backend calls of
-    ``stage2_ab.channel_b.rollout_decode_batch_size`` samples.
+    ``custom.extra.rollout_matching.decode_batch_size`` samples.
     """
     if chunk_size <= 0:
         raise ConfigError(
             [
                 ConfigProblem(
-                    "stage2_ab.channel_b.rollout_decode_batch_size",
+                    "custom.extra.rollout_matching.decode_batch_size",
                     chunk_size,
                     "must be >= 1 (samples per rollout call)",
                 )

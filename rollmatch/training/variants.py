@@ -28,7 +28,6 @@ from rollmatch.config.schema import RollmatchConfig
 from rollmatch.data.prompts import PromptEncoder
 from rollmatch.data.records import Record
 from rollmatch.detection.codec import ObjectCodec
-from rollmatch.errors import ConfigError, ConfigProblem
 from rollmatch.rollout.build import build_backend
 from rollmatch.rollout.types import Decoding, Rollout, RolloutBackend, RolloutRequest, SyncReport
 from rollmatch.training.channel_b.actor import AdmissionSettings, RolloutActor
@@ -107,7 +106,7 @@ def build_sft(ctx: BuildContext) -> VariantParts:
 
 def build_rollout_matching(ctx: BuildContext) -> VariantParts:
     backend = backend_for(ctx)
-    rollouts = segment_producer(ctx, backend, None)  # one generate per micro-batch
+    rollouts = segment_producer(ctx, backend, ctx.run.rollout_decode_batch_size)  # None: one per micro-batch
     channel_b = WindowRows(rollouts.produce, row_planner(ctx), per_record=rollouts.rollouts_per_record)
     planner = StepPlanner(
         schedule=ConstantSchedule("B"),
@@ -124,14 +123,7 @@ def build_rollout_matching(ctx: BuildContext) -> VariantParts:
 def build_stage2(ctx: BuildContext) -> VariantParts:
     cfg = ctx.cfg
     b_ratio = cfg.stage2_ab.schedule.b_ratio
-    if b_ratio is None:  # config.rules reports it at load; a config built in code skips that
-        raise ConfigError(
-            [
-                ConfigProblem(
-                    "stage2_ab.schedule.b_ratio", None, "required by stage2_ab_training: a float in [0, 1]"
-                )
-            ]
-        )
+    assert b_ratio is not None  # rule_b_ratio_required, checked when the run was resolved
     channel_a = gt_rows(ctx)
     backend = backend_for(ctx)
     mode = cfg.stage2_ab.channel_b.mode
@@ -185,13 +177,15 @@ def backend_for(ctx: BuildContext) -> RolloutBackend:
         eos_token_id=ctx.encoder.eos_token_id,
         pad_token_id=ctx.encoder.pad_token_id,
     )
-    return with_rollout_offload(backend, ctx.cfg, model=ctx.model, optimizer_getter=ctx.optimizer_getter)
+    return with_rollout_offload(
+        backend, ctx.cfg.rollout.offload, model=ctx.model, optimizer_getter=ctx.optimizer_getter
+    )
 
 
 def rollout_channel(ctx: BuildContext, backend: RolloutBackend) -> RolloutSegmentProducer:
-    """Channel-B's rollout segment producer: records decoded in calls of
-    ``stage2_ab.channel_b.rollout_decode_batch_size``."""
-    return segment_producer(ctx, backend, ctx.cfg.stage2_ab.channel_b.rollout_decode_batch_size)
+    """Channel-B's rollout segment producer: records decoded in calls of the run's rollout decode batch
+    (``custom.extra.rollout_matching.decode_batch_size``)."""
+    return segment_producer(ctx, backend, ctx.run.rollout_decode_batch_size)
 
 
 def segment_producer(
@@ -238,6 +232,8 @@ def async_packs(ctx: BuildContext, backend: RolloutBackend) -> AsyncPacks:
     cfg, rank = ctx.cfg, ctx.collectives.rank
     t, channel_b = cfg.training, cfg.stage2_ab.channel_b
     settings = channel_b.async_
+    decode_batch = ctx.run.rollout_decode_batch_size
+    assert decode_batch is not None  # stage2_ab_training resolves a batch (config.resolved)
     queue: ReadyPackQueue[Any] = ReadyPackQueue(settings.queue_limit)
     actor = RolloutActor(
         rollouts=rollout_channel(ctx, ActorRolloutClient(backend)),
@@ -248,7 +244,7 @@ def async_packs(ctx: BuildContext, backend: RolloutBackend) -> AsyncPacks:
             capacity=t.global_max_length if t.packing else None,
             batch_size=None if t.packing else t.per_device_train_batch_size,
         ),
-        decode_batch_size=channel_b.rollout_decode_batch_size,
+        decode_batch_size=decode_batch,
         prefetch_target=settings.prefetch_target_packs,
         version_window=settings.version_window,
         training_seed=t.seed,
@@ -289,17 +285,10 @@ class ActorRolloutClient:
     def __init__(self, backend: RolloutBackend):
         from rollmatch.rollout.client import ServerBackend, ServerConnection
 
-        if not isinstance(backend, ServerBackend):
-            raise ConfigError(
-                [
-                    ConfigProblem(
-                        "stage2_ab.channel_b.mode",
-                        "async",
-                        "async actors need rollout servers: set custom.extra.rollout_matching.rollout_backend: "
-                        "vllm and custom.extra.rollout_matching.vllm.mode: server",
-                    )
-                ]
-            )
+        if not isinstance(
+            backend, ServerBackend
+        ):  # rule_async (config.rules) refused any other at resolution
+            raise TypeError(f"async actors roll out on rollout servers, got the {backend.name} backend")
         connections = [
             ServerConnection(c.url, c.group_port, timeout_s=c.timeout_s, infer_timeout_s=c.infer_timeout_s)
             for c in backend.connections

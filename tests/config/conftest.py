@@ -1,4 +1,9 @@
-"""Fixtures for config tests: collect the problems of an invalid config (``Problems``), write YAML files."""
+"""Fixtures for config tests: collect the problems of an invalid config (``Problems``), write YAML files.
+
+A config's problems are what the one door to a run reports (``config.resolved.resolve_run``: keys,
+values and every rule) for one process on a GPU machine (8 devices: the engine rules of a CPU run
+have their own tests); the checkpoint is not required (``model.path`` need not exist), so
+``data.coord_frame: auto`` is left unresolved."""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ from typing import Any
 
 import pytest
 import yaml
+from resolved_runs import resolve_for
 
 from rollmatch.config.load import load_config_dict
 from rollmatch.errors import ConfigError, ConfigProblem
@@ -35,7 +41,7 @@ def problems_of() -> ProblemsOf:
 
     def collect(data: dict[str, Any], overrides: Sequence[str] = ()) -> Problems:
         with pytest.raises(ConfigError) as info:
-            load_config_dict(data, overrides)
+            resolve_for(load_config_dict(data, overrides), gpus=8)
         assert info.value.problems, "a ConfigError must carry at least one problem"
         return Problems(info.value.problems)
 

@@ -74,6 +74,7 @@ def test_json_output_holds_the_resolved_values(
             "min_pixels": None,
             "max_pixels": None,
             "gradient_accumulation_steps": 4,
+            "rollout_decode_batch_size": None,  # rollout_matching_sft: a micro-batch's records per call
             "resume_from": None,  # training.resume_from_checkpoint: auto, nothing saved yet: step 0
             "decoding": {  # the rollouts' ...
                 "temperature": 0.7,

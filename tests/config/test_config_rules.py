@@ -7,10 +7,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from resolved_runs import resolve_for, resolved_config
 
 from rollmatch.config.load import load_config_dict
-from rollmatch.config.rules import check_runtime, resolve_servers, resolve_sync_mode, validate_runtime
+from rollmatch.config.rollout_rules import resolve_sync_mode
+from rollmatch.config.rules import check_runtime
 from rollmatch.config.schema import ServerConfig, ServerEndpoint
+from rollmatch.config.server_rules import resolve_servers
 from rollmatch.errors import ConfigError
 
 RM = "custom.extra.rollout_matching"
@@ -42,7 +45,7 @@ SERVERS = {"servers": [{"base_url": "http://127.0.0.1:8000", "group_port": 51216
 def test_matched_prefix_is_supervised_where_it_applies_unless_set(
     loss: dict[str, Any], expected: str
 ) -> None:
-    assert load_config_dict({"loss": loss}).loss.matched_prefix == expected
+    assert resolved_config({"loss": loss}).loss.matched_prefix == expected
 
 
 def test_supervision_set_where_it_cannot_apply_is_refused(problems_of) -> None:
@@ -53,7 +56,7 @@ def test_supervision_set_where_it_cannot_apply_is_refused(problems_of) -> None:
 
 
 def test_supervision_after_own_mistakes_is_a_whole_config() -> None:
-    loss = load_config_dict({"loss": {"matched_prefix": "supervise", "keep_prefix": "all"}}).loss
+    loss = resolved_config({"loss": {"matched_prefix": "supervise", "keep_prefix": "all"}}).loss
     assert (loss.keep_prefix, loss.matched_prefix) == ("all", "supervise")
 
 
@@ -77,7 +80,7 @@ def test_rollout_loss_knobs_under_sft_are_refused(problems_of, key: str, value: 
 
 
 def test_unlikelihood_after_own_mistakes_is_accepted() -> None:
-    cfg = load_config_dict(
+    cfg = resolved_config(
         {"loss": {"keep_prefix": "all", "matched_prefix": "supervise", "fp_unlikelihood_weight": 0.5}}
     )
     assert cfg.loss.fp_unlikelihood_weight == 0.5 and cfg.loss.missed_weight == 1.0
@@ -93,7 +96,7 @@ def test_stage2_ab_requires_b_ratio(problems_of) -> None:
 
 
 def test_stage2_ab_with_b_ratio_loads() -> None:
-    cfg = load_config_dict(
+    cfg = resolved_config(
         {"custom": {"trainer_variant": "stage2_ab_training"}, "stage2_ab": {"schedule": {"b_ratio": 0.25}}}
     )
     assert cfg.stage2_ab.schedule.b_ratio == 0.25
@@ -109,7 +112,7 @@ def test_pipeline_needs_server_mode(problems_of) -> None:
     problem = problems_of(data).only("stage2_ab.channel_b.enable_pipeline")
     assert "unsafe" in problem.fix and f"{VLLM}.mode: server" in problem.fix
     ok = {**server_mode(SERVERS), **data}
-    assert load_config_dict(ok).stage2_ab.channel_b.enable_pipeline
+    assert resolved_config(ok).stage2_ab.channel_b.enable_pipeline
 
 
 def test_pipeline_needs_step_mode(problems_of) -> None:
@@ -141,7 +144,7 @@ def test_rollouts_per_step_outside_step_mode_is_refused(problems_of, mode: str) 
     problem = problems_of(data).only("stage2_ab.channel_b.rollouts_per_step")
     assert problem.value == 16 and "only step mode reads it" in problem.fix
     step = {"stage2_ab": {"channel_b": {"mode": "step", "rollouts_per_step": 16}}}
-    assert load_config_dict(step).stage2_ab.channel_b.rollouts_per_step == 16
+    assert resolved_config(step).stage2_ab.channel_b.rollouts_per_step == 16
 
 
 def deepspeed_file(tmp_path: Path, stage: int) -> str:
@@ -156,7 +159,7 @@ def test_step_mode_with_deepspeed_is_refused(problems_of, tmp_path) -> None:
     problem = problems_of(data).only("training.deepspeed")
     assert "stage2_ab.channel_b.mode: micro" in problem.fix
     micro = {"stage2_ab": {"channel_b": {"mode": "micro"}}, "training": {"deepspeed": zero2}}
-    assert load_config_dict(micro).training.deepspeed == zero2
+    assert resolved_config(micro).training.deepspeed == zero2
 
 
 def test_rollout_offload_with_deepspeed_is_refused(problems_of, tmp_path) -> None:
@@ -168,17 +171,17 @@ def test_rollout_offload_with_deepspeed_is_refused(problems_of, tmp_path) -> Non
     hf = rollout(rollout_backend="hf", offload=offload) | {
         "training": {"deepspeed": deepspeed_file(tmp_path, 2)}
     }
-    assert load_config_dict(hf)
+    assert resolved_config(hf)
 
 
 def test_min_pixels_above_max_pixels_is_refused_at_load(problems_of) -> None:
     problem = problems_of({"data": {"min_pixels": 50_000, "max_pixels": 40_000}}).only("data.min_pixels")
     assert problem.value == 50_000 and "data.max_pixels (= 40000)" in problem.fix
-    assert load_config_dict({"data": {"min_pixels": 40_000, "max_pixels": 40_000}})
+    assert resolved_config({"data": {"min_pixels": 40_000, "max_pixels": 40_000}})
 
 
 def test_async_in_server_mode_loads() -> None:
-    cfg = load_config_dict({**server_mode(SERVERS), "stage2_ab": {"channel_b": {"mode": "async"}}})
+    cfg = resolved_config({**server_mode(SERVERS), "stage2_ab": {"channel_b": {"mode": "async"}}})
     assert cfg.stage2_ab.channel_b.async_.queue_limit == 8
 
 
@@ -205,7 +208,7 @@ def test_async_max_wait_leaves_the_collective_timeout_its_margin(
     assert problem.value == wait and f"training.collective_timeout_s = {timeout:g}" in problem.fix
     assert f"max_wait_s <= {most:g}" in problem.fix
     data["stage2_ab"]["channel_b"]["async"]["max_wait_s"] = most
-    assert load_config_dict(data).stage2_ab.channel_b.async_.max_wait_s == most
+    assert resolved_config(data).stage2_ab.channel_b.async_.max_wait_s == most
 
 
 def test_async_on_policy_without_a_wait_is_refused_naming_max_wait_s(problems_of) -> None:
@@ -220,7 +223,7 @@ def test_async_on_policy_without_a_wait_is_refused_naming_max_wait_s(problems_of
         and "never trains Channel-B" in problem.fix
     )
     data["stage2_ab"]["channel_b"]["async"]["max_wait_s"] = 60.0
-    assert load_config_dict(data).stage2_ab.channel_b.async_.version_window == 0
+    assert resolved_config(data).stage2_ab.channel_b.async_.version_window == 0
 
 
 # ------------------------------------------------------------------------------------ lora / sync
@@ -248,7 +251,7 @@ def test_resolve_sync_mode(mode: str, enable_lora: bool, expected: str) -> None:
     data = rollout(vllm={"sync": {"mode": mode}, "enable_lora": enable_lora}) | {
         "model": {"lora": {"enabled": True}}
     }
-    assert resolve_sync_mode(load_config_dict(data)) == expected
+    assert resolve_sync_mode(resolved_config(data)) == expected
 
 
 # ------------------------------------------------------------------------------------ engine memory
@@ -262,7 +265,7 @@ def test_gpu_memory_utilization_range(problems_of, value: float) -> None:
 
 def test_gpu_memory_utilization_one_is_allowed() -> None:
     assert (
-        load_config_dict(rollout(vllm={"gpu_memory_utilization": 1.0})).rollout.vllm.gpu_memory_utilization
+        resolved_config(rollout(vllm={"gpu_memory_utilization": 1.0})).rollout.vllm.gpu_memory_utilization
         == 1.0
     )
 
@@ -271,9 +274,7 @@ def test_max_model_len_below_global_max_length(problems_of) -> None:
     data = {**rollout(vllm={"max_model_len": 1024}), "training": {"global_max_length": 2048}}
     problem = problems_of(data).only(f"{VLLM}.max_model_len")
     assert problem.value == 1024 and "training.global_max_length=2048" in problem.fix
-    assert load_config_dict(
-        {**rollout(vllm={"max_model_len": 2048}), "training": {"global_max_length": 2048}}
-    )
+    assert resolved_config({**rollout(vllm={"max_model_len": 2048}), "training": {"global_max_length": 2048}})
 
 
 # ------------------------------------------------------------------------------------------ servers
@@ -353,7 +354,7 @@ def test_resolve_servers_raises_on_bad_pairing() -> None:
 
 
 def test_legacy_lists_via_override() -> None:
-    cfg = load_config_dict(
+    cfg = resolved_config(
         server_mode({}),
         [f"{SERVER}.base_url=[http://a:8000,http://b:8000]", f"{SERVER}.group_port=51216"],
     )
@@ -441,18 +442,18 @@ def test_an_engine_key_without_effect_in_its_mode_is_refused(
     data: dict[str, Any], key: str, fix: str
 ) -> None:
     with pytest.raises(ConfigError) as info:
-        load_config_dict(data)
+        resolved_config(data)
     (problem,) = [p for p in info.value.problems if p.key == f"{VLLM}.{key}"]
     assert "no effect" in problem.fix and fix in problem.fix
 
 
 def test_server_mode_takes_the_engine_keys_launch_passes_on() -> None:
-    cfg = load_config_dict(
+    cfg = resolved_config(
         server_mode(SERVERS, gpu_memory_utilization=0.85, max_num_seqs=64, enforce_eager=True)
     )
     assert cfg.rollout.vllm.max_num_seqs == 64
     with pytest.raises(ConfigError, match=r"launch\.engine: hf"):
-        load_config_dict({**server_mode(SERVERS, max_num_seqs=64), "launch": {"engine": "hf"}})
+        resolved_config({**server_mode(SERVERS, max_num_seqs=64), "launch": {"engine": "hf"}})
 
 
 def test_defaults_run_without_extends_on_one_gpu() -> None:
@@ -461,20 +462,20 @@ def test_defaults_run_without_extends_on_one_gpu() -> None:
 
     assert check_runtime(load_config_dict({}), world_size=1, device_count=1, device_type="cuda") == []
     base = yaml.safe_load((Path(__file__).resolve().parents[2] / "configs" / "base.yaml").read_text())
-    engine = base["custom"]["extra"]["rollout_matching"]["vllm"]
+    engine = base["rollout"]["vllm"]  # the short form of custom.extra.rollout_matching
     defaults = load_config_dict({}).rollout.vllm.model_dump()
     assert {k: v for k, v in engine.items() if not isinstance(v, dict)} == {
         k: defaults[k] for k in engine if not isinstance(engine[k], dict)
     }
 
 
-def test_validate_runtime_raises_every_problem() -> None:
+def test_the_door_raises_every_runtime_problem() -> None:
     data = rollout(vllm={"sync": {"mode": "adapter"}, "enable_lora": True, "tensor_parallel_size": 4}) | {
         "model": {"lora": {"enabled": True}},
         "stage2_ab": {"channel_b": {"mode": "step"}},
     }
     with pytest.raises(ConfigError) as info:
-        validate_runtime(load_config_dict(data), world_size=2, device_count=0, device_type="cpu")
+        resolve_for(load_config_dict(data), world_size=2)
     assert sorted(p.key for p in info.value.problems) == sorted(
         [f"{VLLM}.sync.mode", "stage2_ab.channel_b.mode", f"{VLLM}.tensor_parallel_size"]
     )

@@ -7,10 +7,11 @@ from pathlib import Path
 
 import pytest
 import yaml
+from resolved_runs import resolved_config
 
 from rollmatch.cli import main
 from rollmatch.config.frames import describe_coord_frame, fixed_coord_frame, resolve_coord_frame
-from rollmatch.config.load import load_config, load_config_dict
+from rollmatch.config.load import load_config
 from rollmatch.errors import ConfigError
 
 
@@ -51,9 +52,9 @@ def test_unknown_family_or_missing_config_fails_asking_for_an_explicit_frame(tmp
 
 def test_coord_tokens_rule_accepts_auto_and_refuses_pixels() -> None:
     custom = {"custom": {"object_format": "coord_tokens"}}
-    assert load_config_dict(custom).data.coord_frame == "auto"
+    assert resolved_config(custom).data.coord_frame == "auto"
     with pytest.raises(ConfigError, match=r"data\.coord_frame.*set data\.coord_frame: norm1000"):
-        load_config_dict({**custom, "data": {"coord_frame": "pixels"}})
+        resolved_config({**custom, "data": {"coord_frame": "pixels"}})
 
 
 def test_check_config_prints_the_resolved_frame(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 from PIL import Image
+from resolved_runs import resolve_for
 
-from rollmatch.config.schema import DataConfig
+from rollmatch.config.schema import DataConfig, RollmatchConfig
 from rollmatch.data.prompts import EncodedPrompt, PromptEncoder, load_rgb, set_pixel_bounds
 from rollmatch.data.records import Record, RecordObject
 from rollmatch.detection.objects import from_frame
@@ -149,8 +150,10 @@ def test_pixel_bounds_from_data_config(tiny_model_dir: Path, raccoon: Callable[[
     encoded = small.encode(raccoon(1))
     width, height = encoded.frame_sizes[0]
     assert width * height <= 28 * 28 * 16 and width % 28 == 0 and height % 28 == 0
-    with pytest.raises(ConfigError, match=r"data\.min_pixels"):
-        PromptEncoder.from_pretrained(tiny_model_dir, DataConfig(min_pixels=10_000, max_pixels=5_000))
+    with pytest.raises(ConfigError, match=r"data\.min_pixels"):  # the config's rule, at the door to a run
+        resolve_for(RollmatchConfig(data=DataConfig(min_pixels=10_000, max_pixels=5_000)))
+    with pytest.raises(ConfigError, match=r"data\.min_pixels"):  # above the checkpoint's saved maximum
+        PromptEncoder.from_pretrained(tiny_model_dir, DataConfig(min_pixels=10**9))
     with pytest.raises(ConfigError, match=r"data\.max_pixels"):
         set_pixel_bounds(small.processor, 16, 100)
 

@@ -7,6 +7,7 @@ import json
 import re
 
 import pytest
+from resolved_runs import resolve_for
 
 from rollmatch.config.load import load_config
 from rollmatch.config.schema import LossConfig, MatchingConfig
@@ -134,8 +135,7 @@ def test_a_wrong_first_element_leaves_the_sft_target(codec: QwenJsonCodec) -> No
 
 def test_supervision_needs_a_prefix_fn_target() -> None:
     with pytest.raises(ConfigError, match="reordered_gt already supervises"):
-        load_config(None, ["loss.matched_prefix=supervise", "loss.target=reordered_gt"])
+        resolve_for(load_config(None, ["loss.matched_prefix=supervise", "loss.target=reordered_gt"]))
     # keep_prefix: all + supervise is a target of its own (tests/detection/test_context_targets.py)
-    assert (
-        load_config(None, ["loss.matched_prefix=supervise", "loss.keep_prefix=all"]).loss.keep_prefix == "all"
-    )
+    supervised = load_config(None, ["loss.matched_prefix=supervise", "loss.keep_prefix=all"])
+    assert resolve_for(supervised).config.loss.keep_prefix == "all"

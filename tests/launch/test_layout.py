@@ -42,8 +42,8 @@ def config(tmp_path: Path, config_writer: Callable[..., Path]) -> Callable[..., 
 def launched(config: Callable[..., LaunchConfig]) -> Callable[..., list[Any]]:
     """Every problem of a launch as ``rollmatch launch`` finds them: the flags that name a ``launch.*``
     key (``server_devices=(0, 1)``, ``tensor_parallel_size=2``, ...) are overrides of the config, so
-    the config's rules judge them when it loads (those problems, all at once, are returned); then
-    the launcher's own checks (``--cpu``, roles, the machine's devices, the runtime rules)."""
+    the config's rules judge them with the launcher's own checks (``--cpu``, roles, the machine's
+    devices, the runtime rules), all at once; a field error is returned when the config loads."""
 
     def problems(
         *overrides: str,
@@ -136,7 +136,7 @@ def test_learner_world_size_goes_through_the_trainers_runtime_rules(launched):
 
 
 def test_every_problem_is_reported_at_once(launched):
-    """The launch keys' problems together when the config loads; the rest together before any start."""
+    """The launch keys' problems, the rules' and the launcher's own together, before any start."""
     step = {"stage2_ab": {"channel_b": {"mode": "step"}}}
     keys = launched(
         sections=step,
@@ -148,6 +148,8 @@ def test_every_problem_is_reported_at_once(launched):
     assert [p.key for p in keys] == [
         "launch.learner_devices",  # device 2 is in both sets
         "launch.server_devices",  # 3 devices do not split into TP-2 servers
+        "stage2_ab.channel_b.mode",  # step mode with 2 learner ranks
+        "launch.learner_devices",  # device 5 does not exist on a 4-GPU machine
     ]
     rest = launched(
         sections=step, device_count=4, server_devices=(0, 1), learner_devices=(2, 5), tensor_parallel_size=2

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from resolved_runs import resolve_for
 
 from rollmatch.cli import main
 from rollmatch.config.load import load_config
@@ -49,7 +50,7 @@ def write(tmp_path: Path, config_writer: Callable[..., Path]) -> Callable[..., P
 
 def _keys(*overrides: str) -> dict[str, str]:
     with pytest.raises(ConfigError) as caught:
-        load_config(None, list(overrides))
+        resolve_for(load_config(None, list(overrides)), gpus=8)  # the one door to a run
     return {p.key: p.fix for p in caught.value.problems}
 
 

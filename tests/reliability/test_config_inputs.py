@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from resolved_runs import resolved_config
 
 from rollmatch.config.load import load_config, load_config_dict
 from rollmatch.errors import ConfigError
@@ -34,7 +35,7 @@ def test_two_servers_on_one_host_may_not_share_a_group_port() -> None:
         {"base_url": "http://127.0.0.1:8001", "group_port": 51216},
     ]
     with pytest.raises(ConfigError, match=r"share group_port 51216 on host 127\.0\.0\.1"):
-        load_config_dict(
+        resolved_config(
             {
                 "custom": {
                     "extra": {
@@ -44,7 +45,7 @@ def test_two_servers_on_one_host_may_not_share_a_group_port() -> None:
             }
         )
     servers[1]["base_url"] = "http://10.0.0.6:8000"  # another host: the same port is fine
-    load_config_dict(
+    resolved_config(
         {
             "custom": {
                 "extra": {"rollout_matching": {"vllm": {"mode": "server", "server": {"servers": servers}}}}

@@ -10,16 +10,12 @@ from pydantic import ValidationError
 
 from rollmatch.collectives import LocalCollectives
 from rollmatch.config.resolved import resolve_run
-from rollmatch.config.rules import resolve_sync_mode
+from rollmatch.config.rollout_rules import resolve_sync_mode
 from rollmatch.config.schema import RollmatchConfig
-from rollmatch.errors import BackendError, ConfigError
+from rollmatch.errors import BackendError, ConfigError, ConfigProblem
 from rollmatch.rollout.vllm_colocate import VllmColocateBackend
 from rollmatch.rollout.vllm_engine import VllmEngine, collapse_placeholders
-from rollmatch.rollout.vllm_settings import (
-    check_vllm_colocate_config,
-    engine_settings_from_config,
-    vllm_colocate_problems,
-)
+from rollmatch.rollout.vllm_settings import engine_settings_from_config, require_vllm
 
 pytestmark = pytest.mark.skipif(
     torch.cuda.is_available(), reason="CPU rules (device counts differ on GPU machines)"
@@ -33,10 +29,29 @@ def _valid() -> RollmatchConfig:
     return cfg
 
 
+def _resolve(cfg: RollmatchConfig, *, world_size: int = 1, devices: int = 0) -> None:
+    """The one door to a run (every rule), for ``devices`` GPUs (0: CPU), the checkpoint not required."""
+    resolve_run(
+        cfg,
+        world_size=world_size,
+        device_count=devices,
+        device_type="cuda" if devices else "cpu",
+        model_required=False,
+    )
+
+
+def _all_problems(cfg: RollmatchConfig, *, world_size: int = 1, devices: int = 0) -> list[ConfigProblem]:
+    try:
+        _resolve(cfg, world_size=world_size, devices=devices)
+    except ConfigError as error:
+        return error.problems
+    return []
+
+
 def _problems(cfg: RollmatchConfig, *, world_size: int = 1, devices: int = 0) -> dict[str, str]:
     """Key -> its fixes joined (a key may have several problems); ``devices`` GPUs (0: CPU)."""
     out: dict[str, str] = {}
-    for p in vllm_colocate_problems(cfg, world_size=world_size, device_count=devices):
+    for p in _all_problems(cfg, world_size=world_size, devices=devices):
         out[p.key] = f"{out.get(p.key, '')} | {p.fix}"
     return out
 
@@ -103,14 +118,17 @@ def test_sleep_mode_needs_a_gpu_and_level_2_needs_full_sync() -> None:
     cfg.rollout.vllm.enable_lora = True
     cfg.model.lora.enabled = True
     cfg.rollout.vllm.sync.mode = "adapter"
-    fixes = [p.fix for p in vllm_colocate_problems(cfg, world_size=1, device_count=0)]
+    fixes = [p.fix for p in _all_problems(cfg)]
     assert any("sleep_level 1" in f for f in fixes) and any("on CPU" in f for f in fixes)
 
 
 def test_missing_vllm_says_how_to_install_or_switch_backend(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "vllm", None)  # what an environment without vLLM looks like
-    fix = _problems(_valid())["custom.extra.rollout_matching.rollout_backend"]
-    assert "pip install" in fix and "rollout_backend: hf" in fix
+    with pytest.raises(ConfigError) as info:
+        require_vllm()  # what a colocated backend checks when it is built
+    (problem,) = info.value.problems
+    assert problem.key == "custom.extra.rollout_matching.rollout_backend"
+    assert "pip install" in problem.fix and "rollout_backend: hf" in problem.fix
     with pytest.raises(BackendError, match="not installed"):
         VllmEngine("/nonexistent").start()
 
@@ -121,7 +139,7 @@ def test_all_problems_are_reported_at_once() -> None:
     cfg.rollout.vllm.sleep_level = 1
     cfg.rollout.vllm.max_model_len = 16
     with pytest.raises(ConfigError) as info:
-        check_vllm_colocate_config(cfg, world_size=1)
+        _resolve(cfg)
     assert len(info.value.problems) == 3
 
 

@@ -53,6 +53,7 @@ def async_config(
                 "rollout_matching": {
                     "rollout_backend": "vllm",
                     "max_new_tokens": 12,
+                    "decode_batch_size": 2,
                     "vllm": {
                         "mode": "server",
                         "sync": {"mode": "full"},
@@ -68,7 +69,6 @@ def async_config(
             "schedule": {"b_ratio": 1.0},
             "channel_b": {
                 "mode": "async",
-                "rollout_decode_batch_size": 2,
                 "async": {
                     "queue_limit": 4,
                     "prefetch_target_packs": 2,

@@ -85,12 +85,7 @@ def test_a_server_backend_is_built_from_one_resolution(
     try:
         entries = entries_into_rules(calls)
         assert {caller for caller, _ in entries} == {"resolved.py"}, entries  # one place reaches the rules
-        assert Counter(name for _, name in entries) == {
-            "check_runtime": 1,
-            "resolve_servers": 1,
-            "min_healthy_problems": 1,  # the floor against the servers just resolved
-            "resolve_sync_mode": 1,
-        }
+        assert Counter(name for _, name in entries) == {"check_run": 1}  # every rule, static and runtime
         assert calls_to(calls, frames_module.resolve_coord_frame) == 1
         assert calls_to(calls, AutoProcessor.from_pretrained.__func__) == 1  # type: ignore[attr-defined]
         assert backend.sync_mode == run.sync_mode == "full"
@@ -161,6 +156,7 @@ def test_the_resolved_run_is_frozen(tiny_model_dir: Path) -> None:
         "min_pixels": None,
         "max_pixels": None,
         "gradient_accumulation_steps": cfg.training.gradient_accumulation(2),
+        "rollout_decode_batch_size": None,  # rollout_matching_sft: a micro-batch's records per call
         "decoding": asdict(Decoding()),  # the schema's rollout defaults: greedy, 512 new tokens
         "eval_decoding": asdict(Decoding()),  # eval.decoding greedy, the rollouts' budget
     }

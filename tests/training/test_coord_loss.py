@@ -131,7 +131,7 @@ def test_packed_rows_equal_separate_forwards_with_the_coordinate_losses(
         .produce(load_records(cfg.data.train_jsonl)[:3], 0)
         .segments
     )
-    loss = coord_loss_for(cfg, codec)
+    loss = coord_loss_for(cfg.loss, codec)
     assert loss is not None and loss.has_geometry
     assert all(any(int(t) in set(codec.coord_ids) for t in s.input_ids) for s in segments)
 

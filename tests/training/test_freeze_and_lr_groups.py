@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from resolved_runs import resolved_config
 
-from rollmatch.config.load import load_config_dict
 from rollmatch.errors import ConfigError
 from rollmatch.training.param_groups import GROUPS, freeze_groups, module_group, optimizer_param_groups
 
@@ -54,7 +54,7 @@ def test_optimizer_groups_carry_the_multiplied_rate(tiny_model_dir: Path) -> Non
 def test_freeze_and_multipliers_rules() -> None:
     def problems(training: dict, lora: bool = False) -> str:
         with pytest.raises(ConfigError) as info:
-            load_config_dict({"training": training, "model": {"lora": {"enabled": lora}}})
+            resolved_config({"training": training, "model": {"lora": {"enabled": lora}}})
         return str(info.value)
 
     assert "freezes every group" in problems({"freeze": ["vision_tower", "merger", "language_model"]})
@@ -64,7 +64,7 @@ def test_freeze_and_multipliers_rules() -> None:
     assert "must be > 0" in problems({"lr_multipliers": {"vision_tower": 0.0}})
     assert "LoRA trains only its adapters" in problems({"freeze": ["vision_tower"]}, lora=True)
     assert "training.freeze" in problems({"freeze": ["visual"]})  # not a group name
-    cfg = load_config_dict({"training": {"freeze": ["vision_tower"], "lr_multipliers": {"merger": 0.5}}})
+    cfg = resolved_config({"training": {"freeze": ["vision_tower"], "lr_multipliers": {"merger": 0.5}}})
     assert cfg.training.freeze == ["vision_tower"] and cfg.training.lr_multipliers == {"merger": 0.5}
 
 

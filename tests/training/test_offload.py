@@ -11,7 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from rollmatch.config.schema import RollmatchConfig
+from rollmatch.config.resolved import resolve_run
+from rollmatch.config.schema import OffloadConfig, RollmatchConfig
 from rollmatch.errors import ConfigError
 from rollmatch.rollout.hf import HFBackend
 from rollmatch.training.offload import ColocatedBackend, rollout_offload
@@ -29,12 +30,8 @@ def _model_and_optimizer() -> tuple[nn.Module, torch.optim.Optimizer]:
     return model, optimizer
 
 
-def _cfg(*, enabled: bool = True, model: bool = True, optimizer: bool = True) -> RollmatchConfig:
-    cfg = RollmatchConfig()
-    cfg.rollout.offload.enabled = enabled
-    cfg.rollout.offload.offload_model = model
-    cfg.rollout.offload.offload_optimizer = optimizer
-    return cfg
+def _cfg(*, enabled: bool = True, model: bool = True, optimizer: bool = True) -> OffloadConfig:
+    return OffloadConfig(enabled=enabled, offload_model=model, offload_optimizer=optimizer)
 
 
 def _tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
@@ -155,10 +152,11 @@ def test_non_colocated_backends_are_a_no_op() -> None:
 def test_deepspeed_fails_fast_with_mitigations() -> None:
     model, optimizer = _model_and_optimizer()
     backend = RecordingBackend(model, optimizer)
-    cfg = _cfg()
+    cfg = RollmatchConfig()
+    cfg.rollout.offload = _cfg()
     cfg.training.deepspeed = "ds_zero3.json"
     with pytest.raises(ConfigError, match=r"offload\.enabled: false.*rollout_backend: hf.*ZeRO"):
-        rollout_offload(cfg, model=model, optimizer=optimizer, backend=backend)
+        resolve_run(cfg, world_size=1, device_count=0, device_type="cpu", model_required=False)
     next(iter(model.parameters())).ds_id = 0  # what ZeRO-3 sets on partitioned parameters
     with pytest.raises(ConfigError, match="DeepSpeed ZeRO"):
         rollout_offload(_cfg(), model=model, optimizer=optimizer, backend=backend)

@@ -69,7 +69,7 @@ def test_out_of_range_ratio_names_the_key(bad):
 def test_fixed_size_chunks_cover_in_order():
     assert fixed_size_chunks(5, 2) == [(0, 2), (2, 4), (4, 5)]
     assert fixed_size_chunks(0, 2) == []
-    with pytest.raises(ConfigError, match="rollout_decode_batch_size"):
+    with pytest.raises(ConfigError, match=r"custom\.extra\.rollout_matching\.decode_batch_size"):
         fixed_size_chunks(3, 0)
 
 

@@ -91,7 +91,7 @@ def hf_backend(model: Any, encoder: PromptEncoder, batch_size: int = 64) -> HFBa
 
 @pytest.mark.parametrize(("decode_batch", "calls"), [(2, [2, 2]), (3, [3, 1])])
 def test_b_step_rolls_out_in_decode_batches_and_an_a_step_never(parts, monkeypatch, decode_batch, calls):
-    parts.cfg.stage2_ab.channel_b.rollout_decode_batch_size = decode_batch
+    parts.cfg.rollout.decode_batch_size = decode_batch  # resolved into the run below
     # The backend itself batches everything in one generate: the chunking must come from the channel.
     backend = RecordingBackend(hf_backend(parts.model, parts.encoder))
     monkeypatch.setattr(variants, "backend_for", lambda ctx: backend)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import warnings
 
 import pytest
-from resolved_runs import unresolved_run
+from resolved_runs import resolved_config, unresolved_run
 
 from rollmatch.collectives import LocalCollectives
 from rollmatch.config.load import load_config_dict
@@ -39,7 +39,7 @@ SERVER = {
 
 def problems_of(data: dict) -> str:
     with pytest.raises(ConfigError) as info:
-        load_config_dict(data)
+        resolved_config(data)
     return str(info.value)
 
 
@@ -59,7 +59,7 @@ def test_b_ratio_outside_unit_interval_is_refused(b_ratio):
 
 
 def test_step_mode_under_two_ranks_points_to_async():
-    cfg = load_config_dict(
+    cfg = resolved_config(
         {**STAGE2, "stage2_ab": {"schedule": {"b_ratio": 0.5}, "channel_b": {"mode": "step"}}}
     )
     problems = check_runtime(cfg, world_size=2, device_count=0, device_type="cpu")
@@ -72,7 +72,7 @@ def test_training_refuses_step_mode_under_world_size_two(monkeypatch, tmp_path):
     from rollmatch.training.entry import run_training
 
     monkeypatch.setenv("WORLD_SIZE", "2")
-    cfg = load_config_dict(
+    cfg = resolved_config(
         {
             **STAGE2,
             "stage2_ab": {"schedule": {"b_ratio": 0.5}, "channel_b": {"mode": "step"}},
@@ -87,7 +87,7 @@ def test_pipeline_needs_rollout_servers():
     step_pipeline = {"schedule": {"b_ratio": 0.5}, "channel_b": {"mode": "step", "enable_pipeline": True}}
     message = problems_of({**STAGE2, "stage2_ab": step_pipeline})
     assert "enable_pipeline" in message and "unsafe" in message and "vllm.mode: server" in message
-    cfg = load_config_dict({**SERVER, "stage2_ab": step_pipeline})
+    cfg = resolved_config({**SERVER, "stage2_ab": step_pipeline})
     assert cfg.stage2_ab.channel_b.enable_pipeline
 
 
@@ -100,7 +100,7 @@ def test_old_section_spelling_is_an_alias_with_a_warning():
     }
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        cfg = load_config_dict(aliased)
+        cfg = resolved_config(aliased)
     assert cfg.stage2_ab.schedule.b_ratio == 0.25
     assert any(issubclass(w.category, DeprecationWarning) and "stage2_ab" in str(w.message) for w in caught)
     both = {**aliased, "stage2_ab": {"schedule": {"b_ratio": 0.5}}}
@@ -137,7 +137,7 @@ def test_async_mode_needs_rollout_servers_at_load_time(rollouts):
 
 
 def test_async_mode_with_servers_and_full_sync_loads():
-    cfg = load_config_dict(
+    cfg = resolved_config(
         {**SERVER, "stage2_ab": {"schedule": {"b_ratio": 0.5}, "channel_b": {"mode": "async"}}}
     )
     assert cfg.stage2_ab.channel_b.mode == "async"
@@ -147,7 +147,7 @@ def test_async_mode_with_servers_and_full_sync_loads():
 def test_variant_refuses_a_code_built_config_without_b_ratio():
     cfg = RollmatchConfig()
     cfg.custom.trainer_variant = "stage2_ab_training"
-    with pytest.raises(ConfigError, match=r"stage2_ab\.schedule\.b_ratio"):
+    with pytest.raises(ConfigError, match=r"stage2_ab\.schedule\.b_ratio"):  # the one door to a run
         build_stage2(bare_context(cfg))
 
 
