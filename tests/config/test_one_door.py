@@ -44,6 +44,14 @@ ASYNC = [*STAGE2, *SERVER_MODE, "stage2_ab.channel_b.mode=async"]
 REFUSALS: dict[str, tuple[list[str], int]] = {
     "b_ratio_required": (["custom.trainer_variant=stage2_ab_training", *HF], 1),
     "freeze_everything": (["training.freeze=[vision_tower,merger,language_model]"], 1),
+    "noise_objects_outside_sft": (
+        [
+            "custom.trainer_variant=rollout_matching_sft",
+            "loss.noise_objects.enabled=true",
+            "loss.noise_objects.pad_to=4",
+        ],
+        1,
+    ),
     "server_mode_without_servers": (["custom.extra.rollout_matching.vllm.mode=server"], 1),
     "adapter_sync_without_lora": (["custom.extra.rollout_matching.vllm.sync.mode=adapter"], 1),
     "pipeline_without_servers": (

@@ -12,7 +12,9 @@ must be what the old key gave under ``stage2_ab_training`` and a micro-batch (nu
 ``check-config`` resolved every config for one process then; it now resolves a server-mode rollout
 config for the learner world size its ``launch:`` section gives (what ``train`` runs with under
 ``rollmatch launch``), so ``world_size`` and the gradient accumulation steps derived from it are
-checked against that world size, and every other value against the record.
+checked against that world size, and every other value against the record. Sections added since
+(``loss.noise_objects``, ``eval.noise_label``) must hold their defaults in every shipped config and
+are left out of the comparison.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any
 import pytest
 
 from rollmatch.config.launch_rules import launch_world_size
+from rollmatch.config.schema import NoiseObjectsConfig
 from rollmatch.config.load import load_config, resolved_json
 
 REPO = Path(__file__).resolve().parents[2]
@@ -38,6 +41,8 @@ def current_json(path: str) -> dict[str, Any]:
 def as_recorded(path: str, current: dict[str, Any]) -> dict[str, Any]:
     """``current`` in the recorded shape: the decode batch back under Channel-B (see the module docstring)."""
     old = json.loads(json.dumps(current))
+    assert old["loss"].pop("noise_objects") == NoiseObjectsConfig().model_dump(mode="json")
+    assert old["eval"].pop("noise_label") is None
     rollout = old["custom"]["extra"]["rollout_matching"]
     assert rollout.pop("decode_batch_size") is None  # no shipped config sets it: each variant's default
     cfg = load_config(REPO / path)
