@@ -59,14 +59,17 @@ demo: $(STAMP)
 
 # The suite; the benchmark scripts' smoke runs (marker `bench`) are `make bench-smoke`, which CI runs after it.
 # Two tiers: the unit tier on two pytest-xdist workers, then the integration tier (several processes or a
-# vLLM engine per test, marked by tests/conftest.py) one test at a time. Both report their slowest tests.
+# vLLM engine per test, marked by tests/conftest.py): on two workers too (a module's shared servers on one),
+# then its serial sub-tier (wall-clock bounds that assume the machine) one test at a time. All report
+# their slowest tests.
 test: test-unit test-integration
 
 test-unit: $(STAMP) $(SWIFT_STAMP) $(TRL_STAMP)
 	$(VENV)/bin/python -m pytest -q -m "not bench and not integration" -n 2 --durations=20
 
 test-integration: $(STAMP) $(SWIFT_STAMP) $(TRL_STAMP)
-	$(VENV)/bin/python -m pytest -q -m "not bench and integration" --durations=20
+	$(VENV)/bin/python -m pytest -q -m "not bench and integration and not serial" -n 2 --dist loadgroup --durations=20
+	$(VENV)/bin/python -m pytest -q -m "not bench and integration and serial" --durations=20
 
 # `make test` idle, with every core busy with another job, and pinned to one core; durations and
 # results in runs/test-stress/results.tsv (tools/test_stress.sh --help). Takes about an hour.
