@@ -67,8 +67,10 @@ test: test-unit test-integration
 test-unit: $(STAMP) $(SWIFT_STAMP) $(TRL_STAMP)
 	$(VENV)/bin/python -m pytest -q -m "not bench and not integration" -n 2 --durations=20
 
+# INTEGRATION_WORKERS=0 runs that step in one process, one test at a time (to compare on a given machine).
+INTEGRATION_WORKERS ?= 2
 test-integration: $(STAMP) $(SWIFT_STAMP) $(TRL_STAMP)
-	$(VENV)/bin/python -m pytest -q -m "not bench and integration and not serial" -n 2 --dist loadgroup --durations=20
+	$(VENV)/bin/python -m pytest -q -m "not bench and integration and not serial" -n $(INTEGRATION_WORKERS) --dist loadgroup --durations=20
 	$(VENV)/bin/python -m pytest -q -m "not bench and integration and serial" --durations=20
 
 # `make test` idle, with every core busy with another job, and pinned to one core; durations and
