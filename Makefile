@@ -60,14 +60,19 @@ demo: $(STAMP)
 # The suite; the smoke runs of the benchmark scripts and the study drivers (marker `bench`; tests/test_benches.py,
 # tests/studies/test_study_smoke.py) are `make bench-smoke`, which CI runs after it.
 # Two tiers: the unit tier on two pytest-xdist workers, then the integration tier (several processes or a
-# vLLM engine per test, marked by tests/conftest.py) one test at a time. Both report their slowest tests.
+# vLLM engine per test, marked by tests/conftest.py): on two workers too (a module's shared servers on one),
+# then its serial sub-tier (wall-clock bounds that assume the machine) one test at a time. All report
+# their slowest tests.
 test: test-unit test-integration
 
 test-unit: $(STAMP) $(SWIFT_STAMP) $(TRL_STAMP)
 	$(VENV)/bin/python -m pytest -q -m "not bench and not integration" -n 2 --durations=20
 
+# INTEGRATION_WORKERS=0 runs that step in one process, one test at a time (to compare on a given machine).
+INTEGRATION_WORKERS ?= 2
 test-integration: $(STAMP) $(SWIFT_STAMP) $(TRL_STAMP)
-	$(VENV)/bin/python -m pytest -q -m "not bench and integration" --durations=20
+	$(VENV)/bin/python -m pytest -q -m "not bench and integration and not serial" -n $(INTEGRATION_WORKERS) --dist loadgroup --durations=20
+	$(VENV)/bin/python -m pytest -q -m "not bench and integration and serial" --durations=20
 
 # `make test` idle, with every core busy with another job, and pinned to one core; durations and
 # results in runs/test-stress/results.tsv (tools/test_stress.sh --help). Takes about an hour.

@@ -9,10 +9,14 @@
 - ``free_port``: a function returning a currently free TCP port on 127.0.0.1.
 
 Tiers (``make test`` runs both): a test is marked ``integration`` when it starts several processes or
-a vLLM engine (see :func:`pytest_collection_modifyitems`; modules whose helpers do set ``pytestmark``); those run one at a time. Every other test
-is the unit tier, run under pytest-xdist (``-n 2``): each worker has its own session, so session
-fixtures (tiny models, in-process engines) are built per worker, ports come from ``free_port`` and
-files go under ``tmp_path``.
+a vLLM engine (see :func:`pytest_collection_modifyitems`; modules whose helpers do set ``pytestmark``).
+Every other test is the unit tier. Both run under pytest-xdist (``-n 2``): each worker has its own
+session, so session fixtures (tiny models, in-process engines, shared servers) are built per worker,
+ports come from ``free_port`` and files go under ``tmp_path``. In the integration tier
+(``--dist loadgroup``) the tests of a module with a module-scoped fixture (a server, an engine, a
+trained run that several tests read) share an ``xdist_group``, so that fixture starts once; the
+integration tests whose wall-clock bounds assume the machine to themselves are marked ``serial``
+(:data:`SERIAL`) and run afterwards, one at a time.
 """
 
 from __future__ import annotations
@@ -121,6 +125,40 @@ INTEGRATION_SOURCE = (
 )
 
 
+# Integration tests with a wall-clock bound that assumes the test has the machine to itself (a reply or a
+# refusal within a few seconds, a detection within a timeout plus seconds, a cost compared with another
+# call's): the serial sub-tier (``-m serial``), run one at a time after the rest of the integration tier.
+SERIAL = (
+    "tests/launch/test_launch_cpu.py::test_killing_one_nodes_launcher_stops_the_other_naming_the_lost_node",
+    "tests/launch/test_orphans.py::",
+    "tests/launch/test_processes.py::",
+    "tests/reliability/test_hung_rank.py::",
+    "tests/server/test_attack_bodies.py::",
+    "tests/server/test_attack_connections.py::",
+    "tests/server/test_attack_framing.py::",
+    "tests/server/test_attack_images.py::",
+    "tests/server/test_client.py::",
+    "tests/server/test_concurrency.py::",
+    "tests/server/test_connections.py::",
+    "tests/server/test_faults.py::",
+    "tests/server/test_fuzz.py::",
+    "tests/server/test_image_wire.py::",
+    "tests/server/test_infer_path.py::",
+    "tests/server/test_media_safety.py::",
+    "tests/server/test_request_boundary.py::",
+    "tests/server/test_server_hammer.py::",
+    "tests/server/test_template_safety.py::",
+    "tests/server/test_vllm_server.py::test_vllm_weight_pushes_under_load_are_fair_and_every_answer_has_the_right_version",
+)
+
+
+def _uses_module_fixture(item: pytest.Item) -> bool:
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return False
+    return any(d.scope == "module" for defs in info.name2fixturedefs.values() for d in defs)
+
+
 def _function_source(item: pytest.Item) -> str:
     function = getattr(item, "function", None)
     try:
@@ -131,14 +169,19 @@ def _function_source(item: pytest.Item) -> str:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark the integration tier (``-m integration``): tests that use a server/engine fixture or whose
-    own source starts several processes or a vLLM engine (see above). They run serially (two at once
-    would share two cores between four or more processes, and their time bounds assume a test has
-    the machine to itself); the rest run under pytest-xdist."""
+    own source starts several processes or a vLLM engine (see above); in it, the serial sub-tier
+    (:data:`SERIAL`) and the ``xdist_group`` of each module with a module-scoped fixture."""
     for item in items:
         if INTEGRATION_FIXTURES.intersection(getattr(item, "fixturenames", ())) or any(
             token in _function_source(item) for token in INTEGRATION_SOURCE
         ):
             item.add_marker(pytest.mark.integration)
+        if not item.get_closest_marker("integration"):
+            continue
+        if item.nodeid.startswith(SERIAL):
+            item.add_marker(pytest.mark.serial)
+        elif _uses_module_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
 
 
 @pytest.fixture

@@ -18,7 +18,9 @@ refuses a report whose signature does not match (a stranger cannot fake one), wh
 captured report replayed, e.g. a forged ``done, code 1`` that would stop every node). The hub answers
 every line, malformed ones included (bad JSON, too deep, wrong types), with an error, never a traceback.
 Every socket operation has a timeout; the hub answers one line per connection and refuses lines over
-:data:`_MAX_LINE` bytes. A node that reports done with :data:`EXIT_PREEMPTED` stopped on the warning
+:data:`_MAX_LINE` bytes. Liveness is judged on one monotonic clock (``clock``, ``time.monotonic`` unless
+given: a test passes a clock it moves itself, so a late heartbeat is one the test made late, never a
+slow machine); waits on the caller's behalf (:meth:`NodeHeartbeat.wait_for_problem`) are real time. A node that reports done with :data:`EXIT_PREEMPTED` stopped on the warning
 signal with a complete checkpoint: that is not a failure.
 Leaves out: what a lost node means for this node's processes (``launch.supervisor`` stops them).
 """
@@ -33,6 +35,7 @@ import socket
 import socketserver
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -68,7 +71,7 @@ class NodeReport:
 
 @dataclass(frozen=True)
 class _Heard:
-    """A node's last accepted report, as the hub keeps it (``heard_at``: the hub's monotonic clock)."""
+    """A node's last accepted report, as the hub keeps it (``heard_at``: the hub's liveness clock)."""
 
     state: str
     code: int | None
@@ -81,8 +84,16 @@ class _Hub(socketserver.ThreadingTCPServer):
     daemon_threads = True
     allow_reuse_address = True
 
-    def __init__(self, address: tuple[str, int], node_count: int, key: str | None, io_timeout_s: float):
+    def __init__(
+        self,
+        address: tuple[str, int],
+        node_count: int,
+        key: str | None,
+        io_timeout_s: float,
+        clock: Callable[[], float],
+    ):
         self.node_count = node_count
+        self.clock = clock
         self.key = key
         self.io_timeout_s = io_timeout_s
         self.lock = threading.Lock()
@@ -102,11 +113,11 @@ class _Hub(socketserver.ThreadingTCPServer):
             self.sent_at[node] = sent_at
             heard = self.reports.get(node)
             if heard is None or heard.state != "done":
-                self.reports[node] = _Heard(state, code, time.monotonic())
+                self.reports[node] = _Heard(state, code, self.clock())
         return self.view()
 
     def view(self) -> list[NodeReport | None]:
-        now = time.monotonic()
+        now = self.clock()
         with self.lock:
             return [
                 None
@@ -168,7 +179,8 @@ class _HubHandler(socketserver.StreamRequestHandler):
 
 
 class NodeHeartbeat:
-    """This node's side of the heartbeat (node 0 also hosts the hub); see the module docstring."""
+    """This node's side of the heartbeat (node 0 also hosts the hub); see the module docstring.
+    ``clock``: the monotonic clock ages, the join timeout and the hub's silence are judged on."""
 
     def __init__(
         self,
@@ -179,8 +191,10 @@ class NodeHeartbeat:
         timeout_s: float,
         join_timeout_s: float,
         key: str | None,
+        clock: Callable[[], float] = time.monotonic,
     ):
         self.node_rank = node_rank
+        self.clock = clock
         self.hosts = hosts
         self.port = port
         self.timeout_s = timeout_s
@@ -196,6 +210,14 @@ class NodeHeartbeat:
         self._started = 0.0
         self._last_answer = 0.0
         self._sent_at = 0.0
+        self._beats = 0
+
+    @property
+    def beats(self) -> int:
+        """How many heartbeat reports this node has made so far, answered or not (each one judged the
+        others if the hub answered)."""
+        with self._lock:
+            return self._beats
 
     @property
     def hub_address(self) -> str:
@@ -206,10 +228,12 @@ class NodeHeartbeat:
 
     def start(self) -> None:
         """Node 0: open the hub (a taken port is refused, naming the key); every node: start reporting."""
-        self._started = self._last_answer = time.monotonic()
+        self._started = self._last_answer = self.clock()
         if self.node_rank == 0:
             try:
-                self._hub = _Hub((self.hosts[0], self.port), len(self.hosts), self.key, self.interval_s * 2)
+                self._hub = _Hub(
+                    (self.hosts[0], self.port), len(self.hosts), self.key, self.interval_s * 2, self.clock
+                )
             except OSError as exc:
                 raise LaunchError(
                     [
@@ -265,8 +289,8 @@ class NodeHeartbeat:
             )
         if self._hub is None:
             return
-        deadline = time.monotonic() + self.timeout_s
-        while time.monotonic() < deadline and not self._everyone_done_or_lost():
+        deadline = self.clock() + self.timeout_s
+        while self.clock() < deadline and not self._everyone_done_or_lost():
             time.sleep(self.interval_s)
         self._hub.shutdown()
         self._hub.server_close()
@@ -277,13 +301,15 @@ class NodeHeartbeat:
             try:
                 self._exchange("alive", None)
             except OSError as exc:
-                silent = time.monotonic() - self._last_answer
+                silent = self.clock() - self._last_answer
                 if silent > self.timeout_s and not self._seen_done(0):
                     self._set_problem(
                         f"{self.node_name(0)} lost: its heartbeat hub at {self.hub_address} has not answered for "
                         f"{silent:.0f}s ({TIMEOUT_KEY}={self.timeout_s:g}; last error: {exc}); its launcher was "
                         "killed or the network between the nodes failed"
                     )
+            with self._lock:
+                self._beats += 1
             self._stop.wait(self.interval_s)
 
     def _exchange(self, state: str, code: int | None) -> None:
@@ -308,13 +334,13 @@ class NodeHeartbeat:
             None if r is None else NodeReport(r["state"], r["code"], float(r["age_s"]))
             for r in reply["nodes"]
         ]
-        self._last_answer = time.monotonic()
+        self._last_answer = self.clock()
         with self._lock:
             self._view = view
         self._judge(view)
 
     def _judge(self, view: list[NodeReport | None]) -> None:
-        since_start = time.monotonic() - self._started
+        since_start = self.clock() - self._started
         for rank, report in enumerate(view):
             if rank == self.node_rank:
                 continue

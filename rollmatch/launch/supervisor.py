@@ -307,9 +307,11 @@ class _Run:
                 status = "finished" if code == 0 else "failed"
                 message = f"learner {status} with exit code {code} after {elapsed:.0f}s (log {learner.spec.log_path})"
                 if code != 0 and self.heartbeat is not None:
-                    # A peer node lost or failed makes this node's ranks fail too: wait (at most one heartbeat
-                    # timeout) for the heartbeat to say which, so the message names the cause.
-                    cause = self.heartbeat.wait_for_problem(self.heartbeat.timeout_s)
+                    # A peer node lost or failed makes this node's ranks fail too, often at once (gloo sees the
+                    # connection reset): wait for the heartbeat to say which, so the message names the cause. A
+                    # lost peer is named one timeout after its last beat plus one beat interval, later on a
+                    # busy machine: wait up to twice the timeout (one was not enough under load).
+                    cause = self.heartbeat.wait_for_problem(2 * self.heartbeat.timeout_s)
                     if cause is not None:
                         return Outcome(EXIT_NODE_LOST, f"{cause}; this node's {message}")
                 return Outcome(code if code >= 0 else 128 - code, message)

@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
+
 from rollmatch.launch.plan import ProcessSpec
 from rollmatch.launch.processes import process_alive, start_child, terminate_all, write_pids
 
@@ -74,6 +76,26 @@ def test_children_get_the_plan_environment_and_their_own_session(tmp_path: Path)
     assert "1 True" in child.log_tail()
 
 
+def _wait_signal_delivered(pid: int, timeout_s: float = 30.0) -> None:
+    """Wait until the kernel delivered every signal sent to ``pid`` (/proc: nothing in SigPnd or ShdPnd,
+    and not exiting) or it died of one (gone, a zombie): not a sleep, which a busy machine may outlast
+    before the process is even scheduled."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+            flags = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[6])
+        except FileNotFoundError:
+            return  # gone
+        if status["State"].strip()[0] in "ZX":
+            return  # died (a zombie until reaped)
+        exiting = flags & 0x4  # PF_EXITING: dying of a signal already taken off the pending set
+        if not exiting and int(status["SigPnd"], 16) == 0 and int(status["ShdPnd"], 16) == 0:
+            return
+        assert time.monotonic() < deadline, f"pid {pid}: a signal still pending after {timeout_s}s"
+        time.sleep(0.01)
+
+
 def test_children_and_their_children_survive_the_schedulers_warning_signal(tmp_path: Path) -> None:
     # Slurm may send SIGUSR1 to every process of a step: servers, torchrun and their children ignore it
     # (only the learner's ranks install a handler); without that, its default action kills them.
@@ -85,8 +107,11 @@ def test_children_and_their_children_survive_the_schedulers_warning_signal(tmp_p
     assert len(tree) == 2
     for pid in tree:
         os.kill(pid, signal.SIGUSR1)
-    time.sleep(1.0)
-    assert child.exit_code() is None and all(p.is_running() for p in child.descendants())
+    for pid in tree:
+        _wait_signal_delivered(pid)
+    assert child.exit_code() is None
+    grandchildren = child.descendants()
+    assert len(grandchildren) == 1 and grandchildren[0].status() != psutil.STATUS_ZOMBIE
     assert terminate_all([child], grace_s=20.0) == []
 
 
