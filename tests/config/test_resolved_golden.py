@@ -26,8 +26,8 @@ from typing import Any
 import pytest
 
 from rollmatch.config.launch_rules import launch_world_size
-from rollmatch.config.schema import NoiseObjectsConfig
 from rollmatch.config.load import load_config, resolved_json
+from rollmatch.config.schema import NoiseObjectsConfig
 
 REPO = Path(__file__).resolve().parents[2]
 GOLDEN = json.loads((Path(__file__).parent / "golden" / "resolved_configs.json").read_text(encoding="utf-8"))
