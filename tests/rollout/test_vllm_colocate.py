@@ -286,7 +286,7 @@ def test_offload_around_sync_and_generation_restores_training_state(
     ) = True
     backend = VllmColocateBackend(engine, model=model, tokenizer=encoder.tokenizer)
     training_storage = {n: p.data_ptr() for n, p in model.named_parameters()}
-    with rollout_offload(cfg, model=model, optimizer=optimizer, backend=backend) as offloaded:
+    with rollout_offload(cfg.rollout.offload, model=model, optimizer=optimizer, backend=backend) as offloaded:
         assert offloaded.num_bytes >= sum(t.numel() * t.element_size() for t in params.values())
         assert all(p.data_ptr() != training_storage[n] for n, p in model.named_parameters())
         backend.sync_weights(model, 1)  # exports from the host copies

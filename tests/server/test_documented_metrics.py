@@ -36,6 +36,8 @@ CONDITIONS: dict[str, set[str] | None] = {
     "async": {"async"},
     "rollout servers": {"async"},
     "evaluation": {"sft"},
+    "SFT steps with noise objects": {"sft_noise"},
+    "evaluation with a noise label": {"sft_noise"},
     "invalid elements": None,
 }
 # HF's end-of-training summary line, and metrics.jsonl's own step field
@@ -108,6 +110,11 @@ def base_config(tiny_model_dir: Path, data: dict[str, Path], out: Path) -> dict[
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "sft": {"custom": {"trainer_variant": "sft"}, "training": {"eval_steps": 1}},
+    "sft_noise": {  # noise objects in the target; evaluation drops them by their label
+        "custom": {"trainer_variant": "sft"},
+        "loss": {"noise_objects": {"enabled": True, "pad_to": 4}},
+        "training": {"eval_steps": 1},
+    },
     "rollout_matching": {"custom": {"trainer_variant": "rollout_matching_sft"}},
     "micro": {
         "custom": {"trainer_variant": "stage2_ab_training"},
