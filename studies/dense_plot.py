@@ -46,7 +46,10 @@ def plot(result: dict[str, Any], path: Path) -> None:
             stage1 = [stage1_buckets.get(b, {}).get(key, np.nan) for b in buckets]
             ax.plot(x, stage1, "k--", alpha=0.5, label=f"stage-1 at {steps} trunk steps (dev)")
         what = "F1@0.5 (labels required)" if key == "f1" else "recall"
-        ax.set(title=f"{what}, report split", xlabel="GT objects per image", ylabel=key, ylim=(0, 1))
+        split = (
+            "arms on the report split, stage-1 on dev" if result["arms"] else "stage-1 on dev (no arm ran)"
+        )
+        ax.set(title=f"{what}, {split}", xlabel="GT objects per image", ylabel=key, ylim=(0, 1))
     diff = axes[2]
     primary = "equal_steps" if protocol.primary_baseline == "sft" else "equal_compute"
     for offset, (arm, entry) in enumerate(result["comparisons"].items()):
@@ -91,9 +94,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
         progress = f"; stopped at the gate: {answer['decision']}{anyway}"
     elif result.get("missing"):
         progress = f"; in progress, missing {len(result['missing'])} arm-seeds"
-    fig.suptitle(
-        f"{protocol.title}, mean over seeds ({result['date']}, {result.get('commit', '')}{progress})"
-    )
+    over_seeds = ", mean over seeds" if result["arms"] else ""
+    fig.suptitle(f"{protocol.title}{over_seeds} ({result['date']}, {result.get('commit', '')}{progress})")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
