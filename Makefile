@@ -69,7 +69,9 @@ test-unit: $(STAMP) $(SWIFT_STAMP) $(TRL_STAMP)
 	$(VENV)/bin/python -m pytest -q -m "not bench and not integration" -n 2 --durations=20
 
 # INTEGRATION_WORKERS=0 runs that step in one process, one test at a time (to compare on a given machine).
-INTEGRATION_WORKERS ?= 2
+# Default: two workers, or one where this process may use a single core (`taskset -c 0 make test`): two
+# workers' process trees on one core starved a launch test past its bound.
+INTEGRATION_WORKERS ?= $(shell $(PY) -c "import os; print(min(2, len(os.sched_getaffinity(0))))")
 test-integration: $(STAMP) $(SWIFT_STAMP) $(TRL_STAMP)
 	$(VENV)/bin/python -m pytest -q -m "not bench and integration and not serial" -n $(INTEGRATION_WORKERS) --dist loadgroup --durations=20
 	$(VENV)/bin/python -m pytest -q -m "not bench and integration and serial" --durations=20
