@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 from server_processes import REPO, launch_server
-from trainer_backends import connect_backend
+from trainer_backends import connect_backend, two_hf_servers_backend
 from transformers import AutoModelForImageTextToText
 
 from rollmatch.errors import BackendError
@@ -44,17 +44,9 @@ def test_a_killed_server_is_dropped_resent_and_rejoins_after_the_next_push(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(server_pool, "_PROBE_EVERY_S", 0.0)  # ask the down server at every call
-    first, second = (
-        start_server(tiny_model_dir, "--engine", "hf"),
-        start_server(tiny_model_dir, "--engine", "hf"),
+    first, second, model, backend = two_hf_servers_backend(
+        start_server, server_config, tiny_model_dir, prompt_encoder, free_port
     )
-    model = AutoModelForImageTextToText.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    cfg = server_config(
-        servers=[{"base_url": s.url, "group_port": free_port()} for s in (first, second)],
-        timeout_s=20.0,
-        min_healthy=1,
-    )
-    backend = connect_backend(cfg, prompt_encoder, model)
     requests = raccoon_requests[:3]
     ids = [r.sample_id for r in requests]
     try:
@@ -213,17 +205,9 @@ def test_a_server_an_actor_found_down_is_left_out_of_the_next_push_and_readmitte
     answers ``/health/`` again: the push after that re-syncs it and every client uses it again."""
     from rollmatch.training.variants import ActorRolloutClient
 
-    first, second = (
-        start_server(tiny_model_dir, "--engine", "hf"),
-        start_server(tiny_model_dir, "--engine", "hf"),
+    first, second, model, backend = two_hf_servers_backend(
+        start_server, server_config, tiny_model_dir, prompt_encoder, free_port
     )
-    model = AutoModelForImageTextToText.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    cfg = server_config(
-        servers=[{"base_url": s.url, "group_port": free_port()} for s in (first, second)],
-        timeout_s=20.0,
-        min_healthy=1,
-    )
-    backend = connect_backend(cfg, prompt_encoder, model)
     actor = ActorRolloutClient(backend)  # built as the async variant builds each rank's actor client
     attempts: list[list[str]] = []
     push_to = backend.pusher._push_to

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from trainer_backends import connect_backend
+from trainer_backends import connect_backend, two_hf_servers_backend
 from transformers import AutoModelForImageTextToText
 
 from rollmatch.errors import BackendError, ServerDown, ServerPushFailed, SyncError
@@ -46,17 +46,9 @@ def test_a_push_failure_is_the_failing_servers_by_type_and_a_server_killed_mid_p
     free_port: Callable[[], int],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    first, second = (
-        start_server(tiny_model_dir, "--engine", "hf"),
-        start_server(tiny_model_dir, "--engine", "hf"),
+    first, second, model, backend = two_hf_servers_backend(
+        start_server, server_config, tiny_model_dir, prompt_encoder, free_port
     )
-    model = AutoModelForImageTextToText.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    cfg = server_config(
-        servers=[{"base_url": s.url, "group_port": free_port()} for s in (first, second)],
-        timeout_s=20.0,
-        min_healthy=1,
-    )
-    backend = connect_backend(cfg, prompt_encoder, model)
     failures = _record_failures(backend, monkeypatch)
     first_conn, second_conn = backend.connections
     try:
