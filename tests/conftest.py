@@ -159,12 +159,22 @@ def _uses_module_fixture(item: pytest.Item) -> bool:
     return any(d.scope == "module" for defs in info.name2fixturedefs.values() for d in defs)
 
 
-def _function_source(item: pytest.Item) -> str:
+def _starts_processes(item: pytest.Item) -> bool:
+    """Whether the test function's own source names one of :data:`INTEGRATION_SOURCE` (read once per
+    function: parametrised items share it, and reading source is most of the collection's time)."""
     function = getattr(item, "function", None)
-    try:
-        return inspect.getsource(function) if function is not None else ""
-    except (OSError, TypeError):
-        return ""
+    if function is None:
+        return False
+    if function not in _STARTS_PROCESSES:
+        try:
+            source = inspect.getsource(function)
+        except (OSError, TypeError):
+            source = ""
+        _STARTS_PROCESSES[function] = any(token in source for token in INTEGRATION_SOURCE)
+    return _STARTS_PROCESSES[function]
+
+
+_STARTS_PROCESSES: dict[Callable[..., Any], bool] = {}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -172,9 +182,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     own source starts several processes or a vLLM engine (see above); in it, the serial sub-tier
     (:data:`SERIAL`) and the ``xdist_group`` of each module with a module-scoped fixture."""
     for item in items:
-        if INTEGRATION_FIXTURES.intersection(getattr(item, "fixturenames", ())) or any(
-            token in _function_source(item) for token in INTEGRATION_SOURCE
-        ):
+        if INTEGRATION_FIXTURES.intersection(getattr(item, "fixturenames", ())) or _starts_processes(item):
             item.add_marker(pytest.mark.integration)
         if not item.get_closest_marker("integration"):
             continue
