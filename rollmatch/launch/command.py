@@ -127,7 +127,7 @@ def launch_command(args: argparse.Namespace) -> int:
 def _node_plan(launch: LaunchConfig, request: LaunchRequest, *, check_ports: bool) -> tuple[LaunchPlan, Path]:
     layout = derive_layout(request, launch.cfg)
     launch_dir = node_launch_dir(launch.cfg, request.node_rank)
-    count = ports_needed(layout, node_count=launch.cfg.launch.nodes.count)
+    count = ports_needed(layout)
     if request.port_base is not None:
         ports = sequential_ports(request.port_base)(max(count, 1))
         if count:

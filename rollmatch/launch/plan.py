@@ -45,6 +45,12 @@ LOCALHOST = "127.0.0.1"
 _PLACEHOLDER_SERVERS = f"{SERVERS_KEY}=[{{base_url: 'http://launch.invalid:1', group_port: 1}}]"
 
 PortSource = Callable[[int], list[int]]  # n -> n distinct TCP ports
+# One learner node's rendezvous: port 0, so torchrun's c10d store binds a port the OS picks the moment it
+# starts (as ``torchrun --standalone`` does). A port picked by the launcher is free only when picked;
+# torchrun binds it once the servers are healthy, tens of seconds later, and if another process took it
+# meanwhile, torch's c10d backend does not fail: it joins the store it finds there as a client and waits
+# for a rendezvous that never comes (join_timeout), with an empty learner log.
+ONE_NODE_RENDEZVOUS = f"{LOCALHOST}:0"
 
 
 @dataclass(frozen=True)
@@ -59,7 +65,7 @@ class LaunchConfig:
 class Rendezvous:
     """torchrun's c10d rendezvous of one learner node: the same ``endpoint`` on every node."""
 
-    endpoint: str  # HOST:PORT
+    endpoint: str  # HOST:PORT; on one node HOST:0 (see ONE_NODE_RENDEZVOUS)
     rdzv_id: str = "rollmatch"  # build_plan: rendezvous_id()
     nnodes: int = 1
     node_rank: int = 0  # this node's index among the learner nodes
@@ -183,14 +189,15 @@ def free_ports(count: int) -> list[int]:
 
 
 def sequential_ports(base: int) -> PortSource:
-    """``--port-base``: ports ``base, base + 1, ...`` in plan order (server i: HTTP, group; then torchrun)."""
+    """``--port-base``: ports ``base, base + 1, ...`` in plan order (server i: HTTP, group)."""
     return lambda count: list(range(base, base + count))
 
 
-def ports_needed(layout: Layout, *, node_count: int = 1) -> int:
-    """HTTP + weight-sync group port per started server, plus (one node) torchrun's rendezvous port;
-    several nodes rendezvous at ``launch.nodes.rendezvous``."""
-    return 2 * layout.num_servers + (1 if layout.learner_procs and node_count == 1 else 0)
+def ports_needed(layout: Layout) -> int:
+    """HTTP + weight-sync group port per started server. The learner's rendezvous needs none: on one node
+    its store binds a port of the OS's choosing (:data:`ONE_NODE_RENDEZVOUS`), several nodes meet at
+    ``launch.nodes.rendezvous``."""
+    return 2 * layout.num_servers
 
 
 def build_plan(
@@ -238,7 +245,7 @@ def build_plan(
             if layout.on_cpu
             else {"CUDA_VISIBLE_DEVICES": _csv(layout.learner_devices), **common}
         )
-        endpoint = nodes.rendezvous or f"{LOCALHOST}:{ports[-1]}"
+        endpoint = nodes.rendezvous or ONE_NODE_RENDEZVOUS
         rendezvous = Rendezvous(
             endpoint=endpoint,
             rdzv_id=rendezvous_id(cfg, endpoint),

@@ -60,9 +60,9 @@ def test_dry_run_prints_the_exact_gpu_plan_and_starts_nothing(tmp_path: Path) ->
     pinned = (  # ... and the config's vLLM engine settings (vllm.gpu_memory_utilization 0.9)
         "--engine vllm --tensor-parallel-size 2 --max-model-len 4096 --dtype bfloat16 --gpu-memory-utilization 0.9"
     )
-    # this run's own rendezvous id: another run meeting at 127.0.0.1:8006 never joins this one
+    # one node: torchrun's store binds a port of the OS's choosing (127.0.0.1:0), none of the port base's
     cfg = load_launch_config(str(SHIPPED_SERVER_CONFIG), [f"training.output_dir={out}"]).cfg
-    rdzv_id = rendezvous_id(cfg, "127.0.0.1:8006")
+    rdzv_id = rendezvous_id(cfg, "127.0.0.1:0")
     expected = f"""\
 rollmatch launch plan: 3 rollout server(s) (vllm engine, tensor parallel 2) + learner (torchrun, 2 process(es))
 learner config: {launch_dir}/learner.yaml
@@ -78,7 +78,7 @@ server-2 (log {launch_dir}/server-2.log):
   CUDA_VISIBLE_DEVICES=4,5 {env} {py} {serve} --port 8004 {pinned}
 learner-0 (log {launch_dir}/learner-0.log):
   CUDA_VISIBLE_DEVICES=6,7 {env} {py} -m torch.distributed.run --nproc_per_node 2 --nnodes 1 --node-rank 0 \
---rdzv-backend c10d --rdzv-endpoint 127.0.0.1:8006 --rdzv-id {rdzv_id} --rdzv-conf join_timeout=600 \
+--rdzv-backend c10d --rdzv-endpoint 127.0.0.1:0 --rdzv-id {rdzv_id} --rdzv-conf join_timeout=600 \
 --local-addr 127.0.0.1 -m rollmatch.cli train {launch_dir}/learner.yaml
 dry run: nothing started, nothing written
 """
@@ -121,6 +121,43 @@ def _plan(config_path: Path, *overrides: str, ports: list[int] | None = None, **
     return build_plan(launch, req, layout, ports, api_key="s3cret-key", cpu_count=4)
 
 
+def test_the_one_node_rendezvous_never_joins_a_store_that_took_its_port(
+    tmp_path: Path, config_writer: Callable[..., Path]
+) -> None:
+    """The launch picks its ports at start; torchrun binds the rendezvous only once the servers are healthy,
+    tens of seconds later. Another process may take a picked port meanwhile (two launches at once: a
+    pytest-xdist worker's test, another job), and torch's c10d backend then does not fail: it joins the
+    store it finds there as a client, and the learner waits for a rendezvous that never comes (join_timeout,
+    600 s) with an empty log. Here another run's c10d store holds the port the plan used to give the
+    rendezvous (the one after the servers'); the learner's rendezvous, built from the plan's own torchrun
+    arguments the way torchrun builds it, must host its own store, not write into that one."""
+    from torch.distributed import TCPStore
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
+
+    foreign = TCPStore("127.0.0.1", 0, is_master=True, multi_tenant=True, wait_for_workers=False)
+    path = config_writer(tmp_path / "c.yaml", model="/m", train_jsonl="/t.jsonl", output_dir=tmp_path / "o")
+    plan = _plan(path, cpu=True, servers=1, learner_procs=2, ports=[*free_ports(2), foreign.port])
+    command = plan.learner.command
+
+    def arg(flag: str) -> str:
+        return command[command.index(flag) + 1]
+
+    conf = dict(item.split("=", 1) for item in arg("--rdzv-conf").split(","))
+    params = RendezvousParameters(
+        backend=arg("--rdzv-backend"),
+        endpoint=arg("--rdzv-endpoint"),
+        run_id=arg("--rdzv-id"),
+        min_nodes=1,
+        max_nodes=1,
+        local_addr=arg("--local-addr"),
+        **conf,
+    )
+    _, store = create_backend(params)
+    store.set("rollmatch-probe", "the learner's key")
+    assert not foreign.check(["rollmatch-probe"]), "the rendezvous joined another process's store"
+
+
 def test_the_learner_config_gets_the_started_servers_and_loads_back(
     tmp_path: Path, config_writer: Callable[..., Path]
 ) -> None:
@@ -129,9 +166,8 @@ def test_the_learner_config_gets_the_started_servers_and_loads_back(
     endpoints = [(e.base_url, e.group_port) for e in plan.endpoints]
     ports = [int(url.rsplit(":", 1)[1]) for url, _ in endpoints] + [g for _, g in endpoints]
     rdzv = plan.learner.command[plan.learner.command.index("--rdzv-endpoint") + 1]
-    assert rdzv.startswith("127.0.0.1:")
-    master = int(rdzv.rsplit(":", 1)[1])
-    assert len(set([*ports, master])) == 5  # every HTTP, group and master port distinct
+    assert rdzv == "127.0.0.1:0"  # torchrun's store picks its port when it binds it (see the next test)
+    assert len(set(ports)) == 4  # every HTTP and group port distinct
     assert [s.url for s in plan.servers] == [url for url, _ in endpoints]
 
     from rollmatch.config.load import config_to_yaml
@@ -263,7 +299,9 @@ def test_a_busy_port_base_is_refused_before_anything_starts(
         busy.listen()
         base = busy.getsockname()[1]
         args = build_parser().parse_args(["launch", str(path), "--cpu", "--port-base", str(base)])
-        with pytest.raises(LaunchError, match=rf"port\(s\) {base} of {base}-{base + 2} are in use"):
+        with pytest.raises(
+            LaunchError, match=rf"port\(s\) {base} of {base}-{base + 1} are in use"
+        ):  # HTTP, group
             launch_command(args)
     assert not (tmp_path / "o").exists()
     with pytest.raises(LaunchError, match="--port-base"):
