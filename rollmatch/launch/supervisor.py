@@ -56,7 +56,10 @@ _POLL_S = 0.5
 _PROGRESS_EVERY_S = 10.0
 _PIDS_EVERY_S = 2.0
 _TIMEOUT_KEY = f"{ROLLOUT_KEY}.vllm.server.timeout_s"
-_HEALTH_EVERY_S = 2.0  # with launch.restart_servers: how often the running servers' /health/ is asked
+# With launch.restart_servers: how often the running servers' /health/ is asked, and how long one answer is
+# waited for (a frozen server accepts the connection, then never answers); at most a quarter of
+# vllm.server.timeout_s each, so a server silent for the timeout is noticed soon after it, not seconds later.
+_HEALTH_EVERY_S = 2.0
 _MAX_BACKOFF_S = 30.0
 
 
@@ -391,11 +394,13 @@ class _Run:
         now = time.monotonic()
         name = child.spec.name
         self._answered.setdefault(name, now)
+        every_s = min(_HEALTH_EVERY_S, self.plan.health_timeout_s / 4)
         if now >= self._next_health:
-            if _healthy(self._session, child.spec.url or ""):
+            if _healthy(self._session, child.spec.url or "", timeout_s=every_s):
                 self._answered[name] = now
             if child is self.servers[-1]:
-                self._next_health = now + _HEALTH_EVERY_S
+                self._next_health = now + every_s
+            now = time.monotonic()  # after the probe, which may have waited its whole timeout
         silent_s = now - self._answered[name]
         if silent_s > self.plan.health_timeout_s:
             return f"did not answer /health/ for {silent_s:.0f}s ({_TIMEOUT_KEY})"
@@ -489,8 +494,8 @@ class _Run:
         )
 
 
-def _healthy(session: requests.Session, url: str) -> bool:
+def _healthy(session: requests.Session, url: str, *, timeout_s: float = 2.0) -> bool:
     try:
-        return session.get(f"{url}/health/", timeout=2.0).status_code == 200
+        return session.get(f"{url}/health/", timeout=timeout_s).status_code == 200
     except requests.RequestException:
         return False  # not listening yet
