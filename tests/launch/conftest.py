@@ -5,7 +5,8 @@ and the orphan check over the recorded pids.
   mode with no servers listed: the launcher writes them) deep-merged with ``sections``; the fixture
   points it at the tiny model and real shapes data.
 - ``start_launch``: start ``python -m rollmatch.cli launch ...`` as a real subprocess (console output to
-  a file), returning a :class:`LaunchRun`.
+  a file), returning a :class:`LaunchRun`; ``stand_ins=True``: the same launch with stand-in server and
+  learner processes (tests/launch/stand_in_launch.py), for tests of the launcher's supervision.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import yaml
 from rollmatch.config.load import deep_merge
 
 REPO = Path(__file__).resolve().parents[2]
+STAND_IN_LAUNCH = Path(__file__).with_name("stand_in_launch.py")
 
 
 @dataclass
@@ -132,11 +134,12 @@ def launch_config(
 def start_launch(tmp_path: Path) -> Iterator[Callable[..., LaunchRun]]:
     runs: list[LaunchRun] = []
 
-    def start(config: Path, *args: str) -> LaunchRun:
+    def start(config: Path, *args: str, stand_ins: bool = False) -> LaunchRun:
         console = tmp_path / f"console-{len(runs)}.txt"
+        launch = [str(STAND_IN_LAUNCH)] if stand_ins else ["-m", "rollmatch.cli", "launch"]
         with console.open("wb") as out:
             process = subprocess.Popen(
-                [sys.executable, "-m", "rollmatch.cli", "launch", str(config), *args],
+                [sys.executable, *launch, str(config), *args],
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 cwd=REPO,

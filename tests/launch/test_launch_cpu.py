@@ -69,15 +69,26 @@ def test_cpu_launch_trains_end_to_end(
 def test_a_server_killed_mid_run_stops_the_launch_with_its_name_and_leaves_no_process(
     launch_config: Callable[..., Path], start_launch: Callable[..., Any]
 ) -> None:
+    """The launcher's side of a server dying mid-run: stand-in server and learner processes
+    (tests/launch/stand_in_launch.py; the learner's workers poll the server with the launch's key and
+    fail once it is gone, as the trainer does). A real server and learner: the end-to-end tests."""
     config = launch_config(stage2_ab={"schedule": {"b_ratio": 1.0}}, training={"max_steps": 100000})
-    run = start_launch(config, "--cpu", "--learner-procs", "1", "--engine", "hf", "--grace-s", "5")
+    cpu = ("--cpu", "--learner-procs", "2", "--engine", "hf", "--grace-s", "5")
+    run = start_launch(config, *cpu, stand_ins=True)
     learner_log = run.launch_dir / "learner-0.log"
     run.wait_for(lambda: learner_log.exists() and "| loss " in learner_log.read_text(), 300, "a trained step")
+    run.wait_for(lambda: len(run.pids()["processes"][1]["descendants"]) == 2, 60, "recorded workers")
 
     pids = run.pids()
     server, learner = pids["processes"]
     key = _environ(server["pid"])["ROLLMATCH_API_KEY"]
     assert len(key) >= 32 and _environ(learner["pid"])["ROLLMATCH_API_KEY"] == key  # one fresh key, shared
+    assert all(_environ(w["pid"])["ROLLMATCH_API_KEY"] == key for w in learner["descendants"])
+    planned = json.loads((run.launch_dir / "planned_commands.json").read_text())
+    assert planned["server-0"][2:4] == ["rollmatch.cli", "serve"]  # the commands the real launch runs ...
+    assert planned["learner-0"][2] == "torch.distributed.run"
+    for command in planned.values():
+        assert key not in " ".join(command)  # ... never carry the key
     for record in [server, learner, *learner["descendants"]]:
         assert key not in _cmdline(record["pid"])  # never on a command line ...
     os.kill(server["pid"], signal.SIGKILL)
@@ -157,14 +168,14 @@ def test_learner_only_returns_the_learners_exit_code(
     launch_config: Callable[..., Path], start_launch: Callable[..., Any], free_port: Callable[[], int]
 ) -> None:
     nobody = [{"base_url": f"http://127.0.0.1:{free_port()}", "group_port": free_port()}]
-    server = {"servers": nobody, "timeout_s": 3}
+    server = {"servers": nobody, "timeout_s": 1}  # nobody listens: any timeout shows the failure
     config = launch_config(custom={"extra": {"rollout_matching": {"vllm": {"server": server}}}})
     run = start_launch(config, "--cpu", "--learner-only", "--learner-procs", "1")
     code = run.wait(240)
     output = run.output()
     assert code == 1, output[-4000:]  # torchrun's code for a failed worker
     assert "learner failed with exit code 1" in output.splitlines()[-1]
-    assert "is not reachable after 3s" in (run.launch_dir / "learner-0.log").read_text()
+    assert "is not reachable after 1s" in (run.launch_dir / "learner-0.log").read_text()
     assert survivors(run.pids("pids-learner.json")) == []
 
 
