@@ -164,10 +164,18 @@ class LaunchSettings(Section):
         0,
         ge=0,
         description="Restarts per rollout server that exits or stops answering /health/ for "
-        "`vllm.server.timeout_s`, on the same devices and port, with backoff (1, 2, 4 ... 30 s); one that "
+        "`vllm.server.timeout_s`, on the same devices and port, after a backoff (`restart_backoff_s`, doubled per "
+        "restart of that server, at most 30 s); one that "
         "keeps dying is given up (exit 3). 0: a dead server ends the launch. Pair with "
         "`vllm.server.min_healthy` so the learner trains on while it is away (docs/runbook.md 'When a server "
         "dies').",
+    )
+    restart_backoff_s: float = Field(
+        1.0,
+        ge=0.0,
+        le=30.0,
+        description="Seconds before a server's first restart (`restart_servers`): 1, 2, 4 ... 30 s for the default. "
+        "Lower only where a server can bind its port again at once (tests); a port still held makes the restart fail.",
     )
     nodes: NodesConfig = Field(default_factory=NodesConfig)
     slurm: SlurmSettings = Field(default_factory=SlurmSettings)

@@ -124,6 +124,7 @@ class LaunchPlan:
     node_count: int = 1
     learner_nodes: tuple[int, ...] = (0,)  # the node ranks that run a learner
     restart_servers: int = 0  # launch.restart_servers: restarts per server before the launch gives up
+    restart_backoff_s: float = 1.0  # launch.restart_backoff_s: before a server's first restart, then doubled
 
     @property
     def processes(self) -> tuple[ProcessSpec, ...]:
@@ -279,6 +280,7 @@ def build_plan(
         node_count=nodes.count,
         learner_nodes=tuple(learner_nodes),
         restart_servers=cfg.launch.restart_servers,
+        restart_backoff_s=cfg.launch.restart_backoff_s,
     )
 
 

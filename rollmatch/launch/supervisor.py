@@ -6,7 +6,7 @@ Owns: :func:`run_plan` and the exit-code contract of ``rollmatch launch``:
   ``vllm.server.timeout_s``, or dies while the learner runs (the message names it and shows its log);
   with ``launch.restart_servers: N`` a server that exits or stops answering ``/health/`` for
   ``vllm.server.timeout_s`` after start-up is restarted instead (same command: same devices and port),
-  after a backoff of 1, 2, 4 ... 30 s, each restart logged; after N restarts it is given up (3, named);
+  after a backoff of ``launch.restart_backoff_s`` (1 s), doubled per restart, at most 30 s, each restart logged; after N restarts it is given up (3, named);
   on several nodes a learner node also waits for every other node's servers (``/health/``) first;
 - :data:`EXIT_NODE_LOST` (4) on several nodes when another node is lost, never joined, or failed
   (``launch.heartbeat``: the message names the node), whether or not this node's learner failed first;
@@ -347,9 +347,9 @@ class _Run:
                 )
             if child.exit_code() is None:  # not answering: stop it before starting it again on its port
                 terminate_all([child], self._grace_s)
-            backoff_s = min(2.0**used, _MAX_BACKOFF_S)
+            backoff_s = min(self.plan.restart_backoff_s * 2.0**used, _MAX_BACKOFF_S)
             self.console.say(
-                f"rollout server {child.spec.name} ({child.spec.url}) {why}: restarting it in {backoff_s:.0f}s on "
+                f"rollout server {child.spec.name} ({child.spec.url}) {why}: restarting it in {backoff_s:g}s on "
                 f"the same devices and port (restart {used + 1} of {self.plan.restart_servers}). Last lines of "
                 f"{child.spec.log_path}:\n{child.log_tail(5)}"
             )

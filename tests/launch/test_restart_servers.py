@@ -121,6 +121,7 @@ def _plan(tmp_path: Path, fault: str, learner: str) -> LaunchPlan:
         ),
         engine="hf",
         restart_servers=1,
+        restart_backoff_s=0.1,  # the stand-in's port is free once it exited or was killed: no wait needed
     )
 
 
@@ -131,7 +132,7 @@ def test_a_server_that_exits_is_restarted_on_its_port_and_the_run_finishes(
     assert run_plan(_plan(tmp_path, "exit-once", LEARNER_UNTIL_RESTARTED), grace_s=1.0) == 0
     output = capfd.readouterr().out
     assert "rollout server server-0 (http://127.0.0.1:" in output
-    assert "exited with code 1: restarting it in 1s on the same devices and port (restart 1 of 1)" in output
+    assert "exited with code 1: restarting it in 0.1s on the same devices and port (restart 1 of 1)" in output
     assert "learner finished with exit code 0" in output
     assert (tmp_path / "starts.txt").read_text().count("started") == 2
     assert "exit-once" in (tmp_path / "server-0.before-restart-1.log").read_text()  # the first run's log kept

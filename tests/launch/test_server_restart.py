@@ -104,7 +104,7 @@ def test_a_killed_server_is_restarted_resynced_and_serves_again_while_the_run_tr
         },
         # collective_timeout_s: a failover push may form groups twice (2 x timeout_s) below it
         training={"max_steps": STEPS, "global_max_length": 320, "collective_timeout_s": 300},
-        launch={"restart_servers": 1},
+        launch={"restart_servers": 1, "restart_backoff_s": 0.1},  # the killed server's port is free at once
     )
     out = tmp_path / "out"
     run = start_launch(config, "--cpu", "--servers", "2", "--learner-procs", "2", "--engine", "hf")
@@ -164,7 +164,7 @@ def test_a_killed_server_is_restarted_resynced_and_serves_again_while_the_run_tr
     code = run.wait(RUN_TIMEOUT_S)
     output = run.output()
     assert code == 0, output[-6000:]
-    assert "restarting it in 1s on the same devices and port (restart 1 of 1)" in output, output[-6000:]
+    assert "restarting it in 0.1s on the same devices and port (restart 1 of 1)" in output, output[-6000:]
     # rank 0's push to the dead server failed: only that server was dropped, the push sent again to the other
     assert "sending it again to ['http://127.0.0.1:" in output, output[-6000:]
     assert "answer again: re-syncing them" in output, output[-6000:]
