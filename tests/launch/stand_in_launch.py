@@ -8,12 +8,12 @@ server and a real torchrun learner each load torch and transformers for seconds 
 what a test of "the launcher stops everything when a server dies" is about. The end-to-end tests
 (tests/launch/test_launch_cpu.py, test_preemption.py, test_server_restart.py) keep the real ones.
 
-- Server: answers ``GET /health/`` on the planned host and port with 200 when the request carries the
-  launch's API key (``ROLLMATCH_API_KEY`` from its environment, as ``rollmatch serve`` checks it), 401
-  otherwise.
+- Server: on the planned host and port, ``GET /health/`` answers 200 to anyone and ``GET /info/`` 200
+  to a request that carries the launch's API key (``ROLLMATCH_API_KEY`` from its environment), 401
+  otherwise, as ``rollmatch serve`` guards every route but ``/health/``.
 - Learner (torchrun's place): starts ``--nproc_per_node`` workers in sessions of their own, as torchrun does; each
   "trains" a step every 0.2 s (a ``| loss`` line in the learner's log) while every planned server
-  answers ``/health/`` with the key, and exits 1 naming the server once one does not (as the real
+  answers ``/info/`` to its key, and exits 1 naming the server once one does not (as the real
   trainer fails on a dead server). SIGTERM is forwarded to the workers, as torchrun does.
 
 The planned (real) commands are written to ``<launch dir>/planned_commands.json`` before anything
@@ -38,10 +38,10 @@ key = os.environ.get("ROLLMATCH_API_KEY")
 
 class Health(BaseHTTPRequestHandler):
     def do_GET(self):
-        ok = self.path.rstrip("/") == "/health" and (
-            key is None or self.headers.get("Authorization") == f"Bearer {key}"
-        )
-        self.send_response(200 if ok else 401)
+        path = self.path.rstrip("/")
+        keyed = key is None or self.headers.get("Authorization") == f"Bearer {key}"
+        ok = path == "/health" or (path == "/info" and keyed)
+        self.send_response(200 if ok else 401 if path == "/info" else 404)
         self.end_headers()
 
     def log_message(self, *args):
@@ -61,7 +61,7 @@ print(f"stand-in worker {rank} up (pid {os.getpid()})", flush=True)
 step = 0
 while True:
     for url in urls:
-        request = urllib.request.Request(f"{url}/health/", headers={"Authorization": f"Bearer {key}"})
+        request = urllib.request.Request(f"{url}/info/", headers={"Authorization": f"Bearer {key}"})
         try:
             urllib.request.urlopen(request, timeout=5).close()
         except OSError as exc:
@@ -111,12 +111,14 @@ def main(argv: list[str]) -> int:
     import rollmatch.launch.command as command
     from rollmatch.cli import main as cli_main
 
-    build_plan = command.build_plan
+    run_plan = command.run_plan
 
-    def build_stand_in_plan(*args: Any, **kwargs: Any) -> LaunchPlan:
-        return stand_in_plan(build_plan(*args, **kwargs))
+    def run_stand_in_plan(plan: LaunchPlan, **kwargs: Any) -> int:
+        return run_plan(stand_in_plan(plan), **kwargs)
 
-    command.build_plan = build_stand_in_plan  # type: ignore[assignment]
+    # Swapped where the launch runs its plan: everything before (checks, ports, key, the printed plan,
+    # the launch record's claim) is the real launch's.
+    command.run_plan = run_stand_in_plan  # type: ignore[assignment]
     return cli_main(["launch", *argv])
 
 

@@ -150,14 +150,20 @@ def test_sigterm_while_waiting_for_the_servers_stops_everything(
 def test_servers_only_keeps_serving_until_ctrl_c_and_leaves_the_key_for_the_learner(
     launch_config: Callable[..., Path], start_launch: Callable[..., Any]
 ) -> None:
-    run = start_launch(launch_config(), "--cpu", "--servers-only", "--engine", "hf")
+    """The launcher's side, with a stand-in server (tests/launch/stand_in_launch.py) that, like
+    ``rollmatch serve``, answers ``/info/`` only to the launch's key."""
+    run = start_launch(launch_config(), "--cpu", "--servers-only", "--engine", "hf", stand_ins=True)
     run.wait_for(lambda: "rollout server(s) ready" in run.output(), 240, "ready servers")
     key_file = run.launch_dir / "api_key"
     assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
     learner_cfg = (run.launch_dir / "learner.yaml").read_text()
     url = learner_cfg.split("base_url: ")[1].split()[0]
     assert requests.get(f"{url}/health/", timeout=10).status_code == 200
-    assert key_file.read_text().strip() not in run.output()
+    key = key_file.read_text().strip()
+    assert requests.get(f"{url}/info/", timeout=10).status_code == 401
+    # the key in the file is the one the server got: a learner started with it is let in
+    assert requests.get(f"{url}/info/", headers={"Authorization": f"Bearer {key}"}, timeout=10).ok
+    assert key not in run.output()
     run.process.send_signal(signal.SIGINT)
     assert run.wait(60) == 0, run.output()
     assert survivors(run.pids()) == []
@@ -267,20 +273,22 @@ def test_two_nodes_on_loopback_train_with_one_rendezvous(
 def test_killing_one_nodes_launcher_stops_the_other_naming_the_lost_node(
     launch_config: Callable[..., Path], start_launch: Callable[..., Any]
 ) -> None:
-    """The two nodes of the test above (node 1's learner rank waits for node 0's server first), training
-    long. A SIGKILL of node 1's launcher: node 0 exits 4 within the heartbeat timeout naming node 1 (its
-    own learner rank is stuck in, or failed, a collective), and no child of either launcher survives
-    (node 1's are stopped by its watchdog)."""
+    """The two nodes of the test above (node 1's learner waits for node 0's server first), training
+    long, with stand-in server and learner processes (tests/launch/stand_in_launch.py: this is about the
+    launchers; the run above trains for real). A SIGKILL of node 1's launcher: node 0 exits 4 within the
+    heartbeat timeout naming node 1, and no child of either launcher survives (node 1's are stopped by
+    its watchdog)."""
     timeout_s, grace_s = 5, 5
     config, port_base = two_node_config(
         launch_config, max_steps=10_000, grace_s=grace_s, heartbeat_timeout_s=timeout_s
     )
-    nodes = [start_launch(config, f"launch.nodes.rank={rank}", "--cpu") for rank in (0, 1)]
+    nodes = [start_launch(config, f"launch.nodes.rank={rank}", "--cpu", stand_ins=True) for rank in (0, 1)]
     for run in nodes:
         run.wait_for(lambda run=run: "started learner-0" in run.output(), 240, "the node's learner")
     assert f"remote server http://127.0.0.1:{port_base} healthy" in nodes[1].output()
-    metrics = nodes[0].launch_dir.parent / "metrics.jsonl"
-    nodes[0].wait_for(metrics.exists, 240, "the first logged step")  # both ranks are in the training loop
+    for rank, run in enumerate(nodes):  # both nodes' learners are in their training loops
+        log = run.launch_dir / f"node-{rank}" / "learner-0.log"
+        run.wait_for(lambda log=log: log.exists() and "| loss " in log.read_text(), 240, "a trained step")
     os.kill(nodes[1].process.pid, signal.SIGKILL)
     killed = time.monotonic()
     code = nodes[0].wait(120)
