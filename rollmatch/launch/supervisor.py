@@ -6,7 +6,8 @@ Owns: :func:`run_plan` and the exit-code contract of ``rollmatch launch``:
   ``vllm.server.timeout_s``, or dies while the learner runs (the message names it and shows its log);
   with ``launch.restart_servers: N`` a server that exits or stops answering ``/health/`` for
   ``vllm.server.timeout_s`` after start-up is restarted instead (same command: same devices and port),
-  after a backoff of ``launch.restart_backoff_s`` (1 s), doubled per restart, at most 30 s, each restart logged; after N restarts it is given up (3, named);
+  after a backoff of ``launch.restart_backoff_s`` (1 s), doubled per restart, at most 30 s, each
+  restart logged; after N restarts it is given up (3, named);
   on several nodes a learner node also waits for every other node's servers (``/health/``) first;
 - :data:`EXIT_NODE_LOST` (4) on several nodes when another node is lost, never joined, or failed
   (``launch.heartbeat``: the message names the node), whether or not this node's learner failed first;
