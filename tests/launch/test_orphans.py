@@ -3,8 +3,7 @@ on the same output directory takes the stale record over.
 
 Real processes throughout: a stand-in launcher (a python process that starts children the way the
 supervisor does) is SIGKILLed, then every child, descendant and process group must be gone. The
-last test does the same to ``rollmatch launch`` itself, with stand-in server and learner processes
-(tests/launch/stand_in_launch.py: a torchrun-like learner whose two workers run in sessions of their own).
+end-to-end test does the same to ``rollmatch launch`` itself (server + 2-rank torchrun learner).
 """
 
 from __future__ import annotations
@@ -181,7 +180,7 @@ def test_a_sigkilled_launch_leaves_no_process_and_the_next_launch_starts(
 ) -> None:
     config = launch_config(stage2_ab={"schedule": {"b_ratio": 1.0}}, training={"max_steps": 100000})
     cpu = ("--cpu", "--learner-procs", "2", "--engine", "hf", "--grace-s", "2")
-    run = start_launch(config, *cpu, stand_ins=True)
+    run = start_launch(config, *cpu)
 
     def workers_recorded() -> bool:  # torchrun's workers run in sessions of their own
         procs = run.pids()["processes"] if (run.launch_dir / "pids.json").exists() else []
@@ -200,7 +199,7 @@ def test_a_sigkilled_launch_leaves_no_process_and_the_next_launch_starts(
     watchdog_log = (run.launch_dir / "watchdog.log").read_text()
     assert f"launcher pid {run.process.pid} exited without stopping its processes" in watchdog_log
 
-    second = start_launch(config, "--cpu", "--servers-only", "--engine", "hf", stand_ins=True)
+    second = start_launch(config, "--cpu", "--servers-only", "--engine", "hf")
     second.wait_for(lambda: "started server-0" in second.output(), 120, "a started server")
     assert f"the launch that wrote it (pid {run.process.pid}) is gone" in second.output()
     second.process.send_signal(signal.SIGTERM)
