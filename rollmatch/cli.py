@@ -481,4 +481,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if sys.argv[1:2] == ["launch"]:  # done with its teardown: skip the interpreter's (launch.command)
+        from rollmatch.launch.command import exit_launcher
+
+        exit_launcher(code)
+    sys.exit(code)

@@ -123,4 +123,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from rollmatch.launch.command import exit_launcher
+
+    exit_launcher(main(sys.argv[1:]))  # as python -m rollmatch.cli launch ends
