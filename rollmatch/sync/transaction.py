@@ -12,9 +12,11 @@ and which servers a failed push drops (``rollout.weight_push``, from the :class:
 
 Checksums (``sync.digest``): per bucket, a keyed BLAKE3 tree over its layout and exactly the
 transmitted bytes (padding included), keyed with the digest key that came with the sync lease; the update checksum is a keyed MAC over the version, the mode and the bucket checksums.
-Without the key no changed, missing, extra or moved byte passes. The sender digests each bucket
-while it is in flight; the receiver digests each leaf of a bucket in a background thread as soon as
-it lands, overlapping the next leaf's transfer.
+Without the key no changed, missing, extra or moved byte passes. The sender digests each leaf of a
+bucket in the digest pool as soon as packing has written it (while the rest of the bucket is packed,
+on the core packing leaves free, and while earlier buckets travel), never holding up the next
+send; the receiver digests each leaf in a background thread as soon as it lands, overlapping the
+next leaf's transfer.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from rollmatch.protocol import (
     UpdateFlattenedParamsBody,
     WireModel,
 )
-from rollmatch.sync.digest import bucket_checksum, bucket_tag, combine_checksums, leaf_spans, leaf_tag_async
+from rollmatch.sync.digest import bucket_tag, combine_checksums, leaf_spans, leaf_tag_async
 from rollmatch.sync.transport import PendingTransfer, WeightTransport
 from rollmatch.sync.weights import Bucket, TensorMeta, flatten_buckets, unflatten_bucket
 
@@ -92,16 +94,16 @@ def push_update(
     transfer that failed); receivers keep their previous version in that case.
     """
     start = time.perf_counter()
-    checksums: list[str] = []
+    digests = _SenderDigests(digest_key)
     num_bytes = num_tensors = 0
     in_flight: tuple[int, Bucket, list[PendingTransfer]] | None = None  # double buffering
-    for index, bucket in enumerate(flatten_buckets(named_tensors, bucket_bytes)):
+    for index, bucket in enumerate(flatten_buckets(named_tensors, bucket_bytes, digests.filled)):
         header = TransactionHeader(version=version, mode=mode, bucket_index=index, num_bytes=bucket.num_bytes)
         pending = []
         for channel, transport in targets:
             with _at(channel, "announce"):
                 pending.append(_send_bucket(channel, transport, bucket, header, adapter))
-        checksums.append(bucket_checksum(digest_key, bucket.metas, bucket.flat))  # overlaps the transfer
+        digests.packed(bucket)  # the leaves not digested while packing, while the bucket travels
         if in_flight is not None:
             _wait_sent(targets, *in_flight, version)
         in_flight = (index, bucket, pending)
@@ -110,6 +112,7 @@ def push_update(
     if in_flight is None:
         raise SyncError(f"weight update of version {version} ({mode}) has no tensors to send")
     _wait_sent(targets, *in_flight, version)
+    checksums = digests.checksums()
     finish = FinishUpdateBody(
         version=version,
         mode=mode,
@@ -121,6 +124,45 @@ def push_update(
         with _at(channel, "finish"):
             replies.append(_finish(channel, finish))
     return PushResult(version, num_bytes, num_tensors, finish.checksum, time.perf_counter() - start, replies)
+
+
+class _SenderDigests:
+    """The sender's bucket checksums (``sync.digest``'s tree), each leaf submitted to the digest pool
+    as soon as ``flatten_buckets`` has written all its bytes (:meth:`filled` is its ``on_filled``).
+    A bucket on an accelerator is digested once it travels (a leaf is copied to host memory to be
+    hashed: copies while packing would delay the first send)."""
+
+    def __init__(self, key: bytes):
+        self._key = key
+        self._flat: torch.Tensor | None = None  # the bucket being packed
+        self._spans: list[tuple[int, int]] = []
+        self._leaves: list[Future[bytes]] = []
+        self._buckets: list[tuple[list[TensorMeta], int, list[Future[bytes]]]] = []
+
+    def filled(self, flat: torch.Tensor, end: int) -> None:
+        """Bytes ``[0, end)`` of ``flat`` are final: digest every leaf they complete (host buckets)."""
+        if flat.device.type == "cpu":
+            self._digest_through(flat, end)
+
+    def packed(self, bucket: Bucket) -> None:
+        """``bucket`` is complete and on its way: digest every leaf not digested yet."""
+        self._digest_through(bucket.flat, bucket.num_bytes)
+        self._buckets.append((bucket.metas, bucket.num_bytes, self._leaves))
+        self._flat = None
+
+    def _digest_through(self, flat: torch.Tensor, end: int) -> None:
+        if flat is not self._flat:
+            self._flat, self._spans, self._leaves = flat, leaf_spans(int(flat.numel())), []
+        while len(self._leaves) < len(self._spans) and self._spans[len(self._leaves)][1] <= end:
+            a, b = self._spans[len(self._leaves)]
+            self._leaves.append(leaf_tag_async(self._key, a, flat[a:b], packing=True))
+
+    def checksums(self) -> list[str]:
+        """Every packed bucket's checksum, in order (waits for leaves still being digested)."""
+        return [
+            bucket_tag(self._key, metas, num_bytes, [leaf.result() for leaf in leaves])
+            for metas, num_bytes, leaves in self._buckets
+        ]
 
 
 def _wait_sent(
