@@ -116,7 +116,11 @@ def _receiver_main(port: int, conn: Connection) -> None:
             receiver.receive_bucket(body.transaction, body.metadatas)  # type: ignore[arg-type]
             conn.send({})
         elif kind == "/finish_weight_update/":
-            conn.send(receiver.finish(FinishUpdateBody.model_validate(payload)).reply.model_dump())
+            verified = receiver.finish(FinishUpdateBody.model_validate(payload))
+            conn.send(verified.reply.model_dump())
+            # Freed after the reply, as a raw receive frees its buffers after its reply (unmapping
+            # 128 MB took ~9 ms here: freed before the reply, it was timed for the transaction only).
+            del verified
         else:
             receiver.close()
             transport.close()
