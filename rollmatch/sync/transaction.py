@@ -12,11 +12,11 @@ and which servers a failed push drops (``rollout.weight_push``, from the :class:
 
 Checksums (``sync.digest``): per bucket, a keyed BLAKE3 tree over its layout and exactly the
 transmitted bytes (padding included), keyed with the digest key that came with the sync lease; the update checksum is a keyed MAC over the version, the mode and the bucket checksums.
-Without the key no changed, missing, extra or moved byte passes. The sender digests each leaf of a
-bucket in the digest pool as soon as packing has written it (while the rest of the bucket is packed,
-on the core packing leaves free, and while earlier buckets travel), never holding up the next
-send; the receiver digests each leaf in a background thread as soon as it lands, overlapping the
-next leaf's transfer.
+Without the key no changed, missing, extra or moved byte passes. The sender announces a bucket as
+soon as its layout is known and broadcasts and digests each leaf as soon as packing has written it
+(:class:`_BucketStream`), so the first bytes travel while the rest of the bucket is packed and its
+digest runs on the core packing leaves free; the receiver digests each leaf in a background thread
+as soon as it lands, overlapping the next leaf's transfer.
 """
 
 from __future__ import annotations
