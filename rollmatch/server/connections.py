@@ -15,7 +15,11 @@ Owns: :func:`guarded_h11_protocol`, uvicorn's h11 protocol with two additions uv
   passed the token check, a call being answered) is never closed for the cap. When every
   connection has one, up to :data:`HEALTH_RESERVE` more are admitted for ``/health/`` only: any
   other request on them is answered 503 and the connection closed, so a probe is answered even
-  while the server is full of calls.
+  while the server is full of calls. A reserved slot is not held by waiting: its connection must
+  send its request head within :data:`HEALTH_SLOT_HEAD_TIMEOUT_S`, is closed after its answer
+  (``Connection: close``), and when every slot is taken a newcomer takes the slot of the oldest one
+  that has not sent a whole head yet (idle or trickling), so idle or slow connections cannot keep
+  a probe out.
 
 and :func:`raise_open_file_limit`. Leaves out: the routes (``server.app``) and request checks
 (``server.gate``).
@@ -32,6 +36,8 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 log = logging.getLogger(__name__)
 HEALTH_RESERVE = 16  # connections past the cap, for /health/ only
+# A probe sends its head at once; a reserved slot waits no longer than this for it.
+HEALTH_SLOT_HEAD_TIMEOUT_S = 2.0
 MAX_PIPELINED_BYTES = 64 << 10  # bytes a connection may send while its request is being answered
 _HEALTH_PATHS = frozenset({"/health/", "/health"})
 
@@ -39,7 +45,7 @@ _HEALTH_PATHS = frozenset({"/health/", "/health"})
 def guarded_h11_protocol(read_timeout_s: float, max_connections: int) -> type[H11Protocol]:
     """An h11 protocol class for ``uvicorn.Config(http=...)`` with these limits (one per server)."""
     open_connections: dict[GuardedH11Protocol, None] = {}  # insertion order = oldest first
-    health_only: set[GuardedH11Protocol] = set()  # admitted past the cap, for /health/ only
+    health_only: dict[GuardedH11Protocol, None] = {}  # admitted past the cap, for /health/ only
 
     class GuardedH11Protocol(H11Protocol):
         def __init__(self, *args: Any, **kwargs: Any):
@@ -53,9 +59,10 @@ def guarded_h11_protocol(read_timeout_s: float, max_connections: int) -> type[H1
             self._arm_read_deadline()
             if len(open_connections) < max_connections or _evict_one(open_connections):
                 open_connections[self] = None
-            elif len(health_only) < HEALTH_RESERVE:
-                health_only.add(self)
+            elif len(health_only) < HEALTH_RESERVE or _free_health_slot(health_only):
+                health_only[self] = None
                 self.app = _health_only(self.app)
+                self._arm_read_deadline(min(read_timeout_s, HEALTH_SLOT_HEAD_TIMEOUT_S))
             else:
                 log.warning(
                     "connection cap reached (%d open, --max-connections, every one busy; %d more kept for "
@@ -68,7 +75,7 @@ def guarded_h11_protocol(read_timeout_s: float, max_connections: int) -> type[H1
 
         def connection_lost(self, exc: Exception | None) -> None:
             open_connections.pop(self, None)
-            health_only.discard(self)
+            health_only.pop(self, None)
             self._disarm_read_deadline()
             super().connection_lost(exc)
 
@@ -129,9 +136,9 @@ def guarded_h11_protocol(read_timeout_s: float, max_connections: int) -> type[H1
         def never_sent_a_head(self) -> bool:
             return self.cycle is None
 
-        def _arm_read_deadline(self) -> None:
+        def _arm_read_deadline(self, seconds: float = read_timeout_s) -> None:
             self._disarm_read_deadline()
-            self._read_deadline = self.loop.call_later(read_timeout_s, self._read_deadline_passed)
+            self._read_deadline = self.loop.call_later(seconds, self._read_deadline_passed)
 
         def _disarm_read_deadline(self) -> None:
             if self._read_deadline is not None:
@@ -170,13 +177,31 @@ def _evict_one(connections: dict[Any, None]) -> bool:
     return True
 
 
+def _free_health_slot(health_only: dict[Any, None]) -> bool:
+    """Close the oldest ``/health/``-only connection that has not sent a whole request head (idle or
+    trickling); ``False`` when every one is being answered (nothing closed)."""
+    victim = next((c for c in health_only if c.never_sent_a_head), None)
+    if victim is None:
+        return False
+    health_only.pop(victim, None)
+    log.info("every /health/ slot taken: closing the oldest one with no request head, from %s", victim.client)
+    victim.transport.close()
+    return True
+
+
 def _health_only(app: Any) -> Any:
     """``app`` for a connection admitted past the cap: ``/health/`` only, anything else a 503 that
     closes the connection."""
 
+    async def closing(message: Any, send: Any) -> None:
+        if message["type"] == "http.response.start":  # the slot is free once the answer is sent
+            headers = [(k, v) for k, v in message.get("headers") or [] if k.lower() != b"connection"]
+            message = {**message, "headers": [*headers, (b"connection", b"close")]}
+        await send(message)
+
     async def guarded(scope: Any, receive: Any, send: Any) -> None:
         if scope.get("type") != "http" or scope.get("path") in _HEALTH_PATHS:
-            await app(scope, receive, send)
+            await app(scope, receive, lambda message: closing(message, send))
             return
         body = (
             b'{"detail":"the server is at its connection cap (rollmatch serve --max-connections) with every '

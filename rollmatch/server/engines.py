@@ -80,7 +80,9 @@ class ServerEngine(Protocol):
         stop: tuple[str, ...] = (),
     ) -> None:
         """Queue one request (sampling from its own ``seed``); a bad prompt raises here, adding nothing.
-        Uses (and consumes) ``prompt.engine_input`` when set, else preprocesses here. ``stop``: stop
+        Uses ``prompt.engine_input`` when set, else preprocesses here and keeps the result there, so a
+        call re-run after a weight update adds the same prepared input without preprocessing its
+        images again on the engine thread. ``stop``: stop
         strings the engine may stop at (``vllm``; ``hf`` generates to ``max_new_tokens``); the server
         cuts the response at them either way."""
         ...
@@ -300,6 +302,13 @@ def _fresh_seed() -> int:
     return int(time.time_ns() % (1 << 31))
 
 
+def _engine_copy(rendered: dict[str, Any]) -> dict[str, Any]:
+    """What one ``add_request`` of a rendered input gets: its own top-level dict and prompt ids, sharing
+    the processed image tensors (vLLM reads those; a request builds its own feature records around
+    them), so the kept input stays whole for a re-run."""
+    return {**rendered, "prompt_token_ids": list(rendered["prompt_token_ids"])}
+
+
 def _text_vocab_size(config: object) -> int | None:
     text = getattr(config, "text_config", None) or config
     size = getattr(text, "vocab_size", None)
@@ -380,10 +389,11 @@ class VllmServerEngine:
         stop: tuple[str, ...] = (),
     ) -> None:
         request = _rollout_request(prompt)
-        rendered, prompt.engine_input = prompt.engine_input, None  # vLLM owns a rendered input once added
-        if rendered is None:
-            rendered = self._engine.render(request)  # a re-run, or a caller that skipped preprocess
-        self._engine.add_rendered(request_id, request, rendered, decoding, seed, stop)
+        if prompt.engine_input is None:  # a caller that skipped preprocess: once, kept for re-runs
+            prompt.engine_input = self._engine.render(request)
+        self._engine.add_rendered(
+            request_id, request, _engine_copy(prompt.engine_input), decoding, seed, stop
+        )
 
     def step(self) -> list[tuple[str, EngineOutput]]:
         return [

@@ -16,17 +16,23 @@ in the request scope tells the route). A body must come with a ``Content-Length`
 is a 411 and one with both length headers a 400; a body over ``--max-body-bytes`` is a 413 (from
 its declared length, else as it arrives). Every answer sent before the body was read to its end
 carries ``Connection: close``: the server closes the connection instead of parsing the rest of an
-unwanted upload. Websocket connections (no route takes one) are refused before
+unwanted upload; a 401 always does (a caller without the key keeps no connection). Refusals
+for a missing or wrong key are logged at most once per :data:`REFUSAL_LOG_INTERVAL_S` with how
+many were refused since the last line (:class:`RefusalLog`), so a client looping without the key
+cannot flood the log. Websocket connections (no route takes one) are refused before
 any route sees them; ``lifespan`` events pass.
 Leaves out: the routes (``server.app``) and the flags (``rollmatch.cli``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import ipaddress
 import json
+import logging
 import socket
+import time
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from pathlib import Path
 from typing import Any
@@ -46,6 +52,8 @@ OPEN_PATHS = frozenset({"/health/", "/health"})  # "/health" only answers the re
 OPEN_METHODS = frozenset({"GET", "HEAD"})
 AUTHENTICATED = "rollmatch.authenticated"  # scope key: the request carried the key (or none is set)
 _NEW_KEY = "python -c 'import secrets; print(secrets.token_urlsafe(32))'"
+REFUSAL_LOG_INTERVAL_S = 10.0  # at most one log line per this for requests refused for their key
+log = logging.getLogger(__name__)
 
 
 def server_api_key(api_key: str | None, api_key_file: str | None, environ: Mapping[str, str]) -> str | None:
@@ -137,6 +145,7 @@ class RequestGate:
         self.app = app
         self._expected = f"Bearer {api_key}".encode() if api_key else None
         self.max_body_bytes = max_body_bytes
+        self.refusals = RefusalLog()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "websocket":
@@ -154,12 +163,13 @@ class RequestGate:
         scope[AUTHENTICATED] = self._expected is None or hmac.compare_digest(given, self._expected)
         if not scope[AUTHENTICATED] and not _open_route(scope):
             reason = "missing" if not given else "wrong"
+            self.refusals.refused(f"{scope.get('method')} {scope.get('path')!r}", reason, scope.get("client"))
             await _reply(
                 send,
                 401,
                 f"{reason} API key: send `Authorization: Bearer <key>` with the key the server was started "
                 f"with (rollmatch serve --api-key-file / --api-key / {API_KEY_ENV})",
-                [(b"www-authenticate", b"Bearer")],
+                [(b"www-authenticate", b"Bearer"), (b"connection", b"close")],
             )
             return
         if b"transfer-encoding" in headers:
@@ -202,6 +212,52 @@ class RequestGate:
             f"request body of {size}+ bytes is over this server's limit of {self.max_body_bytes} bytes "
             "(rollmatch serve --max-body-bytes); send fewer or smaller images per call"
         )
+
+
+class RefusalLog:
+    """The log of requests refused for a missing or wrong API key, at most one line per
+    ``interval_s``: the first refusal is logged at once, later ones are counted, and one line per
+    interval (scheduled on the event loop, so a burst that stops is still reported) says how many
+    were refused since and the latest of them."""
+
+    def __init__(self, interval_s: float = REFUSAL_LOG_INTERVAL_S):
+        self.interval_s = interval_s
+        self.lines = 0  # lines written so far
+        self._quiet_until = 0.0  # monotonic time before which refusals are only counted
+        self._unlogged = 0
+        self._latest = ""
+        self._flush: asyncio.TimerHandle | None = None
+
+    def refused(self, request: str, reason: str, client: Any) -> None:
+        """Record one refusal (called on the event loop)."""
+        shown = f"{request} from {_client_text(client)} ({reason} key)"
+        now = time.monotonic()
+        if now >= self._quiet_until:
+            self._write(
+                f"refused {shown}: send `Authorization: Bearer <key>` (rollmatch serve --api-key-file)"
+            )
+            return
+        self._unlogged += 1
+        self._latest = shown
+        if self._flush is None:
+            self._flush = asyncio.get_running_loop().call_later(self._quiet_until - now, self._summary)
+
+    def _summary(self) -> None:
+        self._flush = None
+        count, self._unlogged = self._unlogged, 0
+        self._write(
+            f"refused {count} more request(s) without a valid API key in the last {self.interval_s:g}s "
+            f"(latest: {self._latest}); such refusals are logged at most once every {self.interval_s:g}s"
+        )
+
+    def _write(self, line: str) -> None:
+        log.warning("%s", line)
+        self.lines += 1
+        self._quiet_until = time.monotonic() + self.interval_s
+
+
+def _client_text(client: Any) -> str:
+    return f"{client[0]}:{client[1]}" if client else "an unknown client"
 
 
 def _open_route(scope: Scope) -> bool:

@@ -40,6 +40,11 @@ DIGEST_KEY_BYTES = 32
 LEAF_BYTES = 8 << 20
 TAG_HEX = 32
 _POOL = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="weight-digest")
+# A sender hashes leaves while its own thread is still packing the bucket: one core fewer, so the
+# packing copy (and, on a small machine, the receiver) keeps a core.
+_PACKING_POOL = ThreadPoolExecutor(
+    max_workers=max(1, min(8, (os.cpu_count() or 1) - 1)), thread_name_prefix="weight-digest-send"
+)
 
 
 def new_digest_key() -> bytes:
@@ -73,11 +78,13 @@ def leaf_spans(num_bytes: int) -> list[tuple[int, int]]:
     return [(start, min(start + LEAF_BYTES, num_bytes)) for start in range(0, num_bytes, LEAF_BYTES)]
 
 
-def leaf_tag_async(key: bytes, start: int, chunk: torch.Tensor) -> Future[bytes]:
+def leaf_tag_async(key: bytes, start: int, chunk: torch.Tensor, *, packing: bool = False) -> Future[bytes]:
     """One leaf's tag (``chunk`` = the bucket's bytes ``[start, start + len)``), hashed in the pool:
-    a receiver hashes each leaf as it lands, while the next one is still in transfer."""
+    a receiver hashes each leaf as it lands, while the next one is still in transfer; a sender
+    (``packing``) each leaf as soon as it is packed, while its thread packs the next."""
     host = chunk.detach().to("cpu").contiguous()
-    return _POOL.submit(lambda: _leaf(key, start, memoryview(host.numpy()).cast("B")))
+    pool = _PACKING_POOL if packing else _POOL
+    return pool.submit(lambda: _leaf(key, start, memoryview(host.numpy()).cast("B")))
 
 
 def bucket_tag(key: bytes, metas: Sequence[TensorMeta], num_bytes: int, leaves: Sequence[bytes]) -> str:

@@ -12,9 +12,11 @@ and which servers a failed push drops (``rollout.weight_push``, from the :class:
 
 Checksums (``sync.digest``): per bucket, a keyed BLAKE3 tree over its layout and exactly the
 transmitted bytes (padding included), keyed with the digest key that came with the sync lease; the update checksum is a keyed MAC over the version, the mode and the bucket checksums.
-Without the key no changed, missing, extra or moved byte passes. The sender digests each bucket
-while it is in flight; the receiver digests each leaf of a bucket in a background thread as soon as
-it lands, overlapping the next leaf's transfer.
+Without the key no changed, missing, extra or moved byte passes. The sender announces a bucket as
+soon as its layout is known and broadcasts and digests each leaf as soon as packing has written it
+(:class:`_BucketStream`), so the first bytes travel while the rest of the bucket is packed and its
+digest runs on the core packing leaves free; the receiver digests each leaf in a background thread
+as soon as it lands, overlapping the next leaf's transfer.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from rollmatch.protocol import (
     UpdateFlattenedParamsBody,
     WireModel,
 )
-from rollmatch.sync.digest import bucket_checksum, bucket_tag, combine_checksums, leaf_spans, leaf_tag_async
+from rollmatch.sync.digest import bucket_tag, combine_checksums, leaf_spans, leaf_tag_async
 from rollmatch.sync.transport import PendingTransfer, WeightTransport
 from rollmatch.sync.weights import Bucket, TensorMeta, flatten_buckets, unflatten_bucket
 
@@ -92,24 +94,10 @@ def push_update(
     transfer that failed); receivers keep their previous version in that case.
     """
     start = time.perf_counter()
-    checksums: list[str] = []
-    num_bytes = num_tensors = 0
-    in_flight: tuple[int, Bucket, list[PendingTransfer]] | None = None  # double buffering
-    for index, bucket in enumerate(flatten_buckets(named_tensors, bucket_bytes)):
-        header = TransactionHeader(version=version, mode=mode, bucket_index=index, num_bytes=bucket.num_bytes)
-        pending = []
-        for channel, transport in targets:
-            with _at(channel, "announce"):
-                pending.append(_send_bucket(channel, transport, bucket, header, adapter))
-        checksums.append(bucket_checksum(digest_key, bucket.metas, bucket.flat))  # overlaps the transfer
-        if in_flight is not None:
-            _wait_sent(targets, *in_flight, version)
-        in_flight = (index, bucket, pending)
-        num_bytes += bucket.num_bytes
-        num_tensors += len(bucket.metas)
-    if in_flight is None:
-        raise SyncError(f"weight update of version {version} ({mode}) has no tensors to send")
-    _wait_sent(targets, *in_flight, version)
+    stream = _BucketStream(targets, version, mode, digest_key, adapter)
+    for bucket in flatten_buckets(named_tensors, bucket_bytes, stream.filled):
+        stream.packed(bucket)
+    checksums = stream.finish_sending()
     finish = FinishUpdateBody(
         version=version,
         mode=mode,
@@ -120,20 +108,100 @@ def push_update(
     for channel, _ in targets:
         with _at(channel, "finish"):
             replies.append(_finish(channel, finish))
-    return PushResult(version, num_bytes, num_tensors, finish.checksum, time.perf_counter() - start, replies)
+    return PushResult(
+        version, stream.num_bytes, stream.num_tensors, finish.checksum, time.perf_counter() - start, replies
+    )
 
 
-def _wait_sent(
-    targets: Sequence[tuple[ControlChannel, WeightTransport]],
-    index: int,
-    bucket: Bucket,
-    pending: list[PendingTransfer],
-    version: int,
-) -> None:
-    del bucket  # held by the caller until here: its buffer must outlive the transfer
-    for (channel, _), transfer in zip(targets, pending, strict=True):
-        with _at(channel, "transfer"):
-            transfer.wait(f"bucket {index} of version {version} to {channel.url}")
+class _BucketStream:
+    """Sends and digests an update's buckets leaf by leaf while they are packed.
+
+    ``flatten_buckets`` calls :meth:`filled` once a bucket's layout is known (the bucket is announced
+    to every target) and after each tensor it copies: every leaf whose bytes are all written is
+    broadcast to every target and digested in the pool at once, so the first bytes travel (and the
+    receivers digest them) while the rest of the bucket is still being packed, and the sender's
+    digest runs on a core packing leaves free. :meth:`packed` sends and digests what is left and
+    waits for the bucket before (two buckets in flight at most). A bucket on an accelerator is sent
+    and digested once packed (a leaf is copied to host memory to be hashed)."""
+
+    def __init__(
+        self,
+        targets: Sequence[tuple[ControlChannel, WeightTransport]],
+        version: int,
+        mode: str,
+        key: bytes,
+        adapter: AdapterPayload | None,
+    ):
+        self._targets, self._version, self._mode, self._key = targets, version, mode, key
+        self._adapter = adapter
+        self._bucket: Bucket | None = None  # the bucket being packed
+        self._spans: list[tuple[int, int]] = []
+        self._transfers: list[list[PendingTransfer]] = []  # per target, one per leaf posted
+        self._leaves: list[Future[bytes]] = []
+        self._in_flight: tuple[int, Bucket, list[list[PendingTransfer]]] | None = None
+        self._digested: list[tuple[list[TensorMeta], int, list[Future[bytes]]]] = []
+        self.num_bytes = self.num_tensors = 0
+
+    def filled(self, bucket: Bucket, end: int) -> None:
+        """Bytes ``[0, end)`` of ``bucket`` are final (``flatten_buckets``' ``on_filled``)."""
+        if bucket is not self._bucket:
+            self._announce(bucket)
+        if bucket.flat.device.type == "cpu":
+            self._send_through(end)
+
+    def packed(self, bucket: Bucket) -> None:
+        """``bucket`` is complete: send and digest the rest, then wait for the bucket before it."""
+        if bucket is not self._bucket:
+            self._announce(bucket)
+        self._send_through(bucket.num_bytes)
+        index = len(self._digested)
+        self._digested.append((bucket.metas, bucket.num_bytes, self._leaves))
+        if self._in_flight is not None:
+            self._wait_sent(*self._in_flight)
+        self._in_flight = (index, bucket, self._transfers)
+        self._bucket = None
+        self.num_bytes += bucket.num_bytes
+        self.num_tensors += len(bucket.metas)
+
+    def finish_sending(self) -> list[str]:
+        """Wait for the last bucket; every bucket's checksum, in order."""
+        if self._in_flight is None:
+            raise SyncError(f"weight update of version {self._version} ({self._mode}) has no tensors to send")
+        self._wait_sent(*self._in_flight)
+        return [
+            bucket_tag(self._key, metas, num_bytes, [leaf.result() for leaf in leaves])
+            for metas, num_bytes, leaves in self._digested
+        ]
+
+    def _announce(self, bucket: Bucket) -> None:
+        header = TransactionHeader(
+            version=self._version,
+            mode=self._mode,
+            bucket_index=len(self._digested),
+            num_bytes=bucket.num_bytes,
+        )
+        for channel, _ in self._targets:
+            with _at(channel, "announce"):
+                _announce_bucket(channel, bucket, header, self._adapter)
+        self._bucket, self._spans, self._leaves = bucket, leaf_spans(bucket.num_bytes), []
+        self._transfers = [[] for _ in self._targets]
+
+    def _send_through(self, end: int) -> None:
+        assert self._bucket is not None
+        flat = self._bucket.flat
+        while len(self._leaves) < len(self._spans) and self._spans[len(self._leaves)][1] <= end:
+            a, b = self._spans[len(self._leaves)]
+            for (channel, transport), posted in zip(self._targets, self._transfers, strict=True):
+                with _at(channel, "transfer"):
+                    posted.append(transport.broadcast_async(flat[a:b], src=transport.rank))
+            self._leaves.append(leaf_tag_async(self._key, a, flat[a:b], packing=True))
+
+    def _wait_sent(self, index: int, bucket: Bucket, transfers: list[list[PendingTransfer]]) -> None:
+        del bucket  # held until here: its buffer must outlive the transfer
+        for (channel, _), posted in zip(self._targets, transfers, strict=True):
+            with _at(channel, "transfer"):
+                for transfer in posted:
+                    transfer.wait(f"bucket {index} of version {self._version} to {channel.url}")
 
 
 @contextmanager
@@ -148,13 +216,10 @@ def _at(channel: ControlChannel, phase: PushPhase) -> Iterator[None]:
         raise ServerPushFailed(channel.url, phase, exc) from exc
 
 
-def _send_bucket(
-    channel: ControlChannel,
-    transport: WeightTransport,
-    bucket: Bucket,
-    header: TransactionHeader,
-    adapter: AdapterPayload | None,
-) -> PendingTransfer:
+def _announce_bucket(
+    channel: ControlChannel, bucket: Bucket, header: TransactionHeader, adapter: AdapterPayload | None
+) -> None:
+    """Tell the receiver a bucket's layout; it posts the bucket's receives before answering."""
     metas = [wire_meta(meta) for meta in bucket.metas]
     phase = f"announce bucket {header.bucket_index} of version {header.version}"
     if adapter is None:
@@ -169,23 +234,6 @@ def _send_bucket(
             transaction=header,
         )
         channel.post("/update_adapter_flattened_param/", body, phase)
-    return _LeafTransfers(
-        [
-            transport.broadcast_async(bucket.flat[a:b], src=transport.rank)
-            for a, b in leaf_spans(bucket.num_bytes)
-        ]
-    )
-
-
-class _LeafTransfers:
-    """A bucket's broadcasts, one per digest leaf (``sync.digest.leaf_spans``), waited for in order."""
-
-    def __init__(self, transfers: list[PendingTransfer]):
-        self.transfers = transfers
-
-    def wait(self, phase: str) -> None:
-        for transfer in self.transfers:
-            transfer.wait(phase)
 
 
 def _finish(channel: ControlChannel, body: FinishUpdateBody) -> FinishUpdateReply:

@@ -9,6 +9,9 @@ Each attack: every ``/health/`` probe answered within 1 s, server RSS growth <= 
 
 from __future__ import annotations
 
+import re
+import socket
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -84,3 +87,46 @@ def test_a_sync_call_without_the_lease_is_a_4xx_and_closed(keyed_server: Any) ->
         "POST", "/update_flattened_params/", AUTH, "Content-Type: application/json", "Content-Length: 8000000"
     )
     assert _run(keyed_server, head, filler(8_000_000), "sync without lease").status == 409
+
+
+def _refusal_counts(log_text: str) -> list[int]:
+    """How many refusals each of the server's refusal lines reports (a single one, or a summary)."""
+    counts = []
+    for line in log_text.splitlines():
+        if "rollmatch.server.gate" not in line or " refused " not in line:
+            continue
+        summary = re.search(r" refused (\d+) more request", line)
+        counts.append(int(summary.group(1)) if summary else 1)
+    return counts
+
+
+def test_a_keyless_connect_loop_is_refused_and_logged_at_a_bounded_rate(keyed_server: Any) -> None:
+    """Formerly a 401 on a request without a body kept the connection open, and refusals were either
+    logged once each or not at all; now every 401 closes its connection and the log gets at most one
+    line per interval, counting every refusal."""
+    from rollmatch.server.gate import REFUSAL_LOG_INTERVAL_S
+
+    refused = 300
+    host, port = keyed_server.url.removeprefix("http://").split(":")
+    logged_before = len(keyed_server.log_path.read_text(errors="replace"))
+    before = rss_mib(keyed_server.process.pid)
+    started = time.monotonic()
+    with health_watch(keyed_server.url, keyed_server.process.pid) as record:
+        for index in range(refused):
+            with socket.create_connection((host, int(port)), timeout=2.0) as sock:
+                sock.sendall(http_head("GET", "/info/" if index % 2 else "/stats/"))
+                answer = b""
+                while chunk := sock.recv(65536):  # to the server's close (a 2 s timeout raises)
+                    answer += chunk
+            assert answer.startswith(b"HTTP/1.1 401") and b"connection: close" in answer.lower(), answer[:300]
+    assert_bounded(record, before, "keyless connect loop")
+    deadline = time.monotonic() + 10 * REFUSAL_LOG_INTERVAL_S
+    while (
+        sum(counts := _refusal_counts(keyed_server.log_path.read_text(errors="replace")[logged_before:]))
+        < refused
+    ):
+        assert time.monotonic() < deadline, f"refusals logged: {counts} of {refused}"
+        time.sleep(0.2)
+    took = time.monotonic() - started
+    assert sum(counts) - refused <= 8  # every refusal counted (plus the module's earlier keyless tests')
+    assert len(counts) <= 2 + took / REFUSAL_LOG_INTERVAL_S, (len(counts), took)

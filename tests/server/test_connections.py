@@ -125,3 +125,44 @@ def test_the_cap_keeps_uploads_that_sent_their_head_and_a_health_probe_gets_in(c
     finally:
         for sock in uploads:
             sock.close()
+
+
+def test_idle_and_trickling_connections_cannot_hold_the_health_slots(capped_server: Any) -> None:
+    """Formerly the 16 connections admitted past a full cap for ``/health/`` kept their slot until
+    the read deadline (30 s by default) or, once answered, the keep-alive timeout, whatever they
+    did: a client reconnecting idle sockets kept every probe out. Now an idle or trickling one gives
+    its slot to a newcomer, must send its head within a short deadline, and a probe's answer closes
+    its connection."""
+    from rollmatch.server.connections import HEALTH_RESERVE, HEALTH_SLOT_HEAD_TIMEOUT_S
+
+    body = json.dumps({"infer_requests": [{"prompt_token_ids": [5, 6]}], "request_config": {"max_tokens": 1}})
+    head = (
+        "POST /infer/ HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    uploads, holders = [], []
+    for _ in range(8):  # every slot of the cap: a head, then half the body (never closed for the cap)
+        sock = _connect(capped_server)
+        sock.sendall(head + body[: len(body) // 2].encode())
+        uploads.append(sock)
+    try:
+        time.sleep(0.2)
+        for index in range(2 * HEALTH_RESERVE):  # every /health/ slot, twice over: idle, then half a head
+            sock = _connect(capped_server)
+            if index >= HEALTH_RESERVE:
+                sock.sendall(b"GET /health/ HTTP/1.1\r\nHost: x\r\n")
+            holders.append(sock)
+        started = time.monotonic()
+        reply = requests.get(f"{capped_server.url}/health/", timeout=5)
+        assert reply.status_code == 200 and time.monotonic() - started < 1.0
+        assert reply.headers.get("connection") == "close"  # the probe's slot is free once answered
+        took = _closed_within(holders[-1], HEALTH_SLOT_HEAD_TIMEOUT_S + 5)  # no head: its slot expires
+        assert took < HEALTH_SLOT_HEAD_TIMEOUT_S + 1.0, took
+        for sock in uploads:
+            sock.sendall(body[len(body) // 2 :].encode())
+        for sock in uploads:
+            sock.settimeout(10)
+            assert sock.recv(4096).startswith(b"HTTP/1.1 200"), "an upload past its head was closed"
+    finally:
+        for sock in uploads + holders:
+            sock.close()

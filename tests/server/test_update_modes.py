@@ -188,6 +188,39 @@ def test_a_call_longer_than_the_push_interval_is_rerun_at_most_max_reruns_times(
         scheduler.update_mode = "drain"
 
 
+@pytest.mark.parametrize("mode", ["abort", "drain"])
+def test_a_rerun_adds_its_prepared_image_inputs_again_without_preprocessing(
+    server: RolloutServer, loaded_tiny: tuple[Any, Any], raccoon_requests: list[Any], mode: str
+) -> None:
+    # Pins: a call re-run after an update reuses the image inputs prepared off the engine thread
+    # (before: vLLM's processor ran again on the engine thread for every prompt of every re-run).
+    scheduler = server.scheduler
+    weights = _weight_sets(loaded_tiny)
+    _load(server, weights["B"], scheduler.version + 1)
+    reference = wait_for(scheduler, scheduler.submit(prepared_prompts(server, raccoon_requests[:1]), HELD, 0))
+    prompts = prepared_prompts(server, raccoon_requests[:1])
+    for prompt in prompts:
+        server.engine.preprocess(prompt)  # the prepare hop, as /infer/ runs it
+    _load(server, weights["A"], scheduler.version + 1)
+    engine = server.engine._engine  # type: ignore[attr-defined]
+    renders: list[Any] = []
+    real_render = engine.render
+    engine.render = lambda request: renders.append(request) or real_render(request)
+    scheduler.update_mode = mode
+    try:
+        with StepGate(server.engine) as gate:
+            ticket = scheduler.submit(prompts, HELD, 0)
+            _held_after(gate, BEFORE_UPDATE_STEPS)
+            _update_while_held(server, gate, weights["B"], scheduler.version + 1)
+            gate.open()
+            outputs = wait_for(scheduler, ticket)
+    finally:
+        del engine.render
+        scheduler.update_mode = "drain"
+    assert ticket.attempts == 1 and renders == [], f"{len(renders)} prompts preprocessed again"
+    assert outputs[0].token_ids == reference[0].token_ids  # the kept input, re-run under the new weights
+
+
 def test_a_cancelled_running_call_is_aborted_in_the_engine_and_releases_admission(
     server: RolloutServer, raccoon_requests: list[Any]
 ) -> None:

@@ -252,3 +252,33 @@ def test_bucket_checksum_sees_flips_moved_leaves_length_layout_and_key() -> None
     }
     assert len(variants) == 6
     assert bucket_checksum(KEY, metas, data[:-1]) != digest
+
+
+def test_the_senders_leaf_by_leaf_digest_while_packing_equals_the_bucket_checksum() -> None:
+    # The sender digests each leaf as soon as packing wrote it (leaves that end mid-tensor, a tensor
+    # spanning several leaves, padding, a short last leaf); its checksums must be the reference
+    # tree's, computed on the finished buckets.
+    from rollmatch.sync.digest import combine_checksums
+    from rollmatch.sync.weights import flatten_buckets
+
+    torch.manual_seed(1)
+    tensors = [
+        ("a", torch.randn(LEAF_BYTES // 4 + 3)),  # ends 12 bytes into the second leaf (+ 4 padding)
+        ("b", torch.randn(5).to(torch.bfloat16)),
+        ("c", torch.randn(2 * LEAF_BYTES // 4 + 1000)),  # spans three leaves
+        ("d", torch.randn(LEAF_BYTES // 4)),  # the next bucket: exactly one leaf
+    ]
+    bucket_bytes = 4 * LEAF_BYTES
+    trainer, receiver = _pair()
+    result = push_update(
+        [(DirectChannel(receiver), trainer)],
+        tensors,
+        version=7,
+        mode="full",
+        digest_key=KEY,
+        bucket_bytes=bucket_bytes,
+    )
+    expected = [bucket_checksum(KEY, b.metas, b.flat) for b in flatten_buckets(tensors, bucket_bytes)]
+    assert len(expected) == 2
+    assert result.replies[0].bucket_checksums == expected
+    assert result.checksum == combine_checksums(KEY, 7, "full", expected)
