@@ -59,26 +59,32 @@ demo: $(STAMP)
 
 # The suite; the smoke runs of the benchmark scripts and the study drivers (marker `bench`; tests/test_benches.py,
 # tests/studies/test_study_smoke.py) are `make bench-smoke`, which CI runs after it.
-# Two tiers: the unit tier on two pytest-xdist workers, then the integration tier (several processes or a
-# vLLM engine per test, marked by tests/conftest.py): on two workers too (a module's shared servers on one),
-# then its serial sub-tier (wall-clock bounds that assume the machine) one test at a time. All report
-# their slowest tests.
-test: test-unit test-integration
+# Tiers (tests/conftest.py marks them): the unit tier (in-process tests) and the integration tier (several
+# processes or a vLLM engine per test), whose serial sub-tier holds the tests with wall-clock bounds that
+# assume no other integration test beside them. `make test` runs, on two pytest-xdist workers:
+#   1. the unit tier on one worker beside the serial sub-tier, one test at a time, on the other (the
+#      serial tests mostly wait on timeouts and servers: alone they left a core idle);
+#   2. the rest of the integration tier (a module's shared servers and engines on one worker).
+# `make test-unit` and `make test-integration` run the tiers on their own. All report their slowest tests.
+# WORKERS: two, or one where this process may use a single core (`taskset -c 0 make test`): two
+# workers' process trees on one core starved a launch test past its bound. WORKERS=0 runs one test at
+# a time in one process (to compare on a given machine).
+WORKERS ?= $(shell $(PY) -c "import os; print(min(2, len(os.sched_getaffinity(0))))")
+PYTEST := $(VENV)/bin/python -m pytest -q --durations=20
+test: $(STAMP) $(SWIFT_STAMP) $(TRL_STAMP)
+	$(PYTEST) -m "not bench and (not integration or serial)" -n $(WORKERS) --dist loadgroup
+	$(PYTEST) -m "not bench and integration and not serial" -n $(WORKERS) --dist loadgroup
 
 # Bytecode caches on for the suite even where the environment turns them off (PYTHONDONTWRITEBYTECODE=1):
 # without them every pytest process rewrites the asserts of all ~190 test modules again (about 4 s each).
-test-unit test-integration bench-smoke: export PYTHONDONTWRITEBYTECODE :=
+test test-unit test-integration bench-smoke: export PYTHONDONTWRITEBYTECODE :=
 
 test-unit: $(STAMP) $(SWIFT_STAMP) $(TRL_STAMP)
-	$(VENV)/bin/python -m pytest -q -m "not bench and not integration" -n 2 --durations=20
+	$(PYTEST) -m "not bench and not integration" -n $(WORKERS)
 
-# INTEGRATION_WORKERS=0 runs that step in one process, one test at a time (to compare on a given machine).
-# Default: two workers, or one where this process may use a single core (`taskset -c 0 make test`): two
-# workers' process trees on one core starved a launch test past its bound.
-INTEGRATION_WORKERS ?= $(shell $(PY) -c "import os; print(min(2, len(os.sched_getaffinity(0))))")
 test-integration: $(STAMP) $(SWIFT_STAMP) $(TRL_STAMP)
-	$(VENV)/bin/python -m pytest -q -m "not bench and integration and not serial" -n $(INTEGRATION_WORKERS) --dist loadgroup --durations=20
-	$(VENV)/bin/python -m pytest -q -m "not bench and integration and serial" --durations=20
+	$(PYTEST) -m "not bench and integration and not serial" -n $(WORKERS) --dist loadgroup
+	$(PYTEST) -m "not bench and integration and serial"
 
 # `make test` idle, with every core busy with another job, and pinned to one core; durations and
 # results in runs/test-stress/results.tsv (tools/test_stress.sh --help). Takes about an hour.

@@ -15,8 +15,9 @@ session, so session fixtures (tiny models, in-process engines, shared servers) a
 ports come from ``free_port`` and files go under ``tmp_path``. In the integration tier
 (``--dist loadgroup``) the tests of a module with a module-scoped fixture (a server, an engine, a
 trained run that several tests read) share an ``xdist_group``, so that fixture starts once; the
-integration tests whose wall-clock bounds assume the machine to themselves are marked ``serial``
-(:data:`SERIAL`) and run afterwards, one at a time.
+integration tests whose wall-clock bounds assume no other integration test beside them are marked
+``serial`` (:data:`SERIAL`): `make test` runs them one at a time on one worker while the other runs
+the unit tier, then the rest of the integration tier on both.
 """
 
 from __future__ import annotations
@@ -125,9 +126,12 @@ INTEGRATION_SOURCE = (
 )
 
 
-# Integration tests with a wall-clock bound that assumes the test has the machine to itself (a reply or a
+# Integration tests with a wall-clock bound that assumes no other integration test beside it (a reply or a
 # refusal within a few seconds, a detection within a timeout plus seconds, a cost compared with another
-# call's): the serial sub-tier (``-m serial``), run one at a time after the rest of the integration tier.
+# call's): the serial sub-tier (``-m serial``). They share one ``xdist_group``, so one worker runs them
+# one at a time; `make test` runs them beside the unit tier (one worker each: a unit test is one
+# in-process job, milder than the busy loops `make test-stress` runs them beside), never beside
+# another integration test.
 SERIAL = (
     "tests/launch/test_launch_cpu.py::test_killing_one_nodes_launcher_stops_the_other_naming_the_lost_node",
     "tests/launch/test_orphans.py::",
@@ -177,6 +181,7 @@ def _starts_processes(item: pytest.Item) -> bool:
 _STARTS_PROCESSES: dict[Callable[..., Any], bool] = {}
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's worker reads the xdist_group marks set here
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark the integration tier (``-m integration``): tests that use a server/engine fixture or whose
     own source starts several processes or a vLLM engine (see above); in it, the serial sub-tier
@@ -186,10 +191,40 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.integration)
         if not item.get_closest_marker("integration"):
             continue
-        if item.nodeid.startswith(SERIAL):
+        if item.nodeid.startswith(SERIAL):  # one worker takes them all, one at a time (see SERIAL)
             item.add_marker(pytest.mark.serial)
+            item.add_marker(pytest.mark.xdist_group("serial"))
         elif _uses_module_fixture(item):
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
+
+
+class _XdistGroupCheck:
+    """Refuses a run in which ``--dist loadgroup`` would split an ``xdist_group`` over workers: pytest-xdist
+    marks a group by appending it to each test's id, which pytest 9.2 ignores (so the serial sub-tier ran
+    beside other tests and each module's shared servers started on both workers; pyproject pins below)."""
+
+    @pytest.hookimpl(trylast=True)  # after pytest-xdist's worker hook
+    def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
+        if not getattr(config.option, "loadgroup", False):
+            return
+        for item in items:
+            if item.get_closest_marker("xdist_group") and "@" not in item.nodeid:
+                raise pytest.UsageError(
+                    f"pytest {pytest.__version__} dropped the xdist_group of {item.nodeid}: --dist loadgroup "
+                    "would spread the group over workers. Install the pytest pyproject.toml pins (make venv)."
+                )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # The controller says why at once (a worker's refusal below reaches it only as a crashed worker).
+    if config.getoption("dist", "no") == "loadgroup" and tuple(
+        map(int, pytest.__version__.split(".")[:2])
+    ) >= (9, 2):
+        raise pytest.UsageError(
+            f"pytest {pytest.__version__} drops pytest-xdist's xdist_group: --dist loadgroup would spread the "
+            "serial sub-tier and each module's shared servers over workers. Install the pins (make venv)."
+        )
+    config.pluginmanager.register(_XdistGroupCheck(), "rollmatch-xdist-group-check")
 
 
 @pytest.fixture
