@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import requests
 
@@ -153,3 +154,26 @@ def assert_bounded(
 def http_head(method: str, path: str, *headers: str) -> bytes:
     lines = [f"{method} {path} HTTP/1.1", "Host: 127.0.0.1", *headers, "", ""]
     return "\r\n".join(lines).encode()
+
+
+def wait_until_read(server_port: int, clients: list[socket.socket], timeout_s: float = 60.0) -> None:
+    """Return once the server process has read every byte these client sockets sent (the server side
+    of each connection shows an empty receive queue in ``/proc/net/tcp``): a gate on what the server
+    has seen, where a test would otherwise sleep and hope it got there."""
+    ports = {sock.getsockname()[1] for sock in clients}
+    deadline = time.monotonic() + timeout_s
+    while True:
+        unread: dict[int, int] = {}
+        for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+            fields = line.split()
+            local_port = int(fields[1].rsplit(":", 1)[1], 16)
+            remote_port = int(fields[2].rsplit(":", 1)[1], 16)
+            if local_port == server_port and remote_port in ports:
+                unread[remote_port] = int(fields[4].split(":")[1], 16)
+        if len(unread) == len(ports) and not any(unread.values()):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(
+                f"the server had not read what {len(ports)} clients sent within {timeout_s} s: {unread}"
+            )
+        time.sleep(0.01)

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import requests
+from attack_probe import wait_until_read
 
 READ_TIMEOUT_S = 1.5
 
@@ -35,6 +36,10 @@ def strict_server(start_server: Callable[..., Any], tiny_model_dir: Path) -> Any
 @pytest.fixture(scope="module")
 def capped_server(start_server: Callable[..., Any], tiny_model_dir: Path) -> Any:
     return start_server(tiny_model_dir, "--engine", "hf", "--max-connections", "8")
+
+
+def _port(server: Any) -> int:
+    return int(server.url.rsplit(":", 1)[1])
 
 
 def _connect(server: Any) -> socket.socket:
@@ -112,7 +117,7 @@ def test_the_cap_keeps_uploads_that_sent_their_head_and_a_health_probe_gets_in(c
         sock.sendall(head + body[: len(body) // 2].encode())
         uploads.append(sock)
     try:
-        time.sleep(0.2)
+        wait_until_read(_port(capped_server), uploads)  # every upload is past its head for the server
         reply = requests.get(f"{capped_server.url}/health/", timeout=5)
         assert reply.status_code == 200
         other = requests.get(f"{capped_server.url}/info/", timeout=5)
@@ -146,12 +151,14 @@ def test_idle_and_trickling_connections_cannot_hold_the_health_slots(capped_serv
         sock.sendall(head + body[: len(body) // 2].encode())
         uploads.append(sock)
     try:
-        time.sleep(0.2)
+        wait_until_read(_port(capped_server), uploads)  # every upload is past its head for the server
         for index in range(2 * HEALTH_RESERVE):  # every /health/ slot, twice over: idle, then half a head
             sock = _connect(capped_server)
             if index >= HEALTH_RESERVE:
                 sock.sendall(b"GET /health/ HTTP/1.1\r\nHost: x\r\n")
             holders.append(sock)
+        # the half heads read: the server accepted them, and (accepting in order) the idle ones before
+        wait_until_read(_port(capped_server), holders[HEALTH_RESERVE:])
         started = time.monotonic()
         reply = requests.get(f"{capped_server.url}/health/", timeout=5)
         assert reply.status_code == 200 and time.monotonic() - started < 1.0
