@@ -42,6 +42,16 @@ TAG_HEX = 32
 _POOL = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="weight-digest")
 
 
+def _new_pool_after_fork() -> None:
+    """A forked child (a rank forked from a process that already pushed) has the pool's queue but none
+    of its threads: work submitted there would wait forever. The child gets a pool of its own."""
+    global _POOL
+    _POOL = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="weight-digest")
+
+
+os.register_at_fork(after_in_child=_new_pool_after_fork)
+
+
 def new_digest_key() -> bytes:
     return secrets.token_bytes(DIGEST_KEY_BYTES)
 
