@@ -44,7 +44,7 @@ class ForkedRanks:
     """``world_size`` ranks forked now, each running ``target(rank)``; :meth:`wait` collects them (a
     test that acts while the ranks run, e.g. kills a server under them, waits afterwards)."""
 
-    def __init__(self, target: Callable[[int], None], *, world_size: int = 2):
+    def __init__(self, target: Callable[[int], None], *, world_size: int = 2, rank_env: bool = True):
         assert os.environ.get("OMP_NUM_THREADS") == "1", (
             "forked ranks need OMP_NUM_THREADS=1 (see module doc)"
         )
@@ -58,15 +58,16 @@ class ForkedRanks:
             if pid == 0:  # the rank: never returns into pytest
                 code = 1
                 try:
-                    os.environ.update(
-                        RANK=str(rank),
-                        LOCAL_RANK=str(rank),
-                        GROUP_RANK="0",
-                        WORLD_SIZE=str(world_size),
-                        LOCAL_WORLD_SIZE=str(world_size),
-                        MASTER_ADDR="127.0.0.1",
-                        MASTER_PORT=str(port),
-                    )
+                    if rank_env:
+                        os.environ.update(
+                            RANK=str(rank),
+                            LOCAL_RANK=str(rank),
+                            GROUP_RANK="0",
+                            WORLD_SIZE=str(world_size),
+                            LOCAL_WORLD_SIZE=str(world_size),
+                            MASTER_ADDR="127.0.0.1",
+                            MASTER_PORT=str(port),
+                        )
                     target(rank)
                     code = 0
                 except BaseException:
@@ -77,6 +78,13 @@ class ForkedRanks:
                     os._exit(code)
             self.pids[rank] = pid
             self.codes[rank] = None
+
+    def send_signal(self, sig: int) -> None:
+        """Send ``sig`` to every rank still running."""
+        self.running()
+        for rank, pid in self.pids.items():
+            if self.codes[rank] is None:
+                os.kill(pid, sig)
 
     def running(self) -> bool:
         """Whether any rank still runs (collects the exit codes of those that ended)."""
@@ -113,7 +121,8 @@ class ForkedRanks:
 def train_in_forked_ranks(config_path: Path, log_dir: Path, *, world_size: int = 2) -> ForkedRanks:
     """``rollmatch train config_path`` (the CLI's own entry) in ``world_size`` forked ranks, each
     writing its stdout and stderr to ``log_dir/<rank>/output.log``; a rank exits 0, or 1 when the
-    command failed (its exit code or traceback is in its log)."""
+    command failed (its exit code or traceback is in its log). ``world_size`` 0: one process without
+    the ranks' environment, as a plain ``rollmatch train`` runs."""
     # Imported once here, not in every rank (the ranks share these pages until they write them).
     import transformers
 
@@ -135,4 +144,4 @@ def train_in_forked_ranks(config_path: Path, log_dir: Path, *, world_size: int =
         if code != 0:
             raise SystemExit(f"rollmatch train exited with {code}")
 
-    return ForkedRanks(rank_main, world_size=world_size)
+    return ForkedRanks(rank_main, world_size=world_size or 1, rank_env=world_size > 0)
