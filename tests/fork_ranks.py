@@ -26,6 +26,25 @@ from pathlib import Path
 
 from local_ports import free_tcp_port
 
+# Called before forking while the test process is in a process group: each closes what holds one (the
+# in-process vLLM engines of a test folder register their close here, e.g. tests/server/conftest.py).
+BEFORE_FORK: list[Callable[[], None]] = []
+
+
+def _leave_process_group() -> None:
+    """An in-process vLLM engine starts a one-process gloo world in the test process: inherited by a
+    forked rank, it would be that rank's world (or refuse the rank's own), and cannot be torn down in
+    the child. Close the engines that hold it first (a later test starts them again)."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return
+    for close in BEFORE_FORK:
+        close()
+    assert not dist.is_initialized(), (
+        "the test process is in a torch.distributed process group that forked ranks would inherit; "
+        "register the close of what holds it in fork_ranks.BEFORE_FORK"
+    )
+
 
 def run_forked_ranks(
     target: Callable[[int], None], *, world_size: int = 2, timeout_s: float = 280.0, check: bool = True
@@ -48,6 +67,7 @@ class ForkedRanks:
         assert os.environ.get("OMP_NUM_THREADS") == "1", (
             "forked ranks need OMP_NUM_THREADS=1 (see module doc)"
         )
+        _leave_process_group()
         port = free_tcp_port()
         sys.stdout.flush()
         sys.stderr.flush()

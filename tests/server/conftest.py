@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fork_ranks import BEFORE_FORK
 from local_ports import free_tcp_port
 from server_processes import RACCOON, ServerProcess, launch_server
 
@@ -130,6 +131,14 @@ class SharedVllmEngine:
 
 
 _SHARED_VLLM: list[SharedVllmEngine] = []
+
+
+def _close_shared_vllm_engines() -> None:
+    for shared in _SHARED_VLLM:
+        shared.close()
+
+
+BEFORE_FORK.append(_close_shared_vllm_engines)  # its gloo world must not reach forked ranks
 
 
 @pytest.fixture(scope="session")
