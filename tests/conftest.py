@@ -181,7 +181,9 @@ def _starts_processes(item: pytest.Item) -> bool:
 _STARTS_PROCESSES: dict[Callable[..., Any], bool] = {}
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's worker reads the xdist_group marks set here
+# tryfirst: pytest-xdist's worker reads the xdist_group marks in its own hook of this name, which ran
+# before this one (the root conftest is registered first): the marks came too late to group anything.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark the integration tier (``-m integration``): tests that use a server/engine fixture or whose
     own source starts several processes or a vLLM engine (see above); in it, the serial sub-tier

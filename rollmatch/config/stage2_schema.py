@@ -50,6 +50,12 @@ class AsyncConfig(Section):
         True,
         description="The actor does not start rollouts whose packs would be stale (beyond version_window) by the step that consumes them; the consume-time gate stays as the safety net.",
     )
+    actor_stop_timeout_s: float = Field(
+        10.0,
+        gt=0.0,
+        le=600.0,
+        description="At the run's end (or a stop on the warning signal) the learner waits this long for its actor to finish the rollout call in flight; an actor still inside one after this is left to exit with the process (logged).",
+    )
 
 
 class ChannelBConfig(Section):

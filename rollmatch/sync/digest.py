@@ -39,12 +39,32 @@ from rollmatch.sync.weights import TensorMeta
 DIGEST_KEY_BYTES = 32
 LEAF_BYTES = 8 << 20
 TAG_HEX = 32
-_POOL = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="weight-digest")
-# A sender hashes leaves while its own thread is still packing the bucket: one core fewer, so the
-# packing copy (and, on a small machine, the receiver) keeps a core.
-_PACKING_POOL = ThreadPoolExecutor(
-    max_workers=max(1, min(8, (os.cpu_count() or 1) - 1)), thread_name_prefix="weight-digest-send"
-)
+
+
+def _hashing_pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="weight-digest")
+
+
+def _packing_pool() -> ThreadPoolExecutor:
+    # A sender hashes leaves while its own thread is still packing the bucket: one core fewer, so the
+    # packing copy (and, on a small machine, the receiver) keeps a core.
+    return ThreadPoolExecutor(
+        max_workers=max(1, min(8, (os.cpu_count() or 1) - 1)), thread_name_prefix="weight-digest-send"
+    )
+
+
+_POOL = _hashing_pool()
+_PACKING_POOL = _packing_pool()
+
+
+def _new_pools_after_fork() -> None:
+    """A forked child (a rank forked from a process that already pushed) has the pools' queues but none
+    of their threads: work submitted there would wait forever. The child gets pools of its own."""
+    global _POOL, _PACKING_POOL
+    _POOL, _PACKING_POOL = _hashing_pool(), _packing_pool()
+
+
+os.register_at_fork(after_in_child=_new_pools_after_fork)
 
 
 def new_digest_key() -> bytes:

@@ -270,6 +270,7 @@ def async_packs(ctx: BuildContext, backend: RolloutBackend) -> AsyncPacks:
         if settings.record_trace
         else None,
         max_wait_s=settings.max_wait_s,
+        actor_stop_timeout_s=settings.actor_stop_timeout_s,
     )
 
 

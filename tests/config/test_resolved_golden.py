@@ -13,8 +13,9 @@ must be what the old key gave under ``stage2_ab_training`` and a micro-batch (nu
 config for the learner world size its ``launch:`` section gives (what ``train`` runs with under
 ``rollmatch launch``), so ``world_size`` and the gradient accumulation steps derived from it are
 checked against that world size, and every other value against the record. Sections added since
-(``loss.noise_objects``, ``eval.noise_label``, ``launch.restart_backoff_s``) must hold their defaults
-in every shipped config and are left out of the comparison.
+(``loss.noise_objects``, ``eval.noise_label``, ``launch.restart_backoff_s``,
+``stage2_ab.channel_b.async.actor_stop_timeout_s``) must hold their defaults in every shipped config
+and are left out of the comparison.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ def as_recorded(path: str, current: dict[str, Any]) -> dict[str, Any]:
     assert old["loss"].pop("noise_objects") == NoiseObjectsConfig().model_dump(mode="json")
     assert old["eval"].pop("noise_label") is None
     assert old["launch"].pop("restart_backoff_s") == 1.0
+    assert old["stage2_ab"]["channel_b"]["async"].pop("actor_stop_timeout_s") == 10.0
     rollout = old["custom"]["extra"]["rollout_matching"]
     assert rollout.pop("decode_batch_size") is None  # no shipped config sets it: each variant's default
     cfg = load_config(REPO / path)

@@ -4,7 +4,8 @@
 - ``hf_server``: a session-wide HF-engine server on the tiny model that tests must NOT push weights
   to (its outputs are compared with the pristine model); ``hf_server.step_gate``: a file that, while
   it exists, holds its engine steps (``gated_server.py``).
-- ``hf_sync_server``: a second session-wide HF-engine server that weight-sync tests may change.
+- ``hf_sync_server``: a second session-wide HF-engine server that weight-sync tests may change (gated
+  too: the update-under-load test holds its steps).
 - ``raccoon_requests``: three trainer-encoded rollout requests on real photos (one grayscale).
 - ``server_config``: ``server_config(**server_keys)`` -> a server-mode config on the tiny model.
 - ``shared_vllm_engine``: ``.get()`` -> one in-process vLLM server engine for the tests that drive one.
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fork_ranks import BEFORE_FORK
 from local_ports import free_tcp_port
 from server_processes import RACCOON, ServerProcess, launch_server
 
@@ -54,7 +56,7 @@ def hf_server(start_server: Callable[..., ServerProcess], tiny_model_dir: Path) 
 
 @pytest.fixture(scope="session")
 def hf_sync_server(start_server: Callable[..., ServerProcess], tiny_model_dir: Path) -> ServerProcess:
-    return start_server(tiny_model_dir, "--engine", "hf")
+    return start_server(tiny_model_dir, "--engine", "hf", gated=True)
 
 
 @pytest.fixture(scope="session")
@@ -129,6 +131,14 @@ class SharedVllmEngine:
 
 
 _SHARED_VLLM: list[SharedVllmEngine] = []
+
+
+def _close_shared_vllm_engines() -> None:
+    for shared in _SHARED_VLLM:
+        shared.close()
+
+
+BEFORE_FORK.append(_close_shared_vllm_engines)  # its gloo world must not reach forked ranks
 
 
 @pytest.fixture(scope="session")

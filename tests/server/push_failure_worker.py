@@ -1,4 +1,4 @@
-"""A torchrun worker for the push-failure test: every rank calls ``ServerBackend.sync_weights`` against a
+"""A rank's work in the push-failure test (run in ranks forked from the test process): every rank calls ``ServerBackend.sync_weights`` against a
 real rollout server, and rank 0's push meets a fault that is not a ``RollmatchError``.
 
 Fault injection only, on rank 0 (``ROLLMATCH_TEST_FAULT``): ``dns`` — the server's host no longer

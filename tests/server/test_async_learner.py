@@ -1,5 +1,6 @@
-"""The async actor-learner end to end: a real ``rollmatch serve`` process and a real 2-rank torchrun
-learner (gloo) on 127.0.0.1, ``channel_b.mode: async`` with ``b_ratio: 1.0``.
+"""The async actor-learner end to end: a real ``rollmatch serve`` process and a real 2-rank learner
+(``rollmatch train`` in two gloo ranks forked from the test process, ``fork_ranks.py``: what runs across
+the ranks is ours, not torchrun's) on 127.0.0.1, ``channel_b.mode: async`` with ``b_ratio: 1.0``.
 
 - B steps actually run, every rank's accounting balances (each pack produced was trained or counted as
   dropped), and the run exits 0 in bounded time;
@@ -12,9 +13,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
-import os
 import signal
-import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,9 +22,8 @@ from typing import Any
 
 import pytest
 import yaml
+from fork_ranks import train_in_forked_ranks
 from local_ports import free_tcp_port
-
-from rollmatch.launch.plan import torchrun_command
 
 pytestmark = pytest.mark.heavy
 RUN_TIMEOUT_S = 420
@@ -96,34 +94,17 @@ def async_config(
     }
 
 
-def torchrun(config_path: Path, log_dir: Path, port: int) -> tuple[str, ...]:
-    return torchrun_command(
-        2,
-        port,
-        "--log-dir",
-        str(log_dir),
-        "--redirects",
-        "3",
-        "-m",
-        "rollmatch.cli",
-        "train",
-        str(config_path),
-    )
-
-
-def train_to_the_end(config: dict[str, Any], tmp_path: Path, name: str, port: int) -> None:
+def train_to_the_end(config: dict[str, Any], tmp_path: Path, name: str) -> None:
     """Run the 2-rank learner on ``config`` (logs under ``tmp_path/logs-<name>``); it must exit 0."""
     config_path = tmp_path / f"{name}.yaml"
     config_path.write_text(yaml.safe_dump(config))
-    run = subprocess.run(
-        torchrun(config_path, tmp_path / f"logs-{name}", port),
-        capture_output=True,
-        text=True,
-        timeout=RUN_TIMEOUT_S,
-        env=dict(os.environ, OMP_NUM_THREADS="1"),
-    )
+    ranks = train_in_forked_ranks(config_path, tmp_path / f"logs-{name}")
+    try:
+        codes = ranks.wait(RUN_TIMEOUT_S, check=False)
+    finally:
+        ranks.kill()  # interrupted while waiting (the test's timeout): no rank left behind
     logs = rank_logs(tmp_path / f"logs-{name}")
-    assert run.returncode == 0, (run.stderr[-3000:], {r: text[-3000:] for r, text in logs.items()})
+    assert codes == {0: 0, 1: 0}, (codes, {r: text[-3000:] for r, text in logs.items()})
 
 
 def step_metrics(out: Path) -> list[dict[str, Any]]:
@@ -132,7 +113,7 @@ def step_metrics(out: Path) -> list[dict[str, Any]]:
 
 
 def rank_logs(log_dir: Path) -> dict[int, str]:
-    """``{rank: stdout + stderr}`` from torchrun's ``--log-dir`` layout (<run>/attempt_0/<rank>/...)."""
+    """``{rank: stdout + stderr}`` from the ``<log_dir>/<rank>/*.log`` layout (also torchrun's)."""
     logs: dict[int, str] = {}
     for path in sorted(log_dir.rglob("*.log")):
         rank = int(path.parent.name)
@@ -196,7 +177,7 @@ def vllm_run(vllm_server: Any, tiny_model_dir: Path, tmp_path_factory: pytest.Te
     )
     config["loss"] = dict(AFTER_MISTAKES_LOSS)
     started = time.monotonic()
-    train_to_the_end(config, folder, "first", free_tcp_port())
+    train_to_the_end(config, folder, "first")
     assert time.monotonic() - started < RUN_TIMEOUT_S
     return AsyncRun(config, folder / "first")
 
@@ -251,7 +232,7 @@ def test_async_learner_runs_b_steps_and_accounts_for_every_pack(
             config["custom"]["object_format"] = "coord_tokens"
             config["custom"]["extra"]["rollout_matching"]["max_new_tokens"] = 24
         started = time.monotonic()
-        train_to_the_end(config, tmp_path, "async", free_port())
+        train_to_the_end(config, tmp_path, "async")
         assert time.monotonic() - started < RUN_TIMEOUT_S
     logged = step_metrics(out)
     assert len(logged) == steps
@@ -309,7 +290,7 @@ def test_an_async_run_resumed_from_a_checkpoint_neither_repeats_nor_skips_a_reco
         resume_from_checkpoint=str(vllm_run.out / "checkpoint-2"),
     )
     config["custom"]["extra"]["rollout_matching"]["vllm"]["server"]["servers"][0]["group_port"] = free_port()
-    train_to_the_end(config, tmp_path, "resumed", free_port())
+    train_to_the_end(config, tmp_path, "resumed")
     runs = {"first": vllm_run.out, "resumed": tmp_path / "resumed"}
     resumed = step_metrics(runs["resumed"])
     assert [h["stage2_ab/async/ver"] for h in resumed] == [2, 3, 4]  # ver continues from global_step 2
@@ -364,29 +345,21 @@ def test_killing_the_server_fails_every_learner_rank_naming_it(
     config = async_config(tiny_model_dir, shapes, out, server.url, free_port(), max_steps=500)
     config_path = tmp_path / "async.yaml"
     config_path.write_text(yaml.safe_dump(config))
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    learner = subprocess.Popen(
-        torchrun(config_path, tmp_path / "logs", free_port()),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        env=env,
-    )
+    learner = train_in_forked_ranks(config_path, tmp_path / "logs")
     try:
         metrics = out / "metrics.jsonl"
         deadline = time.monotonic() + RUN_TIMEOUT_S
         while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
-            assert learner.poll() is None, "the learner stopped before the fault was injected"
+            assert learner.running(), "the learner stopped before the fault was injected"
             assert time.monotonic() < deadline, "the learner never logged 3 steps"
             time.sleep(0.2)
         server.process.send_signal(signal.SIGKILL)
         killed_at = time.monotonic()
-        learner.wait(timeout=SERVER_TIMEOUT_S + COLLECTIVE_TIMEOUT_S + 60)
+        codes = learner.wait(SERVER_TIMEOUT_S + COLLECTIVE_TIMEOUT_S + 60, check=False)
         elapsed = time.monotonic() - killed_at
     finally:
-        if learner.poll() is None:
-            learner.kill()
-            learner.wait(timeout=30)
-    assert learner.returncode != 0
+        learner.kill()
+    assert all(code not in (0, None) for code in codes.values()), codes  # every rank failed, none hung
     assert elapsed < SERVER_TIMEOUT_S + COLLECTIVE_TIMEOUT_S + 30, elapsed
     logs = rank_logs(tmp_path / "logs")
     assert sorted(logs) == [0, 1]

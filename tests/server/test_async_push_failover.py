@@ -1,6 +1,7 @@
 """An async run whose second rollout server dies in the middle of a weight push trains on at ``min_healthy``.
 
-A real ``rollmatch train`` learner (async Channel-B, server mode, ``min_healthy: 1``) against two real HF
+A real ``rollmatch train`` learner (async Channel-B, server mode, ``min_healthy: 1``; forked from the test
+process, ``fork_ranks.py``) against two real HF
 ``rollmatch serve`` processes on 127.0.0.1; the second is ``dying_sync_server.py``: it takes the push's
 first bucket and exits hard at the push's next request (here ``/finish_weight_update/``: the tiny model is
 one bucket). The run's first push fails on it mid-transfer, is sent again to the live server, every client
@@ -9,8 +10,6 @@ drops the dead one, and the run trains every step on the live server and exits 0
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -19,6 +18,7 @@ from typing import Any
 import pytest
 import yaml
 from dying_sync_server import EXIT_CODE
+from fork_ranks import train_in_forked_ranks
 from server_processes import launch_server
 from test_async_learner import RUN_TIMEOUT_S, async_config, make_shapes, step_metrics
 
@@ -48,19 +48,15 @@ def test_a_server_dying_mid_push_leaves_an_async_run_training_at_min_healthy(
     server["min_healthy"] = 1
     config_path = tmp_path / "run.yaml"
     config_path.write_text(yaml.safe_dump(config))
+    learner = train_in_forked_ranks(config_path, tmp_path / "logs", world_size=0)  # one plain process
     try:
-        run = subprocess.run(
-            [sys.executable, "-m", "rollmatch.cli", "train", str(config_path)],
-            capture_output=True,
-            text=True,
-            timeout=RUN_TIMEOUT_S,
-            env=dict(os.environ, OMP_NUM_THREADS="1"),
-        )
+        code = learner.wait(RUN_TIMEOUT_S, check=False)[0]
         dying.process.wait(timeout=60)
     finally:
+        learner.kill()
         dying.stop()
-    output = run.stdout + run.stderr
-    assert run.returncode == 0, output[-6000:]
+    output = (tmp_path / "logs" / "0" / "output.log").read_text(errors="replace")
+    assert code == 0, output[-6000:]
     assert dying.process.returncode == EXIT_CODE and "dying mid-push: finish arrived" in dying.log_tail()
     assert f"rollout server {dying.url} marked down" in output, output[-6000:]
     assert f"sending it again to ['{live.url}']" in output, output[-6000:]  # the push's failover

@@ -1,7 +1,8 @@
 """The scheduler's warning signal during an async ``max_wait_s`` wait, end to end: a real ``rollmatch train``
-learner (async Channel-B, server mode) against a real HF ``rollmatch serve`` on 127.0.0.1 whose engine steps
-are held by a gate file the test controls (``gated_server.py``), so no rollout can finish and the learner's
-first B step sits in its ``max_wait_s`` wait (an hour: far beyond this test's own bounds).
+learner (async Channel-B, server mode; one process forked from the test's, ``fork_ranks.py``) against a
+real HF ``rollmatch serve`` on 127.0.0.1 whose engine steps are held by a gate file the test controls
+(``gated_server.py``), so no rollout can finish and the learner's first B step sits in its ``max_wait_s``
+wait (an hour: far beyond this test's own bounds).
 
 SIGUSR1 then ends the wait within one wait slice: the step trains what is ready (Channel-A, the queue being
 empty), a complete checkpoint is saved and the learner exits; the rerun with the same config (no resume
@@ -12,10 +13,7 @@ trains on.
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,6 +22,7 @@ from typing import Any
 import pytest
 import requests
 import yaml
+from fork_ranks import ForkedRanks, train_in_forked_ranks
 from test_async_learner import async_config, make_shapes, step_metrics
 
 pytestmark = pytest.mark.heavy
@@ -32,18 +31,13 @@ RUN_TIMEOUT_S = 420.0
 STOP_TIMEOUT_S = 240.0  # signal -> exit with a checkpoint; a fifteenth of MAX_WAIT_S
 
 
-def start_learner(config: dict[str, Any], tmp_path: Path, name: str) -> tuple[subprocess.Popen[bytes], Path]:
+def start_learner(config: dict[str, Any], tmp_path: Path, name: str) -> tuple[ForkedRanks, Path]:
+    """``rollmatch train`` on ``config`` in one process forked from this one (``fork_ranks.py``: no
+    second interpreter importing torch), its output in the returned log file."""
     config_path = tmp_path / f"{name}.yaml"
     config_path.write_text(yaml.safe_dump(config))
-    log_path = tmp_path / f"{name}.log"
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "rollmatch.cli", "train", str(config_path)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=dict(os.environ, OMP_NUM_THREADS="1"),
-        )
-    return process, log_path
+    learner = train_in_forked_ranks(config_path, tmp_path / f"logs-{name}", world_size=0)
+    return learner, tmp_path / f"logs-{name}" / "0" / "output.log"
 
 
 def calls_at_the_server(url: str) -> int:
@@ -71,6 +65,9 @@ def test_the_warning_signal_during_a_max_wait_s_wait_checkpoints_and_the_rerun_r
         max_wait_s=MAX_WAIT_S,
     )
     config["training"]["collective_timeout_s"] = 1.2 * MAX_WAIT_S  # a wait this long must fit the step's vote
+    # The gate still holds the actor's call when the learner stops: it waits this long for the actor, then
+    # exits leaving it (the default, 10 s, would be this test's longest idle gap).
+    config["stage2_ab"]["channel_b"]["async"]["actor_stop_timeout_s"] = 1.0
     gate.touch()  # no engine step runs: the actor's rollouts stay in flight, no pack is ever ready
     learner, log_path = start_learner(config, tmp_path, "first")
     try:
@@ -78,18 +75,16 @@ def test_the_warning_signal_during_a_max_wait_s_wait_checkpoints_and_the_rerun_r
         # server, the learner is in (or entering) step 0's wait for packs, which nothing but the signal ends.
         deadline = time.monotonic() + RUN_TIMEOUT_S
         while calls_at_the_server(server.url) == 0:
-            assert learner.poll() is None, log_path.read_text(errors="replace")[-6000:]
+            assert learner.running(), log_path.read_text(errors="replace")[-6000:]
             assert time.monotonic() < deadline, "the actor's calls never reached the server"
             time.sleep(0.2)
         assert not (out / "metrics.jsonl").exists() or "loss" not in (out / "metrics.jsonl").read_text()
         learner.send_signal(signal.SIGUSR1)
         signalled = time.monotonic()
-        code = learner.wait(timeout=STOP_TIMEOUT_S)
+        code = learner.wait(STOP_TIMEOUT_S, check=False)[0]
         stopped_after_s = time.monotonic() - signalled
     finally:
-        if learner.poll() is None:
-            learner.kill()
-            learner.wait(timeout=30)
+        learner.kill()
         gate.unlink(missing_ok=True)
     output = log_path.read_text(errors="replace")
     assert code == 0, output[-6000:]
@@ -109,11 +104,9 @@ def test_the_warning_signal_during_a_max_wait_s_wait_checkpoints_and_the_rerun_r
     config["custom"]["extra"]["rollout_matching"]["vllm"]["server"]["servers"][0]["group_port"] = free_port()
     rerun, rerun_log = start_learner(config, tmp_path, "rerun")
     try:
-        code = rerun.wait(timeout=RUN_TIMEOUT_S)
+        code = rerun.wait(RUN_TIMEOUT_S, check=False)[0]
     finally:
-        if rerun.poll() is None:
-            rerun.kill()
-            rerun.wait(timeout=30)
+        rerun.kill()
     output = rerun_log.read_text(errors="replace")
     assert code == 0, output[-6000:]
     assert "trained 3 steps" in output, output[-6000:]

@@ -185,7 +185,7 @@ def test_hf_weight_pushes_under_load_are_fair_and_every_answer_has_the_right_ver
     hf_sync_server: Any, trainer_side: Callable[..., Any], raccoon_requests: list[Any]
 ) -> None:
     side = trainer_side(hf_sync_server.url)
-    result = pushes_under_load(hf_sync_server.url, side, raccoon_requests, Decoding(max_new_tokens=24))
+    result = pushes_under_load(hf_sync_server, side, raccoon_requests, Decoding(max_new_tokens=24))
     check_load_result(result, "hf")
 
 

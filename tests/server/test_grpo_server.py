@@ -88,7 +88,7 @@ def test_async_learner_runs_grpo_steps_on_two_ranks(
     rollout = config["custom"]["extra"]["rollout_matching"]
     rollout.update({"rollouts_per_record": 2, "decoding": {"temperature": 1.0}})
     config["loss"] = {"objective": "grpo"}
-    train_to_the_end(config, tmp_path, "grpo", free_port())
+    train_to_the_end(config, tmp_path, "grpo")
     logged = step_metrics(out)
     assert len(logged) == steps
     assert all(h["stage2_ab/step_kind_b"] == 1.0 for h in logged)  # every step waited for its packs

@@ -6,17 +6,14 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-
-from rollmatch.launch.plan import torchrun_command
+from fork_ranks import run_forked_ranks
 
 pytestmark = pytest.mark.heavy
-REPO = Path(__file__).resolve().parents[2]
 COLLECTIVE_TIMEOUT_S = 40.0
 HEARD_WITHIN_S = 15.0  # far below the collective timeout, generous on a loaded machine
 
@@ -36,22 +33,18 @@ def test_a_push_that_fails_on_rank_0_for_any_reason_fails_every_rank_with_the_ca
     tmp_path: Path,
     free_port: Callable[[], int],
 ) -> None:
-    worker = REPO / "tests" / "server" / "push_failure_worker.py"
-    args = (
-        str(tiny_model_dir),
-        hf_sync_server.url,
-        str(free_port()),
-        str(tmp_path),
-        str(COLLECTIVE_TIMEOUT_S),
-    )
-    run = subprocess.run(
-        torchrun_command(2, free_port(), str(worker), *args),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), ROLLMATCH_TEST_FAULT=fault),
-    )
-    output = (run.stdout + run.stderr)[-4000:]
+    import push_failure_worker
+
+    group_port = free_port()  # one group for both ranks
+
+    def rank_main(rank: int) -> None:  # the worker's main in each forked rank; it leaves with os._exit
+        os.environ["ROLLMATCH_TEST_FAULT"] = fault
+        push_failure_worker.main(
+            str(tiny_model_dir), hf_sync_server.url, group_port, tmp_path, COLLECTIVE_TIMEOUT_S
+        )
+
+    codes = run_forked_ranks(rank_main, timeout_s=300, check=False)
+    output = f"rank exit codes {codes}; their tracebacks are in the captured output"
     outcomes = {rank: json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)}
     # rank 0 raises the cause, attributed to the server whose group it could not form
     assert outcomes[0]["outcome"].startswith(f"ServerPushFailed: rollout server {hf_sync_server.url}: "), (

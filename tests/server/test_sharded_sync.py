@@ -1,4 +1,5 @@
-"""Weight export from sharded parameters, on 2 real gloo ranks under torchrun.
+"""Weight export from sharded parameters, on 2 real gloo ranks (forked from the test process,
+``fork_ranks.py``).
 
 - FSDP2 (``fully_shard``: real DTensor shards) and a ZeRO-3-like partition (each rank keeps a real flat
   shard in ``ds_tensor``; the stand-in for ``deepspeed.zero.GatheredParameters`` all-gathers those shards
@@ -10,7 +11,7 @@
   server verifies the checksum and serves the new version. A second, killed server (``min_healthy: 1``)
   makes the first attempt fail; the push goes again to the live one, every rank gathering again.
 
-One torchrun start serves both tests: the ranks run the ZeRO-3 export on one model, then the FSDP2
+One 2-rank run serves the three tests: the ranks run the ZeRO-3 export on one model, then the FSDP2
 export and push on a second one (a start costs more than the exports).
 
 Teardown. ``fully_shard`` keeps the gloo process group alive after ``destroy_process_group`` (its two
@@ -24,17 +25,14 @@ every check runs before that.
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from fork_ranks import run_forked_ranks
 from local_ports import free_tcp_port
 from server_processes import launch_server
-
-from rollmatch.launch.plan import torchrun_command
 
 pytestmark = pytest.mark.heavy
 
@@ -161,17 +159,32 @@ os._exit(0)  # no interpreter teardown of gloo threads that fully_shard kept ali
 
 
 def run_probe(tmp_path: Path, model_dir: Path, modes: str, *extra: str) -> list[dict[str, Any]]:
-    """Both ranks' results (``{mode: result}``) of one 2-rank run of ``modes`` (comma-separated)."""
+    """Both ranks' results (``{mode: result}``) of one 2-rank run of ``modes`` (comma-separated): the
+    probe runs as ``__main__`` in two gloo ranks forked from this process (``fork_ranks.py``; it ends
+    each rank with ``os._exit(0)`` itself)."""
     import json
 
+    import torch.distributed  # noqa: F401  (imported once here, not in every rank)
+    import transformers
+
+    import rollmatch.rollout.client
+    import rollmatch.sync.weights
+
+    _ = (transformers.AutoModelForImageTextToText, rollmatch.rollout.client, rollmatch.sync.weights)
     probe = tmp_path / "probe.py"
     probe.write_text(PROBE)
     out = tmp_path / "results"
     out.mkdir()
-    command = torchrun_command(2, free_tcp_port(), str(probe), str(model_dir), modes, str(out), *extra)
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-4000:]
+    code = compile(PROBE, str(probe), "exec")
+
+    def rank_main(rank: int) -> None:
+        sys.argv = [str(probe), str(model_dir), modes, str(out), *extra]
+        exec(code, {"__name__": "__main__", "__file__": str(probe)})
+
+    codes = run_forked_ranks(rank_main, timeout_s=300, check=False)
+    assert codes == {0: 0, 1: 0}, (
+        f"probe ranks (exit codes {codes}): their tracebacks are in the captured output"
+    )
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
 
 

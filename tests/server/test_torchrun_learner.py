@@ -1,4 +1,5 @@
-"""A 2-process torchrun (gloo) learner in server mode: optimizer steps with syncs in between, no deadlock.
+"""A 2-rank (gloo) learner in server mode: optimizer steps with syncs in between, no deadlock. The ranks
+run ``rollmatch train`` forked from the test process (``fork_ranks.py``); tests/launch runs torchrun.
 
 Only rank 0 pushes: the server must see exactly one push per synced version, while both ranks
 send their own rollout requests.
@@ -6,16 +7,13 @@ send their own rollout requests.
 
 from __future__ import annotations
 
-import os
-import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-
-from rollmatch.launch.plan import torchrun_command
+from fork_ranks import train_in_forked_ranks
 
 pytestmark = pytest.mark.heavy
 MAX_STEPS = 3  # versions 1 and 2 are pushed before steps 1 and 2
@@ -65,11 +63,13 @@ def test_two_rank_learner_pushes_once_per_sync_and_finishes(
     config_path.write_text(yaml.safe_dump(config))
     before = hf_sync_server.get("/stats/")
 
-    command = torchrun_command(2, free_port(), "-m", "rollmatch.cli", "train", str(config_path))
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    run = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=env)
-    output = run.stdout + run.stderr
-    assert run.returncode == 0, output[-4000:]
+    ranks = train_in_forked_ranks(config_path, tmp_path / "logs")
+    try:
+        codes = ranks.wait(RUN_TIMEOUT_S, check=False)
+    finally:
+        ranks.kill()
+    output = "".join(path.read_text(errors="replace") for path in sorted((tmp_path / "logs").rglob("*.log")))
+    assert codes == {0: 0, 1: 0}, (codes, output[-4000:])
     assert output.count(f"trained {MAX_STEPS} steps") == 2, output[-4000:]
 
     after = hf_sync_server.get("/stats/")

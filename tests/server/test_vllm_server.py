@@ -21,7 +21,8 @@ DECODING = Decoding(max_new_tokens=12)
 
 @pytest.fixture(scope="module")
 def vllm_server(start_server: Callable[..., Any], tiny_model_dir: Path) -> Any:
-    return start_server(tiny_model_dir, "--engine", "vllm")
+    """Gated (``gated_server.py``): the update-under-load test holds its engine steps."""
+    return start_server(tiny_model_dir, "--engine", "vllm", gated=True)
 
 
 def test_vllm_server_rolls_out_the_trainers_ids_and_follows_weight_syncs(
@@ -90,7 +91,7 @@ def test_vllm_weight_pushes_under_load_are_fair_and_every_answer_has_the_right_v
     from load_clients import check_load_result, pushes_under_load
 
     side = trainer_side(vllm_server.url)
-    result = pushes_under_load(vllm_server.url, side, raccoon_requests, Decoding(max_new_tokens=24))
+    result = pushes_under_load(vllm_server, side, raccoon_requests, Decoding(max_new_tokens=24))
     check_load_result(result, "vllm")
 
 

@@ -28,3 +28,26 @@ def test_leaf_tags_combine_to_the_bucket_checksum_and_cover_every_byte() -> None
     flat[size - 1] ^= 1  # the last byte of the short leaf
     changed = [leaf_tag_async(key, a, flat[a:b]).result() for a, b in spans]
     assert bucket_tag(key, metas, size, changed) != bucket_tag(key, metas, size, leaves)
+
+
+def test_a_forked_child_of_a_process_that_hashed_still_hashes() -> None:
+    """The hashing pool's threads do not survive a fork: a rank forked from a process that already
+    pushed (a forked learner rank) hashes in a pool of its own instead of waiting forever."""
+    import os
+    import signal
+    import time
+
+    key = new_digest_key()
+    flat = torch.arange(3 * LEAF_BYTES // 2, dtype=torch.int64).to(torch.uint8)
+    metas = [TensorMeta("w", "uint8", (flat.numel(),), 0, flat.numel())]
+    expected = bucket_checksum(key, metas, flat)  # the parent's pool has run: its threads exist here
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        os._exit(0 if bucket_checksum(key, metas, flat) == expected else 1)
+    deadline = time.monotonic() + 60  # a hash takes milliseconds; a child without a pool never ends
+    while not (done := os.waitpid(pid, os.WNOHANG))[0] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    if not done[0]:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    assert done[0] and os.waitstatus_to_exitcode(done[1]) == 0, "the forked child hung (or hashed wrongly)"

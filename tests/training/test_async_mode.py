@@ -168,17 +168,31 @@ def test_too_few_eligible_packs_run_a_and_keep_the_packs(tiny) -> None:
 
 def test_a_b_step_waits_up_to_max_wait_s_for_its_packs(tiny) -> None:
     channel = async_channel(tiny, window=1, max_wait_s=30.0)
+    # The gate: the pack is put only once the learner waits for it (the actor hears of the wait), so
+    # the step found an empty queue and got its pack by waiting, however fast this machine is.
+    learner_waits = threading.Event()
+    set_step_waiting = channel.actor.set_step_waiting
+
+    def heard(waiting: bool) -> None:
+        if waiting:
+            learner_waits.set()
+        set_step_waiting(waiting)
+
+    channel.actor.set_step_waiting = heard  # type: ignore[method-assign]
+    put_while_waiting: list[bool] = []
 
     def late_producer() -> None:
-        time.sleep(0.3)  # the learner is already waiting at the step start
-        channel.queue.put(ready_pack(tiny, 0, 0))
+        if learner_waits.wait(timeout=25):
+            put_while_waiting.append(len(channel.queue) == 0)  # nothing was there when it began waiting
+            channel.queue.put(ready_pack(tiny, 0, 0))
 
     producer = threading.Thread(target=late_producer)
     started = time.monotonic()
     producer.start()
     plan = planner(tiny, channel).plan([tiny.records[:1]], 0)
-    producer.join(timeout=10)
-    assert plan.kind == "B" and 0.25 < time.monotonic() - started < 25
+    producer.join(timeout=30)
+    assert put_while_waiting == [True], "the step never waited for its pack (max_wait_s ignored)"
+    assert plan.kind == "B" and time.monotonic() - started < 25
     assert plan.gauges["sync/version"] == 0  # the run's first push happened before the actor started
     assert channel.actor.started
 

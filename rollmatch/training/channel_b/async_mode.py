@@ -44,7 +44,6 @@ from rollmatch.training.step import ChannelBatch, ChannelStatus, GaugeKind, Wind
 
 log = logging.getLogger(__name__)
 _PREFIX = "stage2_ab/async"
-_STOP_TIMEOUT_S = 10.0
 _WAIT_SLICE_S = 0.5
 
 
@@ -67,6 +66,7 @@ class AsyncPacks:
         accounting_path: str | None,
         max_wait_s: float = 0.0,
         trace_path: str | None = None,
+        actor_stop_timeout_s: float = 10.0,
     ):
         self.backend = backend
         self.model = model
@@ -77,6 +77,7 @@ class AsyncPacks:
         self.sync_every_steps = sync_every_steps
         self.accounting_path = accounting_path
         self.max_wait_s = max_wait_s
+        self.actor_stop_timeout_s = actor_stop_timeout_s  # async.actor_stop_timeout_s
         self.trace_path = (
             trace_path  # async.record_trace: a JSON line per step that trains or drops, and at exit
         )
@@ -230,7 +231,7 @@ class AsyncPacks:
         if self._closed:
             return
         self._closed = True
-        self.actor.stop(_STOP_TIMEOUT_S)
+        self.actor.stop(self.actor_stop_timeout_s)
         self.actor.rollouts.backend.close()
         # The trace ends complete: packs dropped since the last step, then every record still held.
         self._trace(self._last_step, "dropped", [(o, None) for o in self.queue.take_dropped_origins()])
