@@ -36,6 +36,7 @@ def body_server(start_server: Callable[..., Any], tiny_model_dir: Path) -> Any:
         ("unknown_keys_under_the_key_cap", adversarial.unknown_keys(60_000), 422, "(+59995 more)"),
         ("non_string_images", adversarial.non_string_images(1_000_000), 422, "images"),
     ],
+    ids=lambda value: "body" if isinstance(value, bytes) else None,  # not megabytes of id (nor of env)
 )
 def test_a_flood_of_bad_values_costs_what_a_valid_body_costs(
     body_server: Any, name: str, body: bytes, status: int, field: str

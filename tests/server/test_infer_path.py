@@ -99,6 +99,7 @@ def client(hf_engine: Any, app_client: Callable[..., Any]) -> Any:
         (b"[1, 2]", "application/json", "body: "),
         (b'{"infer_requests": [{"prompt_token_ids": [1], "images": 5}]}', "application/json", "images"),
     ],
+    ids=lambda value: f"{len(value)}_bytes" if isinstance(value, bytes) and len(value) > 64 else None,
 )
 def test_a_body_that_is_not_a_valid_json_request_is_a_422(
     client: Any, body: bytes, content_type: str | None, needle: str
