@@ -101,32 +101,48 @@ def test_idle_half_sent_connections_cannot_crowd_out_a_fresh_health_probe(strict
             sock.close()
 
 
+_UPLOAD_BODY = json.dumps(
+    {"infer_requests": [{"prompt_token_ids": [5, 6]}], "request_config": {"max_tokens": 1}}
+)
+_UPLOAD_HEAD = (
+    "POST /infer/ HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    f"Content-Length: {len(_UPLOAD_BODY)}\r\n\r\n"
+).encode()
+
+
+def _half_sent_uploads(server: Any, count: int) -> list[socket.socket]:
+    """``count`` uploads that sent their head and half their body, once the server has read them (each
+    is past its head for the server: never closed for the cap)."""
+    uploads = []
+    for _ in range(count):
+        sock = _connect(server)
+        sock.sendall(_UPLOAD_HEAD + _UPLOAD_BODY[: len(_UPLOAD_BODY) // 2].encode())
+        uploads.append(sock)
+    wait_until_read(_port(server), uploads)
+    return uploads
+
+
+def _finish_uploads(uploads: list[socket.socket]) -> None:
+    """Send the rest of each body; each upload must be answered 200 (none was closed meanwhile)."""
+    for sock in uploads:
+        sock.sendall(_UPLOAD_BODY[len(_UPLOAD_BODY) // 2 :].encode())
+    for sock in uploads:
+        sock.settimeout(10)
+        assert sock.recv(4096).startswith(b"HTTP/1.1 200"), "an upload past its head was closed"
+
+
 def test_the_cap_keeps_uploads_that_sent_their_head_and_a_health_probe_gets_in(capped_server: Any) -> None:
     """Formerly the oldest connection not being answered was evicted, an upload mid-body included
     (here the 8 uploads would have lost one connection per newcomer), and with every slot busy the
     newcomer, a /health/ probe, was closed. Now uploads past their head stay; /health/ gets one of
     the reserved slots; any other request there is a 503."""
-    body = json.dumps({"infer_requests": [{"prompt_token_ids": [5, 6]}], "request_config": {"max_tokens": 1}})
-    head = (
-        "POST /infer/ HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(body)}\r\n\r\n"
-    ).encode()
-    uploads = []
-    for _ in range(8):  # every slot: a head, then half the body
-        sock = _connect(capped_server)
-        sock.sendall(head + body[: len(body) // 2].encode())
-        uploads.append(sock)
+    uploads = _half_sent_uploads(capped_server, 8)  # every slot of the cap
     try:
-        wait_until_read(_port(capped_server), uploads)  # every upload is past its head for the server
         reply = requests.get(f"{capped_server.url}/health/", timeout=5)
         assert reply.status_code == 200
         other = requests.get(f"{capped_server.url}/info/", timeout=5)
         assert other.status_code == 503 and "--max-connections" in other.text
-        for sock in uploads:
-            sock.sendall(body[len(body) // 2 :].encode())
-        for sock in uploads:
-            sock.settimeout(10)
-            assert sock.recv(4096).startswith(b"HTTP/1.1 200"), "an upload past its head was closed"
+        _finish_uploads(uploads)
     finally:
         for sock in uploads:
             sock.close()
@@ -140,18 +156,8 @@ def test_idle_and_trickling_connections_cannot_hold_the_health_slots(capped_serv
     its connection."""
     from rollmatch.server.connections import HEALTH_RESERVE, HEALTH_SLOT_HEAD_TIMEOUT_S
 
-    body = json.dumps({"infer_requests": [{"prompt_token_ids": [5, 6]}], "request_config": {"max_tokens": 1}})
-    head = (
-        "POST /infer/ HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(body)}\r\n\r\n"
-    ).encode()
-    uploads, holders = [], []
-    for _ in range(8):  # every slot of the cap: a head, then half the body (never closed for the cap)
-        sock = _connect(capped_server)
-        sock.sendall(head + body[: len(body) // 2].encode())
-        uploads.append(sock)
+    uploads, holders = _half_sent_uploads(capped_server, 8), []  # every slot of the cap
     try:
-        wait_until_read(_port(capped_server), uploads)  # every upload is past its head for the server
         for index in range(2 * HEALTH_RESERVE):  # every /health/ slot, twice over: idle, then half a head
             sock = _connect(capped_server)
             if index >= HEALTH_RESERVE:
@@ -165,11 +171,7 @@ def test_idle_and_trickling_connections_cannot_hold_the_health_slots(capped_serv
         assert reply.headers.get("connection") == "close"  # the probe's slot is free once answered
         took = _closed_within(holders[-1], HEALTH_SLOT_HEAD_TIMEOUT_S + 5)  # no head: its slot expires
         assert took < HEALTH_SLOT_HEAD_TIMEOUT_S + 1.0, took
-        for sock in uploads:
-            sock.sendall(body[len(body) // 2 :].encode())
-        for sock in uploads:
-            sock.settimeout(10)
-            assert sock.recv(4096).startswith(b"HTTP/1.1 200"), "an upload past its head was closed"
+        _finish_uploads(uploads)
     finally:
         for sock in uploads + holders:
             sock.close()
